@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_ARGS ?= --duration 20
+
+.PHONY: demo test lint bench clean-boards
+
+$(VENV)/.installed: pyproject.toml dpboard/_seqlock.c
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/dpboard demo $(DEMO_ARGS)
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check dpboard tests tools examples
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check dpboard tests tools examples
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/dpboard bench all
+
+clean-boards: $(VENV)/.installed
+	$(VENV)/bin/dpboard clean

@@ -1,0 +1,38 @@
+"""Shared fixtures. Every board a test makes is named with this session's prefix, so that the
+leak check below sees exactly the segments this session created (other sessions may run at once)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+
+SESSION_PREFIX = f"t{os.getpid()}-"
+_counter = itertools.count()
+
+
+def _session_segments() -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"dpboard.{SESSION_PREFIX}*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_segments():
+    """The suite must leave no /dev/shm/dpboard.* of its own behind."""
+    yield
+    leaked = _session_segments()
+    for name in leaked:  # remove them so one failure does not poison the machine
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not leaked, f"the test suite leaked shared-memory segments: {leaked}"
+
+
+@pytest.fixture
+def board_name() -> str:
+    """A fresh board name that the leak check covers."""
+    return f"{SESSION_PREFIX}{next(_counter)}"
+
+
+def new_board_name() -> str:
+    """The same, for tests that need several names."""
+    return f"{SESSION_PREFIX}{next(_counter)}"
