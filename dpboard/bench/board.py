@@ -1,0 +1,240 @@
+"""``dpboard bench board``: publish and read latency of the board, beside an SGLang-style baseline.
+
+Measured in one run, on the same machine, for both implementations:
+- publish: one snapshot into one slot (per call, and mean over batches of 100 calls);
+- the writer's p50/p99/p99.9 alone, and while another process reads the board in a tight loop;
+- ``read_array()`` and ``read_all()`` of 8 and 64 slots while another process publishes into every slot
+  (the baseline has only ``read_all``).
+The baseline is dpboard.bench.sglang_board (msgpack in 16 KiB slots under a whole-file flock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from dpboard.bench.sglang_board import FlockBoard, FlockReader, FlockWriter
+from dpboard.bench.stats import (
+    batched_ns,
+    fmt_ns,
+    machine_line,
+    markdown_table,
+    pct,
+    per_call_ns,
+    timer_overhead_ns,
+)
+from dpboard.board import Board
+from dpboard.snapshot import LoadSnapshot
+
+HELPER_MAX_SECONDS = 300.0
+
+
+def _snap(rank: int, k: int) -> LoadSnapshot:
+    return LoadSnapshot(rank, k % 50, k % 7, 1000 + k % 4096, 2000 + k % 4096, 1900 + k % 4096, 1 << 20, k)
+
+
+class _Impl:
+    """Opens one implementation's board, writers and readers by name."""
+
+    def __init__(self, kind: str, target: str, n_slots: int, *, create: bool):
+        self.kind = kind
+        if kind == "dpboard":
+            self.board: Any = Board.create(target, n_slots) if create else Board.attach(target)
+        else:
+            self.board = FlockBoard(target, n_slots, create=create)
+        self.n_slots = n_slots
+
+    def writer(self, rank: int) -> Any:
+        if self.kind == "dpboard":
+            return self.board.writer(rank, takeover=True)
+        return FlockWriter(self.board, rank)
+
+    def reader(self) -> Any:
+        return self.board.reader() if self.kind == "dpboard" else FlockReader(self.board)
+
+    def close(self) -> None:
+        if self.kind == "dpboard":
+            self.board.close()
+            if self.board.is_owner:
+                self.board.unlink()
+        else:
+            self.board.close()
+
+
+# -- the helper process: publishes into every slot, or reads in a tight loop ----------------------
+
+
+def _helper(role: str, kind: str, target: str, n_slots: int) -> None:
+    impl = _Impl(kind, target, n_slots, create=False)
+    deadline = time.monotonic() + HELPER_MAX_SECONDS
+    print("ready", flush=True)
+    # Runs until the parent closes our stdin (it never writes, so readable means closed) or the deadline.
+    stdin = sys.stdin.fileno()
+
+    def keep_going() -> bool:
+        return time.monotonic() < deadline and not select.select([stdin], [], [], 0)[0]
+
+    count = 0
+    if role == "publisher":
+        writers = [impl.writer(r) for r in range(n_slots)]
+        snaps = [_snap(r, r) for r in range(n_slots)]
+        while keep_going():
+            for _ in range(10):
+                for w, s in zip(writers, snaps, strict=True):
+                    w.publish(s)
+            count += 10 * n_slots
+    else:
+        r = impl.reader()
+        read = r.read_all
+        while keep_going():
+            for _ in range(100):
+                read()
+            count += 100
+    print(json.dumps({"role": role, "count": count}), flush=True)
+
+
+class _Helper:
+    def __init__(self, role: str, kind: str, target: str, n_slots: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dpboard.bench.board", "--helper", role, kind, target, str(n_slots)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.stop()
+            raise RuntimeError(f"bench helper {role} for {kind} failed to start (said {line!r})")
+
+    def stop(self) -> int:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+            out = self.proc.stdout.read()
+            return json.loads(out.strip().splitlines()[-1])["count"] if out.strip() else 0
+        finally:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+
+def _measure(kind: str, quick: bool) -> dict[str, Any]:
+    scale = 10 if quick else 1
+    n_pub = 200_000 // scale
+    results: dict[str, Any] = {}
+    tag = f"{os.getpid()}-{kind}"
+    targets = {n: (f"bench-{tag}-{n}" if kind == "dpboard" else f"/dev/shm/sglang-baseline-{tag}-{n}")
+               for n in (8, 64)}
+    impls = {n: _Impl(kind, targets[n], n, create=True) for n in (8, 64)}
+    try:
+        impl = impls[64]
+        w = impl.writer(0)
+        snap = _snap(0, 1)
+
+        def publish() -> None:
+            w.publish(snap)
+
+        for _ in range(2000):
+            publish()
+        results["publish_batched"] = batched_ns(publish, n_pub // 100, 100)
+        results["publish_alone"] = per_call_ns(publish, n_pub)
+        hammer = _Helper("reader", kind, targets[64], 64)
+        try:
+            results["publish_hot_reader"] = per_call_ns(publish, n_pub)
+        finally:
+            results["hammer_reads"] = hammer.stop()
+        for n in (8, 64):
+            r = impls[n].reader()
+            pub = _Helper("publisher", kind, targets[n], n)
+            try:
+                time.sleep(0.05)
+                n_reads = (50_000 if kind == "dpboard" else 5_000) // scale
+                if kind == "dpboard":
+                    results[f"read_array_{n}"] = per_call_ns(r.read_array, n_reads)
+                results[f"read_all_{n}"] = per_call_ns(r.read_all, n_reads)
+            finally:
+                results[f"publisher_writes_{n}"] = pub.stop()
+    finally:
+        for impl in impls.values():
+            impl.close()
+        for target in targets.values():
+            if kind != "dpboard" and os.path.exists(target):
+                os.unlink(target)
+    return results
+
+
+def report(quick: bool = False) -> tuple[str, dict[str, Any]]:
+    timer = timer_overhead_ns()
+    ours = _measure("dpboard", quick)
+    base = _measure("sglang", quick)
+
+    def row(label: str, key: str, base_key: str | None, target: str) -> list[str]:
+        o = ours[key]
+        cells = [label, fmt_ns(pct(o, 50)), fmt_ns(pct(o, 99)), fmt_ns(pct(o, 99.9))]
+        if base_key is None:
+            return cells + ["-", "-", "-", "-", target]
+        b = base[base_key]
+        speedup = pct(b, 50) / pct(o, 50)
+        return cells + [fmt_ns(pct(b, 50)), fmt_ns(pct(b, 99)), fmt_ns(pct(b, 99.9)), f"{speedup:.1f}x", target]
+
+    rows = [
+        row("publish, mean of 100-call batches", "publish_batched", "publish_batched", "≤ 0.4 µs, ≥ 10x"),
+        row("publish, per call, no reader", "publish_alone", "publish_alone", "-"),
+        row("publish, per call, hot reader", "publish_hot_reader", "publish_hot_reader",
+            "p99.9 within 2x of no-reader"),
+        row("read_array(), 8 slots, live publisher", "read_array_8", "read_all_8", "-"),
+        row("read_array(), 64 slots, live publisher", "read_array_64", "read_all_64", "≤ 4 µs, ≥ 10x"),
+        row("read_all(), 8 slots, live publisher", "read_all_8", "read_all_8", "-"),
+        row("read_all(), 64 slots, live publisher", "read_all_64", "read_all_64", "≥ 4x"),
+    ]
+    headers = ["measurement", "dpboard p50", "p99", "p99.9", "baseline p50", "p99", "p99.9",
+               "speedup (p50)", "target"]
+    ratio_ours = pct(ours["publish_hot_reader"], 99.9) / pct(ours["publish_alone"], 99.9)
+    ratio_base = pct(base["publish_hot_reader"], 99.9) / pct(base["publish_alone"], 99.9)
+    text = "\n".join([
+        f"Board benchmark — {machine_line()}",
+        f"baseline: msgpack in 16 KiB slots under a whole-file flock (SGLang 0.5.23 style); "
+        f"per-call figures include one timer pair ({timer:.0f} ns here)",
+        "",
+        markdown_table(headers, rows),
+        "",
+        f"writer p99.9 with a hot reader / without: dpboard {ratio_ours:.2f}x, baseline {ratio_base:.2f}x "
+        f"(the hot reader made {ours['hammer_reads']} dpboard and {base['hammer_reads']} baseline read_all calls)",
+    ])
+    summary = {
+        "machine": machine_line(),
+        "timer_overhead_ns": timer,
+        "dpboard": {k: {"p50": pct(v, 50), "p99": pct(v, 99), "p99.9": pct(v, 99.9)}
+                    for k, v in ours.items() if hasattr(v, "__len__")},
+        "baseline": {k: {"p50": pct(v, 50), "p99": pct(v, 99), "p99.9": pct(v, 99.9)}
+                     for k, v in base.items() if hasattr(v, "__len__")},
+        "writer_p999_hot_over_alone": {"dpboard": ratio_ours, "baseline": ratio_base},
+    }
+    return text, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--helper"]:
+        _helper(argv[1], argv[2], argv[3], int(argv[4]))
+        return 0
+    parser = argparse.ArgumentParser(prog="dpboard bench board", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tenth of the samples")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    text, summary = report(args.quick)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Small helpers shared by the benchmarks: per-call timing, percentiles, markdown tables."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def timer_overhead_ns(n: int = 20000) -> float:
+    """Median cost of one perf_counter_ns() pair, to read per-call figures against."""
+    t = time.perf_counter_ns
+    samples = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        a = t()
+        samples[i] = t() - a
+    return float(np.median(samples))
+
+
+def per_call_ns(fn: Callable[[], object], n: int) -> np.ndarray:
+    """Times each of n calls separately (each figure includes one timer pair)."""
+    t = time.perf_counter_ns
+    samples = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        a = t()
+        fn()
+        samples[i] = t() - a
+    return samples
+
+
+def batched_ns(fn: Callable[[], object], batches: int, batch: int) -> np.ndarray:
+    """Mean per call over each batch of `batch` calls: no timer cost, tails smoothed."""
+    t = time.perf_counter_ns
+    samples = np.empty(batches, dtype=np.float64)
+    rng = range(batch)
+    for i in range(batches):
+        a = t()
+        for _ in rng:
+            fn()
+        samples[i] = (t() - a) / batch
+    return samples
+
+
+def pct(samples: np.ndarray, q: float) -> float:
+    return float(np.percentile(samples, q))
+
+
+def fmt_ns(ns: float) -> str:
+    if ns >= 1e6:
+        return f"{ns / 1e6:.2f} ms"
+    if ns >= 1e3:
+        return f"{ns / 1e3:.2f} µs"
+    return f"{ns:.0f} ns"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import os
+
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"{time.strftime('%Y-%m-%d', time.gmtime())}")
