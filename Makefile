@@ -6,7 +6,7 @@ DEMO_ARGS ?= --duration 20
 
 .PHONY: demo test lint bench clean-boards
 
-$(VENV)/.installed: pyproject.toml dpboard/_seqlock.c
+$(VENV)/.installed: pyproject.toml $(wildcard dpboard/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
