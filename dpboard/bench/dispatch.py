@@ -1,0 +1,190 @@
+"""``dpboard bench dispatch``: one dispatch decision and batches, beside SGLang's pure-Python budget.
+
+The baseline does what SGLang's ``DataParallelController`` does per request with ``total_tokens`` or
+``total_requests``: the 20 ms throttled refresh (``read_all()`` into ``DPBudget.update_budget``),
+then ``DPBudget.dispatch`` (lists, ``min`` with a key). Both read the same real board and the same
+request objects; figures are per request, timed over blocks of requests (no timer cost inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dpboard.bench.stats import fmt_ns, machine_line, markdown_table, pct
+from dpboard.board import Board
+from dpboard.controller import Dispatcher, LoadBalanceMethod
+
+M = LoadBalanceMethod
+TARGET_SINGLE_NS = 600.0
+TARGET_BATCH_NS = 200.0
+TARGET_SPEEDUP = 10.0
+
+
+class Request:
+    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "input_ids")
+
+    def __init__(self, rid: int, num_tokens: int):
+        self.rid = rid
+        self.routed_dp_rank = None
+        self.bootstrap_room = None
+        self.input_ids = [0] * num_tokens
+
+
+class BaselineBudget:
+    """SGLang's DPBudget: per-rank lists, argmin by ``min`` with a key, speculative +1/+tokens."""
+
+    def __init__(self, dp_size: int):
+        self.dp_size = dp_size
+        self.total_requests = [0] * dp_size
+        self.total_tokens = [0] * dp_size
+        self.last_timestamp = [0] * dp_size
+
+    def update_budget(self, loads) -> None:
+        for load in loads:
+            if load is None or load.timestamp_ns == self.last_timestamp[load.dp_rank]:
+                continue
+            self.last_timestamp[load.dp_rank] = load.timestamp_ns
+            self.total_requests[load.dp_rank] = load.num_running_reqs + load.num_waiting_reqs
+            self.total_tokens[load.dp_rank] = load.num_total_tokens
+
+    def dispatch(self, method: LoadBalanceMethod, estimated_tokens: int = 0) -> int:
+        if method is M.TOTAL_REQUESTS:
+            target = self.total_requests.index(min(self.total_requests))
+        else:
+            target = min(range(self.dp_size), key=lambda i: (self.total_tokens[i], self.total_requests[i]))
+        self.total_requests[target] += 1
+        self.total_tokens[target] += estimated_tokens
+        return target
+
+
+class BaselineController:
+    """SGLang's per-request path: throttled refresh, routed check, estimate, budget dispatch."""
+
+    def __init__(self, method: LoadBalanceMethod, n: int, reader):
+        self.method = method
+        self.budget = BaselineBudget(n)
+        self.reader = reader
+        self.last_refresh = 0.0
+
+    def refresh_load_budget(self) -> None:
+        now = time.perf_counter()
+        if now - self.last_refresh < 0.02:
+            return
+        self.last_refresh = now
+        self.budget.update_budget(self.reader.read_all())
+
+    def dispatch(self, req, refresh: bool = True) -> int:
+        if refresh:
+            self.refresh_load_budget()
+        if req.routed_dp_rank is not None:
+            return req.routed_dp_rank
+        return self.budget.dispatch(self.method, len(req.input_ids))
+
+    def dispatch_batch(self, reqs) -> list[int]:
+        self.refresh_load_budget()
+        return [self.dispatch(req, refresh=False) for req in reqs]
+
+
+def _publish_all(board: Board, writers, rng: random.Random) -> None:
+    for w in writers:
+        w.publish_values(rng.randint(0, 50), rng.randint(0, 50), 0, rng.randint(0, 10**6), 0, 10**6, 0)
+
+
+def _time_single(dispatch: Callable, reqs: Sequence, blocks: int, refresh_board: Callable) -> np.ndarray:
+    samples = np.empty(blocks)
+    t = time.perf_counter_ns
+    for b in range(blocks):
+        if b % 16 == 0:
+            refresh_board()
+        a = t()
+        for req in reqs:
+            dispatch(req)
+        samples[b] = (t() - a) / len(reqs)
+    return samples
+
+
+def _time_batch(dispatch_batch: Callable, reqs: Sequence, blocks: int, refresh_board: Callable) -> np.ndarray:
+    samples = np.empty(blocks)
+    t = time.perf_counter_ns
+    for b in range(blocks):
+        if b % 4 == 0:
+            refresh_board()
+        a = t()
+        dispatch_batch(reqs)
+        samples[b] = (t() - a) / len(reqs)
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dpboard bench dispatch", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a short run (fewer blocks)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64], help="DP sizes to measure (default 8 64)")
+    p.add_argument("--batch", type=int, default=1024, help="requests per batch (default 1024)")
+    args = p.parse_args(argv)
+    single_blocks, batch_blocks = (200, 40) if args.quick else (2000, 300)
+    rng = random.Random(1)
+    rows = []
+    verdicts = []
+    for n in args.ranks:
+        name = f"bench-dispatch-{os.getpid()}-{n}"
+        with Board.create(name, n_slots=n) as board:
+            writers = [board.writer(r) for r in range(n)]
+            _publish_all(board, writers, rng)
+            reqs = [Request(i, rng.randint(16, 4096)) for i in range(args.batch)]
+            block = reqs[:256]
+            for method in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.INFLIGHT_TOKENS):
+                reader = board.reader()
+                ours = Dispatcher(method, n, reader=reader)
+                base_method = M.TOTAL_TOKENS if method.by_tokens else M.TOTAL_REQUESTS
+                base = BaselineController(base_method, n, board.reader())
+                again = functools.partial(_publish_all, board, writers, rng)  # fresh snapshots to refresh
+                # warm both up, then alternate so that neither gets a quieter moment of the machine
+                _time_single(ours.dispatch, block, 5, again)
+                _time_single(base.dispatch, block, 5, again)
+                cases = [
+                    ("one decision", _time_single, ours.dispatch, base.dispatch, block, single_blocks,
+                     TARGET_SINGLE_NS),
+                    (f"batch of {args.batch}, per request", _time_batch, ours.dispatch_batch,
+                     base.dispatch_batch, reqs, batch_blocks, TARGET_BATCH_NS),
+                ]
+                for label, timer, fn_ours, fn_base, data, blocks, target in cases:
+                    ours_s = np.concatenate([timer(fn_ours, data, blocks // 2, again) for _ in range(2)])
+                    base_s = np.concatenate([timer(fn_base, data, blocks // 2, again) for _ in range(2)])
+                    speedup = pct(base_s, 50) / pct(ours_s, 50)
+                    rows.append([
+                        method.value, n, label,
+                        fmt_ns(pct(ours_s, 50)), fmt_ns(pct(ours_s, 90)), fmt_ns(pct(ours_s, 99)),
+                        fmt_ns(pct(base_s, 50)), fmt_ns(pct(base_s, 90)), fmt_ns(pct(base_s, 99)),
+                        f"{speedup:.1f}x",
+                    ])
+                    if n == 64 and method is M.TOTAL_TOKENS:
+                        ok = pct(ours_s, 50) <= target
+                        verdicts.append(f"- {label}, 64 ranks, total_tokens: {fmt_ns(pct(ours_s, 50))} "
+                                        f"(target <= {fmt_ns(target)}): {'met' if ok else 'MISSED'}")
+                        if label == "one decision":
+                            ok = speedup >= TARGET_SPEEDUP
+                            verdicts.append(f"- speed-up over the baseline, one decision, 64 ranks: "
+                                            f"{speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x): "
+                                            f"{'met' if ok else 'MISSED'}")
+    print(f"## dispatch ({machine_line()}{', quick' if args.quick else ''})\n")
+    print("Per request; dpboard = `Dispatcher` on a real board; baseline = SGLang's DPBudget in pure Python "
+          "on the same board and requests.\n")
+    print(markdown_table(
+        ["method", "ranks", "what", "dpboard p50", "p90", "p99", "baseline p50", "p90", "p99", "speed-up p50"],
+        rows,
+    ))
+    if verdicts:
+        print()
+        print("\n".join(verdicts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

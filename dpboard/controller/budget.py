@@ -1,0 +1,321 @@
+"""The load budget of load-aware dispatch: per-rank NumPy arrays, refreshed vectorised from the board.
+
+``DPBudget`` holds, per rank, the load the controller believes the rank has (``total_requests``,
+``total_tokens``), which ranks the argmin may pick (``candidate``) and which a routed request may
+target (``routable``), and a ledger of what it sent (``sent_reqs``, ``sent_tokens``, and a ring of
+cumulative sent tokens for exact in-flight accounting). A pick and its speculative charge are done
+by ``dpboard._dispatch.ArgminCore`` in place on these arrays; ``PyArgminCore`` below is the same
+rules in plain Python (the tests run both and compare).
+
+Refresh rules (SPEC 5.3, 5.4):
+- seed (SGLang) behaviour: a rank whose snapshot changed (``publish_seq`` or ``timestamp_ns``) since the
+  last refresh gets ``total_requests = running + waiting`` and ``total_tokens = num_total_tokens``,
+  which overwrites the speculative charges on it; an unchanged or missing snapshot leaves the rank as
+  it is, so a rank with no snapshot counts as zero plus what was charged to it.
+- in-flight accounting: the budget is always *snapshot + what is in flight*: ``in_flight = sent -
+  received`` requests, and their tokens come from the ring (the cumulative tokens after each send),
+  so a refresh never erases requests still on their way, and never counts one twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dpboard.controller.methods import LoadBalanceMethod
+from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
+
+try:
+    from dpboard._dispatch import ArgminCore
+except ImportError:  # a source tree without the built extension: the Python twin does the same work
+    ArgminCore = None
+
+DEFAULT_LEDGER_CAPACITY = 4096  # in-flight requests per rank tracked exactly (32 KiB per rank)
+
+_LIVE = int(SlotStatus.LIVE)
+_STALE = int(SlotStatus.STALE)
+_TORN = int(SlotStatus.TORN)
+
+
+class PyArgminCore:
+    """``dpboard._dispatch.ArgminCore`` in Python: same arguments, same picks, same errors."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        requests: np.ndarray,
+        candidate: np.ndarray,
+        routable: np.ndarray,
+        sent_reqs: np.ndarray,
+        sent_tokens: np.ndarray,
+        ring: np.ndarray | None,
+        by_tokens: bool = True,
+        rotate: bool = False,
+    ):
+        self.tokens, self.requests = tokens, requests
+        self.candidate, self.routable = candidate, routable
+        self.sent_reqs, self.sent_tokens, self.ring = sent_reqs, sent_tokens, ring
+        self.n = len(tokens)
+        self.by_tokens, self.rotate = bool(by_tokens), bool(rotate)
+        self.next_start = 0
+
+    @staticmethod
+    def _tokens(req: Any) -> int:
+        ids = getattr(req, "input_ids", None)
+        if ids is not None:
+            try:
+                return len(ids)
+            except TypeError:
+                raise ValueError(
+                    f"request input_ids must be a sequence of token ids, got {type(ids)!r}"
+                ) from None
+        nt = getattr(req, "num_tokens", None)
+        if nt is None:
+            raise ValueError(
+                "request has neither input_ids nor num_tokens: give it one of them (the token estimate)"
+            )
+        if not isinstance(nt, int) or isinstance(nt, bool) or nt < 0 or nt >= 2**63:
+            raise ValueError(f"request num_tokens must be an int >= 0 that fits 64 bits, got {nt!r}")
+        return nt
+
+    def _routed(self, req: Any) -> int | None:
+        r = getattr(req, "routed_dp_rank", None)
+        if r is None:
+            return None
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise ValueError(f"routed_dp_rank must be an int or None, got {r!r}")
+        if r < 0 or r >= self.n or not self.routable[r]:
+            raise ValueError(f"DP rank {r} is not active.")
+        return r
+
+    def _argmin(self) -> int:
+        n = self.n
+        start = self.next_start if self.rotate else 0
+        best, best_key = -1, None
+        for k in range(n):
+            i = (start + k) % n
+            if not self.candidate[i]:
+                continue
+            key = (int(self.tokens[i]), int(self.requests[i])) if self.by_tokens else int(self.requests[i])
+            if best < 0 or key < best_key:
+                best, best_key = i, key
+        if best < 0:
+            raise RuntimeError(
+                "no DP rank can take the request: every active rank is unavailable or unhealthy "
+                "(see set_active/set_status, and `dpboard dump` for stale slots)"
+            )
+        if self.rotate:
+            self.next_start = (best + 1) % n
+        return best
+
+    def charge(self, rank: int, tokens: int) -> None:
+        self.tokens[rank] += tokens
+        self.requests[rank] += 1
+        self.sent_reqs[rank] += 1
+        self.sent_tokens[rank] += tokens
+        if self.ring is not None:
+            self.ring[rank, int(self.sent_reqs[rank]) % self.ring.shape[1]] = self.sent_tokens[rank]
+
+    def _uncharge(self, rank: int, tokens: int) -> None:
+        self.tokens[rank] -= tokens
+        self.requests[rank] -= 1
+        self.sent_reqs[rank] -= 1
+        self.sent_tokens[rank] -= tokens
+
+    def _pick(self, req: Any) -> tuple[int, int]:
+        routed = self._routed(req)
+        tokens = self._tokens(req)
+        rank = self._argmin() if routed is None else routed
+        self.charge(rank, tokens)
+        return rank, tokens
+
+    def pick(self, req: Any) -> int:
+        return self._pick(req)[0]
+
+    def pick_batch(self, reqs: Sequence[Any]) -> list[int]:
+        saved_start = self.next_start
+        done: list[tuple[int, int]] = []
+        try:
+            for req in reqs:
+                done.append(self._pick(req))
+        except BaseException:
+            for rank, tokens in reversed(done):
+                self._uncharge(rank, tokens)
+            self.next_start = saved_start
+            raise
+        return [rank for rank, _ in done]
+
+    def pick_tokens(self, tokens: int) -> int:
+        if tokens < 0:
+            raise ValueError(f"estimated tokens must be >= 0, got {tokens}")
+        rank = self._argmin()
+        self.charge(rank, tokens)
+        return rank
+
+
+class DPBudget:
+    """Per-rank load budget for load-aware dispatch (SGLang's ``DPBudget``, on NumPy arrays).
+
+    ``DPBudget(num_workers)`` then ``update_budget(snapshots)`` / ``update_from_array(records)`` to
+    refresh, and ``dispatch(method, estimated_tokens)`` to pick the argmin rank and charge it, as in
+    SGLang. The arrays are public and live (a pick changes them in place): read, do not rebind.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        by_tokens: bool = True,
+        rotate_ties: bool = False,
+        inflight_accounting: bool = False,
+        ledger_capacity: int = DEFAULT_LEDGER_CAPACITY,
+        use_extension: bool = True,
+    ):
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if not isinstance(ledger_capacity, int) or ledger_capacity < 2:
+            raise ValueError(f"ledger_capacity must be an int >= 2, got {ledger_capacity!r}")
+        n = num_workers
+        self.num_workers = n
+        self.inflight_accounting = bool(inflight_accounting)
+        self.total_requests = np.zeros(n, np.int64)
+        self.total_tokens = np.zeros(n, np.int64)
+        self.candidate = np.ones(n, np.uint8)
+        self.routable = np.ones(n, np.uint8)
+        self.sent_reqs = np.zeros(n, np.int64)
+        self.sent_tokens = np.zeros(n, np.int64)
+        self.ring = np.zeros((n, ledger_capacity), np.int64) if self.inflight_accounting else None
+        # the last snapshot taken from each rank
+        self.last_seq = np.zeros(n, np.int64)
+        self.last_timestamp_ns = np.zeros(n, np.int64)
+        self.snap_requests = np.zeros(n, np.int64)
+        self.snap_tokens = np.zeros(n, np.int64)
+        self.snap_received = np.zeros(n, np.int64)
+        # received = received_base + (requests of ours the rank has acknowledged)
+        self.received_base = np.zeros(n, np.int64)
+        self.acked = np.zeros(n, np.int64)
+        self.status = np.zeros(n, np.uint8)  # the SlotStatus seen at the last refresh
+        self._ranks = np.arange(n)
+        core_type = ArgminCore if (use_extension and ArgminCore is not None) else PyArgminCore
+        self.core = core_type(
+            self.total_tokens,
+            self.total_requests,
+            self.candidate,
+            self.routable,
+            self.sent_reqs,
+            self.sent_tokens,
+            self.ring,
+            by_tokens=by_tokens,
+            rotate=rotate_ties,
+        )
+
+    # -- refresh ------------------------------------------------------------------------------------
+
+    def update_budget(self, loads: Sequence[LoadSnapshot | None]) -> None:
+        """Refresh from snapshots (SGLang's signature); each goes to the rank its ``dp_rank`` names."""
+        self.update_from_array(snapshots_to_array(loads, self.num_workers))
+
+    def update_from_array(self, records: np.ndarray) -> None:
+        """Refresh from ``SNAPSHOT_DTYPE`` records, one per rank (``BoardReader.read_array()``)."""
+        n = self.num_workers
+        if records.dtype != SNAPSHOT_DTYPE or len(records) < n:
+            raise ValueError(
+                f"update_from_array needs at least {n} SNAPSHOT_DTYPE records (BoardReader.read_array()), "
+                f"got {len(records)} of dtype {records.dtype}"
+            )
+        records = records[:n]
+        status = records["status"]
+        self.status[:] = status
+        seq = records["publish_seq"]
+        ts = records["timestamp_ns"]
+        whole = (status == _LIVE) | (status == _STALE)
+        changed = whole & ((seq != self.last_seq) | (ts != self.last_timestamp_ns))
+        if changed.any():
+            idx = np.flatnonzero(changed)
+            sel = records[idx]
+            self.last_seq[idx] = sel["publish_seq"]
+            self.last_timestamp_ns[idx] = sel["timestamp_ns"]
+            self.snap_requests[idx] = sel["num_running_reqs"] + sel["num_waiting_reqs"]
+            self.snap_tokens[idx] = sel["num_total_tokens"]
+            self.snap_received[idx] = sel["num_received_reqs"]
+            if not self.inflight_accounting:
+                # SGLang: a new snapshot overwrites the speculative charges of its rank
+                self.total_requests[idx] = self.snap_requests[idx]
+                self.total_tokens[idx] = self.snap_tokens[idx]
+        if self.inflight_accounting:
+            self._recompute_with_in_flight()
+
+    def _recompute_with_in_flight(self) -> None:
+        acked = self.snap_received - self.received_base
+        # More acknowledged than sent (the rank counted requests of an earlier controller), or fewer
+        # than before (the scheduler restarted and its counter with it): rebase, so that what the rank
+        # has is taken as acknowledged from here on.
+        rebase = (acked > self.sent_reqs) | (acked < self.acked)
+        if rebase.any():
+            self.received_base[rebase] = self.snap_received[rebase] - self.sent_reqs[rebase]
+            acked[rebase] = self.sent_reqs[rebase]
+        self.acked[:] = acked
+        in_flight = self.sent_reqs - acked
+        cap = self.ring.shape[1]
+        in_flight_tokens = self.sent_tokens - self.ring[self._ranks, acked % cap]
+        overflow = in_flight >= cap
+        if overflow.any():
+            # more in flight than the ring remembers: estimate from the mean of the last cap-1 sends
+            oldest = self.ring[self._ranks, (self.sent_reqs + 1) % cap]
+            mean = (self.sent_tokens - oldest) / (cap - 1)
+            in_flight_tokens[overflow] = (in_flight[overflow] * mean[overflow]).astype(np.int64)
+        self.total_requests[:] = self.snap_requests + in_flight
+        self.total_tokens[:] = self.snap_tokens + in_flight_tokens
+
+    def in_flight(self) -> np.ndarray:
+        """Requests sent to each rank that its last snapshot had not yet counted as received."""
+        return self.sent_reqs - self.acked
+
+    # -- picks --------------------------------------------------------------------------------------
+
+    def dispatch(self, method: LoadBalanceMethod | str | None = None, estimated_tokens: int = 0) -> int:
+        """Argmin rank for ``method`` (default: the budget's key), charged +1 and +estimated_tokens."""
+        if method is not None:
+            m = LoadBalanceMethod(method)
+            if not m.is_load_aware:
+                raise ValueError(f"DPBudget.dispatch needs a load-aware method, got {m.value}")
+            self.core.by_tokens = m.by_tokens
+        return self.core.pick_tokens(int(estimated_tokens))
+
+    def charge(self, rank: int, tokens: int) -> None:
+        """Count one request of ``tokens`` tokens sent to ``rank`` (what a pick does after choosing)."""
+        self.core.charge(rank, tokens)
+
+    def set_candidates(self, mask: Sequence[bool] | np.ndarray) -> None:
+        self.candidate[:] = np.asarray(mask, dtype=bool)
+
+    def set_routable(self, mask: Sequence[bool] | np.ndarray) -> None:
+        self.routable[:] = np.asarray(mask, dtype=bool)
+
+    def __repr__(self) -> str:
+        return (
+            f"DPBudget(num_workers={self.num_workers}, total_requests={self.total_requests.tolist()}, "
+            f"total_tokens={self.total_tokens.tolist()})"
+        )
+
+
+def snapshots_to_array(loads: Sequence[LoadSnapshot | None], n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``read_all()``-style snapshots -> ``SNAPSHOT_DTYPE`` records indexed by ``dp_rank``.
+
+    A snapshot is LIVE (a list has no staleness); a rank without one is EMPTY.
+    """
+    if out is None:
+        out = np.zeros(n, SNAPSHOT_DTYPE)
+    else:
+        out[:] = 0
+    out["dp_rank"] = np.arange(n)
+    for snap in loads:
+        if snap is None:
+            continue
+        rank = snap[0]
+        if not 0 <= rank < n:
+            raise ValueError(f"a snapshot names dp_rank {rank}, outside the {n} worker slots (0..{n - 1})")
+        out[rank] = (*snap, _LIVE)
+    return out

@@ -1,0 +1,278 @@
+"""The pure dispatcher: which DP rank gets a request (SPEC 5.2-5.5). No sockets, no processes.
+
+``Dispatcher(method, num_workers, reader=None, active=None, clock=time.monotonic,
+refresh_interval=0.02)``, then ``dispatch(req) -> int`` and ``dispatch_batch(reqs) -> list[int]``.
+``set_active`` / ``set_status`` follow elastic EP and failures. ``dpboard sim`` and the ZMQ
+controller (``dpboard.controller.process``) both drive this class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dpboard.controller.budget import DEFAULT_LEDGER_CAPACITY, DPBudget, snapshots_to_array
+from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
+
+DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most once per 20 ms
+
+_STALE = int(SlotStatus.STALE)
+_TORN = int(SlotStatus.TORN)
+
+
+def _check_rank_int(value: Any, what: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    return int(value)
+
+
+class Dispatcher:
+    """Picks a DP rank per request, with SGLang's rules by default (SPEC 5.5).
+
+    Keyword options (the improvements of SPEC 5.4; on by default only for the ``inflight_*`` methods):
+
+    - ``inflight_accounting``: the budget is the snapshot plus the requests sent but not yet counted
+      in the rank's ``num_received_reqs``, so a refresh from a lagging snapshot loses nothing.
+    - ``health_aware``: never pick a rank whose slot is STALE or TORN (besides inactive and
+      unavailable ranks, which no load-aware method picks).
+    - ``rotate_ties``: among equal loads, start from the rank after the last pick instead of rank 0.
+    """
+
+    def __init__(
+        self,
+        method: LoadBalanceMethod | str,
+        num_workers: int,
+        reader: Any = None,
+        active: Iterable[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        refresh_interval: float = DEFAULT_REFRESH_INTERVAL,
+        *,
+        disaggregation_mode: str | None = None,
+        inflight_accounting: bool | None = None,
+        health_aware: bool | None = None,
+        rotate_ties: bool | None = None,
+        ledger_capacity: int = DEFAULT_LEDGER_CAPACITY,
+        use_extension: bool = True,
+    ):
+        self.method = resolve_load_balance_method(method, disaggregation_mode)
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
+                             f"got {num_workers!r}")
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        if not isinstance(refresh_interval, (int, float)) or not refresh_interval >= 0:
+            raise ValueError(f"refresh_interval must be a number of seconds >= 0, got {refresh_interval!r}")
+        self.num_workers = num_workers
+        self.refresh_interval = float(refresh_interval)
+        self._clock = clock
+        improved = self.method.is_improved
+        self.inflight_accounting = improved if inflight_accounting is None else bool(inflight_accounting)
+        self.health_aware = improved if health_aware is None else bool(health_aware)
+        self.rotate_ties = improved if rotate_ties is None else bool(rotate_ties)
+        self.refresh_count = 0
+        self._last_refresh = float("-inf")  # the first load-aware dispatch always refreshes
+        self._rr_counter = 0
+        self._active_mask = np.zeros(num_workers, bool)
+        self._available_mask = np.ones(num_workers, bool)
+        self._active: tuple[int, ...] = ()
+        self.reader = reader
+        self.budget: DPBudget | None = None
+        if self.method.is_load_aware:
+            self._setup_load_aware(reader, ledger_capacity, use_extension)
+        self.set_active(range(num_workers) if active is None else active)
+        # bind the method's fast path once, so a call does no branching on the method
+        if self.method is LoadBalanceMethod.ROUND_ROBIN:
+            self.dispatch = self._dispatch_round_robin  # type: ignore[method-assign]
+        elif self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
+            self.dispatch = self._dispatch_room  # type: ignore[method-assign]
+        else:
+            self.dispatch = self._dispatch_load  # type: ignore[method-assign]
+
+    def _setup_load_aware(self, reader: Any, ledger_capacity: int, use_extension: bool) -> None:
+        n = self.num_workers
+        if reader is None:
+            raise ValueError(
+                f"load balance method {self.method.value} reads loads and needs a reader: pass "
+                "reader=board.reader() (or any object with read_all())"
+            )
+        self.budget = DPBudget(
+            n,
+            by_tokens=self.method.by_tokens,
+            rotate_ties=self.rotate_ties,
+            inflight_accounting=self.inflight_accounting,
+            ledger_capacity=ledger_capacity,
+            use_extension=use_extension,
+        )
+        self._pick = self.budget.core.pick
+        self._pick_batch = self.budget.core.pick_batch
+        if hasattr(reader, "read_array"):
+            first = reader.read_array()
+            if getattr(first, "dtype", None) != SNAPSHOT_DTYPE or len(first) < n:
+                raise ValueError(
+                    f"reader.read_array() must return at least {n} SNAPSHOT_DTYPE records (one per worker "
+                    f"slot), got {len(first)} records of dtype {getattr(first, 'dtype', type(first))}"
+                )
+            from dpboard.board import BoardReader
+
+            if isinstance(reader, BoardReader):
+                # our own buffer: the reader's default array may be shared with other users of it
+                records = np.zeros(len(first), SNAPSHOT_DTYPE)
+                read = reader.read_array
+                self._read_records = lambda: read(records)
+            else:
+                self._read_records = reader.read_array
+        elif hasattr(reader, "read_all"):
+            records = np.zeros(n, SNAPSHOT_DTYPE)
+            read_all = reader.read_all
+            self._read_records = lambda: snapshots_to_array(read_all(), n, records)
+        else:
+            raise ValueError(
+                f"reader must be a BoardReader or have read_all() (or read_array()), got {type(reader).__name__}"
+            )
+
+    # -- the active set and availability ------------------------------------------------------------
+
+    @property
+    def active(self) -> tuple[int, ...]:
+        return self._active
+
+    @property
+    def available(self) -> tuple[bool, ...]:
+        return tuple(bool(x) for x in self._available_mask)
+
+    def set_active(self, ranks: Iterable[int]) -> None:
+        """The ranks that have a worker now (elastic EP); the others are reserved slots."""
+        seen = set()
+        for r in ranks:
+            rank = _check_rank_int(r, "an active rank")
+            if not 0 <= rank < self.num_workers:
+                raise ValueError(f"active rank {rank} is outside the {self.num_workers} worker slots "
+                                 f"(0..{self.num_workers - 1})")
+            seen.add(rank)
+        self._active = tuple(sorted(seen))
+        self._active_mask[:] = False
+        self._active_mask[list(self._active)] = True
+        self._update_candidates()
+
+    def set_status(self, rank: int, available: bool) -> None:
+        """Mark a rank available or not (a failed or draining worker); every slot starts available."""
+        rank = _check_rank_int(rank, "rank")
+        if not 0 <= rank < self.num_workers:
+            raise ValueError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
+        self._available_mask[rank] = bool(available)
+        self._update_candidates()
+
+    def _update_candidates(self) -> None:
+        if self.budget is None:
+            return
+        mask = self._active_mask & self._available_mask
+        if self.health_aware:
+            status = self.budget.status
+            mask &= (status != _STALE) & (status != _TORN)
+        self.budget.candidate[:] = mask
+        self.budget.routable[:] = self._active_mask
+
+    # -- refresh --------------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Read the board into the budget now (dispatch does this itself, at most once per interval)."""
+        if self.budget is None:
+            return
+        self._last_refresh = self._clock()
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.budget.update_from_array(self._read_records())
+        if self.health_aware:
+            self._update_candidates()
+        self.refresh_count += 1
+
+    # -- dispatch -------------------------------------------------------------------------------------
+
+    def dispatch(self, req: Any) -> int:
+        """The rank for ``req``: ``routed_dp_rank`` first, then the method.
+
+        ``__init__`` binds the method's own fast path over this name; this body is the same choice."""
+        if self.budget is not None:
+            return self._dispatch_load(req)
+        if self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
+            return self._dispatch_room(req)
+        return self._dispatch_round_robin(req)
+
+    def dispatch_batch(self, reqs: Sequence[Any]) -> list[int]:
+        """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
+        nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept."""
+        method = self.method
+        if self.budget is not None:
+            now = self._clock()
+            if now - self._last_refresh >= self.refresh_interval:
+                self._last_refresh = now
+                self._refresh()
+            return self._pick_batch(reqs)
+        if method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
+            return [self._dispatch_room(req) for req in reqs]
+        saved = self._rr_counter
+        try:
+            return [self._dispatch_round_robin(req) for req in reqs]
+        except BaseException:
+            self._rr_counter = saved
+            raise
+
+    def _check_routed(self, rank: Any) -> int:
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise ValueError(f"routed_dp_rank must be an int or None, got {rank!r}")
+        if rank < 0 or rank >= self.num_workers or not self._active_mask[rank]:
+            raise ValueError(f"DP rank {rank} is not active.")
+        return rank
+
+    def _dispatch_load(self, req: Any) -> int:
+        now = self._clock()
+        if now - self._last_refresh >= self.refresh_interval:
+            self._last_refresh = now
+            self._refresh()
+        return self._pick(req)
+
+    def _dispatch_round_robin(self, req: Any) -> int:
+        routed = getattr(req, "routed_dp_rank", None)
+        if routed is not None:
+            return self._check_routed(routed)
+        active = self._active
+        n = len(active)
+        if n == 0:
+            raise RuntimeError("no active DP rank: the active set is empty (call set_active with the live ranks)")
+        available = self._available_mask
+        for _ in range(n):
+            slot = active[self._rr_counter % n]
+            self._rr_counter = (self._rr_counter + 1) % n
+            if available[slot]:
+                return slot
+        raise RuntimeError(
+            f"all {n} active DP ranks are unavailable (set_status(rank, True) when a worker recovers)"
+        )
+
+    def _dispatch_room(self, req: Any) -> int:
+        routed = getattr(req, "routed_dp_rank", None)
+        if routed is not None:
+            return self._check_routed(routed)
+        room = getattr(req, "bootstrap_room", None)
+        if room is None:
+            raise ValueError(
+                "request has no bootstrap_room: follow_bootstrap_room needs one; send PD requests "
+                "through the router, which sets it, not straight to the prefill server"
+            )
+        if not isinstance(room, int) or isinstance(room, bool):
+            raise ValueError(f"bootstrap_room must be an int, got {room!r}")
+        # len(workers) counts reserved slots too, and status is not checked (as in SGLang): the room
+        # mapping must stay stable while ranks come and go
+        return room % self.num_workers
+
+    def __repr__(self) -> str:
+        return (
+            f"Dispatcher(method={self.method.value}, num_workers={self.num_workers}, active={list(self._active)}, "
+            f"inflight_accounting={self.inflight_accounting}, health_aware={self.health_aware}, "
+            f"rotate_ties={self.rotate_ties})"
+        )

@@ -1,0 +1,143 @@
+"""Dispatch methods, the ``auto`` rules (SPEC 5.1), and who owns node0's load PULL socket (SPEC 6)."""
+
+from __future__ import annotations
+
+import enum
+import warnings
+
+
+class LoadBalanceMethod(str, enum.Enum):
+    """How the controller picks a DP rank for a request without ``routed_dp_rank``.
+
+    The first four are SGLang's and behave exactly like it by default. The ``inflight_*`` methods are
+    dpboard's: the same argmin with exact in-flight accounting, health-aware candidates and rotating
+    ties switched on (docs/DISPATCH.md says when to use which).
+    """
+
+    ROUND_ROBIN = "round_robin"
+    FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
+    TOTAL_REQUESTS = "total_requests"
+    TOTAL_TOKENS = "total_tokens"
+    INFLIGHT_REQUESTS = "inflight_requests"
+    INFLIGHT_TOKENS = "inflight_tokens"
+
+    @property
+    def is_load_aware(self) -> bool:
+        """True when the method reads the board (and so needs a reader)."""
+        return self not in (LoadBalanceMethod.ROUND_ROBIN, LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
+
+    @property
+    def by_tokens(self) -> bool:
+        """True when the argmin key is (tokens, requests); False when it is requests alone."""
+        return self in (LoadBalanceMethod.TOTAL_TOKENS, LoadBalanceMethod.INFLIGHT_TOKENS)
+
+    @property
+    def is_improved(self) -> bool:
+        """True for dpboard's own methods (in-flight accounting, health-aware, rotating ties on)."""
+        return self in (LoadBalanceMethod.INFLIGHT_REQUESTS, LoadBalanceMethod.INFLIGHT_TOKENS)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AUTO = "auto"
+METHOD_CHOICES: tuple[str, ...] = (AUTO, *(m.value for m in LoadBalanceMethod))
+DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")
+
+
+def _normalise(text: str) -> str:
+    return text.strip().lower().replace("-", "_")
+
+
+def parse_disaggregation_mode(mode: str | None) -> str:
+    """``None``/``"null"``/``"none"`` -> ``"null"``; ``"prefill"``; ``"decode"``; anything else raises."""
+    if mode is None:
+        return "null"
+    if not isinstance(mode, str):
+        raise ValueError(f"disaggregation_mode must be a string or None, got {mode!r}")
+    norm = _normalise(mode)
+    if norm in ("null", "none", ""):
+        return "null"
+    if norm in DISAGGREGATION_MODES:
+        return norm
+    raise ValueError(
+        f"unknown disaggregation_mode {mode!r}: expected one of null (no PD), prefill, decode"
+    )
+
+
+def parse_load_balance_method(method: str | LoadBalanceMethod) -> LoadBalanceMethod | str:
+    """A method name (case and ``-``/``_`` do not matter) -> the enum member, or ``"auto"``."""
+    if isinstance(method, LoadBalanceMethod):
+        return method
+    if not isinstance(method, str):
+        raise ValueError(f"load balance method must be a string, got {method!r}")
+    norm = _normalise(method)
+    if norm == AUTO:
+        return AUTO
+    try:
+        return LoadBalanceMethod(norm)
+    except ValueError:
+        raise ValueError(
+            f"unknown load balance method {method!r}: expected one of {', '.join(METHOD_CHOICES)}"
+        ) from None
+
+
+def resolve_load_balance_method(
+    method: str | LoadBalanceMethod, disaggregation_mode: str | None = None
+) -> LoadBalanceMethod:
+    """Resolve ``auto`` and the PD prefill rule before a controller starts (SPEC 5.1).
+
+    ``auto``: no PD -> round_robin; PD prefill -> follow_bootstrap_room; PD decode -> round_robin.
+    ``round_robin`` in PD prefill warns and becomes follow_bootstrap_room: decode finds the prefill
+    rank by ``bootstrap_room``, so prefill must map rooms to ranks stably.
+    """
+    mode = parse_disaggregation_mode(disaggregation_mode)
+    parsed = parse_load_balance_method(method)
+    if parsed == AUTO:
+        return LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM if mode == "prefill" else LoadBalanceMethod.ROUND_ROBIN
+    assert isinstance(parsed, LoadBalanceMethod)
+    if mode == "prefill" and parsed is LoadBalanceMethod.ROUND_ROBIN:
+        warnings.warn(
+            "load balance method round_robin does not map bootstrap_room stably in PD prefill; "
+            "using follow_bootstrap_room instead",
+            UserWarning,
+            stacklevel=2,
+        )
+        return LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM
+    return parsed
+
+
+class ReaderOwner(str, enum.Enum):
+    """The process on node0 that owns the load fan-in ZMQ PULL socket."""
+
+    CONTROLLER = "controller"  # a load-aware controller reads the board on every refresh: it owns it
+    TOKENIZER = "tokenizer"  # the tokenizer-side process (SGLang's TokenizerManager / router)
+    COLLECTOR = "collector"  # a standalone `dpboard collect`
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def zmq_reader_owner(
+    method: str | LoadBalanceMethod,
+    disaggregation_mode: str | None = None,
+    *,
+    dp_size: int = 2,
+    standalone_collector: bool = True,
+) -> ReaderOwner:
+    """Which process on node0 owns the single load PULL socket (SPEC 6).
+
+    The controller when it exists (``dp_size > 1``) and the resolved method is load-aware: it is the
+    process that needs the loads. Otherwise nobody in the dispatch path needs them, and the socket
+    belongs to ``dpboard collect`` (``standalone_collector=True``) or, embedded in an engine, to the
+    tokenizer-side process that serves ``/v1/loads``. Exactly one owner: the caller binds the socket
+    only when this returns its own role.
+    """
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    with warnings.catch_warnings():  # the controller's own resolve warns about round_robin once
+        warnings.simplefilter("ignore")
+        resolved = resolve_load_balance_method(method, disaggregation_mode)
+    if dp_size > 1 and resolved.is_load_aware:
+        return ReaderOwner.CONTROLLER
+    return ReaderOwner.COLLECTOR if standalone_collector else ReaderOwner.TOKENIZER

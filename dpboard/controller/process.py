@@ -1,0 +1,374 @@
+"""``DataParallelController``: the ZMQ shell around the Dispatcher, and ``dpboard controller``.
+
+Tokenizer side --PUSH--> [PULL, bound here] controller --PUSH (connected)--> scheduler rank k [PULL, bound]
+
+A request is one msgpack frame: a map with ``rid`` and ``input_ids`` (a list) or ``num_tokens``, and
+optionally ``routed_dp_rank`` and ``bootstrap_room``; other keys pass through untouched, because the
+controller forwards the frame's original bytes. Replies never pass through the controller. A frame
+that is not such a map is logged, counted and dropped; a request that cannot be dispatched (an
+invalid routed rank, no available rank, a full scheduler pipe) is answered ``{"rid", "error"}`` on
+the error channel if there is one: a PUSH the controller connects to the tokenizer side's bound PULL
+(connected, so that answers queue from the start instead of being lost before a peer appears).
+Neither ever stops the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, Dispatcher
+from dpboard.controller.methods import (
+    DISAGGREGATION_MODES,
+    METHOD_CHOICES,
+    ReaderOwner,
+    resolve_load_balance_method,
+    zmq_reader_owner,
+)
+
+log = logging.getLogger("dpboard.controller")
+
+RESERVED = "-"  # a worker endpoint placeholder for a reserved (elastic EP) slot with no scheduler yet
+DEFAULT_SEND_HWM = 100_000
+DEFAULT_MAX_BATCH = 1024
+
+
+class Request:
+    """What the Dispatcher reads of a decoded frame; ``raw`` is what is forwarded."""
+
+    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw")
+
+    def __init__(self, rid: Any, routed_dp_rank: int | None, bootstrap_room: int | None, num_tokens: int,
+                 raw: bytes):
+        self.rid = rid
+        self.routed_dp_rank = routed_dp_rank
+        self.bootstrap_room = bootstrap_room
+        self.num_tokens = num_tokens
+        self.raw = raw
+
+
+class MalformedFrame(ValueError):
+    pass
+
+
+def _optional_int(msg: dict, key: str) -> int | None:
+    value = msg.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise MalformedFrame(f"{key} must be an int or nil, got {type(value).__name__}")
+    return value
+
+
+def decode_request(raw: bytes) -> Request:
+    """A frame -> Request, or ``MalformedFrame`` saying what is wrong with it."""
+    try:
+        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types for bad bytes
+        raise MalformedFrame(f"not msgpack ({type(e).__name__})") from None
+    if not isinstance(msg, dict):
+        raise MalformedFrame(f"not a map but {type(msg).__name__}")
+    if "rid" not in msg:
+        raise MalformedFrame("no rid")
+    rid = msg["rid"]
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise MalformedFrame(f"rid must be a string or int, got {type(rid).__name__}")
+    ids = msg.get("input_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise MalformedFrame(f"input_ids must be a list, got {type(ids).__name__}")
+        num_tokens = len(ids)
+    else:
+        num_tokens = msg.get("num_tokens")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise MalformedFrame("needs input_ids (a list) or num_tokens (an int >= 0)")
+    routed = _optional_int(msg, "routed_dp_rank")
+    room = _optional_int(msg, "bootstrap_room")
+    return Request(rid, routed, room, num_tokens, raw)
+
+
+def encode_request(rid: Any, *, input_ids: Sequence[int] | None = None, num_tokens: int | None = None,
+                   routed_dp_rank: int | None = None, bootstrap_room: int | None = None, **extra: Any) -> bytes:
+    """The frame a tokenizer-side process sends to the controller."""
+    msg: dict[str, Any] = {"rid": rid, "routed_dp_rank": routed_dp_rank, "bootstrap_room": bootstrap_room}
+    if input_ids is not None:
+        msg["input_ids"] = list(input_ids)
+    if num_tokens is not None:
+        msg["num_tokens"] = num_tokens
+    msg.update(extra)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+class DataParallelController:
+    """Receives tokenized requests, picks a rank with the Dispatcher, forwards each frame.
+
+    ``worker_endpoints[k]`` is where scheduler rank k's PULL socket is bound (``None`` for a reserved
+    slot); the controller connects a PUSH to each. ``input_endpoint`` is bound (PULL);
+    ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the controller
+    connects a PUSH there for ``{rid, error}`` answers.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        worker_endpoints: Sequence[str | None],
+        input_endpoint: str,
+        error_endpoint: str | None = None,
+        *,
+        context: zmq.Context | None = None,
+        send_hwm: int = DEFAULT_SEND_HWM,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        poll_interval: float = 0.05,
+        log_every: float = 10.0,
+    ):
+        if len(worker_endpoints) != dispatcher.num_workers:
+            raise ValueError(
+                f"{len(worker_endpoints)} worker endpoints for a dispatcher of {dispatcher.num_workers} "
+                f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
+            )
+        absent = [r for r in dispatcher.active if worker_endpoints[r] is None]
+        if absent:
+            raise ValueError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
+                             "out of the active set")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.dispatcher = dispatcher
+        self.worker_endpoints = list(worker_endpoints)
+        self.input_endpoint = input_endpoint
+        self.error_endpoint = error_endpoint
+        self.max_batch = max_batch
+        self.poll_ms = max(1, int(poll_interval * 1000))
+        self.log_every = log_every
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self._stop = threading.Event()
+        self.stats: dict[str, Any] = {
+            "received": 0,
+            "dispatched": 0,
+            "malformed": 0,
+            "rejected": 0,  # answered with an error (invalid routed rank, no available rank, ...)
+            "send_dropped": 0,  # a scheduler's pipe was full: answered with an error
+            "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
+            "per_rank": [0] * dispatcher.num_workers,
+        }
+        self.input = self.context.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.workers: list[zmq.Socket | None] = []
+        self.errors: zmq.Socket | None = None
+        try:
+            self.input.bind(input_endpoint)
+            for endpoint in self.worker_endpoints:
+                if endpoint is None:
+                    self.workers.append(None)
+                    continue
+                sock = self.context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, send_hwm)
+                sock.setsockopt(zmq.LINGER, 1000)  # give queued requests a second to leave on close
+                sock.connect(endpoint)
+                self.workers.append(sock)
+            if error_endpoint is not None:
+                self.errors = self.context.socket(zmq.PUSH)
+                self.errors.setsockopt(zmq.LINGER, 1000)
+                self.errors.connect(error_endpoint)
+        except zmq.ZMQError as e:
+            self.close()
+            raise RuntimeError(f"controller sockets: {e} (input {input_endpoint}, errors {error_endpoint})") from e
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to end (from a signal handler or another thread)."""
+        self._stop.set()
+
+    def run(self, duration: float | None = None) -> dict[str, Any]:
+        """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds."""
+        deadline = None if duration is None else time.monotonic() + duration
+        restore = self._install_signal_handlers()
+        log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s",
+                 self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
+                 self.input_endpoint, self.error_endpoint)
+        next_log = time.monotonic() + self.log_every
+        try:
+            while not self._stop.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if self.input.poll(self.poll_ms, zmq.POLLIN):
+                    self._serve_ready()
+                if time.monotonic() >= next_log:
+                    next_log = time.monotonic() + self.log_every
+                    self._log_counts()
+        finally:
+            restore()
+            self._log_counts()
+        return self.stats
+
+    def _serve_ready(self) -> None:
+        reqs: list[Request] = []
+        for _ in range(self.max_batch):
+            try:
+                frames = self.input.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self.stats["received"] += 1
+            try:
+                if len(frames) != 1:
+                    raise MalformedFrame(f"{len(frames)} frames in one message, expected 1")
+                reqs.append(decode_request(frames[0]))
+            except MalformedFrame as e:
+                self.stats["malformed"] += 1
+                log.warning("dropped a malformed request frame: %s", e)
+        if not reqs:
+            return
+        try:
+            ranks = self.dispatcher.dispatch_batch(reqs)
+        except (ValueError, RuntimeError):
+            # the batch is all or nothing: take it one by one to answer only the requests that fail
+            for req in reqs:
+                try:
+                    rank = self.dispatcher.dispatch(req)
+                except (ValueError, RuntimeError) as e:
+                    self._reject(req.rid, str(e))
+                    continue
+                self._send(rank, req)
+            return
+        for rank, req in zip(ranks, reqs, strict=True):
+            self._send(rank, req)
+
+    def _send(self, rank: int, req: Request) -> None:
+        sock = self.workers[rank]
+        if sock is None:  # follow_bootstrap_room can map a room onto a reserved slot
+            self._reject(req.rid, f"DP rank {rank} has no worker (a reserved slot)")
+            return
+        try:
+            sock.send(req.raw, zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats["send_dropped"] += 1
+            self._reject(req.rid, f"DP rank {rank} is not taking requests (its queue is full)")
+            return
+        self.stats["dispatched"] += 1
+        self.stats["per_rank"][rank] += 1
+
+    def _reject(self, rid: Any, error: str) -> None:
+        self.stats["rejected"] += 1
+        log.warning("request %r rejected: %s", rid, error)
+        if self.errors is None:
+            self.stats["errors_unsent"] += 1
+            return
+        try:
+            self.errors.send(msgpack.packb({"rid": rid, "error": error}, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats["errors_unsent"] += 1
+
+    def _log_counts(self) -> None:
+        s = self.stats
+        log.info("controller: received %d, dispatched %d, malformed %d, rejected %d, per rank %s",
+                 s["received"], s["dispatched"], s["malformed"], s["rejected"], s["per_rank"])
+
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:
+            signal.signal(sig, lambda *_: self.stop())
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        return restore
+
+    def close(self) -> None:
+        for sock in [self.input, self.errors, *self.workers]:
+            if sock is not None and not sock.closed:
+                sock.close()
+        if self._own_context:
+            self.context.term()
+
+    def __enter__(self) -> DataParallelController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, metavar="ENDPOINT",
+                   help="ZMQ endpoint to bind the request PULL socket on, e.g. ipc:///tmp/dp-in")
+    p.add_argument("--workers", nargs="+", required=True, metavar="ENDPOINT",
+                   help=f"one endpoint per worker slot, in rank order, where that scheduler's PULL is bound "
+                        f"({RESERVED!r} for a reserved slot)")
+    p.add_argument("--errors", metavar="ENDPOINT",
+                   help="ZMQ endpoint where the tokenizer side's PULL for {rid, error} answers is bound")
+    p.add_argument("--method", "--load-balance-method", dest="method", default="auto", choices=METHOD_CHOICES,
+                   help="dispatch method (default auto); see docs/DISPATCH.md")
+    p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
+                   help="PD role of this server (null: no PD)")
+    p.add_argument("--board", help="board to read loads from (load-aware methods)")
+    p.add_argument("--stale-after", type=float, default=1.0, help="seconds before a slot is stale (default 1)")
+    p.add_argument("--refresh-interval", type=float, default=DEFAULT_REFRESH_INTERVAL,
+                   help="seconds between budget refreshes from the board (default 0.02)")
+    p.add_argument("--inflight-accounting", action=argparse.BooleanOptionalAction, default=None,
+                   help="add requests sent but not yet received to each rank's load (default: on for inflight_*)")
+    p.add_argument("--health-aware", action=argparse.BooleanOptionalAction, default=None,
+                   help="never pick a stale or torn slot (default: on for inflight_*)")
+    p.add_argument("--rotate-ties", action=argparse.BooleanOptionalAction, default=None,
+                   help="equal loads rotate instead of favouring rank 0 (default: on for inflight_*)")
+    p.add_argument("--duration", type=float, help="exit after this many seconds (default: until SIGTERM)")
+    p.add_argument("--log-every", type=float, default=10.0, help="seconds between count logs (default 10)")
+    p.add_argument("--stats-json", action="store_true", help="print the final counts as one JSON line on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    method = resolve_load_balance_method(args.method, args.disaggregation_mode)
+    endpoints = [None if e == RESERVED else e for e in args.workers]
+    reader = None
+    board = None
+    if method.is_load_aware:
+        if not args.board:
+            raise ValueError(f"--method {method.value} reads loads: give --board NAME (the board the "
+                             "schedulers publish to)")
+        from dpboard.board import Board
+
+        board = Board.attach(args.board)
+        reader = board.reader(stale_after=args.stale_after)
+        owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
+        if owner is ReaderOwner.CONTROLLER:
+            log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller's side "
+                     "(run `dpboard collect` beside it for multi-node loads)")
+    dispatcher = Dispatcher(
+        method,
+        len(endpoints),
+        reader=reader,
+        active=[r for r, e in enumerate(endpoints) if e is not None],
+        refresh_interval=args.refresh_interval,
+        inflight_accounting=args.inflight_accounting,
+        health_aware=args.health_aware,
+        rotate_ties=args.rotate_ties,
+    )
+    controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, log_every=args.log_every)
+    try:
+        stats = controller.run(duration=args.duration)
+    finally:
+        controller.close()
+        if board is not None:
+            board.close()
+    if args.stats_json:
+        print(json.dumps(stats), flush=True)
+    return 0
+
+
+add_controller_arguments = add_arguments
+run_controller = run
