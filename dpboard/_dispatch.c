@@ -19,6 +19,9 @@
  *     ring[r, sent_reqs[r] % cap] = sent_tokens[r] (cumulative tokens after the k-th send), from which
  *     the refresh computes the tokens still in flight.
  *   - a batch is all or nothing: when one request fails, the picks before it are undone.
+ *   - retract(rank, tokens) undoes the latest charge to a rank (its send failed): the budget and the
+ *     ledger lose that request again. The ring slot it wrote is left as it is; the next charge
+ *     overwrites it (see DPBudget.retract for the one case where that matters).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -308,6 +311,31 @@ static PyObject *core_charge(Core *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* Undo the latest charge of `tokens` to `rank`: the request never left (its send failed). */
+static PyObject *core_retract(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "retract(rank, tokens) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t r = PyLong_AsSsize_t(args[0]);
+    if (r == -1 && PyErr_Occurred()) return NULL;
+    long long t = PyLong_AsLongLong(args[1]);
+    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (r < 0 || r >= self->n || t < 0) {
+        PyErr_Format(PyExc_ValueError, "retract(rank, tokens) needs 0 <= rank < %zd and tokens >= 0", self->n);
+        return NULL;
+    }
+    if (self->sent_reqs[r] < 1 || self->sent_tokens[r] < t) {
+        PyErr_Format(PyExc_ValueError,
+                     "retract(%zd, %lld): rank %zd has no such send in its ledger (%lld sends, %lld tokens); "
+                     "retract only a pick that was charged",
+                     r, t, r, (long long)self->sent_reqs[r], (long long)self->sent_tokens[r]);
+        return NULL;
+    }
+    uncharge(self, r, (int64_t)t);
+    Py_RETURN_NONE;
+}
+
 static PyObject *core_get_next_start(Core *self, void *c) { return PyLong_FromSsize_t(self->next_start); }
 static int core_set_next_start(Core *self, PyObject *v, void *c) {
     Py_ssize_t s = v ? PyLong_AsSsize_t(v) : -1;
@@ -335,6 +363,8 @@ static PyMethodDef core_methods[] = {
     {"pick_tokens", (PyCFunction)core_pick_tokens, METH_O, "pick_tokens(n) -> argmin rank, charged n tokens."},
     {"charge", (PyCFunction)(void (*)(void))core_charge, METH_FASTCALL,
      "charge(rank, tokens): add one request of that many tokens to rank."},
+    {"retract", (PyCFunction)(void (*)(void))core_retract, METH_FASTCALL,
+     "retract(rank, tokens): undo the latest charge of that many tokens to rank (a send that failed)."},
     {NULL},
 };
 

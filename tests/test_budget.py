@@ -8,7 +8,7 @@ import time
 from collections import deque
 
 import pytest
-from test_dispatch import FakeClock, ListReader, Req, TokReq
+from test_dispatch import FakeClock, ListReader, Req, TokReq, make
 
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod
@@ -214,3 +214,81 @@ def test_improved_methods_switch_every_option_on_and_options_can_be_named_alone(
     assert (d.inflight_accounting, d.health_aware, d.rotate_ties) == (False, False, False)
     d = Dispatcher("inflight_requests", 2, reader=reader, rotate_ties=False)
     assert (d.inflight_accounting, d.health_aware, d.rotate_ties) == (True, True, False)
+
+
+# -- a send that fails is taken back out of the load ------------------------------------------------
+
+
+@pytest.mark.parametrize("method", [M.TOTAL_TOKENS, M.INFLIGHT_TOKENS, M.INFLIGHT_REQUESTS])
+def test_retracting_failed_sends_leaves_c_and_python_with_only_what_was_delivered(method):
+    """Random batches; per batch some ranks refuse their latest picks, which are retracted latest
+    first. Both cores must agree at every step, and end where a run that only ever sent the
+    delivered requests ends."""
+    rng = random.Random(7)
+    n = 4
+    clock = FakeClock()
+    readers = [ListReader(n), ListReader(n)]
+    dispatchers = [Dispatcher(method, n, reader=readers[i], clock=clock, use_extension=use)
+                   for i, use in enumerate((True, False))]
+    delivered_reqs = [0] * n
+    delivered_tokens = [0] * n
+    for step in range(40):
+        clock.now += 0.005
+        batch = [TokReq(rng.randrange(0, 500), routed_dp_rank=rng.choice([None, None, None, 1]))
+                 for _ in range(rng.randrange(1, 12))]
+        picks = [d.dispatch_batch(batch) for d in dispatchers]
+        assert picks[0] == picks[1]
+        refusing = {r for r in range(n) if rng.random() < 0.3}
+        for d in dispatchers:
+            for rank, req in reversed(list(zip(picks[0], batch, strict=True))):
+                if rank in refusing:
+                    d.retract(rank, req)
+        for rank, req in zip(picks[0], batch, strict=True):
+            if rank not in refusing:
+                delivered_reqs[rank] += 1
+                delivered_tokens[rank] += req.num_tokens
+        a, b = (d.budget for d in dispatchers)
+        for field_name in ("total_requests", "total_tokens", "sent_reqs", "sent_tokens"):
+            assert getattr(a, field_name).tolist() == getattr(b, field_name).tolist(), (step, field_name)
+    budget = dispatchers[0].budget
+    assert budget.sent_reqs.tolist() == delivered_reqs
+    assert budget.sent_tokens.tolist() == delivered_tokens
+    assert budget.total_requests.tolist() == delivered_reqs  # no snapshot was ever published
+    assert budget.total_tokens.tolist() == delivered_tokens
+
+
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_in_flight_tokens_after_a_retraction_are_those_of_the_delivered_sends(use_extension):
+    d, reader, clock = make(M.INFLIGHT_TOKENS, n=2, use_extension=use_extension)
+    d.dispatch(TokReq(100, routed_dp_rank=0))
+    d.dispatch(TokReq(30, routed_dp_rank=0))
+    failed = TokReq(5000, routed_dp_rank=0)
+    d.retract(d.dispatch(failed), failed)
+    d.dispatch(TokReq(40, routed_dp_rank=0))  # overwrites the retracted send's ring slot
+    reader.set(0, running=1, tokens=100, received=1)  # the first request arrived
+    clock.now += 1
+    d.refresh()
+    assert d.budget.in_flight().tolist() == [2, 0]
+    assert d.budget.total_requests.tolist() == [3, 0]
+    assert d.budget.total_tokens.tolist() == [100 + 30 + 40, 0]
+
+
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_retracting_what_was_never_charged_is_a_clear_error(use_extension):
+    budget = DPBudget(2, use_extension=use_extension)
+    with pytest.raises(ValueError, match=r"rank 1 has no such send in its ledger \(0 sends"):
+        budget.retract(1, 10)
+    budget.charge(1, 10)
+    with pytest.raises(ValueError, match="no such send"):
+        budget.retract(1, 11)
+    with pytest.raises(ValueError, match="0 <= rank < 2"):
+        budget.retract(2, 0)
+    budget.retract(1, 10)
+    assert budget.total_requests.tolist() == [0, 0] and budget.sent_reqs.tolist() == [0, 0]
+
+
+def test_retract_is_a_no_op_for_methods_without_load():
+    d, _, _ = make(M.ROUND_ROBIN, n=3)
+    first = d.dispatch(Req())
+    d.retract(first, Req())
+    assert [d.dispatch(Req()) for _ in range(2)] == [1, 2]

@@ -124,6 +124,17 @@ class PyArgminCore:
         self.sent_reqs[rank] -= 1
         self.sent_tokens[rank] -= tokens
 
+    def retract(self, rank: int, tokens: int) -> None:
+        if not 0 <= rank < self.n or tokens < 0:
+            raise ValueError(f"retract(rank, tokens) needs 0 <= rank < {self.n} and tokens >= 0")
+        if self.sent_reqs[rank] < 1 or self.sent_tokens[rank] < tokens:
+            raise ValueError(
+                f"retract({rank}, {tokens}): rank {rank} has no such send in its ledger "
+                f"({int(self.sent_reqs[rank])} sends, {int(self.sent_tokens[rank])} tokens); "
+                "retract only a pick that was charged"
+            )
+        self._uncharge(rank, tokens)
+
     def _pick(self, req: Any) -> tuple[int, int]:
         routed = self._routed(req)
         tokens = self._tokens(req)
@@ -287,6 +298,18 @@ class DPBudget:
     def charge(self, rank: int, tokens: int) -> None:
         """Count one request of ``tokens`` tokens sent to ``rank`` (what a pick does after choosing)."""
         self.core.charge(rank, tokens)
+
+    def retract(self, rank: int, tokens: int) -> None:
+        """Undo the latest charge of ``tokens`` to ``rank``: the request never reached it (its send
+        failed), so neither the budget nor the in-flight ledger may keep it.
+
+        Call it before the next refresh, for the rank's latest charges only (latest first), as the
+        controller does for a send that fails. The ring slot of the undone send keeps its value
+        until the next charge overwrites it; that slot is the one of the oldest send the ring
+        remembers, so the in-flight tokens stay exact unless the rank has about
+        ``ledger_capacity`` requests in flight, where they are estimated anyway.
+        """
+        self.core.retract(int(rank), int(tokens))
 
     def set_candidates(self, mask: Sequence[bool] | np.ndarray) -> None:
         self.candidate[:] = np.asarray(mask, dtype=bool)

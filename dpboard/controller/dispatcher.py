@@ -2,8 +2,9 @@
 
 ``Dispatcher(method, num_workers, reader=None, active=None, clock=time.monotonic,
 refresh_interval=0.02)``, then ``dispatch(req) -> int`` and ``dispatch_batch(reqs) -> list[int]``.
-``set_active`` / ``set_status`` follow elastic EP and failures. ``dpboard sim`` and the ZMQ
-controller (``dpboard.controller.process``) both drive this class.
+``set_active`` / ``set_status`` follow elastic EP and failures; ``retract(rank, req)`` takes back a
+pick whose send failed. ``dpboard sim`` and the ZMQ controller (``dpboard.controller.process``) both
+drive this class.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.controller.budget import DEFAULT_LEDGER_CAPACITY, DPBudget, snapshots_to_array
+from dpboard.controller.budget import DEFAULT_LEDGER_CAPACITY, DPBudget, PyArgminCore, snapshots_to_array
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
 from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
 
@@ -221,6 +222,21 @@ class Dispatcher:
         except BaseException:
             self._rr_counter = saved
             raise
+
+    def retract(self, rank: int, req: Any) -> None:
+        """Take back the pick of ``req`` on ``rank``: its send failed, so the rank never got it.
+
+        Load-aware methods undo the request's speculative +1 / +tokens and its in-flight ledger
+        entry (``DPBudget.retract``); retract a rank's latest picks only, latest first, before the
+        next dispatch. Round robin and room methods keep no load, and their order goes on as it was:
+        nothing to undo.
+        """
+        if self.budget is None:
+            return
+        rank = _check_rank_int(rank, "rank")
+        if not 0 <= rank < self.num_workers:
+            raise ValueError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
+        self.budget.retract(rank, PyArgminCore._tokens(req))
 
     def _check_routed(self, rank: Any) -> int:
         if not isinstance(rank, int) or isinstance(rank, bool):

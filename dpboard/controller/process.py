@@ -9,7 +9,12 @@ that is not such a map is logged, counted and dropped; a request that cannot be 
 invalid routed rank, no available rank, a full scheduler pipe) is answered ``{"rid", "error"}`` on
 the error channel if there is one: a PUSH the controller connects to the tokenizer side's bound PULL
 (connected, so that answers queue from the start instead of being lost before a peer appears).
-Neither ever stops the loop.
+Neither ever stops the loop. A request whose send fails is taken back out of the rank's load
+(``Dispatcher.retract``): the rank never got it.
+
+With a load-aware method the controller is node0's single owner of the relays' load PULL socket
+(SPEC 6): ``--collect-bind`` hosts a ``dpboard.collector.Collector`` in this process, polled in the
+same loop as the requests.
 """
 
 from __future__ import annotations
@@ -114,6 +119,9 @@ class DataParallelController:
     slot); the controller connects a PUSH to each. ``input_endpoint`` is bound (PULL);
     ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the controller
     connects a PUSH there for ``{rid, error}`` answers.
+
+    ``collector``, when given, is a ``dpboard.collector.Collector`` (anything with ``socket`` and
+    ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class DataParallelController:
         max_batch: int = DEFAULT_MAX_BATCH,
         poll_interval: float = 0.05,
         log_every: float = 10.0,
+        collector: Any = None,
     ):
         if len(worker_endpoints) != dispatcher.num_workers:
             raise ValueError(
@@ -144,6 +153,7 @@ class DataParallelController:
         self.worker_endpoints = list(worker_endpoints)
         self.input_endpoint = input_endpoint
         self.error_endpoint = error_endpoint
+        self.collector = collector
         self.max_batch = max_batch
         self.poll_ms = max(1, int(poll_interval * 1000))
         self.log_every = log_every
@@ -157,6 +167,7 @@ class DataParallelController:
             "rejected": 0,  # answered with an error (invalid routed rank, no available rank, ...)
             "send_dropped": 0,  # a scheduler's pipe was full: answered with an error
             "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
+            "retracted": 0,  # picks taken back out of a rank's load because their send failed
             "per_rank": [0] * dispatcher.num_workers,
         }
         self.input = self.context.socket(zmq.PULL)
@@ -195,12 +206,23 @@ class DataParallelController:
         log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s",
                  self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
                  self.input_endpoint, self.error_endpoint)
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        loads = None
+        if self.collector is not None:
+            loads = self.collector.socket
+            poller.register(loads, zmq.POLLIN)
+            log.info("controller: owns the load fan-in PULL %s", getattr(self.collector, "endpoint", loads))
         next_log = time.monotonic() + self.log_every
         try:
             while not self._stop.is_set():
                 if deadline is not None and time.monotonic() >= deadline:
                     break
-                if self.input.poll(self.poll_ms, zmq.POLLIN):
+                ready = dict(poller.poll(self.poll_ms))
+                # loads first: a request batch then sees the freshest relayed snapshots
+                if loads is not None and loads in ready:
+                    self.collector.drain()
+                if self.input in ready:
                     self._serve_ready()
                 if time.monotonic() >= next_log:
                     next_log = time.monotonic() + self.log_every
@@ -208,6 +230,8 @@ class DataParallelController:
         finally:
             restore()
             self._log_counts()
+            if self.collector is not None and hasattr(self.collector, "stats"):
+                self.stats["collector"] = self.collector.stats()
         return self.stats
 
     def _serve_ready(self) -> None:
@@ -237,24 +261,51 @@ class DataParallelController:
                 except (ValueError, RuntimeError) as e:
                     self._reject(req.rid, str(e))
                     continue
-                self._send(rank, req)
+                if not self._send(rank, req):
+                    self.dispatcher.retract(rank, req)  # the latest pick of that rank: exact
+                    self.stats["retracted"] += 1
             return
-        for rank, req in zip(ranks, reqs, strict=True):
-            self._send(rank, req)
+        self._send_batch(ranks, reqs)
 
-    def _send(self, rank: int, req: Request) -> None:
-        sock = self.workers[rank]
-        if sock is None:  # follow_bootstrap_room can map a room onto a reserved slot
+    def _send_batch(self, ranks: list[int], reqs: list[Request]) -> None:
+        """Send each request to its rank; take the ones that could not leave back out of the load.
+
+        Once a rank refuses a send (full queue, or no worker) the rest of the batch is not offered
+        to it either: it would refuse them too, and this way the refused picks are always that
+        rank's latest ones, which ``Dispatcher.retract`` undoes exactly (latest first)."""
+        refused: dict[int, list[Request]] = {}
+        for rank, req in zip(ranks, reqs, strict=True):
+            later = refused.get(rank)
+            if later is not None:
+                later.append(req)
+                self._reject_unsent(rank, req)
+            elif not self._send(rank, req):
+                refused[rank] = [req]
+        for rank, failed in refused.items():
+            for req in reversed(failed):
+                self.dispatcher.retract(rank, req)
+            self.stats["retracted"] += len(failed)
+
+    def _send(self, rank: int, req: Request) -> bool:
+        """True when the frame is on its way to ``rank``; False when it was answered with an error."""
+        if self.workers[rank] is None:  # follow_bootstrap_room can map a room onto a reserved slot
             self._reject(req.rid, f"DP rank {rank} has no worker (a reserved slot)")
-            return
+            return False
         try:
-            sock.send(req.raw, zmq.NOBLOCK)
+            self.workers[rank].send(req.raw, zmq.NOBLOCK)
         except zmq.Again:
-            self.stats["send_dropped"] += 1
-            self._reject(req.rid, f"DP rank {rank} is not taking requests (its queue is full)")
-            return
+            self._reject_unsent(rank, req)
+            return False
         self.stats["dispatched"] += 1
         self.stats["per_rank"][rank] += 1
+        return True
+
+    def _reject_unsent(self, rank: int, req: Request) -> None:
+        if self.workers[rank] is None:
+            self._reject(req.rid, f"DP rank {rank} has no worker (a reserved slot)")
+            return
+        self.stats["send_dropped"] += 1
+        self._reject(req.rid, f"DP rank {rank} is not taking requests (its queue is full)")
 
     def _reject(self, rid: Any, error: str) -> None:
         self.stats["rejected"] += 1
@@ -269,8 +320,12 @@ class DataParallelController:
 
     def _log_counts(self) -> None:
         s = self.stats
-        log.info("controller: received %d, dispatched %d, malformed %d, rejected %d, per rank %s",
-                 s["received"], s["dispatched"], s["malformed"], s["rejected"], s["per_rank"])
+        log.info("controller: received %d, dispatched %d, malformed %d, rejected %d, retracted %d, per rank %s",
+                 s["received"], s["dispatched"], s["malformed"], s["rejected"], s["retracted"], s["per_rank"])
+        if self.collector is not None and hasattr(self.collector, "stats"):
+            c = self.collector.stats()
+            log.info("controller: load fan-in frames %d ok, %d bad; snapshots %d",
+                     c["frames_ok"], c["frames_bad"], c["snapshots_ok"])
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
@@ -324,6 +379,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never pick a stale or torn slot (default: on for inflight_*)")
     p.add_argument("--rotate-ties", action=argparse.BooleanOptionalAction, default=None,
                    help="equal loads rotate instead of favouring rank 0 (default: on for inflight_*)")
+    p.add_argument("--send-hwm", type=int, default=DEFAULT_SEND_HWM,
+                   help=f"requests queued per scheduler before a send fails and is answered with an error "
+                        f"(default {DEFAULT_SEND_HWM})")
+    p.add_argument("--collect-bind", metavar="ENDPOINT",
+                   help="own node0's load fan-in PULL here (load-aware methods): relays' snapshots go into "
+                        "--board, as `dpboard collect` would do; e.g. tcp://10.0.0.1:5757")
+    p.add_argument("--collect-curve-secret-key", metavar="FILE",
+                   help="with --collect-bind: this node's CURVE certificate (.key_secret), as `dpboard collect "
+                        "--curve-secret-key`")
+    p.add_argument("--collect-curve-authorized-keys", metavar="DIR",
+                   help="with --collect-bind: directory of the relays' public certificates allowed in")
     p.add_argument("--duration", type=float, help="exit after this many seconds (default: until SIGTERM)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between count logs (default 10)")
     p.add_argument("--stats-json", action="store_true", help="print the final counts as one JSON line on stdout")
@@ -334,8 +400,20 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     method = resolve_load_balance_method(args.method, args.disaggregation_mode)
     endpoints = [None if e == RESERVED else e for e in args.workers]
+    owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
+    if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys):
+        raise ValueError("--collect-curve-* options configure the load fan-in: give --collect-bind ENDPOINT too")
+    if args.collect_bind is not None and owner is not ReaderOwner.CONTROLLER:
+        why = (f"method {method.value} does not read loads" if not method.is_load_aware
+               else "a controller of a single rank reads no loads")
+        raise ValueError(
+            f"--collect-bind: {why}, so this controller does not own the load fan-in PULL socket; run "
+            f"`dpboard collect --board NAME --bind {args.collect_bind}` instead (or let the tokenizer-side "
+            f"process own it)"
+        )
     reader = None
     board = None
+    collector = None
     if method.is_load_aware:
         if not args.board:
             raise ValueError(f"--method {method.value} reads loads: give --board NAME (the board the "
@@ -344,10 +422,28 @@ def run(args: argparse.Namespace) -> int:
 
         board = Board.attach(args.board)
         reader = board.reader(stale_after=args.stale_after)
-        owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
-        if owner is ReaderOwner.CONTROLLER:
-            log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller's side "
-                     "(run `dpboard collect` beside it for multi-node loads)")
+        if args.collect_bind is not None:
+            from dpboard.collector import Collector
+
+            try:
+                collector = Collector(board, args.collect_bind, curve_secret_key=args.collect_curve_secret_key,
+                                      curve_authorized_keys=args.collect_curve_authorized_keys)
+            except BaseException:
+                board.close()
+                raise
+        elif owner is ReaderOwner.CONTROLLER:
+            log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller "
+                     "(give --collect-bind ENDPOINT to receive other nodes' relays)")
+    try:
+        return _serve(args, method, endpoints, reader, collector)
+    finally:
+        if collector is not None:
+            collector.close()  # removes its lock files
+        if board is not None:
+            board.close()
+
+
+def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any) -> int:
     dispatcher = Dispatcher(
         method,
         len(endpoints),
@@ -358,13 +454,12 @@ def run(args: argparse.Namespace) -> int:
         health_aware=args.health_aware,
         rotate_ties=args.rotate_ties,
     )
-    controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, log_every=args.log_every)
+    controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
+                                        log_every=args.log_every, collector=collector)
     try:
         stats = controller.run(duration=args.duration)
     finally:
         controller.close()
-        if board is not None:
-            board.close()
     if args.stats_json:
         print(json.dumps(stats), flush=True)
     return 0
