@@ -1,0 +1,191 @@
+// dpboard CUDA kernels: load counters from a scheduler's request and KV page tables, and the
+// GPU-direct publish of the finished snapshot into a board slot (docs/KERNELS.md).
+//
+// Compiled at run time by CuPy (NVRTC, RawModule with name_expressions) and, in the test suite, by
+// nvcc with -DDPBOARD_INSTANTIATE for sm_90. No headers: NVRTC has no standard library.
+//
+// One pass: every thread walks both tables with a grid-stride loop, keeps nine counters in
+// registers, the block reduces them (warp shuffles, then one warp over the warp sums), and one
+// thread per block adds them to the global accumulators with one atomicAdd per counter. The last
+// block to finish (threadfence + ticket counter) reads the totals, resets the accumulators and the
+// ticket for the next launch (so no memset is needed between launches) and writes the result.
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define DPB_NUM_RAW 9        // dpboard.loads.RAW_FIELDS, same order
+#define DPB_MAX_WARPS 32     // up to 1024 threads per block
+#define DPB_NUM_FIELDS 13    // LoadSnapshot fields in a slot, after the sequence word
+
+// Indices into the raw counters.
+#define RAW_RUNNING 0
+#define RAW_WAITING 1
+#define RAW_SEQLEN_WITHOUT_KV 2
+#define RAW_SEQLEN_AWAITING_TRANSFER 3
+#define RAW_FREE_PAGES 4
+#define RAW_EVICTABLE_PAGES 5
+#define RAW_BAD_REQ_STATES 6
+#define RAW_BAD_PAGE_STATES 7
+#define RAW_BAD_SEQLENS 8
+
+// Status words the publish kernel leaves in mapped host memory for the host to look at later.
+#define ST_LAUNCH_ID 0       // the launch these words describe (written last)
+#define ST_PUBLISHED 1       // 1: the snapshot was published; 0: rejected (bad tables)
+#define ST_BAD_REQ 2
+#define ST_BAD_PAGE 3
+#define ST_BAD_SEQLEN 4
+#define ST_PUBLISH_SEQ 5
+#define ST_NUM 8
+
+template <typename S, typename L, typename P>
+__device__ __forceinline__ void dpb_accumulate(const S *__restrict__ state, const L *__restrict__ seqlen,
+                                               i64 num_requests, const P *__restrict__ pages, i64 num_pages,
+                                               i64 acc[DPB_NUM_RAW]) {
+    for (int k = 0; k < DPB_NUM_RAW; k++) acc[k] = 0;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 n = num_requests > num_pages ? num_requests : num_pages;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        if (i < num_requests) {
+            const i64 s = (i64)state[i];
+            const i64 len = (i64)seqlen[i];
+            const bool waiting = s >= 2 && s <= 6;
+            acc[RAW_RUNNING] += s == 1;
+            acc[RAW_WAITING] += waiting;
+            acc[RAW_SEQLEN_WITHOUT_KV] += (waiting && s != 5) ? len : 0;
+            acc[RAW_SEQLEN_AWAITING_TRANSFER] += (s == 4 || s == 5) ? len : 0;
+            acc[RAW_BAD_REQ_STATES] += s < 0 || s > 6;
+            acc[RAW_BAD_SEQLENS] += len < 0 && s != 0;
+        }
+        if (i < num_pages) {
+            const i64 p = (i64)pages[i];
+            acc[RAW_FREE_PAGES] += p == 0;
+            acc[RAW_EVICTABLE_PAGES] += p == 2;
+            acc[RAW_BAD_PAGE_STATES] += p < 0 || p > 2;
+        }
+    }
+}
+
+// Sums acc over the block into the global accumulators; returns true in the one thread (thread 0
+// of the last block to finish) that then holds the grand totals in acc. Every thread must call it.
+__device__ __forceinline__ bool dpb_reduce(i64 acc[DPB_NUM_RAW], u64 *accum, u32 *ticket) {
+    __shared__ i64 warp_sums[DPB_NUM_RAW][DPB_MAX_WARPS];
+    __shared__ bool is_last;
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned num_warps = (blockDim.x + 31u) >> 5;
+    for (int k = 0; k < DPB_NUM_RAW; k++) {
+        i64 v = acc[k];
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+        if (lane == 0) warp_sums[k][warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        for (int k = 0; k < DPB_NUM_RAW; k++) {
+            i64 v = lane < num_warps ? warp_sums[k][lane] : 0;
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+            acc[k] = v;
+        }
+        if (lane == 0) {
+            // Two's complement: an unsigned add is a signed add.
+            for (int k = 0; k < DPB_NUM_RAW; k++) atomicAdd(&accum[k], (u64)acc[k]);
+            __threadfence();  // our adds are visible device-wide before our ticket is
+            is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        }
+    }
+    __syncthreads();
+    if (!is_last || threadIdx.x != 0) return false;
+    __threadfence();
+    for (int k = 0; k < DPB_NUM_RAW; k++) {
+        // atomicExch reads the total and resets the accumulator for the next launch in one step.
+        acc[k] = (i64)atomicExch(&accum[k], 0ull);
+    }
+    atomicExch(ticket, 0u);
+    return true;
+}
+
+// raw[DPB_NUM_RAW] (device memory) <- the raw counters of the tables.
+template <typename S, typename L, typename P>
+__global__ void dpb_raw_counts(const S *state, const L *seqlen, i64 num_requests, const P *pages,
+                               i64 num_pages, u64 *accum, u32 *ticket, i64 *raw) {
+    i64 acc[DPB_NUM_RAW];
+    dpb_accumulate(state, seqlen, num_requests, pages, num_pages, acc);
+    if (dpb_reduce(acc, accum, ticket)) {
+        for (int k = 0; k < DPB_NUM_RAW; k++) raw[k] = acc[k];
+    }
+}
+
+// GPU-direct publish. `slot` is the device address of a board slot (mapped host memory, registered
+// with cudaHostRegister): u64 sequence word, then the 13 int64 LoadSnapshot fields. The kernel is
+// the slot's only writer. Host-only facts arrive as arguments: the clocks are the launch time.
+// `status` (mapped host memory, ST_NUM words) tells the host what happened, without a sync.
+template <typename S, typename L, typename P>
+__global__ void dpb_publish(const S *state, const L *seqlen, i64 num_requests, const P *pages, i64 num_pages,
+                            i64 page_size, u64 *accum, u32 *ticket, u64 *slot, i64 dp_rank,
+                            i64 num_received_reqs, i64 timestamp_ns, i64 monotonic_ns, i64 writer_pid,
+                            i64 node_id, i64 *status, i64 launch_id) {
+    i64 acc[DPB_NUM_RAW];
+    dpb_accumulate(state, seqlen, num_requests, pages, num_pages, acc);
+    if (!dpb_reduce(acc, accum, ticket)) return;
+
+    volatile i64 *st = (volatile i64 *)status;
+    st[ST_BAD_REQ] = acc[RAW_BAD_REQ_STATES];
+    st[ST_BAD_PAGE] = acc[RAW_BAD_PAGE_STATES];
+    st[ST_BAD_SEQLEN] = acc[RAW_BAD_SEQLENS];
+    const bool bad = acc[RAW_BAD_REQ_STATES] || acc[RAW_BAD_PAGE_STATES] || acc[RAW_BAD_SEQLENS];
+    if (bad) {  // never publish numbers made from a broken table
+        st[ST_PUBLISHED] = 0;
+        __threadfence_system();
+        st[ST_LAUNCH_ID] = launch_id;
+        return;
+    }
+
+    // The SPEC formulas, int64.
+    const i64 used = (num_pages - acc[RAW_FREE_PAGES] - acc[RAW_EVICTABLE_PAGES]) * page_size;
+    const i64 total = used + acc[RAW_SEQLEN_WITHOUT_KV];
+    const i64 active_raw = total - acc[RAW_SEQLEN_AWAITING_TRANSFER];
+
+    volatile u64 *seq = slot;
+    volatile i64 *fields = (volatile i64 *)(slot + 1);
+    u64 s = *seq;
+    if (s & 1ull) s += 1ull;  // left odd by a writer that died mid-write: step past it
+    i64 publish_seq = fields[10];
+    publish_seq = (publish_seq < 0 ? 0 : publish_seq) + 1;
+
+    *seq = s + 1ull;          // odd: a write is in progress
+    __threadfence_system();   // the odd store is visible to the host before any field store
+    fields[0] = dp_rank;
+    fields[1] = acc[RAW_RUNNING];
+    fields[2] = acc[RAW_WAITING];
+    fields[3] = used;
+    fields[4] = total;
+    fields[5] = active_raw > 0 ? active_raw : 0;
+    fields[6] = num_pages * page_size;
+    fields[7] = num_received_reqs;
+    fields[8] = timestamp_ns;
+    fields[9] = monotonic_ns;
+    fields[10] = publish_seq;
+    fields[11] = writer_pid;
+    fields[12] = node_id;
+    __threadfence_system();   // every field store is visible before the even store
+    *seq = s + 2ull;          // even: the snapshot is whole
+
+    st[ST_PUBLISH_SEQ] = publish_seq;
+    st[ST_PUBLISHED] = 1;
+    __threadfence_system();
+    st[ST_LAUNCH_ID] = launch_id;
+}
+
+#ifdef DPBOARD_INSTANTIATE
+// For the nvcc check of the test suite: the dtype combinations the CuPy loader asks for most.
+template __global__ void dpb_raw_counts<signed char, int, signed char>(const signed char *, const int *, i64,
+                                                                        const signed char *, i64, u64 *, u32 *,
+                                                                        i64 *);
+template __global__ void dpb_raw_counts<int, i64, int>(const int *, const i64 *, i64, const int *, i64, u64 *,
+                                                        u32 *, i64 *);
+template __global__ void dpb_publish<signed char, int, signed char>(const signed char *, const int *, i64,
+                                                                     const signed char *, i64, i64, u64 *,
+                                                                     u32 *, u64 *, i64, i64, i64, i64, i64,
+                                                                     i64, i64 *, i64);
+template __global__ void dpb_publish<int, i64, int>(const int *, const i64 *, i64, const int *, i64, i64, u64 *,
+                                                     u32 *, u64 *, i64, i64, i64, i64, i64, i64, i64 *, i64);
+#endif
