@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# tests/cudasim runs only under Numba's CUDA simulator, in its own interpreter (tests/test_kernels.py
+# starts it with NUMBA_ENABLE_CUDASIM=1, which must be set before numba is imported).
+collect_ignore_glob = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["cudasim/*"]
+
 SESSION_PREFIX = f"t{os.getpid()}-"
 _counter = itertools.count()
 
