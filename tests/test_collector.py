@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ import zmq
 from conftest import new_board_name
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from procutil import read_line, stop, wait_until
 
 from dpboard import Board, LoadSnapshot, SlotStatus
 from dpboard.collector import (
@@ -33,33 +32,6 @@ from dpboard.relay import Relay, generate_certificates
 from dpboard.wire import HEADER_SIZE, RECORD_DTYPE, pack_frame
 
 CLI = [sys.executable, "-m", "dpboard.cli"]
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-def read_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
-    """One line of a child's stdout, or fail after ``timeout`` (never hang on a silent child)."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s")
-    return proc.stdout.readline()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def our_lock_files(*names: str) -> list[Path]:

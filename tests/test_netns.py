@@ -5,15 +5,14 @@ inside the two namespaces it creates, and deletes them (and with them the veth p
 from __future__ import annotations
 
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from conftest import new_board_name
+from procutil import read_line, stop
 
 from dpboard import Board, LoadSnapshot, SlotStatus
 
@@ -65,23 +64,6 @@ def _in_ns(ns: str, *argv: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _first_line(proc: subprocess.Popen, timeout: float = 20.0) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s")
-    return proc.stdout.readline()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def test_relay_across_network_namespaces(two_hosts):
     (ns0, addr0), (ns1, _) = two_hosts
     # /dev/shm is shared by every network namespace: each "host" gets its own board name.
@@ -91,11 +73,11 @@ def test_relay_across_network_namespaces(two_hosts):
         try:
             collector = _in_ns(ns0, *CLI, "collect", "--board", name0, "--bind", f"tcp://{addr0}:{PORT}", "--quiet")
             procs.append(collector)
-            assert f"owns tcp://{addr0}:{PORT}" in _first_line(collector)
+            assert f"owns tcp://{addr0}:{PORT}" in read_line(collector)
             relay = _in_ns(ns1, *CLI, "relay", "--board", name1, "--to", f"tcp://{addr0}:{PORT}", "--node-id", "1",
                            "--remote-board", name0, "--quiet")
             procs.append(relay)
-            assert "dpboard relay" in _first_line(relay)
+            assert "dpboard relay" in read_line(relay)
             writers = {rank: board1.writer(rank) for rank in range(4, 8)}
             reader = board0.reader()
             deadline = time.monotonic() + 20
@@ -114,5 +96,5 @@ def test_relay_across_network_namespaces(two_hosts):
             assert collector.poll() is None and relay.poll() is None
         finally:
             for proc in procs:
-                _stop(proc)
+                stop(proc)
         assert all(proc.returncode == 0 for proc in procs), [p.stderr.read() for p in procs]

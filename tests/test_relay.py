@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import select
-import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +13,7 @@ import pytest
 import zmq
 import zmq.auth
 from conftest import new_board_name
+from procutil import read_line, stop, wait_until
 
 from dpboard import Board, LoadSnapshot, SlotStatus
 from dpboard.collector import LOCK_DIR, LOCK_PREFIX, Collector
@@ -22,32 +21,6 @@ from dpboard.relay import Relay, parse_ranks
 
 CLI = [sys.executable, "-m", "dpboard.cli"]
 RANKS_PER_NODE = 4
-
-
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-def read_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s")
-    return proc.stdout.readline()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 class Cluster:
