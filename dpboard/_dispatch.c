@@ -12,9 +12,11 @@
  * Rules (SPEC 5.2, 5.3, 5.4):
  *   - routed_dp_rank set: that rank, if it is an int in range and routable (active), else
  *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
- *   - otherwise argmin over candidate ranks of (tokens, requests) or of requests alone; ties go to the
- *     first rank met scanning from 0 (seed) or from the rank after the last pick (rotate).
- *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget,
+ *   - otherwise argmin over candidate ranks of (tokens, requests), of requests alone, or (by_backlog,
+ *     inflight_backlog) of (backlog, tokens): queued prefill tokens first; ties go to the first rank
+ *     met scanning from 0 (seed) or from the rank after the last pick (rotate).
+ *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget
+ *     (to tokens, and to backlog when the budget keeps one: the prompt queues for prefill),
  *     and records the send in the ledger: sent_reqs[r] += 1, sent_tokens[r] += tokens, and
  *     ring[r, sent_reqs[r] % cap] = sent_tokens[r] (cumulative tokens after the k-th send), from which
  *     the refresh computes the tokens still in flight.
@@ -31,12 +33,12 @@ static PyObject *s_routed_dp_rank, *s_input_ids, *s_num_tokens;
 
 typedef struct {
     PyObject_HEAD
-    Py_buffer bufs[7]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring */
+    Py_buffer bufs[8]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring, backlog */
     int nbufs;
-    int64_t *tokens, *requests, *sent_reqs, *sent_tokens, *ring;
+    int64_t *tokens, *requests, *sent_reqs, *sent_tokens, *ring, *backlog;
     const uint8_t *candidate, *routable;
     Py_ssize_t n, ring_cap;
-    int by_tokens, rotate;
+    int by_tokens, rotate, by_backlog;
     Py_ssize_t next_start;
 } Core;
 
@@ -64,16 +66,20 @@ static int get_array(Core *self, PyObject *obj, const char *what, Py_ssize_t ite
 
 static int core_init(Core *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", "requests", "candidate", "routable", "sent_reqs",
-                             "sent_tokens", "ring", "by_tokens", "rotate", NULL};
-    PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring;
-    int by_tokens = 1, rotate = 0;
+                             "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog", NULL};
+    PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None;
+    int by_tokens = 1, rotate = 0, by_backlog = 0;
     if (self->nbufs) {
         PyErr_SetString(PyExc_RuntimeError, "ArgminCore is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|pp", kwlist, &tok, &req, &cand, &rout, &sreq, &stok,
-                                     &ring, &by_tokens, &rotate))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOp", kwlist, &tok, &req, &cand, &rout, &sreq, &stok,
+                                     &ring, &by_tokens, &rotate, &backlog, &by_backlog))
         return -1;
+    if (by_backlog && backlog == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
+        return -1;
+    }
     Py_ssize_t n;
     if (get_array(self, tok, "tokens", 8, 1, (void **)&self->tokens, &n) < 0) return -1;
     self->n = n;
@@ -87,6 +93,9 @@ static int core_init(Core *self, PyObject *args, PyObject *kwds) {
         if (get_array(self, ring, "ring", 8, n, (void **)&self->ring, &len) < 0) return -1;
         self->ring_cap = len / n;
     }
+    if (backlog != Py_None && get_array(self, backlog, "backlog", 8, n, (void **)&self->backlog, NULL) < 0)
+        return -1;
+    self->by_backlog = by_backlog;
     self->by_tokens = by_tokens;
     self->rotate = rotate;
     return 0;
@@ -181,7 +190,18 @@ static Py_ssize_t argmin(const Core *self) {
     Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
     int64_t bt = 0, bq = 0;
     if (i < 0 || i >= n) i = 0;
-    if (self->by_tokens) {
+    if (self->by_backlog) {
+        const int64_t *bl = self->backlog;
+        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+            if (!cand[i]) continue;
+            int64_t b = bl[i], t = tok[i];
+            if (best < 0 || b < bq || (b == bq && t < bt)) {
+                best = i;
+                bq = b;
+                bt = t;
+            }
+        }
+    } else if (self->by_tokens) {
         for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
             if (!cand[i]) continue;
             int64_t t = tok[i], q = rq[i];
@@ -211,6 +231,7 @@ static Py_ssize_t argmin(const Core *self) {
 static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
     self->tokens[r] += t;
     self->requests[r] += 1;
+    if (self->backlog) self->backlog[r] += t;
     int64_t k = ++self->sent_reqs[r];
     int64_t cum = (self->sent_tokens[r] += t);
     if (self->ring) self->ring[r * self->ring_cap + (Py_ssize_t)(k % self->ring_cap)] = cum;
@@ -219,6 +240,7 @@ static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
 static inline void uncharge(Core *self, Py_ssize_t r, int64_t t) {
     self->tokens[r] -= t;
     self->requests[r] -= 1;
+    if (self->backlog) self->backlog[r] -= t;
     self->sent_reqs[r] -= 1;
     self->sent_tokens[r] -= t;
 }
@@ -356,6 +378,18 @@ static int core_set_by_tokens(Core *self, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *core_get_by_backlog(Core *self, void *c) { return PyBool_FromLong(self->by_backlog); }
+static int core_set_by_backlog(Core *self, PyObject *v, void *c) {
+    int b = v ? PyObject_IsTrue(v) : -1;
+    if (b < 0) return -1;
+    if (b && self->backlog == NULL) {
+        PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
+        return -1;
+    }
+    self->by_backlog = b;
+    return 0;
+}
+
 static PyMethodDef core_methods[] = {
     {"pick", (PyCFunction)core_pick, METH_O, "pick(req) -> rank: routed rank or argmin, charged."},
     {"pick_batch", (PyCFunction)core_pick_batch, METH_O,
@@ -373,6 +407,8 @@ static PyGetSetDef core_getset[] = {
     {"n", (getter)core_get_n, NULL, "number of ranks", NULL},
     {"by_tokens", (getter)core_get_by_tokens, (setter)core_set_by_tokens,
      "argmin of (tokens, requests) when true, of requests when false", NULL},
+    {"by_backlog", (getter)core_get_by_backlog, (setter)core_set_by_backlog,
+     "argmin of (backlog, tokens) when true (overrides by_tokens)", NULL},
     {NULL},
 };
 

@@ -339,8 +339,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--methods",
         default=None,
         help="comma-separated NAME[:key=value;...] specs. NAME: a controller method (round_robin, "
-        "total_requests, total_tokens, inflight_requests, inflight_tokens), vllm (vLLM's score) or "
-        "backlog (an experiment of the simulator). Options after ':' are separated by ';' here: "
+        "total_requests, total_tokens, inflight_requests, inflight_tokens, inflight_backlog) or vllm "
+        "(vLLM's score). Options after ':' are separated by ';' here: "
         "Dispatcher keywords (refresh_interval=0, rotate_ties=false, ...) or cadence=step|sglang|period "
         "and publish_every=N for that method alone. Default: the seed methods, vllm and dpboard's methods",
     )

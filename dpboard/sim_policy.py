@@ -6,7 +6,7 @@ load-aware ones read loads from a ``SimBoard``, which gives the real ``Dispatche
 by the simulated ranks and made visible after the configured delay.
 
 Methods are named by a spec string ``NAME[:key=value,...]``: ``NAME`` is ``vllm`` (the baseline
-below), ``backlog`` (an experiment, below) or any ``dpboard.controller.LoadBalanceMethod``; the
+below) or any ``dpboard.controller.LoadBalanceMethod`` (the real ``Dispatcher`` runs it); the
 ``key=value`` options are passed to the ``Dispatcher`` as keyword arguments (``refresh_interval=0``
 for instance), or to the vLLM policy (``stats_interval``). ``dpboard.sim`` takes ``cadence`` and
 ``publish_every`` out first: they set that method's run's publish cadence.
@@ -24,7 +24,6 @@ from dpboard.sim_model import RankModel, SimRequest
 from dpboard.snapshot import LoadSnapshot
 
 VLLM = "vllm"
-BACKLOG = "backlog"  # an experiment of the simulator's, not a controller method
 
 
 class Policy(Protocol):
@@ -133,84 +132,6 @@ class VllmScorePolicy:
         return best
 
 
-class BacklogPolicy:
-    """An experiment, not a dpboard controller method: argmin of the prefill backlog.
-
-    Time to first token on a rank is mostly the prompt tokens queued ahead of a request (prefill
-    runs before decode), not the KV its running batch holds. This policy keys on
-    ``(queued tokens, total tokens)`` where queued = ``num_total_tokens - num_used_tokens`` of the
-    last snapshot plus the tokens of requests in flight to the rank (sent, not yet in its
-    ``num_received_reqs``), and total adds the same in-flight tokens to ``num_total_tokens``. It
-    refreshes at most every ``refresh_interval`` like the Dispatcher, charges each pick
-    speculatively, and rotates ties. It exists to measure what such a key would gain before the
-    controller adopts it.
-    """
-
-    tick_period_s = 0.0
-
-    def __init__(
-        self,
-        n_ranks: int,
-        board: SimBoard,
-        clock: Callable[[], float],
-        *,
-        refresh_interval_s: float = 0.02,
-        name: str = "backlog",
-    ):
-        self.name = name
-        self.n_ranks = n_ranks
-        self._board = board
-        self._clock = clock
-        self._refresh_interval = refresh_interval_s
-        self._last_refresh = float("-inf")
-        self._sent_cum: list[list[int]] = [[0] for _ in range(n_ranks)]  # cumulative tokens after each send
-        self._snap_queued = [0] * n_ranks
-        self._snap_total = [0] * n_ranks
-        self._snap_received = [0] * n_ranks
-        self.queued = [0] * n_ranks
-        self.total = [0] * n_ranks
-        self._next_start = 0
-
-    def _refresh(self) -> None:
-        for rank, snap in enumerate(self._board.read_all()):
-            if snap is not None:
-                self._snap_queued[rank] = snap.num_total_tokens - snap.num_used_tokens
-                self._snap_total[rank] = snap.num_total_tokens
-                self._snap_received[rank] = snap.num_received_reqs
-        for rank in range(self.n_ranks):
-            sent = self._sent_cum[rank]
-            acked = min(self._snap_received[rank], len(sent) - 1)
-            in_flight = sent[-1] - sent[acked]
-            self.queued[rank] = self._snap_queued[rank] + in_flight
-            self.total[rank] = self._snap_total[rank] + in_flight
-
-    def dispatch(self, req: SimRequest) -> int:
-        now = self._clock()
-        if now - self._last_refresh >= self._refresh_interval:
-            self._last_refresh = now
-            self._refresh()
-        if req.routed_dp_rank is not None:
-            rank = int(req.routed_dp_rank)
-        else:
-            n = self.n_ranks
-            rank, best = -1, None
-            for k in range(n):
-                i = (self._next_start + k) % n
-                key = (self.queued[i], self.total[i])
-                if best is None or key < best:
-                    rank, best = i, key
-            self._next_start = (rank + 1) % n
-        tokens = req.num_tokens
-        self.queued[rank] += tokens
-        self.total[rank] += tokens
-        sent = self._sent_cum[rank]
-        sent.append(sent[-1] + tokens)
-        return rank
-
-    def on_tick(self, now_s: float, ranks: Sequence[RankModel]) -> None:  # pragma: no cover - never ticked
-        pass
-
-
 class DispatcherPolicy:
     """dpboard's real ``Dispatcher`` (the code users run), fed by a ``SimBoard`` and the simulated clock."""
 
@@ -282,17 +203,6 @@ def make_policy(
     ``label`` names it in results (default: ``spec``)."""
     name, options = parse_method_spec(spec)
     label = spec if label is None else label
-    if name == BACKLOG:
-        unknown = set(options) - {"refresh_interval"}
-        if unknown:
-            raise ValueError(f"backlog takes the option refresh_interval, not {sorted(unknown)}")
-        return BacklogPolicy(
-            n_ranks,
-            board,
-            clock,
-            refresh_interval_s=float(options.get("refresh_interval", refresh_interval_s)),
-            name=label,
-        )
     if name == VLLM:
         unknown = set(options) - {"stats_interval", "start_index"}
         if unknown:
@@ -315,7 +225,7 @@ def make_policy(
     try:
         method = resolve_load_balance_method(name)
     except ValueError as e:
-        known = ", ".join([*controller_methods(), VLLM, BACKLOG])
+        known = ", ".join([*controller_methods(), VLLM])
         raise ValueError(f"unknown dispatch method {name!r} ({e}); use one of {known}") from None
     kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s}
     kwargs.update(options)

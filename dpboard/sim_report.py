@@ -207,7 +207,7 @@ def write_json(doc: dict[str, Any], path: str) -> None:
 def _line_style(method: str) -> dict[str, Any]:
     # dpboard's own methods solid, the baselines (SGLang's, vLLM's) dashed
     name = method.split(":")[0]
-    ours = name.startswith("inflight_") or name == "backlog"
+    ours = name.startswith("inflight_")
     return {"linewidth": 1.6 if ours else 1.2, "linestyle": "-" if ours else "--"}
 
 

@@ -30,7 +30,7 @@ METRICS = (
     ("imbalance", "imbalance_mean", "{:.3f}"),
     ("imbalance p99", "imbalance_p99", "{:.3f}"),
 )
-DEFAULT_METHODS = "total_requests,total_tokens,vllm,inflight_requests,inflight_tokens"
+DEFAULT_METHODS = "total_requests,total_tokens,vllm,inflight_requests,inflight_tokens,inflight_backlog"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from dpboard.controller import (
 from dpboard.controller.budget import PyArgminCore
 
 M = LoadBalanceMethod
-LOAD_AWARE = [M.TOTAL_REQUESTS, M.TOTAL_TOKENS, M.INFLIGHT_REQUESTS, M.INFLIGHT_TOKENS]
+LOAD_AWARE = [M.TOTAL_REQUESTS, M.TOTAL_TOKENS, M.INFLIGHT_REQUESTS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG]
 
 
 @dataclass
@@ -51,12 +51,12 @@ class ListReader:
         return list(self.snaps)
 
     def set(self, rank: int, running: int = 0, waiting: int = 0, tokens: int = 0, seq: int | None = None,
-            received: int = 0) -> None:
+            received: int = 0, used: int = 0) -> None:
         old = self.snaps[rank]
         seq = (old.publish_seq + 1 if old else 1) if seq is None else seq
         self.snaps[rank] = LoadSnapshot(dp_rank=rank, num_running_reqs=running, num_waiting_reqs=waiting,
-                                        num_total_tokens=tokens, num_received_reqs=received, publish_seq=seq,
-                                        timestamp_ns=seq)
+                                        num_used_tokens=used, num_total_tokens=tokens,
+                                        num_received_reqs=received, publish_seq=seq, timestamp_ns=seq)
 
 
 class FakeClock:
@@ -110,7 +110,8 @@ def test_explicit_methods_resolve_to_themselves_in_any_mode():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for mode in (None, "prefill", "decode"):
-            for m in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.FOLLOW_BOOTSTRAP_ROOM, M.INFLIGHT_TOKENS):
+            for m in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.FOLLOW_BOOTSTRAP_ROOM, M.INFLIGHT_TOKENS,
+                      M.INFLIGHT_BACKLOG):
                 assert resolve_load_balance_method(m.value.upper().replace("_", "-"), mode) is m
 
 
@@ -246,7 +247,72 @@ def test_total_tokens_ties_go_to_the_lowest_index():
     assert d.dispatch(Req(input_ids=[])) == 0
 
 
-@pytest.mark.parametrize("method", [M.TOTAL_REQUESTS, M.TOTAL_TOKENS])
+# -- inflight_backlog (dpboard) -------------------------------------------------------------------------
+
+
+def test_inflight_backlog_keys_on_queued_prefill_tokens_then_total_tokens():
+    d, reader, _ = make(M.INFLIGHT_BACKLOG, n=3)
+    reader.set(0, tokens=9000, used=9000, running=40)  # a big decode batch, nothing queued: backlog 0
+    reader.set(1, tokens=500, used=100)  # light, but 400 prompt tokens wait for prefill
+    reader.set(2, tokens=300, used=0, waiting=1)  # 300 queued
+    # backlogs (0, 400, 300) -> 0; +250 -> (250, 400, 300) -> 0; (500, 400, 300) -> 2;
+    # (500, 400, 550) -> 1; (500, 650, 550) -> 0
+    assert [d.dispatch(Req(input_ids=[0] * 250)) for _ in range(5)] == [0, 0, 2, 1, 0]
+    assert d.budget.backlog.tolist() == [750, 650, 550]
+    assert d.budget.total_tokens.tolist() == [9750, 750, 550]
+
+
+def test_inflight_backlog_breaks_equal_queues_by_the_lighter_decode_batch_and_rotates():
+    d, reader, _ = make(M.INFLIGHT_BACKLOG, n=4)
+    for r, used in enumerate([5000, 3000, 3000, 8000]):
+        reader.set(r, tokens=used, used=used)  # every queue empty
+    # (0, tokens): rank 1 and 2 tie at 3000 -> 1, the scan then starts at 2 -> 2 (3000 < 3010),
+    # then backlogs (0 for 0 and 3, 10 for 1 and 2): 0 (5000 < 8000), then 3
+    assert [d.dispatch(Req(input_ids=[0] * 10)) for _ in range(4)] == [1, 2, 0, 3]
+
+
+def test_inflight_backlog_keeps_requests_in_flight_across_a_refresh():
+    d, reader, clock = make(M.INFLIGHT_BACKLOG, n=2)
+    reader.set(0, tokens=0, received=0)
+    reader.set(1, tokens=0, received=0)
+    assert [d.dispatch(Req(input_ids=[0] * 100)) for _ in range(2)] == [0, 1]
+    assert d.dispatch(Req(input_ids=[0] * 100)) == 0
+    # rank 0 received both of its requests, prefilled them (KV in use: no longer queued); rank 1's
+    # request is still on its way, so its snapshot shows nothing yet
+    reader.set(0, tokens=200, used=200, running=2, received=2)
+    reader.set(1, tokens=0, received=0)
+    clock.now += 0.03
+    assert d.dispatch(Req(input_ids=[])) == 0  # refreshed: backlog (0, 100 in flight)
+    assert d.budget.backlog.tolist() == [0, 100]
+    assert d.budget.total_tokens.tolist() == [200, 100]
+    assert d.budget.in_flight().tolist() == [1, 1]  # rank 0's: the empty request just sent
+
+
+def test_inflight_backlog_is_health_aware(board_name):
+    with Board.create(board_name, n_slots=2) as board:
+        board.writer(0).publish_values(0, 0, 0, 0, 0, 100, 0)  # idle, but about to go stale
+        time.sleep(0.06)
+        board.writer(1).publish_values(0, 5, 0, 500, 500, 1000, 0)  # 500 queued tokens, alive
+        d = Dispatcher(M.INFLIGHT_BACKLOG, 2, reader=board.reader(stale_after=0.05))
+        assert d.dispatch(Req()) == 1
+
+
+def test_inflight_backlog_on_the_command_line_and_in_the_sglang_signature():
+    from dpboard.controller.methods import METHOD_CHOICES
+
+    assert "inflight_backlog" in METHOD_CHOICES
+    assert resolve_load_balance_method("inflight-backlog") is M.INFLIGHT_BACKLOG
+    budget = DPBudget(2, inflight_accounting=True)
+    budget.update_budget([LoadSnapshot(dp_rank=0, num_used_tokens=0, num_total_tokens=50, publish_seq=1),
+                          LoadSnapshot(dp_rank=1, num_used_tokens=900, num_total_tokens=900, publish_seq=1)])
+    assert budget.dispatch(M.TOTAL_TOKENS, 10) == 0  # 50 < 900 tokens
+    assert budget.dispatch(M.INFLIGHT_BACKLOG, 10) == 1  # 0 < 60 queued
+    with pytest.raises(ValueError, match="by_backlog needs the backlog array"):
+        PyArgminCore(*(budget.total_tokens, budget.total_requests, budget.candidate, budget.routable,
+                       budget.sent_reqs, budget.sent_tokens, None), by_backlog=True)
+
+
+@pytest.mark.parametrize("method", [M.TOTAL_REQUESTS, M.TOTAL_TOKENS, M.INFLIGHT_BACKLOG])
 def test_load_aware_picks_only_active_available_slots(method):
     d, reader, _ = make(method, n=4, active=[1, 2, 3])
     reader.set(0, tokens=0)
@@ -450,10 +516,16 @@ def test_argmin_never_picks_a_rank_with_a_strictly_lower_budget_elsewhere(method
     for r, (q, tokens) in enumerate(loads):
         reader.set(r, running=q, tokens=tokens)
     d.refresh()
+    b = d.budget
     for size in sizes:
-        before = list(zip(d.budget.total_tokens.tolist(), d.budget.total_requests.tolist(), strict=True))
+        before = list(zip(b.total_tokens.tolist(), b.total_requests.tolist(), b.backlog.tolist(), strict=True))
         rank = d.dispatch(Req(input_ids=[0] * size))
-        key = (lambda t: t) if method.by_tokens else (lambda t: t[1])
+        if method.by_backlog:
+            key = lambda t: (t[2], t[0])  # noqa: E731
+        elif method.by_tokens:
+            key = lambda t: (t[0], t[1])  # noqa: E731
+        else:
+            key = lambda t: t[1]  # noqa: E731
         assert all(key(before[rank]) <= key(before[r]) for r in range(n))
 
 
@@ -476,21 +548,26 @@ def test_a_burst_inside_one_window_spreads_by_speculative_updates(n, method):
 @given(
     n=st.integers(1, 9),
     rotate=st.booleans(),
-    by_tokens=st.booleans(),
+    key=st.sampled_from(["requests", "tokens", "backlog"]),
     ops=st.lists(
         st.tuples(st.integers(0, 3), st.integers(0, 50), st.one_of(st.none(), st.integers(-1, 9))),
         max_size=40,
     ),
     data=st.data(),
 )
-def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, by_tokens, ops, data):
+def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, key, ops, data):
     mask = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    budgets = [DPBudget(n, by_tokens=by_tokens, rotate_ties=rotate, inflight_accounting=True,
-                        use_extension=use) for use in (True, False)]
+    # a snapshot per rank, so that the backlog (total - used) and the tokens disagree on the order
+    loads = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=n, max_size=n))
+    snaps = [LoadSnapshot(dp_rank=r, num_used_tokens=used, num_total_tokens=used + queued, publish_seq=1,
+                          timestamp_ns=1) for r, (used, queued) in enumerate(loads)]
+    budgets = [DPBudget(n, by_tokens=key == "tokens", by_backlog=key == "backlog", rotate_ties=rotate,
+                        inflight_accounting=True, use_extension=use) for use in (True, False)]
     assert isinstance(budgets[1].core, PyArgminCore) and not isinstance(budgets[0].core, PyArgminCore)
     for b in budgets:
         b.set_candidates(mask)
         b.set_routable([not m for m in mask])
+        b.update_budget(snaps)
 
     def outcome(b, op):
         kind, size, routed = op
@@ -506,7 +583,7 @@ def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, by_tokens, ops,
     for op in ops:
         results = [outcome(b, op) for b in budgets]
         assert results[0] == results[1]
-    for name in ("total_tokens", "total_requests", "sent_reqs", "sent_tokens", "ring"):
+    for name in ("total_tokens", "total_requests", "backlog", "sent_reqs", "sent_tokens", "ring"):
         assert getattr(budgets[0], name).tolist() == getattr(budgets[1], name).tolist()
 
 

@@ -29,7 +29,7 @@ ALL_METHODS = [
     "vllm",
     "inflight_requests",
     "inflight_tokens",
-    "backlog",
+    "inflight_backlog",
 ]
 
 
@@ -152,7 +152,7 @@ def test_single_request_ttft_is_transit_plus_prefill():
 #                    start 0 -> D0 | rank 0: snapshot 1 + D in flight = 2; (2,1,1) from 1 -> E1, F2, G0
 # inflight_tokens:   A0 B1 C2 | 0 + in flight (1000,100,100) from 0 -> D1 | rank 1: 101 + D's 100 = 201,
 #                    rank 2: 101, scanning from 2 -> E2 (111), F2 (121), G2 (131)
-# backlog:           keys (queued tokens, total tokens), both with in flight added; rotation as above:
+# inflight_backlog:  keys (queued tokens, total tokens), both with in flight added; rotation as above:
 #                    A0 B1 C2 | (1000,1000) (100,100) (100,100) from 0 -> D1 | rank 0 (0, 1001),
 #                    rank 1 (0 + D's 100, 201), rank 2 (0, 101), from 2 -> E2, now (10, 111); from 0:
 #                    rank 0's queue is empty -> F0, now (10, 1011); from 1 -> G2 (10, 111) over rank 0
@@ -165,7 +165,7 @@ HAND_EXPECTED = {
     "inflight_requests": [0, 1, 2, 0, 1, 2, 0],
     "inflight_tokens": [0, 1, 2, 1, 2, 2, 2],
     "vllm": [0, 1, 2, 0, 1, 2, 0],
-    "backlog": [0, 1, 2, 1, 2, 0, 2],
+    "inflight_backlog": [0, 1, 2, 1, 2, 0, 2],
 }
 
 
@@ -228,7 +228,7 @@ def test_without_throttle_and_speculation_a_burst_lands_on_one_rank(method):
     assert burst_ranks(method, refresh_interval=0.02) == Counter({0: 16, 1: 16, 2: 16, 3: 16})
 
 
-@pytest.mark.parametrize("method", ["inflight_requests", "inflight_tokens", "backlog"])
+@pytest.mark.parametrize("method", ["inflight_requests", "inflight_tokens", "inflight_backlog"])
 def test_inflight_accounting_spreads_a_burst_even_without_the_throttle(method):
     # A fresh snapshot that has not seen the burst yet cannot erase it: what is in flight is added.
     assert burst_ranks(method, refresh_interval=0.0) == Counter({0: 16, 1: 16, 2: 16, 3: 16})

@@ -1,7 +1,7 @@
 """The load budget of load-aware dispatch: per-rank NumPy arrays, refreshed vectorised from the board.
 
 ``DPBudget`` holds, per rank, the load the controller believes the rank has (``total_requests``,
-``total_tokens``), which ranks the argmin may pick (``candidate``) and which a routed request may
+``total_tokens``, and ``backlog``: prompt tokens queued for prefill), which ranks the argmin may pick (``candidate``) and which a routed request may
 target (``routable``), and a ledger of what it sent (``sent_reqs``, ``sent_tokens``, and a ring of
 cumulative sent tokens for exact in-flight accounting). A pick and its speculative charge are done
 by ``dpboard._dispatch.ArgminCore`` in place on these arrays; ``PyArgminCore`` below is the same
@@ -10,7 +10,8 @@ rules in plain Python (the tests run both and compare).
 Refresh rules (SPEC 5.3, 5.4):
 - seed (SGLang) behaviour: a rank whose snapshot changed (``publish_seq`` or ``timestamp_ns``) since the
   last refresh gets ``total_requests = running + waiting`` and ``total_tokens = num_total_tokens``,
-  which overwrites the speculative charges on it; an unchanged or missing snapshot leaves the rank as
+  and ``backlog = num_total_tokens - num_used_tokens`` (the seqlens still waiting for KV), which
+  overwrites the speculative charges on it; an unchanged or missing snapshot leaves the rank as
   it is, so a rank with no snapshot counts as zero plus what was charged to it.
 - in-flight accounting: the budget is always *snapshot + what is in flight*: ``in_flight = sent -
   received`` requests, and their tokens come from the ring (the cumulative tokens after each send),
@@ -53,12 +54,16 @@ class PyArgminCore:
         ring: np.ndarray | None,
         by_tokens: bool = True,
         rotate: bool = False,
+        backlog: np.ndarray | None = None,
+        by_backlog: bool = False,
     ):
-        self.tokens, self.requests = tokens, requests
+        if by_backlog and backlog is None:
+            raise ValueError("by_backlog needs the backlog array (queued prefill tokens per rank)")
+        self.tokens, self.requests, self.backlog = tokens, requests, backlog
         self.candidate, self.routable = candidate, routable
         self.sent_reqs, self.sent_tokens, self.ring = sent_reqs, sent_tokens, ring
         self.n = len(tokens)
-        self.by_tokens, self.rotate = bool(by_tokens), bool(rotate)
+        self.by_tokens, self.rotate, self.by_backlog = bool(by_tokens), bool(rotate), bool(by_backlog)
         self.next_start = 0
 
     @staticmethod
@@ -98,7 +103,12 @@ class PyArgminCore:
             i = (start + k) % n
             if not self.candidate[i]:
                 continue
-            key = (int(self.tokens[i]), int(self.requests[i])) if self.by_tokens else int(self.requests[i])
+            if self.by_backlog:
+                key = (int(self.backlog[i]), int(self.tokens[i]))
+            elif self.by_tokens:
+                key = (int(self.tokens[i]), int(self.requests[i]))
+            else:
+                key = int(self.requests[i])
             if best < 0 or key < best_key:
                 best, best_key = i, key
         if best < 0:
@@ -113,6 +123,8 @@ class PyArgminCore:
     def charge(self, rank: int, tokens: int) -> None:
         self.tokens[rank] += tokens
         self.requests[rank] += 1
+        if self.backlog is not None:
+            self.backlog[rank] += tokens
         self.sent_reqs[rank] += 1
         self.sent_tokens[rank] += tokens
         if self.ring is not None:
@@ -121,6 +133,8 @@ class PyArgminCore:
     def _uncharge(self, rank: int, tokens: int) -> None:
         self.tokens[rank] -= tokens
         self.requests[rank] -= 1
+        if self.backlog is not None:
+            self.backlog[rank] -= tokens
         self.sent_reqs[rank] -= 1
         self.sent_tokens[rank] -= tokens
 
@@ -179,6 +193,7 @@ class DPBudget:
         num_workers: int,
         *,
         by_tokens: bool = True,
+        by_backlog: bool = False,
         rotate_ties: bool = False,
         inflight_accounting: bool = False,
         ledger_capacity: int = DEFAULT_LEDGER_CAPACITY,
@@ -193,6 +208,7 @@ class DPBudget:
         self.inflight_accounting = bool(inflight_accounting)
         self.total_requests = np.zeros(n, np.int64)
         self.total_tokens = np.zeros(n, np.int64)
+        self.backlog = np.zeros(n, np.int64)  # prompt tokens queued for prefill (in flight included)
         self.candidate = np.ones(n, np.uint8)
         self.routable = np.ones(n, np.uint8)
         self.sent_reqs = np.zeros(n, np.int64)
@@ -203,6 +219,7 @@ class DPBudget:
         self.last_timestamp_ns = np.zeros(n, np.int64)
         self.snap_requests = np.zeros(n, np.int64)
         self.snap_tokens = np.zeros(n, np.int64)
+        self.snap_backlog = np.zeros(n, np.int64)
         self.snap_received = np.zeros(n, np.int64)
         # received = received_base + (requests of ours the rank has acknowledged)
         self.received_base = np.zeros(n, np.int64)
@@ -220,6 +237,8 @@ class DPBudget:
             self.ring,
             by_tokens=by_tokens,
             rotate=rotate_ties,
+            backlog=self.backlog,
+            by_backlog=by_backlog,
         )
 
     # -- refresh ------------------------------------------------------------------------------------
@@ -250,11 +269,14 @@ class DPBudget:
             self.last_timestamp_ns[idx] = sel["timestamp_ns"]
             self.snap_requests[idx] = sel["num_running_reqs"] + sel["num_waiting_reqs"]
             self.snap_tokens[idx] = sel["num_total_tokens"]
+            # seqlens of requests not yet holding KV: the prefill work still ahead on the rank
+            self.snap_backlog[idx] = np.maximum(sel["num_total_tokens"] - sel["num_used_tokens"], 0)
             self.snap_received[idx] = sel["num_received_reqs"]
             if not self.inflight_accounting:
                 # SGLang: a new snapshot overwrites the speculative charges of its rank
                 self.total_requests[idx] = self.snap_requests[idx]
                 self.total_tokens[idx] = self.snap_tokens[idx]
+                self.backlog[idx] = self.snap_backlog[idx]
         if self.inflight_accounting:
             self._recompute_with_in_flight()
 
@@ -279,6 +301,7 @@ class DPBudget:
             in_flight_tokens[overflow] = (in_flight[overflow] * mean[overflow]).astype(np.int64)
         self.total_requests[:] = self.snap_requests + in_flight
         self.total_tokens[:] = self.snap_tokens + in_flight_tokens
+        self.backlog[:] = self.snap_backlog + in_flight_tokens
 
     def in_flight(self) -> np.ndarray:
         """Requests sent to each rank that its last snapshot had not yet counted as received."""
@@ -293,6 +316,7 @@ class DPBudget:
             if not m.is_load_aware:
                 raise ValueError(f"DPBudget.dispatch needs a load-aware method, got {m.value}")
             self.core.by_tokens = m.by_tokens
+            self.core.by_backlog = m.by_backlog
         return self.core.pick_tokens(int(estimated_tokens))
 
     def charge(self, rank: int, tokens: int) -> None:

@@ -103,6 +103,7 @@ class Dispatcher:
         self.budget = DPBudget(
             n,
             by_tokens=self.method.by_tokens,
+            by_backlog=self.method.by_backlog,
             rotate_ties=self.rotate_ties,
             inflight_accounting=self.inflight_accounting,
             ledger_capacity=ledger_capacity,

@@ -10,8 +10,9 @@ class LoadBalanceMethod(str, enum.Enum):
     """How the controller picks a DP rank for a request without ``routed_dp_rank``.
 
     The first four are SGLang's and behave exactly like it by default. The ``inflight_*`` methods are
-    dpboard's: the same argmin with exact in-flight accounting, health-aware candidates and rotating
-    ties switched on (docs/DISPATCH.md says when to use which).
+    dpboard's, with exact in-flight accounting, health-aware candidates and rotating ties switched on:
+    ``inflight_requests`` and ``inflight_tokens`` keep SGLang's keys; ``inflight_backlog`` keys on the
+    prefill work queued at the rank (docs/DISPATCH.md says when to use which).
     """
 
     ROUND_ROBIN = "round_robin"
@@ -20,6 +21,7 @@ class LoadBalanceMethod(str, enum.Enum):
     TOTAL_TOKENS = "total_tokens"
     INFLIGHT_REQUESTS = "inflight_requests"
     INFLIGHT_TOKENS = "inflight_tokens"
+    INFLIGHT_BACKLOG = "inflight_backlog"
 
     @property
     def is_load_aware(self) -> bool:
@@ -32,9 +34,24 @@ class LoadBalanceMethod(str, enum.Enum):
         return self in (LoadBalanceMethod.TOTAL_TOKENS, LoadBalanceMethod.INFLIGHT_TOKENS)
 
     @property
+    def by_backlog(self) -> bool:
+        """True when the argmin key is (queued prefill tokens, tokens): the ``inflight_backlog`` key.
+
+        A new request's first token comes after the prompts queued ahead of it on the rank (prefill
+        runs before decode), so the rank with the least queued prefill work answers first; among
+        equal queues (most often empty ones) the lighter decode batch (fewer KV tokens) wins, as its
+        steps are shorter and its cache has more room to admit the prompt.
+        """
+        return self is LoadBalanceMethod.INFLIGHT_BACKLOG
+
+    @property
     def is_improved(self) -> bool:
         """True for dpboard's own methods (in-flight accounting, health-aware, rotating ties on)."""
-        return self in (LoadBalanceMethod.INFLIGHT_REQUESTS, LoadBalanceMethod.INFLIGHT_TOKENS)
+        return self in (
+            LoadBalanceMethod.INFLIGHT_REQUESTS,
+            LoadBalanceMethod.INFLIGHT_TOKENS,
+            LoadBalanceMethod.INFLIGHT_BACKLOG,
+        )
 
     def __str__(self) -> str:
         return self.value
