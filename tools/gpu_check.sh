@@ -5,33 +5,44 @@
 #
 #   OUT=/tmp/out tools/gpu_check.sh
 #
-# It installs nothing from the network: CuPy and numba-cuda come from wheels carried in the tree
-# (shared/wheels) when present, else whatever is installed is used.
+# It installs nothing from the network. The lent H200 machine's python3 (3.12) already has numba,
+# numba-cuda, cupy, msgpack, rich, prometheus-client, pytest and hypothesis; posix_ipc and pyzmq travel
+# as wheels in .whl/ (git-ignored; carry it). Prepare them here once per session:
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl posix-ipc pyzmq
+#
+# then run it with the device tool: command `OUT=$OUT bash tools/gpu_check.sh`, carry [".whl"].
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
+# The device tool brings back at most 8 files from $OUT: logs go to $LOGS and travel as one tarball.
+LOGS="$(mktemp -d /tmp/gpu_check_logs.XXXXXX)"
 mkdir -p "$OUT"
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+    if [ -x .venv/bin/python ] && .venv/bin/python -c "import numpy" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
 fi
 status=0
-log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+log() { echo "== $*" | tee -a "$LOGS/summary.txt"; }
 
-log "machine: $(hostname) $(date -u +%FT%TZ)"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed (no GPU driver?)"
+log "machine: $(hostname) $(date -u +%FT%TZ) python: $("$PY" --version 2>&1)"
+nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed (no GPU driver?)"
 
-if [ -d shared/wheels ]; then
-    log "installing CUDA extras from shared/wheels"
-    "$PY" -m pip install --no-index --find-links shared/wheels cupy-cuda12x numba-cuda >"$OUT/pip.log" 2>&1 \
-        || log "pip install from shared/wheels failed (see pip.log); using what is installed"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    log "installing carried wheels from .whl/"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >"$LOGS/pip.log" 2>&1 || log "pip install of .whl/ failed (see pip.log)"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! "$PY" -c "import dpboard._seqlock" 2>/dev/null; then
-    log "building dpboard in place"
-    "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/pip-dpboard.log" 2>&1 \
-        || { log "cannot build dpboard (see pip-dpboard.log)"; exit 1; }
+if ! "$PY" -c "import dpboard._seqlock, dpboard._dispatch" 2>/dev/null; then
+    log "building dpboard's C extensions in place"
+    "$PY" -c "from setuptools import setup; setup()" build_ext --inplace >"$LOGS/build.log" 2>&1 \
+        || { log "cannot build dpboard (see build.log)"; exit 1; }
 fi
-"$PY" - >"$OUT/versions.txt" 2>&1 <<'PYEOF'
+"$PY" - >"$LOGS/versions.txt" 2>&1 <<'PYEOF'
 import importlib
 for m in ("numpy", "numba", "numba_cuda", "cupy"):
     try:
@@ -43,21 +54,24 @@ print("cupy usable:", kernels_cuda.cupy_available())
 from numba import cuda
 print("numba.cuda usable:", cuda.is_available())
 PYEOF
-cat "$OUT/versions.txt" | tee -a "$OUT/summary.txt"
+cat "$LOGS/versions.txt" | tee -a "$LOGS/summary.txt"
 
 log "CUDA tests (real GPU, no simulator) + nvcc"
-NUMBA_ENABLE_CUDASIM=0 DPBOARD_GPU_CHECK_OUT="$OUT" timeout 420 "$PY" -m pytest -q -p no:cacheprovider -rs \
+NUMBA_ENABLE_CUDASIM=0 DPBOARD_GPU_CHECK_OUT="$LOGS" timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/test_kernels_gpu.py tests/test_kernels.py -k "not simulator" \
-    --junitxml="$OUT/pytest-gpu.xml" >"$OUT/pytest-gpu.log" 2>&1 || status=1
-tail -n 15 "$OUT/pytest-gpu.log" | tee -a "$OUT/summary.txt"
+    --junitxml="$LOGS/pytest-gpu.xml" >"$LOGS/pytest-gpu.log" 2>&1 || status=1
+tail -n 15 "$LOGS/pytest-gpu.log" | tee -a "$LOGS/summary.txt"
 
 log "kernel benchmark"
-timeout 300 "$PY" tools/bench_kernels.py --quick --json "$OUT/bench_kernels.json" >"$OUT/bench_kernels.md" 2>&1 \
+timeout 180 "$PY" tools/bench_kernels.py --quick --json "$LOGS/bench_kernels.json" >"$LOGS/bench_kernels.md" 2>&1 \
     || status=1
-cat "$OUT/bench_kernels.md" | tee -a "$OUT/summary.txt"
+cat "$LOGS/bench_kernels.md" | tee -a "$LOGS/summary.txt"
 
-for f in "$OUT"/gpu_direct_*.json; do
-    [ -e "$f" ] && { log "$(basename "$f")"; cat "$f" | tee -a "$OUT/summary.txt"; echo; }
+for f in "$LOGS"/gpu_direct_*.json; do
+    [ -e "$f" ] && { log "$(basename "$f")"; cat "$f" | tee -a "$LOGS/summary.txt"; echo; cp "$f" "$OUT/"; }
 done
 log "exit status $status"
+cp "$LOGS/summary.txt" "$OUT/summary.txt"
+[ -e "$LOGS/bench_kernels.json" ] && cp "$LOGS/bench_kernels.json" "$OUT/"
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 exit $status
