@@ -39,7 +39,8 @@ def tables(draw):
     """Random tables: sizes, dtypes and value ranges drawn by hypothesis, contents from a drawn seed."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     n_req = draw(st.integers(0, 300))
-    n_pages = draw(st.integers(0, 600))
+    # below and above one 255-word block of byte pages (2040 pages), where the byte pass changes method
+    n_pages = draw(st.one_of(st.integers(0, 600), st.integers(2000, 6200)))
     req_codes = draw(st.sampled_from([list(ReqState), [ReqState.FREE], [ReqState.PREALLOC, ReqState.TRANSFER]]))
     page_codes = draw(st.sampled_from([list(PageState), [PageState.FREE], [PageState.USED], [PageState.EVICTABLE]]))
     seqlen_dtype = draw(st.sampled_from(SEQLEN_DTYPES))
@@ -232,3 +233,29 @@ def test_importing_loads_does_not_import_numba():
     code = "import sys, dpboard.loads, dpboard; dpboard.ReqState; print('numba' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("n_pages", [2040, 2047, 4080 + 13, 1 << 16])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+def test_bad_page_codes_are_counted_exactly_in_blocks_and_tail(n_pages, dtype):
+    """The byte pass counts whole 255-word blocks in byte lanes and only flags codes above 2; the
+    count of bad codes must still be exact wherever they sit, serial and parallel alike."""
+    from dpboard import kernels_cpu
+
+    rng = np.random.default_rng(n_pages)
+    state, seqlen, _ = good()
+    bad_values = [3, 7, 0x7F, 0x80, 0xFF] if dtype == np.uint8 else [3, 7, 0x7F, -1, -128]
+    # each bad value alone (so that no other bad byte raises the flag for it), then several at once
+    cases = [[(pos, v)] for v in bad_values for pos in (0, 2039, n_pages // 2, n_pages - 1)]
+    cases.append([(5, bad_values[0]), (2039, bad_values[3]), (n_pages // 2, bad_values[4]),
+                  (n_pages - 1, bad_values[2])])
+    for case in cases:
+        pages = rng.integers(0, 3, n_pages).astype(dtype)
+        for pos, value in case:
+            pages[pos] = np.array(value).astype(dtype)
+        reference = raw_counts_numpy(state, seqlen, pages)
+        serial = kernels_cpu.raw_counts(state, seqlen, pages)
+        parallel = kernels_cpu.raw_counts(state, seqlen, pages, req_parallel_min=0, page_parallel_min=0)
+        assert reference[7] == len({pos for pos, _ in case})
+        assert list(serial) == list(reference), case
+        assert list(parallel) == list(reference), case
