@@ -377,3 +377,30 @@ def test_clean_removes_boards_of_dead_creators_only(board):
         assert Path("/dev/shm", f"dpboard.{board.name}").exists()
     finally:
         path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("command", [["dump"], ["dump", "--json"], ["info"], ["ls"]])
+def test_read_only_commands_print_the_board_without_importing_numba(board, command):
+    board.writer(2).publish(LoadSnapshot(2, num_running_reqs=7, num_used_tokens=64, max_total_num_tokens=128))
+    args = [command[0], *([board.name] if command[0] != "ls" else []), *command[1:]]
+    code = (
+        "import sys; from dpboard.cli import main; "
+        f"rc = main({args!r}); "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'cupy', 'llvmlite', 'zmq')); "
+        "print('HEAVY', heavy); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+    if command == ["dump"]:
+        row = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["2", "live"])
+        assert row.split()[2] == "7" and "50.0%" in row
+        assert "1 live" in proc.stdout and "7 empty" in proc.stdout
+    elif command == ["dump", "--json"]:
+        slots = json.loads(proc.stdout[: proc.stdout.rindex("HEAVY")])["slots"]
+        assert [s["status"] for s in slots].count("live") == 1
+        assert slots[2]["num_running_reqs"] == 7 and slots[2]["token_usage"] == 0.5
+    elif command == ["info"]:
+        assert "8 slots x 128 B" in proc.stdout and "1 live" in proc.stdout
+    else:
+        assert board.name in proc.stdout
