@@ -28,6 +28,7 @@ from dpboard.board import Board
 from dpboard.top import render, render_text
 from dpboard.top_frame import BoardWatch, Frame
 
+SETTLE_TIMEOUT = 3.0  # seconds for in-flight requests to reach their schedulers at the end
 READY_TIMEOUT = 120.0  # seconds for every scheduler to publish its first snapshot (cold Numba cache)
 STOP_TIMEOUT = 5.0
 
@@ -270,6 +271,7 @@ def run_demo(args: argparse.Namespace) -> int:
             stats.sent = generator.sent
             stats.load_seconds = time.monotonic() - started
             if watch is not None:
+                _settle(board, generator.sent)
                 stats.add_frame(watch.sample())
         cluster.stop()
         try:
@@ -284,6 +286,17 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print(stats.summary(args.method), flush=True)
     return 0
+
+
+def _settle(board: Board, sent: int) -> None:
+    """Waits (bounded) until the schedulers have received every request sent, so that the summary
+    does not count the last few milliseconds' requests as missing."""
+    reader = board.reader(stale_after=5.0)
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while time.monotonic() < deadline:
+        if sum(s.num_received_reqs for s in reader.read_all() if s is not None) >= sent:
+            return
+        time.sleep(0.02)
 
 
 def _tick(watch: BoardWatch, stats: RunStats, cluster: Cluster, drain: Any) -> Frame:

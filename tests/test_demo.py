@@ -57,7 +57,9 @@ def test_demo_runs_and_cleans_up():
         assert "\x1b[" not in out  # no terminal: plain frames
         assert out.count(f"board {name}") >= 3  # a frame every second or so
         assert "4 live" in out
-        check_summary(out, 4)
+        summary = check_summary(out, 4)
+        received = int(re.search(r"received by schedulers (\d+)", out).group(1))
+        assert received == summary["sent"]  # every request the controller got reached a scheduler
         assert "Traceback" not in proc.stderr
         assert not Path(f"/dev/shm/dpboard.{name}").exists()
         assert processes_mentioning(name) == []
