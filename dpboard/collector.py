@@ -41,6 +41,7 @@ import numpy as np
 import zmq
 
 from dpboard.board import Board, BoardError, BoardWriter, process_start_ticks
+from dpboard.curve import load_certificate
 from dpboard.snapshot import COLLECTOR_STATS_DTYPE, COLLECTOR_STATS_FIELDS, COLLECTOR_STATS_OFFSET
 from dpboard.wire import BAD_RANK, BAD_REASONS, MAX_FRAME_SIZE, FrameError, unpack_frame, validate_records
 
@@ -142,27 +143,6 @@ def _read_pid(fd: int) -> int:
 # -- the collector ----------------------------------------------------------------------------------
 
 
-def _load_curve_keys(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
-    import zmq.auth
-
-    if not zmq.has("curve"):
-        raise RuntimeError(
-            "CURVE security was asked for, but this libzmq has no CURVE support: install a pyzmq wheel "
-            "(they bundle libsodium) or a libzmq built with libsodium"
-        )
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"{what} {p} does not exist: create keys with `dpboard relay --keygen DIR` "
-            f"(see docs/MULTINODE.md)"
-        )
-    try:
-        public, secret = zmq.auth.load_certificate(p)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{what} {p} is not a ZMQ certificate file: {e}") from None
-    return public, secret
-
-
 class Collector:
     """The single owner of node0's relay PULL socket; writes relayed snapshots into ``board``.
 
@@ -239,7 +219,7 @@ class Collector:
             # Anything larger cannot be a frame; ZMQ cuts such a peer off instead of buffering it.
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_SIZE + 4096)
             if secret_key is not None:
-                public, secret = _load_curve_keys(secret_key, "collector certificate")
+                public, secret = load_certificate(secret_key, "collector certificate")
                 if secret is None:
                     raise ValueError(f"{secret_key} holds only a public key: give the .key_secret file")
                 if authorized is not None:

@@ -21,13 +21,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board
+from dpboard.curve import generate_certificates, load_certificate
 from dpboard.snapshot import SlotStatus
 from dpboard.wire import pack_frame
 
@@ -53,36 +53,6 @@ def parse_ranks(text: str) -> list[int]:
     if not ranks or min(ranks) < 0:
         raise ValueError(f"--ranks {text!r} must name ranks >= 0")
     return sorted(ranks)
-
-
-def _load_certificate(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
-    import zmq.auth
-
-    if not zmq.has("curve"):
-        raise RuntimeError(
-            "CURVE security was asked for, but this libzmq has no CURVE support: install a pyzmq wheel "
-            "(they bundle libsodium) or a libzmq built with libsodium"
-        )
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} {p} does not exist: create keys with `dpboard relay --keygen DIR`")
-    try:
-        return zmq.auth.load_certificate(p)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{what} {p} is not a ZMQ certificate file: {e}") from None
-
-
-def generate_certificates(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write ``name.key`` (public) and ``name.key_secret`` into ``directory``; returns both paths."""
-    import zmq.auth
-
-    if not zmq.has("curve"):
-        raise RuntimeError("this libzmq has no CURVE support: install a pyzmq wheel (they bundle libsodium)")
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(d, name)
-    os.chmod(secret, 0o600)
-    return Path(public), Path(secret)
 
 
 class Relay:
@@ -155,9 +125,9 @@ class Relay:
             s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
             if curve_server_key is not None:
-                server_public, _ = _load_certificate(curve_server_key, "collector public key")
+                server_public, _ = load_certificate(curve_server_key, "collector public key")
                 if curve_secret_key is not None:
-                    public, secret = _load_certificate(curve_secret_key, "relay certificate")
+                    public, secret = load_certificate(curve_secret_key, "relay certificate")
                     if secret is None:
                         raise ValueError(f"{curve_secret_key} holds only a public key: give the .key_secret file")
                 else:
