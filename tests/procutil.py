@@ -36,3 +36,16 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Like wait_until, but fails the test naming what did not happen."""
+    if not wait_until(predicate, timeout, interval=0.02):
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL (no clean exit wanted) and reap."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)

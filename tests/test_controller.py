@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from procutil import kill, wait_for
 
 from dpboard import Board
 from dpboard.controller.process import encode_request
@@ -52,20 +53,6 @@ def fake_scheduler(board_name: str, rank: int, endpoint: str, out_path: str) -> 
     return 0
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _controller_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "dpboard.cli", "controller", *args]
 
@@ -87,7 +74,7 @@ def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(bo
             errors.setsockopt(zmq.LINGER, 0)
             errors.bind(err_ep)
             reader = board.reader()
-            _wait(lambda: all(s is not None for s in reader.read_all()), 20, "the schedulers' first publish")
+            wait_for(lambda: all(s is not None for s in reader.read_all()), 20, "the schedulers' first publish")
             controller = subprocess.Popen(
                 _controller_cmd("--input", in_ep, "--workers", *ep.values(), "--errors", err_ep,
                                 "--method", method, "--board", board_name, "--stats-json", "--log-every", "60"),
@@ -121,7 +108,7 @@ def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(bo
             assert errors.poll(20_000), "no error answer for the invalid routed rank"
             reply = msgpack.unpackb(errors.recv(), raw=False)
             assert reply == {"rid": "bad-rank", "error": "DP rank 7 is not active."}
-            _wait(lambda: sum(s.num_received_reqs for s in reader.read_all()) == len(valid), 20,
+            wait_for(lambda: sum(s.num_received_reqs for s in reader.read_all()) == len(valid), 20,
                   "every valid request to reach a scheduler")
 
             controller.send_signal(signal.SIGTERM)
@@ -150,7 +137,7 @@ def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(bo
             assert len(set(got.values())) == n
         finally:
             for p in procs:
-                _kill(p)
+                kill(p)
             ctx.destroy(linger=0)
 
 

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import new_board_name
+from procutil import kill, wait_for
 
 from dpboard import Board, LoadSnapshot
 from dpboard.collector import Collector, CollectorBusyError, board_lock_path, endpoint_lock_path
@@ -21,20 +22,6 @@ from dpboard.controller import DataParallelController, Dispatcher
 from dpboard.controller.process import encode_request
 
 CLI = [sys.executable, "-m", "dpboard.cli"]
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
 
 
 def _pull(ctx: zmq.Context, endpoint: str, rcvhwm: int | None = None) -> zmq.Socket:
@@ -85,7 +72,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
                  "--board", name0, "--collect-bind", loads_ep, "--stats-json", "--log-every", "60"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(controller)
-            _wait(lambda: board_lock_path(name0).exists() or controller.poll() is not None, 20,
+            wait_for(lambda: board_lock_path(name0).exists() or controller.poll() is not None, 20,
                   "the controller to own the collector")
             assert controller.poll() is None, controller.communicate()[1]
             relay = subprocess.Popen(
@@ -94,7 +81,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             procs.append(relay)
             reader0 = board0.reader()
-            _wait(lambda: all(s is not None for s in reader0.read_all()), 20,
+            wait_for(lambda: all(s is not None for s in reader0.read_all()), 20,
                   "the relayed ranks to appear on node0's board")
             snaps = reader0.read_all()
             assert snaps[1].num_total_tokens == 900_000 and snaps[1].node_id == 1
@@ -136,7 +123,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
             assert not endpoint_lock_path(loads_ep).exists()
         finally:
             for p in procs:
-                _stop(p)
+                kill(p)
             ctx.destroy(linger=0)
             board1.unlink()
             board0.unlink()
@@ -193,13 +180,13 @@ def test_a_request_whose_send_fails_leaves_no_trace_in_the_ranks_load(board_name
             if batched:  # everything queued before the loop starts: it takes them as one batch
                 for frame in frames:
                     push.send(frame)
-                _wait(lambda: controller.input.poll(0), 10, "the requests to reach the controller")
+                wait_for(lambda: controller.input.poll(0), 10, "the requests to reach the controller")
                 thread.start()
             else:
                 thread.start()
                 for frame in frames:
                     push.send(frame)
-            _wait(lambda: controller.stats["received"] == count, 20, "the controller to take every request")
+            wait_for(lambda: controller.stats["received"] == count, 20, "the controller to take every request")
             rejected = _drain(errors, quiet=0.3)
             assert len(rejected) == controller.stats["send_dropped"] > 0
             assert all("queue is full" in m["error"] for m in rejected)
