@@ -316,45 +316,47 @@ static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
     return PyLong_FromSsize_t(rank);
 }
 
-static PyObject *core_charge(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The (rank, tokens) arguments of charge() and retract(), checked. */
+static int rank_tokens_args(Core *self, const char *name, PyObject *const *args, Py_ssize_t nargs,
+                            Py_ssize_t *rank, int64_t *tokens) {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "charge(rank, tokens) takes 2 arguments");
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "%s(rank, tokens) takes 2 arguments", name);
+        return -1;
     }
     Py_ssize_t r = PyLong_AsSsize_t(args[0]);
-    if (r == -1 && PyErr_Occurred()) return NULL;
+    if (r == -1 && PyErr_Occurred()) return -1;
     long long t = PyLong_AsLongLong(args[1]);
-    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (t == -1 && PyErr_Occurred()) return -1;
     if (r < 0 || r >= self->n || t < 0) {
-        PyErr_Format(PyExc_ValueError, "charge(rank, tokens) needs 0 <= rank < %zd and tokens >= 0", self->n);
-        return NULL;
+        PyErr_Format(PyExc_ValueError, "%s(rank, tokens) needs 0 <= rank < %zd and tokens >= 0", name, self->n);
+        return -1;
     }
-    charge(self, r, (int64_t)t);
+    *rank = r;
+    *tokens = (int64_t)t;
+    return 0;
+}
+
+static PyObject *core_charge(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t r;
+    int64_t t;
+    if (rank_tokens_args(self, "charge", args, nargs, &r, &t) < 0) return NULL;
+    charge(self, r, t);
     Py_RETURN_NONE;
 }
 
 /* Undo the latest charge of `tokens` to `rank`: the request never left (its send failed). */
 static PyObject *core_retract(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "retract(rank, tokens) takes 2 arguments");
-        return NULL;
-    }
-    Py_ssize_t r = PyLong_AsSsize_t(args[0]);
-    if (r == -1 && PyErr_Occurred()) return NULL;
-    long long t = PyLong_AsLongLong(args[1]);
-    if (t == -1 && PyErr_Occurred()) return NULL;
-    if (r < 0 || r >= self->n || t < 0) {
-        PyErr_Format(PyExc_ValueError, "retract(rank, tokens) needs 0 <= rank < %zd and tokens >= 0", self->n);
-        return NULL;
-    }
+    Py_ssize_t r;
+    int64_t t;
+    if (rank_tokens_args(self, "retract", args, nargs, &r, &t) < 0) return NULL;
     if (self->sent_reqs[r] < 1 || self->sent_tokens[r] < t) {
         PyErr_Format(PyExc_ValueError,
                      "retract(%zd, %lld): rank %zd has no such send in its ledger (%lld sends, %lld tokens); "
                      "retract only a pick that was charged",
-                     r, t, r, (long long)self->sent_reqs[r], (long long)self->sent_tokens[r]);
+                     r, (long long)t, r, (long long)self->sent_reqs[r], (long long)self->sent_tokens[r]);
         return NULL;
     }
-    uncharge(self, r, (int64_t)t);
+    uncharge(self, r, t);
     Py_RETURN_NONE;
 }
 
