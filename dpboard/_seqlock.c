@@ -154,26 +154,30 @@ static int writer_init(SlotWriter *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* One load field (index k) from a Python int; `prefix` names where it came from in the error. */
+static inline int parse_load_field(PyObject *item, int k, const char *prefix, int64_t *out) {
+    long long v = PyLong_AsLongLong(item);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s%s must be an integer in [0, 2**63), got %R", prefix, FIELD_NAMES[k],
+                     item);
+        return -1;
+    }
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "%s%s must be >= 0, got %lld", prefix, FIELD_NAMES[k], v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
 static int read_load_fields(PyObject *snap, int64_t *values, int64_t expected_rank) {
     if (!PyTuple_Check(snap) || PyTuple_GET_SIZE(snap) != NUM_FIELDS) {
         PyErr_Format(PyExc_TypeError, "publish() takes a LoadSnapshot, got %.100s", Py_TYPE(snap)->tp_name);
         return -1;
     }
-    for (int k = 0; k <= F_NUM_LOAD_LAST; k++) {
-        PyObject *item = PyTuple_GET_ITEM(snap, k);
-        long long v = PyLong_AsLongLong(item);
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "LoadSnapshot.%s must be an integer in [0, 2**63), got %R",
-                         FIELD_NAMES[k], item);
-            return -1;
-        }
-        if (v < 0) {
-            PyErr_Format(PyExc_ValueError, "LoadSnapshot.%s must be >= 0, got %lld", FIELD_NAMES[k], v);
-            return -1;
-        }
-        values[k] = v;
-    }
+    for (int k = 0; k <= F_NUM_LOAD_LAST; k++)
+        if (parse_load_field(PyTuple_GET_ITEM(snap, k), k, "LoadSnapshot.", &values[k]) < 0) return -1;
     if (values[F_DP_RANK] != expected_rank) {
         PyErr_Format(PyExc_ValueError,
                      "LoadSnapshot.dp_rank is %lld but this writer owns slot %lld: publish each rank "
@@ -211,20 +215,8 @@ static PyObject *writer_publish_values(SlotWriter *self, PyObject *const *args, 
         return NULL;
     }
     values[F_DP_RANK] = self->rank;
-    for (int k = 1; k <= F_NUM_LOAD_LAST; k++) {
-        long long v = PyLong_AsLongLong(args[k - 1]);
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s must be an integer in [0, 2**63), got %R", FIELD_NAMES[k],
-                         args[k - 1]);
-            return NULL;
-        }
-        if (v < 0) {
-            PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %lld", FIELD_NAMES[k], v);
-            return NULL;
-        }
-        values[k] = v;
-    }
+    for (int k = 1; k <= F_NUM_LOAD_LAST; k++)
+        if (parse_load_field(args[k - 1], k, "", &values[k]) < 0) return NULL;
     stamp(self, values);
     seqlock_write(self, values);
     Py_RETURN_NONE;
@@ -237,8 +229,14 @@ static PyObject *writer_publish_relayed(SlotWriter *self, PyObject *snap) {
     int64_t values[NUM_FIELDS];
     if (read_load_fields(snap, values, self->rank) < 0) return NULL;
     for (int k = F_TIMESTAMP_NS; k < NUM_FIELDS; k++) {
-        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(snap, k));
-        if (v == -1 && PyErr_Occurred()) return NULL;
+        PyObject *item = PyTuple_GET_ITEM(snap, k);
+        long long v = PyLong_AsLongLong(item);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "LoadSnapshot.%s must be a 64-bit integer, got %R", FIELD_NAMES[k],
+                         item);
+            return NULL;
+        }
         values[k] = v;
     }
     values[F_MONOTONIC_NS] = clock_ns(CLOCK_MONOTONIC);

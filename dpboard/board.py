@@ -46,7 +46,7 @@ MAX_SLOTS = 65536
 DEFAULT_STALE_AFTER = 1.0
 DEFAULT_MAX_RETRIES = 256
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-# Header fields up to the magic-free part, little-endian, as HEADER_DTYPE lays them out.
+# The header's fields, little-endian, at the offsets HEADER_DTYPE gives them (packed in one call).
 _HEADER_STRUCT = struct.Struct("<8sIIII q q Q 64s q Q")
 assert _HEADER_STRUCT.size == HEADER_DTYPE.itemsize
 _STATUSES = (SlotStatus.EMPTY, SlotStatus.LIVE, SlotStatus.STALE, SlotStatus.TORN)
@@ -261,6 +261,9 @@ class Board:
         try:
             os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
             mapping = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.unlink()  # not a board yet (no magic): leave no segment behind
+            raise
         finally:
             shm.close_fd()
         pid = os.getpid()

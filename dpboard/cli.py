@@ -2,7 +2,8 @@
 
 Each subcommand lives in the module named in ``COMMANDS`` and is imported only when it runs, so
 that ``dpboard dump`` or ``dpboard top`` never pay for Numba. A command module provides
-``add_arguments(parser)`` and ``run(args) -> int``.
+``add_<command>_arguments(parser)`` and ``run_<command>(args) -> int``, or plain ``add_arguments`` and
+``run`` when it has one command.
 """
 
 from __future__ import annotations
@@ -60,10 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(runner(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
-        print(f"dpboard {args.command}: {e}", file=sys.stderr)
-        return 1
-    except RuntimeError as e:  # BoardError and the like: a clear message, not a traceback
+    # BoardError is a RuntimeError: every error the commands raise on purpose is a message, not a traceback.
+    except (FileNotFoundError, FileExistsError, PermissionError, ValueError, RuntimeError) as e:
         print(f"dpboard {args.command}: {e}", file=sys.stderr)
         return 1
 

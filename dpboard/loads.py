@@ -197,6 +197,20 @@ def raw_has_errors(raw: Any) -> bool:
     return bool(raw[_BAD_REQ] or raw[_BAD_PAGE] or raw[_BAD_SEQLEN])
 
 
+def check_raw(raw: Any, req_state: Any, req_seqlen: Any, page_state: Any, *, on_device: bool) -> None:
+    """Raise the ValueError naming the first bad entry when the kernel counted any.
+
+    Device tables are copied to the host for the message, and only then: the good path costs nothing.
+    """
+    if not raw_has_errors(raw):
+        return
+    if on_device:
+        from dpboard import kernels_cuda
+
+        req_state, req_seqlen, page_state = (kernels_cuda.to_host(x) for x in (req_state, req_seqlen, page_state))
+    raise ValueError(describe_bad(raw, req_state, req_seqlen, page_state))
+
+
 # -- the NumPy reference -------------------------------------------------------------------------
 
 
@@ -283,10 +297,5 @@ def compute_loads(
     _, num_pages, on_device = check_tables(req_state, req_seqlen, page_state, page_size)
     chosen = resolve_backend(backend, on_device)
     raw = raw_counts(req_state, req_seqlen, page_state, chosen)
-    if raw_has_errors(raw):
-        if on_device:
-            from dpboard import kernels_cuda
-
-            req_state, req_seqlen, page_state = (kernels_cuda.to_host(x) for x in (req_state, req_seqlen, page_state))
-        raise ValueError(describe_bad(raw, req_state, req_seqlen, page_state))
+    check_raw(raw, req_state, req_seqlen, page_state, on_device=on_device)
     return finish_raw(raw, num_pages, int(page_size))

@@ -24,10 +24,10 @@ from dpboard.loads import (
     CUDA_BACKENDS,
     NUM_RAW,
     KVLoads,
+    check_raw,
     check_tables,
-    describe_bad,
     finish_raw,
-    raw_has_errors,
+    raw_counts_numpy,
     resolve_backend,
 )
 
@@ -50,7 +50,7 @@ class LoadPublisher:
       gpu_direct: with a CUDA backend, let the kernel write the snapshot into the board slot itself
         (no device-to-host synchronisation at all; ``step()`` then returns None). Needs a GPU; the
         slot must not be published by anything else meanwhile.
-      node_id, takeover: passed to ``board.writer``.
+      node_id, takeover: passed to ``board.writer`` (ignored when ``board`` is already a writer).
 
     ``step(num_received_reqs=n)`` computes and publishes, returns the ``KVLoads`` it published.
     Bad tables (codes outside the enums, negative seqlens) raise ValueError and publish nothing.
@@ -73,12 +73,10 @@ class LoadPublisher:
             if rank is None:
                 raise ValueError("rank is required when a Board is given: LoadPublisher(board, rank, tables, ...)")
             self.writer = board.writer(rank, node_id=node_id, takeover=takeover)
-            board_node = board.node_id if node_id is None else node_id
         elif isinstance(board, BoardWriter):
             if rank is not None and rank != board.rank:
                 raise ValueError(f"rank {rank} does not match the writer's rank {board.rank}")
             self.writer = board
-            board_node = node_id or 0
         else:
             raise ValueError(f"board must be a dpboard Board or BoardWriter, got {type(board).__name__}")
         if tables is None:
@@ -90,6 +88,7 @@ class LoadPublisher:
         self._num_pages = 0
         self._raw = np.zeros(NUM_RAW, dtype=np.int64)
         self._kernel: Any = None
+        self._parallel_min = (0, 0)
         self._direct: Any = None
         self._requested_backend = backend
         self.backend = ""
@@ -103,7 +102,9 @@ class LoadPublisher:
                 )
             from dpboard import kernels_cuda
 
-            self._direct = kernels_cuda.direct_publisher(self.writer, int(page_size), self.backend, board_node)
+            # The writer's node id, so that the kernel stamps what a host publish would stamp.
+            self._direct = kernels_cuda.direct_publisher(self.writer, int(page_size), self.backend,
+                                                         self.writer.node_id)
 
     # -- tables --------------------------------------------------------------------------------
 
@@ -121,6 +122,8 @@ class LoadPublisher:
             from dpboard import kernels_cpu
 
             self._kernel = kernels_cpu.kernel_for(tables[2])
+            # Looked up once here, not per step: step() is the scheduler's hot path.
+            self._parallel_min = (kernels_cpu.REQ_PARALLEL_MIN, kernels_cpu.PAGE_PARALLEL_MIN)
         elif backend in CUDA_BACKENDS:
             from dpboard import kernels_cuda
 
@@ -138,25 +141,16 @@ class LoadPublisher:
 
     def compute(self) -> KVLoads:
         """The loads of the current tables, without publishing (ValueError on bad tables)."""
-        state, seqlen, pages = tables = self._current_tables()
+        state, seqlen, pages = self._current_tables()
         backend = self.backend
         if backend == "numba":
-            from dpboard.kernels_cpu import PAGE_PARALLEL_MIN, REQ_PARALLEL_MIN
-
-            self._kernel(state, seqlen, pages, self._raw, REQ_PARALLEL_MIN, PAGE_PARALLEL_MIN)
+            self._kernel(state, seqlen, pages, self._raw, *self._parallel_min)
             raw = self._raw
         elif backend == "numpy":
-            from dpboard.loads import raw_counts_numpy
-
             raw = raw_counts_numpy(state, seqlen, pages)
         else:
             raw = self._kernel.raw_counts(state, seqlen, pages)
-        if raw_has_errors(raw):
-            if backend in CUDA_BACKENDS:
-                from dpboard.kernels_cuda import to_host
-
-                tables = tuple(to_host(x) for x in tables)  # type: ignore[assignment]
-            raise ValueError(describe_bad(raw, *tables))
+        check_raw(raw, state, seqlen, pages, on_device=backend in CUDA_BACKENDS)
         return finish_raw(raw, self._num_pages, self.page_size)
 
     def step(self, num_received_reqs: int = 0) -> KVLoads | None:

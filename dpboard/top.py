@@ -15,6 +15,7 @@ import io
 import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rich import box
@@ -249,30 +250,30 @@ def live_view(watch: BoardWatch, console: Console, *, interval: float, sort: str
               iterations: int = 0, should_stop: Any = None, hint: str = "Ctrl-C to quit") -> None:
     """Redraw the frame in place every ``interval`` seconds (rich.Live on the alternate screen)."""
     hint = f"refresh {interval:g}s  sort {sort}  stale after {watch.stale_after:g}s  {hint}"
-    n = 0
     with Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False,
               redirect_stderr=False) as live:
-        while True:
-            started = time.monotonic()
-            frame = watch.sample()
+        for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
             rows_fit = max(console.size.height - HEADER_LINES - 1, 1)
             live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint), refresh=True)
-            n += 1
-            if (iterations and n >= iterations) or (should_stop is not None and should_stop()):
-                return
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
 def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iterations: int = 0,
                  should_stop: Any = None, out: Any = None) -> None:
     """Without a terminal: a plain-text frame every ``interval`` seconds, separated by a blank line."""
     out = out or sys.stdout
+    for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
+        out.write(render_text(frame, sort=sort) + "\n")
+        out.flush()
+
+
+def paced_frames(watch: BoardWatch, *, interval: float, iterations: int = 0,
+                 should_stop: Any = None) -> Iterator[Frame]:
+    """A frame every ``interval`` seconds (time spent showing one counts against the wait), until
+    ``iterations`` frames were shown (0: no limit) or ``should_stop()`` says so."""
     n = 0
     while True:
         started = time.monotonic()
-        frame = watch.sample()
-        out.write(render_text(frame, sort=sort) + "\n")
-        out.flush()
+        yield watch.sample()
         n += 1
         if (iterations and n >= iterations) or (should_stop is not None and should_stop()):
             return

@@ -18,12 +18,12 @@ from typing import Any
 
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board, BoardError, BoardReader, validate_name
 from dpboard.inspect import slot_rows, status_counts
-from dpboard.snapshot import MAGIC
+from dpboard.snapshot import HEADER_DTYPE, MAGIC
 
 DEFAULT_HISTORY = 32
-# Where the header keeps the board's generation (see HEADER_DTYPE): read alone to spot a new board.
+# The header's generation word, read alone (not the whole header) to spot a replaced board.
 _GENERATION = struct.Struct("<Q")
-_GENERATION_OFFSET = 40
+_GENERATION_OFFSET: int = HEADER_DTYPE.fields["generation"][1]
 
 SORT_KEYS: dict[str, tuple[str, bool]] = {
     # name -> (row field, descending)
@@ -195,9 +195,8 @@ class BoardWatch:
         """Read every slot once and derive what the views show."""
         if self._board is not None and not self._still_there():
             self._lose_board()
-            # A board of the same name may already be back (a restarted creator): take it at once.
-            self._attach()
-        elif self._board is None:
+        if self._board is None:
+            # Also right after a loss: a board of that name may already be back (a restarted creator).
             self._attach()
         now_wall = time.time_ns()
         if self._board is None or self._reader is None:
