@@ -183,7 +183,7 @@ static int request_routed(Core *self, PyObject *req, Py_ssize_t *rank) {
     return 1;
 }
 
-static Py_ssize_t argmin(const Core *self) {
+static Py_ssize_t argmin(Core *self) {
     const Py_ssize_t n = self->n;
     const int64_t *tok = self->tokens, *rq = self->requests;
     const uint8_t *cand = self->candidate;
@@ -221,10 +221,14 @@ static Py_ssize_t argmin(const Core *self) {
             }
         }
     }
-    if (best < 0)
+    if (best < 0) {
         PyErr_SetString(PyExc_RuntimeError,
                         "no DP rank can take the request: every active rank is unavailable or unhealthy "
                         "(see set_active/set_status, and `dpboard dump` for stale slots)");
+        return -1;
+    }
+    /* with rotating ties, the next scan starts after this pick */
+    if (self->rotate) self->next_start = (best + 1 == n) ? 0 : best + 1;
     return best;
 }
 
@@ -255,7 +259,6 @@ static Py_ssize_t pick_one(Core *self, PyObject *req, int64_t *tokens_out) {
     if (!routed) {
         rank = argmin(self);
         if (rank < 0) return -1;
-        if (self->rotate) self->next_start = (rank + 1 == self->n) ? 0 : rank + 1;
     }
     charge(self, rank, t);
     *tokens_out = t;
@@ -285,17 +288,19 @@ static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
     Py_ssize_t saved_start = self->next_start;
     for (Py_ssize_t j = 0; j < m; j++) {
         Py_ssize_t rank = pick_one(self, items[j], &charged[j]);
-        if (rank < 0) {
-            /* all or nothing: undo the picks made so far, in reverse */
+        PyObject *rank_obj = rank < 0 ? NULL : PyLong_FromSsize_t(rank);
+        if (rank_obj == NULL) {
+            /* all or nothing: undo the picks made so far (this one too, when it was charged), in reverse */
+            if (rank >= 0) uncharge(self, rank, charged[j]);
             for (Py_ssize_t u = j - 1; u >= 0; u--)
                 uncharge(self, PyLong_AsSsize_t(PyList_GET_ITEM(out, u)), charged[u]);
             self->next_start = saved_start;
             PyMem_Free(charged);
             Py_DECREF(seq);
-            Py_DECREF(out); /* slots after j are NULL; list dealloc skips them */
+            Py_DECREF(out); /* slots from j on are NULL; list dealloc skips them */
             return NULL;
         }
-        PyList_SET_ITEM(out, j, PyLong_FromSsize_t(rank));
+        PyList_SET_ITEM(out, j, rank_obj);
     }
     PyMem_Free(charged);
     Py_DECREF(seq);
@@ -311,7 +316,6 @@ static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
     }
     Py_ssize_t rank = argmin(self);
     if (rank < 0) return NULL;
-    if (self->rotate) self->next_start = (rank + 1 == self->n) ? 0 : rank + 1;
     charge(self, rank, (int64_t)t);
     return PyLong_FromSsize_t(rank);
 }

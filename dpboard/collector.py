@@ -43,7 +43,16 @@ import zmq
 from dpboard.board import Board, BoardError, BoardWriter, process_start_ticks
 from dpboard.curve import load_certificate
 from dpboard.snapshot import COLLECTOR_STATS_DTYPE, COLLECTOR_STATS_FIELDS, COLLECTOR_STATS_OFFSET
-from dpboard.wire import BAD_RANK, BAD_REASONS, MAX_FRAME_SIZE, FrameError, unpack_frame, validate_records
+from dpboard.wire import (
+    BAD_IDENTITY,
+    BAD_NODE,
+    BAD_RANK,
+    BAD_REASONS,
+    MAX_FRAME_SIZE,
+    FrameError,
+    unpack_frame,
+    validate_records,
+)
 
 LOCK_DIR = Path("/dev/shm")
 LOCK_PREFIX = "dpboard-collector."
@@ -171,7 +180,8 @@ class Collector:
         self._socket: zmq.Socket | None = None
         self._auth: Any = None
         self._stats_view: np.ndarray | None = None
-        self._own_board = False
+        self._own_board = False  # created here: unlinked on close
+        self._opened_board = False  # attached or created here (not passed in): closed on close
         self._writers: dict[int, BoardWriter] = {}
         self._closed = False
         self.latencies_ns: list[np.ndarray] = []  # with record_latency: receive-side age of each snapshot
@@ -187,6 +197,7 @@ class Collector:
                 self.board = board
             else:
                 self.board = self._open_board(board, n_slots)
+                self._opened_board = True
             self.n_slots = self.board.n_slots
             self._context = context or zmq.Context.instance()
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
@@ -277,10 +288,10 @@ class Collector:
             frame = unpack_frame(data)
             if frame.board != self.board.name:
                 raise FrameError(
-                    "bad_identity", f"frame for board {frame.board!r}, this collector writes {self.board.name!r}"
+                    BAD_IDENTITY, f"frame for board {frame.board!r}, this collector writes {self.board.name!r}"
                 )
             if frame.node_id == self.board.node_id:
-                raise FrameError("bad_node", f"frame claims node {frame.node_id}, which is this board's own node")
+                raise FrameError(BAD_NODE, f"frame claims node {frame.node_id}, which is this board's own node")
             validate_records(frame, n_slots=self.n_slots)
             rows = frame.records.tolist()
             writers = [self._writers.get(row[0]) or self._writer_for(row[0]) for row in rows]
@@ -356,8 +367,9 @@ class Collector:
             self._auth = None
         self._writers.clear()
         self._stats_view = None
-        if self._own_board:
+        if self._opened_board:
             self.board.close()
+        if self._own_board:
             self.board.unlink()
         for lock in reversed(self._locks):
             lock.release()

@@ -45,6 +45,11 @@ def generate_certificates(directory: str | os.PathLike[str], name: str) -> tuple
     require_curve()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(d, name)
+    old_umask = os.umask(0o077)  # the secret key is never readable by others, not even for a moment
+    try:
+        public, secret = zmq.auth.create_certificates(d, name)
+    finally:
+        os.umask(old_umask)
     os.chmod(secret, 0o600)
+    os.chmod(public, 0o644)  # public keys are meant to be shared
     return Path(public), Path(secret)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board
 from dpboard.curve import generate_certificates, load_certificate
@@ -86,7 +87,8 @@ class Relay:
             raise ValueError(f"tick_ms must be > 0, got {tick_ms!r}")
         if curve_secret_key is not None and curve_server_key is None:
             raise ValueError("a CURVE client key needs the collector's public key too (curve_server_key)")
-        self.board = board if isinstance(board, Board) else Board.attach(board)
+        self._opened_board = not isinstance(board, Board)  # attached here: closed on close
+        self.board = Board.attach(board) if self._opened_board else board
         self.node_id = node_id
         self.to = to
         self.tick_s = tick_ms / 1e3
@@ -142,8 +144,6 @@ class Relay:
             raise
 
     def _check_connects(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
         mon = self._monitor
         while mon is not None:
             try:
@@ -226,6 +226,8 @@ class Relay:
             self._monitor = None
         if not self._socket.closed:
             self._socket.close(linger=0)
+        if self._opened_board:
+            self.board.close()  # the reader keeps its own mapping
 
     def __enter__(self) -> Relay:
         return self

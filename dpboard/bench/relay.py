@@ -149,15 +149,15 @@ def _measure_relay(args: argparse.Namespace, tag: str) -> dict[str, Any]:
     with Board.create(name0, n_slots=n_slots) as board0, \
             Collector(board0, "tcp://127.0.0.1:*", record_latency=True) as collector:
         try:
-            writers = [_spawn(["--_writer", *_node_args(args, tag, k, n_slots)]) for k in range(1, args.nodes + 1)]
-            procs += writers
-            for p in writers:
+            # each process joins procs as soon as it exists, so that a failed start stops the others
+            for k in range(1, args.nodes + 1):
+                procs.append(_spawn(["--_writer", *_node_args(args, tag, k, n_slots)]))
+            for p in procs:
                 _line(p, 30)
-            relays = [_spawn(["--_relay", "--node", str(k), "--local-board", f"{tag}-n{k}", "--to",
-                              collector.endpoint, "--board0", name0, "--tick-ms", str(args.tick_ms)])
-                      for k in range(1, args.nodes + 1)]
-            procs += relays
-            for p in relays:
+            for k in range(1, args.nodes + 1):
+                procs.append(_spawn(["--_relay", "--node", str(k), "--local-board", f"{tag}-n{k}", "--to",
+                                     collector.endpoint, "--board0", name0, "--tick-ms", str(args.tick_ms)]))
+            for p in procs[args.nodes :]:
                 _line(p, 30)
             collector.serve(duration=args.warmup, poll_ms=10)
             collector.latencies_ns.clear()
@@ -196,8 +196,9 @@ def _measure_naive(args: argparse.Namespace, tag: str) -> dict[str, Any]:
     with Board.create(name0, n_slots=n_slots) as board0:
         writers: dict[int, Any] = {}
         try:
-            procs = [_spawn(["--_writer", *_node_args(args, tag, k, n_slots), "--naive", f"tcp://127.0.0.1:{port}"])
-                     for k in range(1, args.nodes + 1)]
+            for k in range(1, args.nodes + 1):
+                procs.append(_spawn(["--_writer", *_node_args(args, tag, k, n_slots), "--naive",
+                                     f"tcp://127.0.0.1:{port}"]))
             for p in procs:
                 _line(p, 30)
             measure_from = time.monotonic() + args.warmup

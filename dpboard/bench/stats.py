@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -71,7 +72,5 @@ def machine_line() -> str:
                     break
     except OSError:
         pass
-    import os
-
     return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"{time.strftime('%Y-%m-%d', time.gmtime())}")

@@ -288,20 +288,22 @@ class DataParallelController:
 
     def _send(self, rank: int, req: Request) -> bool:
         """True when the frame is on its way to ``rank``; False when it was answered with an error."""
-        if self.workers[rank] is None:  # follow_bootstrap_room can map a room onto a reserved slot
-            self._reject(req.rid, f"DP rank {rank} has no worker (a reserved slot)")
-            return False
-        try:
-            self.workers[rank].send(req.raw, zmq.NOBLOCK)
-        except zmq.Again:
-            self._reject_unsent(rank, req)
-            return False
-        self.stats["dispatched"] += 1
-        self.stats["per_rank"][rank] += 1
-        return True
+        sock = self.workers[rank]
+        if sock is not None:
+            try:
+                sock.send(req.raw, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                self.stats["dispatched"] += 1
+                self.stats["per_rank"][rank] += 1
+                return True
+        self._reject_unsent(rank, req)
+        return False
 
     def _reject_unsent(self, rank: int, req: Request) -> None:
-        if self.workers[rank] is None:
+        """Answer a request that ``rank`` cannot take: it has no worker, or its queue is full."""
+        if self.workers[rank] is None:  # follow_bootstrap_room can map a room onto a reserved slot
             self._reject(req.rid, f"DP rank {rank} has no worker (a reserved slot)")
             return
         self.stats["send_dropped"] += 1
