@@ -32,6 +32,7 @@ from dpboard.snapshot import (
     LAYOUT_VERSION,
     MAGIC,
     OWNER_PID_OFFSET,
+    OWNER_START_TICKS_OFFSET,
     SLOT_SIZE,
     SNAPSHOT_DTYPE,
     LoadSnapshot,
@@ -380,6 +381,9 @@ class Board:
         rank = self._check_rank(rank)
         return struct.unpack_from("<q", self._require_mapping(), slot_offset(rank) + OWNER_PID_OFFSET)[0]
 
+    def _slot_owner(self, rank: int) -> tuple[int, int]:
+        return struct.unpack_from("<qQ", self._require_mapping(), slot_offset(rank) + OWNER_PID_OFFSET)
+
     def writer(self, rank: int, *, node_id: int | None = None, takeover: bool = False) -> BoardWriter:
         """The writer of slot ``rank``. A restarted writer re-attaches to its slot (and repairs it if
         its predecessor died mid-write). A slot held by another live process is refused unless
@@ -387,13 +391,15 @@ class Board:
         rank = self._check_rank(rank)
         mapping = self._require_mapping()
         pid = os.getpid()
-        holder = self.owner_pid(rank)
-        if not takeover and holder not in (0, pid) and process_alive(holder):
+        holder, holder_ticks = self._slot_owner(rank)
+        if not takeover and holder not in (0, pid) and process_alive(holder, holder_ticks):
             raise BoardError(
                 f"slot {rank} of board {self._name!r} is held by the writer in live process {holder}: "
                 f"one writer per slot; stop it, or pass takeover=True"
             )
         w = BoardWriter(mapping, slot_offset(rank), rank, self.node_id if node_id is None else node_id, pid)
+        # The writer stored its pid; its start time goes beside it (read only by the check above).
+        struct.pack_into("<Q", mapping, slot_offset(rank) + OWNER_START_TICKS_OFFSET, process_start_ticks(pid))
         w.board_name = self._name
         return w
 
@@ -482,8 +488,9 @@ def list_boards() -> list[BoardListing]:
 
 def clean_boards(name: str | None = None, *, force: bool = False) -> list[str]:
     """Unlink boards whose creator is dead (all of them, or just ``name``); ``force`` also removes a
-    board whose creator is alive. Returns the names removed. A live board without ``force``, or a
-    missing ``name``, is an error."""
+    board whose creator is alive. A segment without a board header is removed only when named or
+    with ``force``. Returns the names removed. A live board without ``force``, or a missing ``name``,
+    is an error."""
     listings = list_boards()
     if name is not None:
         validate_name(name)
@@ -492,6 +499,19 @@ def clean_boards(name: str | None = None, *, force: bool = False) -> list[str]:
             raise FileNotFoundError(f"board {name!r} does not exist: `dpboard ls` lists the boards here")
     removed = []
     for entry in listings:
+        if entry.header is None:
+            # Not a readable board (another user's, or no header: being created, or not ours at all).
+            if force or name is not None:
+                try:
+                    posix_ipc.unlink_shared_memory("/" + SEGMENT_PREFIX + entry.name)
+                except posix_ipc.ExistentialError:
+                    continue
+                except posix_ipc.PermissionsError:
+                    raise PermissionError(
+                        f"cannot remove /dev/shm/{SEGMENT_PREFIX}{entry.name}: it belongs to another user"
+                    ) from None
+                removed.append(entry.name)
+            continue
         if entry.creator_alive and not force:
             if name is not None:
                 raise BoardError(
@@ -499,9 +519,7 @@ def clean_boards(name: str | None = None, *, force: bool = False) -> list[str]:
                     f"stop it first, or pass --force"
                 )
             continue
-        try:
-            posix_ipc.unlink_shared_memory("/" + SEGMENT_PREFIX + entry.name)
-        except posix_ipc.ExistentialError:
-            continue
-        removed.append(entry.name)
+        # Only the incarnation that was listed: a board re-created since then under that name stays.
+        if _unlink_if_generation("/" + SEGMENT_PREFIX + entry.name, entry.header.generation):
+            removed.append(entry.name)
     return removed

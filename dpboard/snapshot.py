@@ -22,6 +22,7 @@ SLOT_SIZE = 128  # two 64-byte cache lines, one 128-byte line on CPUs that have 
 SEQ_OFFSET = 0  # the seqlock sequence, first word of each slot
 FIELDS_OFFSET = 8  # the snapshot's fields follow it, 8 bytes each, in LoadSnapshot's order
 OWNER_PID_OFFSET = 112  # pid of the process holding the slot's writer (outside the seqlock)
+OWNER_START_TICKS_OFFSET = 120  # that process's start time, so that a recycled pid is not taken for it
 
 MAX_INT64 = 2**63 - 1
 

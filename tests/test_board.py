@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -404,3 +405,28 @@ def test_read_only_commands_print_the_board_without_importing_numba(board, comma
         assert "8 slots x 128 B" in proc.stdout and "1 live" in proc.stdout
     else:
         assert board.name in proc.stdout
+
+
+def test_clean_leaves_a_headerless_segment_unless_named(board_name):
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    path.write_bytes(b"\x00" * 600)  # what a creator that died before writing its header leaves
+    try:
+        swept = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean"], capture_output=True, text=True,
+                               timeout=60, check=True)
+        assert board_name not in swept.stdout and path.exists()
+        named = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", board_name], capture_output=True,
+                               text=True, timeout=60, check=True)
+        assert f"removed /dev/shm/dpboard.{board_name}" in named.stdout
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_recycled_owner_pid_does_not_hold_the_slot(board):
+    w = board.writer(6)
+    w.publish(LoadSnapshot(6))
+    # Same pid as a live process (ours), but another start time: the holder is gone, the pid recycled.
+    struct.pack_into("<qQ", board.mapping, HEADER_SIZE + 6 * SLOT_SIZE + 112, os.getppid(), 1)
+    board.writer(6).publish(LoadSnapshot(6, num_running_reqs=1))  # not refused
+    assert board.owner_pid(6) == os.getpid()
+    assert board.reader().read(6).num_running_reqs == 1
