@@ -131,6 +131,7 @@ COLLECTOR_STATS_FIELDS: tuple[str, ...] = (
     "bad_identity",  # a frame for another board (name) than this one
     "bad_node",
     "last_frame_monotonic_ns",
+    "bad_load",  # a negative load field (appended: the fields above keep their offsets)
 )
 COLLECTOR_STATS_DTYPE = np.dtype([(f, "<u8") for f in COLLECTOR_STATS_FIELDS])
 assert COLLECTOR_STATS_DTYPE.itemsize <= 128

@@ -52,7 +52,8 @@ BAD_LENGTH = "bad_length"
 BAD_RANK = "bad_rank"
 BAD_IDENTITY = "bad_identity"
 BAD_NODE = "bad_node"
-BAD_REASONS = (BAD_MAGIC, BAD_VERSION, BAD_LENGTH, BAD_RANK, BAD_IDENTITY, BAD_NODE)
+BAD_LOAD = "bad_load"
+BAD_REASONS = (BAD_MAGIC, BAD_VERSION, BAD_LENGTH, BAD_RANK, BAD_IDENTITY, BAD_NODE, BAD_LOAD)
 
 _LOAD_COLUMNS = list(LOAD_FIELDS)
 
@@ -180,4 +181,4 @@ def validate_records(frame: Frame, *, n_slots: int) -> None:
         )
     for name in _LOAD_COLUMNS:
         if int(rec[name].min()) < 0:
-            raise FrameError(BAD_RANK, f"frame from node {frame.node_id} carries a negative {name}")
+            raise FrameError(BAD_LOAD, f"frame from node {frame.node_id} carries a negative {name}")

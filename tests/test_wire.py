@@ -122,7 +122,7 @@ def test_bad_frames_are_refused_with_their_reason(data, reason):
 def test_negative_load_and_rank_are_refused():
     rec = records([0, 1])
     rec["num_waiting_reqs"][1] = -5
-    assert reason_of(pack_frame(rec, node_id=1, board="b", frame_seq=0)) == "bad_rank"
+    assert reason_of(pack_frame(rec, node_id=1, board="b", frame_seq=0)) == "bad_load"
     rec = records([0, 1])
     rec["dp_rank"][0] = -1
     assert reason_of(pack_frame(rec, node_id=1, board="b", frame_seq=0)) == "bad_rank"
