@@ -81,6 +81,9 @@ class SlotStatus(enum.IntEnum):
     def label(self) -> str:
         return self.name.lower()
 
+    def __str__(self) -> str:  # print(reader.status(r)) says "live", not "1"
+        return self.label
+
 
 # One record per slot: every snapshot field plus the reader's verdict. 112 bytes, fields at the
 # same offsets as in a slot minus the sequence word, so the C reader copies them in one run.
