@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 import pytest
+from procutil import wait_until
 from test_dispatch import FakeClock, ListReader, Req, TokReq, make
 
 from dpboard import Board
@@ -170,23 +171,23 @@ def test_health_aware_never_picks_a_torn_rank(board_name):
         struct.pack_into("<Q", board.mapping, slot_offset(0) + SEQ_OFFSET, 8)
 
 
-def test_health_aware_with_only_unhealthy_ranks_raises():
-    clock = FakeClock()
-
-    class StaleReader(ListReader):
-        def read_array(self):
-            from dpboard.controller.budget import snapshots_to_array
-
-            arr = snapshots_to_array(self.read_all(), 2)
-            arr["status"] = 2  # STALE
-            return arr
-
-    reader = StaleReader(2)
-    reader.set(0)
-    reader.set(1)
-    d = Dispatcher(M.INFLIGHT_REQUESTS, 2, reader=reader, clock=clock)
-    with pytest.raises(RuntimeError, match="unavailable or unhealthy"):
-        d.dispatch(Req())
+def test_health_aware_with_only_unhealthy_ranks_raises(board_name):
+    with Board.create(board_name, n_slots=2) as board:
+        writers = [board.writer(r) for r in range(2)]
+        for w in writers:
+            w.publish_values(0, 0, 0, 0, 0, 100, 0)
+        reader = board.reader(stale_after=0.05)
+        assert wait_until(lambda: {reader.status(r).label for r in range(2)} == {"stale"}, timeout=10)
+        d = Dispatcher(M.INFLIGHT_REQUESTS, 2, reader=reader)
+        with pytest.raises(RuntimeError, match="unavailable or unhealthy"):
+            d.dispatch(Req())
+        with pytest.raises(RuntimeError, match="unavailable or unhealthy"):
+            d.dispatch_batch([Req(), Req()])
+        assert d.budget.sent_reqs.tolist() == [0, 0]  # a refused request charged nobody
+        assert Dispatcher(M.TOTAL_REQUESTS, 2, reader=reader).dispatch(Req()) == 0  # the seed still picks
+        writers[1].publish_values(0, 0, 0, 0, 0, 100, 0)  # rank 1 comes back
+        d.refresh()
+        assert d.dispatch_batch([Req(), Req()]) == [1, 1]
 
 
 def test_rotating_ties_spread_equal_loads_after_each_refresh():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,9 @@ def test_gpu_direct_publish_with_a_concurrent_reader(backend, board_name):
         proc = subprocess.Popen([sys.executable, str(reader), board_name, "1", str(page_size), str(num_pages),
                                  "1000000", "30"], stdout=subprocess.PIPE, text=True)
         try:
+            # publish only once the reader is reading (and will answer SIGTERM with its counts)
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready and proc.stdout.readline().strip() == "ready", "the reader process did not start"
             for k in range(1, steps + 1):
                 current[0] = tables[(k - 1) % 30]  # the scheduler's tables change every step
                 publisher.step(num_received_reqs=(k - 1) % 30 + 1)
@@ -112,6 +116,6 @@ def test_gpu_direct_publish_with_a_concurrent_reader(backend, board_name):
     target = os.environ.get("DPBOARD_GPU_CHECK_OUT")
     if target:
         Path(target, f"gpu_direct_{backend}.json").write_text(json.dumps(result, indent=1))
-    if out.strip():
-        counts = json.loads(out)
-        assert counts["inconsistent"] == 0 and counts["seq_backwards"] == 0, counts
+    counts = json.loads(out)
+    assert counts["whole"] > 0  # the reader did read the slot while it was being published
+    assert counts["inconsistent"] == 0 and counts["seq_backwards"] == 0, counts

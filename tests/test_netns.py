@@ -92,6 +92,20 @@ def test_relay_across_network_namespaces(two_hosts):
                 time.sleep(0.01)
             snaps = reader.read_all()
             assert all(snaps[r] is not None and snaps[r].node_id == 1 for r in writers), snaps
+            # Then one last, distinct publish per rank: node0 must end up with exactly that one.
+            final = {rank: 10**6 + rank for rank in writers}
+            for rank, w in writers.items():
+                w.publish(LoadSnapshot(dp_rank=rank, num_waiting_reqs=final[rank], num_running_reqs=rank))
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                snaps = reader.read_all()
+                if all(snaps[r].num_waiting_reqs == final[r] for r in writers):
+                    break
+                time.sleep(0.01)
+            assert {r: (snaps[r].num_waiting_reqs, snaps[r].num_running_reqs) for r in writers} == {
+                r: (final[r], r) for r in writers}
+            assert all(snaps[r]._replace(monotonic_ns=0) == board1.reader().read(r)._replace(monotonic_ns=0)
+                       for r in writers)
             assert all(reader.status(r) == SlotStatus.EMPTY for r in range(4))
             assert collector.poll() is None and relay.poll() is None
         finally:

@@ -192,6 +192,14 @@ def test_sends_only_changed_slots_of_its_own_node():
     with Board.create(name0, n_slots=8) as b0, Board.create(name1, n_slots=8, node_id=1) as b1, \
             Collector(b0, "tcp://127.0.0.1:*") as col, \
             Relay(b1, col.endpoint, 1, remote_board=name0, ranks=range(0, 6)) as relay:
+        # Let the relay see its connection first: the handshake makes it resend every live slot, which
+        # would add a frame below if it came after the first publish.
+        def connected() -> bool:
+            relay.tick()
+            return relay.connects >= 1
+
+        assert wait_until(connected, timeout=10)
+        assert relay.frames_sent == 0
         for rank in (0, 1, 2):
             b1.writer(rank).publish(LoadSnapshot(dp_rank=rank, num_running_reqs=1))
         b1.writer(3, node_id=4).publish(LoadSnapshot(dp_rank=3))  # another node's slot: not ours to send
@@ -210,8 +218,17 @@ def test_sends_only_changed_slots_of_its_own_node():
         assert relay.frames_sent == 1
         b1.writer(1).publish(LoadSnapshot(dp_rank=1, num_running_reqs=9))
         assert relay.tick() == 1
-        assert wait_until(lambda: col.poll(5) or b0.reader().read(1).num_running_reqs == 9, timeout=10)
-        assert b0.reader().status(3) == b0.reader().status(7) == SlotStatus.EMPTY
+        reader0 = b0.reader()
+
+        def new_value_landed() -> bool:
+            col.poll(5)  # handling a frame is not enough: its record must reach node0's board
+            return reader0.read(1).num_running_reqs == 9
+
+        assert wait_until(new_value_landed, timeout=10), (reader0.read(1), col.stats())
+        assert col.stats()["frames_ok"] == 2 and col.stats()["snapshots_ok"] == 4
+        assert col.stats()["frames_bad"] == 0
+        assert reader0.read(0).num_running_reqs == reader0.read(2).num_running_reqs == 1
+        assert reader0.status(3) == reader0.status(7) == SlotStatus.EMPTY
 
 
 def test_no_collector_means_counted_drops_never_a_stall():

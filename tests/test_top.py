@@ -22,6 +22,7 @@ from test_top_support import (
     expected_imbalance,
     load_of,
     mixed_board,
+    read_line,
 )
 
 from dpboard import Board, LoadSnapshot
@@ -168,10 +169,13 @@ def test_plain_frames_survive_the_board_vanishing(board_name):
     proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "top", board_name, "--interval", "0.1", "-n", "40"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)
+        first_frame = read_line(proc, 30)  # remove the board only once top has drawn it
+        while f"board {board_name}" not in first_frame:
+            first_frame = read_line(proc, 30)
         board.close()
         board.unlink()
         out, err = proc.communicate(timeout=60)
+        out = first_frame + out
     finally:
         if proc.poll() is None:
             proc.kill()
