@@ -432,8 +432,10 @@ class DirectPublisherBase:
 
 
 class NumbaDirectPublisher(DirectPublisherBase):
-    """GPU-direct publish with the numba-cuda kernel. In the simulator the slot and status are the
-    host memory itself; on a GPU the slot's page is pinned and mapped (``mempin(mapped=True)``)."""
+    """GPU-direct publish with the numba-cuda kernel. In the simulator the kernel works on the slot's
+    host memory itself (wrapped so that the simulator does not copy it to a device array and back,
+    which would rewrite the slot outside the seqlock); on a GPU the slot's page is pinned and mapped
+    (``mempin(mapped=True)``)."""
 
     def __init__(self, writer: Any, page_size: int, node_id: int = 0) -> None:
         super().__init__(writer, page_size, node_id)
@@ -441,9 +443,12 @@ class NumbaDirectPublisher(DirectPublisherBase):
         cuda = self.runner.cuda
         host_slot = slot_view(self.slot_address)
         if simulator_enabled():
-            self.slot = host_slot
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            # The simulator's stand-in for mapped memory: the kernel's stores land in the board.
+            self.slot = FakeCUDAArray(host_slot)
             self.status_host = np.zeros(STATUS_WORDS, dtype=np.int64)
-            self.status = self.status_host
+            self.status = FakeCUDAArray(self.status_host)
             self._pins: list[Any] = []
         else:
             page_base = self.slot_address & ~(PAGE - 1)

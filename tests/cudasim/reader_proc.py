@@ -1,7 +1,8 @@
 """A reader process for the GPU-direct test: hammers one slot and checks every snapshot it accepts.
 
-``python reader_proc.py BOARD RANK PAGE_SIZE NUM_PAGES LAST_K SECONDS``: reads until it has seen
-publish LAST_K (or SECONDS passed, or SIGTERM came), then prints one JSON line of counts.
+``python reader_proc.py BOARD RANK PAGE_SIZE NUM_PAGES LAST_K SECONDS``: prints "ready" once attached,
+then reads until it has seen publish LAST_K (or SECONDS passed, or SIGTERM came), then prints one
+JSON line of counts.
 The publishing test makes publish k carry k RUNNING and k WAITING requests of 1000 tokens and k
 USED pages, so every field of a whole snapshot follows from num_running_reqs.
 """
@@ -25,6 +26,7 @@ def main() -> None:
     last_seq = 0
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # report the counts when told to stop
+    print("ready", flush=True)  # attached and able to report: the publishing test may start
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not stop:
         counts["reads"] += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -116,16 +117,23 @@ def test_gpu_direct_publish_with_a_concurrent_reader(board_name):
             stdout=subprocess.PIPE, text=True,
         )
         try:
+            # Publish only once the reader is attached and reading, so that the two overlap.
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            assert ready, "the reader process never said it was ready"
+            first = proc.stdout.readline()
             for k in range(1, steps + 1):
                 pub.publish(*step_tables(k, n_pages=num_pages), num_received_reqs=k)
             pub.synchronize()
             out, _ = proc.communicate(timeout=120)
+            out = first + out
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
         pub.close()
-    counts = json.loads(out)
+    lines = out.splitlines()
+    assert lines[0] == "ready", out
+    counts = json.loads(lines[-1])
     assert counts["max_k"] == steps  # it saw the last publish
     assert counts["whole"] > 0
     assert counts["inconsistent"] == 0 and counts["seq_backwards"] == 0, counts
