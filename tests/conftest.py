@@ -1,5 +1,5 @@
-"""Shared fixtures. Every board a test makes is named with this session's prefix, so that the
-leak check below sees exactly the segments this session created (other sessions may run at once)."""
+"""Shared fixtures. Every board a test makes is named with this test run's prefix, so that the
+leak check below sees exactly the segments this run created (other runs may share the machine)."""
 
 from __future__ import annotations
 

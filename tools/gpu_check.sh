@@ -7,14 +7,14 @@
 #
 # It installs nothing from the network. The lent H200 machine's python3 (3.12) already has numba,
 # numba-cuda, cupy, msgpack, rich, prometheus-client, pytest and hypothesis; posix_ipc and pyzmq travel
-# as wheels in .whl/ (git-ignored; carry it). Prepare them here once per session:
+# as wheels in .whl/ (git-ignored). Fetch them on a machine with PyPI access:
 #
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl posix-ipc pyzmq
 #
-# then run it with the device tool: command `OUT=$OUT bash tools/gpu_check.sh`, carry [".whl"].
+# then copy the tree with .whl/ to the GPU machine and run `OUT=/some/dir bash tools/gpu_check.sh`.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
