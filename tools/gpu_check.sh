@@ -5,11 +5,10 @@
 #
 #   OUT=/tmp/out tools/gpu_check.sh
 #
-# It installs nothing from the network. The lent H200 machine's python3 (3.12) already has numba,
+# It installs nothing from the network. The H200 image it is written for (python3 3.12) already has numba,
 # numba-cuda, cupy, msgpack, rich, prometheus-client, pytest and hypothesis; posix_ipc and pyzmq travel
 # as wheels in .whl/ (git-ignored). Fetch them on a machine with PyPI access:
 #
-#   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl posix-ipc pyzmq
