@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import select
+import queue
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,17 +21,24 @@ def wait_until(predicate: Callable[[], object], timeout: float = 15.0, interval:
 
 
 def read_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
-    """One line of a child's stdout, or fail after ``timeout`` (never hang on a silent child)."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s")
-    return proc.stdout.readline()
+    """The next line of a child's stdout, or an AssertionError after ``timeout`` seconds or at EOF.
+
+    The read runs in a thread: select() on the pipe would miss a line already in the text buffer."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"no output from {proc.args} within {timeout} s") from None
+    if not line:
+        raise AssertionError(f"{proc.args} exited ({proc.poll()}) before printing a line")
+    return line
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 10 s; always reaps the child."""
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """``sig`` (SIGTERM: a clean exit), then SIGKILL after 10 s; always reaps the child."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import new_board_name
-from test_top_support import PYTHON, read_line
+from procutil import read_line
+from test_top_support import PYTHON
 
 from dpboard.demo_scheduler import SchedulerModel
 from dpboard.loads import PageState, ReqState, compute_loads

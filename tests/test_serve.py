@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 import pytest
 from conftest import new_board_name
+from procutil import kill, read_line, stop
 from prometheus_client.parser import text_string_to_metric_families
 from test_top_support import (
     EMPTY_RANKS,
@@ -22,8 +23,6 @@ from test_top_support import (
     expected_imbalance,
     load_of,
     mixed_board,
-    read_line,
-    stop,
 )
 
 import dpboard
@@ -40,7 +39,7 @@ def start_server(name: str, *extra: str) -> tuple[subprocess.Popen, str]:
     try:
         line = read_line(proc, 30)
     except AssertionError:
-        stop(proc)
+        kill(proc)
         raise
     url = line.split(" on ")[1].split()[0]
     assert url.startswith("http://127.0.0.1:")
@@ -72,7 +71,7 @@ def served():
         try:
             yield board, url
         finally:
-            stop(proc, signal.SIGTERM)
+            stop(proc)
 
 
 def test_loads_json(served):
@@ -181,7 +180,7 @@ def test_healthz_follows_the_board(board_name):
         proc.wait(timeout=15)
         assert proc.returncode == 0
     finally:
-        stop(proc)
+        kill(proc)
         board.close()
         board.unlink()
 
@@ -198,4 +197,4 @@ def test_missing_board_and_busy_port_are_clear_errors(board_name):
                                     capture_output=True, text=True, timeout=60)
             assert second.returncode == 1 and "cannot listen" in second.stderr and "--port" in second.stderr
         finally:
-            stop(first, signal.SIGTERM)
+            stop(first)

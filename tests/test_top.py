@@ -11,6 +11,7 @@ import time
 
 import pytest
 from conftest import new_board_name
+from procutil import read_line
 from test_top_support import (
     CAPACITY,
     EMPTY_RANKS,
@@ -22,7 +23,6 @@ from test_top_support import (
     expected_imbalance,
     load_of,
     mixed_board,
-    read_line,
 )
 
 from dpboard import Board, LoadSnapshot

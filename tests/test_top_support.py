@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from procutil import kill, read_line
 
 HERE = Path(__file__).resolve()
 PYTHON = sys.executable
@@ -44,29 +43,6 @@ def load_of(rank: int) -> dict[str, int]:
 def expected_imbalance() -> float:
     totals = [load_of(r)["num_total_tokens"] for r in LIVE_RANKS]
     return max(totals) / (sum(totals) / len(totals))
-
-
-def read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """The next line of a child's stdout, or an AssertionError after ``timeout`` seconds."""
-    q: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: q.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        line = q.get(timeout=timeout)
-    except queue.Empty:
-        raise AssertionError(f"no output from {proc.args} within {timeout}s") from None
-    if not line:
-        raise AssertionError(f"{proc.args} exited ({proc.poll()}) before printing a line")
-    return line
-
-
-def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @dataclass
@@ -96,14 +72,14 @@ def mixed_board(name: str) -> Iterator[MixedBoard]:
         while reader.status(TORN_RANK) != SlotStatus.TORN:  # the pause has begun: kill it mid-write
             assert time.monotonic() < deadline, "the paused writer never made its slot odd"
             time.sleep(0.01)
-        stop(torn)
+        kill(torn)
         time.sleep(max(0.0, stale_since + STALE_AFTER + 0.2 - time.monotonic()))
         assert reader.status(STALE_RANK) == SlotStatus.STALE
         assert all(reader.status(r) == SlotStatus.LIVE for r in LIVE_RANKS)
         yield MixedBoard(name, live.pid)
     finally:
         for proc in procs:
-            stop(proc)
+            kill(proc)
         board.close()
         board.unlink()
 
