@@ -149,32 +149,33 @@ def check_tables(req_state: Any, req_seqlen: Any, page_state: Any, page_size: An
 # -- the result ----------------------------------------------------------------------------------
 
 
+def _first_bad(values: np.ndarray, bad: np.ndarray, name: str) -> str:
+    """``name[i] = v`` for the first entry the ``bad`` mask marks (``?`` if none does)."""
+    where = np.flatnonzero(bad)
+    return f"{name}[{int(where[0])}] = {int(values[where[0]])}" if where.size else f"{name}[?]"
+
+
 def describe_bad(raw: Any, req_state: Any, req_seqlen: Any, page_state: Any) -> str:
     """The error message for raw counters that report bad entries (host arrays; the slow path)."""
     state = np.asarray(req_state).astype(np.int64)
     problems = []
     if raw[_BAD_REQ]:
-        bad = np.flatnonzero((state < 0) | (state >= NUM_REQ_STATES))
-        i = int(bad[0]) if bad.size else -1
+        first = _first_bad(state, (state < 0) | (state >= NUM_REQ_STATES), "req_state")
         problems.append(
-            f"req_state has {int(raw[_BAD_REQ])} code(s) outside ReqState ({_STATE_NAMES}); the first is "
-            f"req_state[{i}] = {int(np.asarray(req_state)[i]) if i >= 0 else '?'}"
+            f"req_state has {int(raw[_BAD_REQ])} code(s) outside ReqState ({_STATE_NAMES}); the first is {first}"
         )
     if raw[_BAD_PAGE]:
         pages = np.asarray(page_state).astype(np.int64)
-        bad = np.flatnonzero((pages < 0) | (pages >= NUM_PAGE_STATES))
-        i = int(bad[0]) if bad.size else -1
+        first = _first_bad(pages, (pages < 0) | (pages >= NUM_PAGE_STATES), "page_state")
         problems.append(
-            f"page_state has {int(raw[_BAD_PAGE])} code(s) outside PageState ({_PAGE_NAMES}); the first is "
-            f"page_state[{i}] = {int(np.asarray(page_state)[i]) if i >= 0 else '?'}"
+            f"page_state has {int(raw[_BAD_PAGE])} code(s) outside PageState ({_PAGE_NAMES}); the first is {first}"
         )
     if raw[_BAD_SEQLEN]:
-        seqlen = np.asarray(req_seqlen)
-        bad = np.flatnonzero((seqlen < 0) & (state != int(ReqState.FREE)))
-        i = int(bad[0]) if bad.size else -1
+        seqlen = np.asarray(req_seqlen).astype(np.int64)
+        first = _first_bad(seqlen, (seqlen < 0) & (state != int(ReqState.FREE)), "req_seqlen")
         problems.append(
             f"req_seqlen has {int(raw[_BAD_SEQLEN])} negative value(s) in rows that are not FREE; the first "
-            f"is req_seqlen[{i}] = {int(seqlen[i]) if i >= 0 else '?'}"
+            f"is {first}"
         )
     return "; ".join(problems) + ": fix the scheduler's tables (nothing was published)"
 
