@@ -4,9 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?= --duration 20
 
-.PHONY: demo test lint bench clean-boards
+.PHONY: demo test lint bench clean-boards layout
 
-$(VENV)/.installed: pyproject.toml $(wildcard dpboard/*.c)
+# The C extensions are rebuilt when their sources or the generated layout header change.
+$(VENV)/.installed: pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -27,3 +28,8 @@ bench: $(VENV)/.installed
 
 clean-boards: $(VENV)/.installed
 	$(VENV)/bin/dpboard clean
+
+# After a change to the layout in dpboard/snapshot.py: regenerate the C header, rebuild the extension.
+layout:
+	$(PYTHON) tools/gen_layout.py
+	$(MAKE) $(VENV)/.installed

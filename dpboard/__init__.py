@@ -19,7 +19,7 @@ _LAZY = {
     "KVLoads": "dpboard.loads",
     "ReqState": "dpboard.loads",
     "PageState": "dpboard.loads",
-    "LoadPublisher": "dpboard.telemetry",
+    "LoadPublisher": "dpboard.publish.publisher",
 }
 
 __all__ = [

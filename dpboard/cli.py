@@ -4,6 +4,10 @@ Each subcommand lives in the module named in ``COMMANDS`` and is imported only w
 that ``dpboard dump`` or ``dpboard top`` never pay for Numba. A command module provides
 ``add_<command>_arguments(parser)`` and ``run_<command>(args) -> int``, or plain ``add_arguments`` and
 ``run`` when it has one command.
+
+Errors: a ``DpboardError`` (bad input, a board that cannot be used as asked, a busy endpoint, ...)
+and an argument error are printed as one line and exit with status 2. Anything else is a bug: it
+shows its traceback, so that it never passes for a user's mistake.
 """
 
 from __future__ import annotations
@@ -13,19 +17,23 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from dpboard.errors import DpboardError
+
+USAGE_ERROR = 2  # argparse's own status for a bad command line
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "ls": ("dpboard.inspect", "list the boards on this machine, their creator and whether it is alive"),
-    "info": ("dpboard.inspect", "show a board's header, slot summary and collector counters"),
-    "dump": ("dpboard.inspect", "print every slot of a board once (table or --json)"),
-    "clean": ("dpboard.inspect", "remove boards whose creator is dead (--force: also live ones)"),
-    "top": ("dpboard.top", "live terminal view of a board"),
-    "serve": ("dpboard.serve", "HTTP exporter: /v1/loads, /metrics, /healthz"),
+    "ls": ("dpboard.views.inspect", "list the boards on this machine, their creator and whether it is alive"),
+    "info": ("dpboard.views.inspect", "show a board's header, slot summary and collector counters"),
+    "dump": ("dpboard.views.inspect", "print every slot of a board once (table or --json)"),
+    "clean": ("dpboard.views.inspect", "remove boards whose creator is dead (--force: also live ones)"),
+    "top": ("dpboard.views.top", "live terminal view of a board"),
+    "serve": ("dpboard.views.serve", "HTTP exporter: /v1/loads, /metrics, /healthz"),
     "controller": ("dpboard.controller.process", "run the ZMQ data-parallel controller"),
-    "relay": ("dpboard.relay", "forward this node's board to node0's collector"),
-    "collect": ("dpboard.collector", "own node0's load PULL socket and write relayed snapshots"),
-    "demo": ("dpboard.demo", "run a simulated DP cluster on this machine with the live board"),
-    "sim": ("dpboard.sim", "trace-driven simulation comparing dispatch methods"),
+    "relay": ("dpboard.multinode.relay", "forward this node's board to node0's collector"),
+    "collect": ("dpboard.multinode.collector", "own node0's load PULL socket and write relayed snapshots"),
+    "demo": ("dpboard.demo.run", "run a simulated DP cluster on this machine with the live board"),
+    "sim": ("dpboard.sim.cli", "trace-driven simulation comparing dispatch methods"),
     "bench": ("dpboard.bench.cli", "performance figures beside their baselines"),
 }
 
@@ -61,10 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(runner(args) or 0)
     except KeyboardInterrupt:
         return 130
-    # BoardError is a RuntimeError: every error the commands raise on purpose is a message, not a traceback.
-    except (FileNotFoundError, FileExistsError, PermissionError, ValueError, RuntimeError) as e:
+    except DpboardError as e:
         print(f"dpboard {args.command}: {e}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The snapshot: one rank's load at one moment, and its fixed binary layout.
+"""The leaf contract: a rank's snapshot, its byte layout, and every code the layers share.
 
-Everything about bytes lives here: the slot layout that writers and readers share, the board header,
-and the NumPy record that ``BoardReader.read_array`` fills. docs/FORMAT.md describes the same layout
-byte by byte; the two must change together (and ``LAYOUT_VERSION`` with them).
+Everything about bytes and codes is written here once: the board header and the slot layout, the
+NumPy record that ``BoardReader.read_array`` fills, the slot statuses, the request and page state
+codes of the load kernels, the kernels' raw counters and the GPU-direct status words. The C
+extension and the CUDA source get the same facts from ``kernels/dpboard_layout.h``, which
+``python -m dpboard.c_layout`` generates from this module (a test fails when it is stale), and the
+board checks at import that the compiled extension agrees. docs/FORMAT.md describes the layout
+byte by byte.
 
 This module imports only the standard library and NumPy, so read-only tools start fast.
 """
@@ -14,17 +18,56 @@ from typing import NamedTuple
 
 import numpy as np
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = b"DPBOARD\x00"
+MAX_INT64 = 2**63 - 1
+
+# -- the board header -------------------------------------------------------------------------
 
 HEADER_SIZE = 512
-SLOT_SIZE = 128  # two 64-byte cache lines, one 128-byte line on CPUs that have those
-SEQ_OFFSET = 0  # the seqlock sequence, first word of each slot
-FIELDS_OFFSET = 8  # the snapshot's fields follow it, 8 bytes each, in LoadSnapshot's order
-OWNER_PID_OFFSET = 112  # pid of the process holding the slot's writer (outside the seqlock)
-OWNER_START_TICKS_OFFSET = 120  # that process's start time, so that a recycled pid is not taken for it
+HEADER_DTYPE = np.dtype(
+    {
+        "names": [
+            "magic",
+            "layout_version",
+            "header_size",
+            "n_slots",
+            "slot_size",
+            "creator_pid",
+            "creation_time_ns",
+            "generation",
+            "name",
+            "node_id",
+            "creator_start_ticks",
+        ],
+        "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8", "<i8", "<u8", "S64", "<i8", "<u8"],
+        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 48, 112, 120],
+        "itemsize": 128,
+    }
+)
+# Bytes 128..255 of the header belong to the collector that writes relayed snapshots into this
+# board (dpboard.multinode.collector): its pid and frame counters, written only by it.
+# Bytes 256..511 are reserved and zero.
+COLLECTOR_STATS_OFFSET = 128
+COLLECTOR_STATS_FIELDS: tuple[str, ...] = (
+    "collector_pid",  # 0: no collector has run on this board
+    "collector_start_ticks",  # the collector's process start time, to tell a recycled pid
+    "frames_ok",
+    "snapshots_ok",
+    "frames_bad",  # sum of the bad_* counters below
+    "bad_magic",
+    "bad_version",
+    "bad_length",
+    "bad_rank",
+    "bad_identity",  # a frame for another board (name) than this one
+    "bad_node",
+    "last_frame_monotonic_ns",
+    "bad_load",  # a negative load field (appended: the fields above keep their offsets)
+)
+COLLECTOR_STATS_DTYPE = np.dtype([(f, "<u8") for f in COLLECTOR_STATS_FIELDS])
+assert COLLECTOR_STATS_OFFSET + COLLECTOR_STATS_DTYPE.itemsize <= 256
 
-MAX_INT64 = 2**63 - 1
+# -- the slot ---------------------------------------------------------------------------------
 
 
 class LoadSnapshot(NamedTuple):
@@ -52,21 +95,48 @@ class LoadSnapshot(NamedTuple):
     @property
     def token_usage(self) -> float:
         """Share of the KV capacity in use (0.0 when the capacity is unknown)."""
-        if self.max_total_num_tokens <= 0:
-            return 0.0
-        return self.num_used_tokens / self.max_total_num_tokens
+        return token_usage(self.num_used_tokens, self.max_total_num_tokens)
 
     @property
     def num_total_requests(self) -> int:
         return self.num_running_reqs + self.num_waiting_reqs
 
 
+def token_usage(used: int, capacity: int) -> float:
+    """``used / capacity``, the share of the KV cache in use; 0.0 when the capacity is unknown."""
+    return used / capacity if capacity > 0 else 0.0
+
+
 FIELD_NAMES: tuple[str, ...] = LoadSnapshot._fields
 NUM_FIELDS = len(FIELD_NAMES)
+FIELD_INDEX: dict[str, int] = {name: i for i, name in enumerate(FIELD_NAMES)}
 LOAD_FIELDS: tuple[str, ...] = FIELD_NAMES[1:8]  # what a scheduler supplies besides its rank
 STAMPED_FIELDS: tuple[str, ...] = FIELD_NAMES[8:]  # what the writer supplies
 
-assert FIELDS_OFFSET + 8 * NUM_FIELDS <= OWNER_PID_OFFSET
+SLOT_SIZE = 128  # two 64-byte cache lines, one 128-byte line on CPUs that have those
+SEQ_OFFSET = 0  # the seqlock sequence, first word of each slot
+FIELDS_OFFSET = 8  # the snapshot's fields follow it, int64 each, in LoadSnapshot's order
+# The slot's owner outside the seqlock, one 64-bit word stored at once: the pid of the process that
+# holds the slot's writer in the low OWNER_PID_BITS bits (Linux pids are below 2**22), its start
+# time in clock ticks since boot above them, so that a recycled pid is not taken for the owner.
+OWNER_OFFSET = 112
+OWNER_PID_BITS = 22
+RESERVED_OFFSET = 120  # the slot's last word, zero
+SLOT_WORDS = FIELDS_OFFSET // 8 + NUM_FIELDS  # what GPU-direct writes: the sequence and the fields
+
+assert FIELDS_OFFSET + 8 * NUM_FIELDS <= OWNER_OFFSET < RESERVED_OFFSET < SLOT_SIZE
+
+
+def pack_owner(pid: int, start_ticks: int) -> int:
+    """The owner word of a slot (0: nobody)."""
+    if not 0 < pid < 1 << OWNER_PID_BITS:
+        raise ValueError(f"pid {pid} does not fit the slot's owner word ({OWNER_PID_BITS} bits)")
+    return (start_ticks << OWNER_PID_BITS | pid) & (2**64 - 1)
+
+
+def unpack_owner(word: int) -> tuple[int, int]:
+    """(pid, start_ticks) of an owner word; (0, 0) when nobody holds the slot."""
+    return word & ((1 << OWNER_PID_BITS) - 1), word >> OWNER_PID_BITS
 
 
 class SlotStatus(enum.IntEnum):
@@ -81,63 +151,27 @@ class SlotStatus(enum.IntEnum):
     def label(self) -> str:
         return self.name.lower()
 
+    @property
+    def has_snapshot(self) -> bool:
+        """LIVE and STALE slots hold a whole snapshot; EMPTY and TORN ones hold none."""
+        return self in (SlotStatus.LIVE, SlotStatus.STALE)
+
     def __str__(self) -> str:  # print(reader.status(r)) says "live", not "1"
         return self.label
 
 
-# One record per slot: every snapshot field plus the reader's verdict. 112 bytes, fields at the
-# same offsets as in a slot minus the sequence word, so the C reader copies them in one run.
+# One record per slot: every snapshot field plus the reader's verdict, fields at the same offsets
+# as in a slot minus the sequence word, so the C reader copies them in one run.
+RECORD_SIZE = 112
+RECORD_STATUS_OFFSET = 8 * NUM_FIELDS
 SNAPSHOT_DTYPE = np.dtype(
     {
         "names": [*FIELD_NAMES, "status"],
         "formats": ["<i8"] * NUM_FIELDS + ["u1"],
-        "offsets": [8 * i for i in range(NUM_FIELDS)] + [8 * NUM_FIELDS],
-        "itemsize": 112,
+        "offsets": [8 * i for i in range(NUM_FIELDS)] + [RECORD_STATUS_OFFSET],
+        "itemsize": RECORD_SIZE,
     }
 )
-
-# The board header, at offset 0 of the segment.
-HEADER_DTYPE = np.dtype(
-    {
-        "names": [
-            "magic",
-            "layout_version",
-            "header_size",
-            "n_slots",
-            "slot_size",
-            "creator_pid",
-            "creation_time_ns",
-            "generation",
-            "name",
-            "node_id",
-            "creator_start_ticks",
-        ],
-        "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8", "<i8", "<u8", "S64", "<i8", "<u8"],
-        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 48, 112, 120],
-        "itemsize": 128,
-    }
-)
-# Bytes 128..255 of the header belong to the collector that writes relayed snapshots into this
-# board (dpboard.collector): its pid and frame counters, written only by it, read by `dpboard info`.
-# Bytes 256..511 are reserved and zero.
-COLLECTOR_STATS_OFFSET = 128
-COLLECTOR_STATS_FIELDS: tuple[str, ...] = (
-    "collector_pid",  # 0: no collector has run on this board
-    "collector_start_ticks",  # the collector's process start time, to tell a recycled pid
-    "frames_ok",
-    "snapshots_ok",
-    "frames_bad",  # sum of the bad_* counters below
-    "bad_magic",
-    "bad_version",
-    "bad_length",
-    "bad_rank",
-    "bad_identity",  # a frame for another board (name) than this one
-    "bad_node",
-    "last_frame_monotonic_ns",
-    "bad_load",  # a negative load field (appended: the fields above keep their offsets)
-)
-COLLECTOR_STATS_DTYPE = np.dtype([(f, "<u8") for f in COLLECTOR_STATS_FIELDS])
-assert COLLECTOR_STATS_DTYPE.itemsize <= 128
 
 
 def segment_size(n_slots: int) -> int:
@@ -146,3 +180,55 @@ def segment_size(n_slots: int) -> int:
 
 def slot_offset(rank: int) -> int:
     return HEADER_SIZE + rank * SLOT_SIZE
+
+
+# -- the load kernels' codes ------------------------------------------------------------------
+
+
+class ReqState(enum.IntEnum):
+    """State of one row of a scheduler's request table (``req_state``)."""
+
+    FREE = 0  # empty row: not a request
+    RUNNING = 1  # in the running batch; holds its KV
+    WAITING = 2  # waiting queue; no KV yet
+    BOOTSTRAP = 3  # PD prefill bootstrap queue; no KV yet
+    PREALLOC = 4  # PD decode prealloc queue; no KV yet, and waits for a transfer
+    TRANSFER = 5  # PD decode transfer queue; holds its KV, waits for the transfer to finish
+    RETRACTED = 6  # retracted from the running batch; its KV was freed
+
+
+class PageState(enum.IntEnum):
+    """State of one KV page (``page_state``)."""
+
+    FREE = 0
+    USED = 1  # held by a request or a locked prefix
+    EVICTABLE = 2  # cached prefix nobody references
+
+
+# The raw counters every load backend produces, in this order (the CUDA source indexes them alike).
+RAW_FIELDS: tuple[str, ...] = (
+    "running",  # #RUNNING
+    "waiting",  # #WAITING + #BOOTSTRAP + #PREALLOC + #TRANSFER + #RETRACTED
+    "seqlen_without_kv",  # sum of seqlen over WAITING, BOOTSTRAP, PREALLOC, RETRACTED
+    "seqlen_awaiting_transfer",  # sum of seqlen over PREALLOC, TRANSFER
+    "free_pages",
+    "evictable_pages",
+    "bad_req_states",  # codes outside ReqState
+    "bad_page_states",  # codes outside PageState
+    "bad_seqlens",  # negative seqlens in rows that are not FREE
+)
+NUM_RAW = len(RAW_FIELDS)
+RAW_INDEX: dict[str, int] = {name: i for i, name in enumerate(RAW_FIELDS)}
+
+# The words a GPU-direct publish kernel leaves in mapped host memory for the host to read later.
+DIRECT_STATUS_FIELDS: tuple[str, ...] = (
+    "launch_id",  # the launch these words describe (written last)
+    "published",  # 1: the snapshot was published; 0: rejected (bad tables)
+    "bad_req_states",
+    "bad_page_states",
+    "bad_seqlens",
+    "publish_seq",
+)
+DIRECT_STATUS_WORDS = 8  # room for the fields above
+DIRECT_STATUS_INDEX: dict[str, int] = {name: i for i, name in enumerate(DIRECT_STATUS_FIELDS)}
+assert len(DIRECT_STATUS_FIELDS) <= DIRECT_STATUS_WORDS

@@ -19,9 +19,9 @@ import sys
 
 import numpy as np
 
-from dpboard.sim import PublishConfig, SimConfig, Simulation, split_methods
-from dpboard.sim_report import summarize
-from dpboard.sim_trace import SCENARIOS, generate_trace, scenario
+from dpboard.sim.report import summarize
+from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation, split_methods
+from dpboard.sim.trace import SCENARIOS, generate_trace, scenario
 
 METRICS = (
     ("p50 TTFT ms", "ttft_p50_ms", "{:.0f}"),

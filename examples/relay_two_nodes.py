@@ -14,8 +14,8 @@ import threading
 import time
 
 from dpboard import Board, LoadSnapshot
-from dpboard.collector import Collector
-from dpboard.relay import Relay
+from dpboard.multinode.collector import Collector
+from dpboard.multinode.relay import Relay
 
 RANKS_PER_NODE = 4
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import urllib.request
 
-from dpboard.serve import LoadsServer
+from dpboard.views.serve import LoadsServer
 
 
 def main() -> int:

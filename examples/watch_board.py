@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from dpboard.top_frame import BoardWatch
+from dpboard.views.watch import BoardWatch
 
 
 def main() -> int:

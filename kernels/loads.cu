@@ -2,7 +2,9 @@
 // GPU-direct publish of the finished snapshot into a board slot (docs/KERNELS.md).
 //
 // Compiled at run time by CuPy (NVRTC, RawModule with name_expressions) and, in the test suite, by
-// nvcc with -DDPBOARD_INSTANTIATE for sm_90. No headers: NVRTC has no standard library.
+// nvcc with -DDPBOARD_INSTANTIATE for sm_90. The one header is dpboard_layout.h beside this file,
+// generated from dpboard/snapshot.py (slot layout, state codes, raw counter and status indices):
+// only #define lines, since NVRTC has no standard library.
 //
 // One pass: every thread walks both tables with a grid-stride loop, keeps nine counters in
 // registers, the block reduces them (warp shuffles, then one warp over the warp sums), and one
@@ -14,29 +16,9 @@ typedef long long i64;
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
-#define DPB_NUM_RAW 9        // dpboard.loads.RAW_FIELDS, same order
+#include "dpboard_layout.h"
+
 #define DPB_MAX_WARPS 32     // up to 1024 threads per block
-#define DPB_NUM_FIELDS 13    // LoadSnapshot fields in a slot, after the sequence word
-
-// Indices into the raw counters.
-#define RAW_RUNNING 0
-#define RAW_WAITING 1
-#define RAW_SEQLEN_WITHOUT_KV 2
-#define RAW_SEQLEN_AWAITING_TRANSFER 3
-#define RAW_FREE_PAGES 4
-#define RAW_EVICTABLE_PAGES 5
-#define RAW_BAD_REQ_STATES 6
-#define RAW_BAD_PAGE_STATES 7
-#define RAW_BAD_SEQLENS 8
-
-// Status words the publish kernel leaves in mapped host memory for the host to look at later.
-#define ST_LAUNCH_ID 0       // the launch these words describe (written last)
-#define ST_PUBLISHED 1       // 1: the snapshot was published; 0: rejected (bad tables)
-#define ST_BAD_REQ 2
-#define ST_BAD_PAGE 3
-#define ST_BAD_SEQLEN 4
-#define ST_PUBLISH_SEQ 5
-#define ST_NUM 8
 
 template <typename S, typename L, typename P>
 __device__ __forceinline__ void dpb_accumulate(const S *__restrict__ state, const L *__restrict__ seqlen,
@@ -49,19 +31,20 @@ __device__ __forceinline__ void dpb_accumulate(const S *__restrict__ state, cons
         if (i < num_requests) {
             const i64 s = (i64)state[i];
             const i64 len = (i64)seqlen[i];
-            const bool waiting = s >= 2 && s <= 6;
-            acc[RAW_RUNNING] += s == 1;
-            acc[RAW_WAITING] += waiting;
-            acc[RAW_SEQLEN_WITHOUT_KV] += (waiting && s != 5) ? len : 0;
-            acc[RAW_SEQLEN_AWAITING_TRANSFER] += (s == 4 || s == 5) ? len : 0;
-            acc[RAW_BAD_REQ_STATES] += s < 0 || s > 6;
-            acc[RAW_BAD_SEQLENS] += len < 0 && s != 0;
+            // WAITING..RETRACTED are the queued states: one range of codes (snapshot.py asserts it).
+            const bool waiting = s >= DPB_REQ_WAITING && s <= DPB_REQ_RETRACTED;
+            acc[DPB_RAW_RUNNING] += s == DPB_REQ_RUNNING;
+            acc[DPB_RAW_WAITING] += waiting;
+            acc[DPB_RAW_SEQLEN_WITHOUT_KV] += (waiting && s != DPB_REQ_TRANSFER) ? len : 0;
+            acc[DPB_RAW_SEQLEN_AWAITING_TRANSFER] += (s == DPB_REQ_PREALLOC || s == DPB_REQ_TRANSFER) ? len : 0;
+            acc[DPB_RAW_BAD_REQ_STATES] += s < 0 || s >= DPB_NUM_REQ_STATES;
+            acc[DPB_RAW_BAD_SEQLENS] += len < 0 && s != DPB_REQ_FREE;
         }
         if (i < num_pages) {
             const i64 p = (i64)pages[i];
-            acc[RAW_FREE_PAGES] += p == 0;
-            acc[RAW_EVICTABLE_PAGES] += p == 2;
-            acc[RAW_BAD_PAGE_STATES] += p < 0 || p > 2;
+            acc[DPB_RAW_FREE_PAGES] += p == DPB_PAGE_FREE;
+            acc[DPB_RAW_EVICTABLE_PAGES] += p == DPB_PAGE_EVICTABLE;
+            acc[DPB_RAW_BAD_PAGE_STATES] += p < 0 || p >= DPB_NUM_PAGE_STATES;
         }
     }
 }
@@ -115,9 +98,9 @@ __global__ void dpb_raw_counts(const S *state, const L *seqlen, i64 num_requests
 }
 
 // GPU-direct publish. `slot` is the device address of a board slot (mapped host memory, registered
-// with cudaHostRegister): u64 sequence word, then the 13 int64 LoadSnapshot fields. The kernel is
+// with cudaHostRegister): u64 sequence word, then the int64 LoadSnapshot fields. The kernel is
 // the slot's only writer. Host-only facts arrive as arguments: the clocks are the launch time.
-// `status` (mapped host memory, ST_NUM words) tells the host what happened, without a sync.
+// `status` (mapped host memory, DPB_DIRECT_STATUS_WORDS words) tells the host what happened, without a sync.
 template <typename S, typename L, typename P>
 __global__ void dpb_publish(const S *state, const L *seqlen, i64 num_requests, const P *pages, i64 num_pages,
                             i64 page_size, u64 *accum, u32 *ticket, u64 *slot, i64 dp_rank,
@@ -128,51 +111,51 @@ __global__ void dpb_publish(const S *state, const L *seqlen, i64 num_requests, c
     if (!dpb_reduce(acc, accum, ticket)) return;
 
     volatile i64 *st = (volatile i64 *)status;
-    st[ST_BAD_REQ] = acc[RAW_BAD_REQ_STATES];
-    st[ST_BAD_PAGE] = acc[RAW_BAD_PAGE_STATES];
-    st[ST_BAD_SEQLEN] = acc[RAW_BAD_SEQLENS];
-    const bool bad = acc[RAW_BAD_REQ_STATES] || acc[RAW_BAD_PAGE_STATES] || acc[RAW_BAD_SEQLENS];
+    st[DPB_DIRECT_BAD_REQ_STATES] = acc[DPB_RAW_BAD_REQ_STATES];
+    st[DPB_DIRECT_BAD_PAGE_STATES] = acc[DPB_RAW_BAD_PAGE_STATES];
+    st[DPB_DIRECT_BAD_SEQLENS] = acc[DPB_RAW_BAD_SEQLENS];
+    const bool bad = acc[DPB_RAW_BAD_REQ_STATES] || acc[DPB_RAW_BAD_PAGE_STATES] || acc[DPB_RAW_BAD_SEQLENS];
     if (bad) {  // never publish numbers made from a broken table
-        st[ST_PUBLISHED] = 0;
+        st[DPB_DIRECT_PUBLISHED] = 0;
         __threadfence_system();
-        st[ST_LAUNCH_ID] = launch_id;
+        st[DPB_DIRECT_LAUNCH_ID] = launch_id;
         return;
     }
 
     // The SPEC formulas, int64.
-    const i64 used = (num_pages - acc[RAW_FREE_PAGES] - acc[RAW_EVICTABLE_PAGES]) * page_size;
-    const i64 total = used + acc[RAW_SEQLEN_WITHOUT_KV];
-    const i64 active_raw = total - acc[RAW_SEQLEN_AWAITING_TRANSFER];
+    const i64 used = (num_pages - acc[DPB_RAW_FREE_PAGES] - acc[DPB_RAW_EVICTABLE_PAGES]) * page_size;
+    const i64 total = used + acc[DPB_RAW_SEQLEN_WITHOUT_KV];
+    const i64 active_raw = total - acc[DPB_RAW_SEQLEN_AWAITING_TRANSFER];
 
-    volatile u64 *seq = slot;
-    volatile i64 *fields = (volatile i64 *)(slot + 1);
+    volatile u64 *seq = slot + DPB_SEQ_OFFSET / 8;
+    volatile i64 *fields = (volatile i64 *)(slot + DPB_FIELDS_OFFSET / 8);
     u64 s = *seq;
     if (s & 1ull) s += 1ull;  // left odd by a writer that died mid-write: step past it
-    i64 publish_seq = fields[10];
+    i64 publish_seq = fields[DPB_F_PUBLISH_SEQ];
     publish_seq = (publish_seq < 0 ? 0 : publish_seq) + 1;
 
     *seq = s + 1ull;          // odd: a write is in progress
     __threadfence_system();   // the odd store is visible to the host before any field store
-    fields[0] = dp_rank;
-    fields[1] = acc[RAW_RUNNING];
-    fields[2] = acc[RAW_WAITING];
-    fields[3] = used;
-    fields[4] = total;
-    fields[5] = active_raw > 0 ? active_raw : 0;
-    fields[6] = num_pages * page_size;
-    fields[7] = num_received_reqs;
-    fields[8] = timestamp_ns;
-    fields[9] = monotonic_ns;
-    fields[10] = publish_seq;
-    fields[11] = writer_pid;
-    fields[12] = node_id;
+    fields[DPB_F_DP_RANK] = dp_rank;
+    fields[DPB_F_NUM_RUNNING_REQS] = acc[DPB_RAW_RUNNING];
+    fields[DPB_F_NUM_WAITING_REQS] = acc[DPB_RAW_WAITING];
+    fields[DPB_F_NUM_USED_TOKENS] = used;
+    fields[DPB_F_NUM_TOTAL_TOKENS] = total;
+    fields[DPB_F_NUM_ACTIVE_TOKENS] = active_raw > 0 ? active_raw : 0;
+    fields[DPB_F_MAX_TOTAL_NUM_TOKENS] = num_pages * page_size;
+    fields[DPB_F_NUM_RECEIVED_REQS] = num_received_reqs;
+    fields[DPB_F_TIMESTAMP_NS] = timestamp_ns;
+    fields[DPB_F_MONOTONIC_NS] = monotonic_ns;
+    fields[DPB_F_PUBLISH_SEQ] = publish_seq;
+    fields[DPB_F_WRITER_PID] = writer_pid;
+    fields[DPB_F_NODE_ID] = node_id;
     __threadfence_system();   // every field store is visible before the even store
     *seq = s + 2ull;          // even: the snapshot is whole
 
-    st[ST_PUBLISH_SEQ] = publish_seq;
-    st[ST_PUBLISHED] = 1;
+    st[DPB_DIRECT_PUBLISH_SEQ] = publish_seq;
+    st[DPB_DIRECT_PUBLISHED] = 1;
     __threadfence_system();
-    st[ST_LAUNCH_ID] = launch_id;
+    st[DPB_DIRECT_LAUNCH_ID] = launch_id;
 }
 
 #ifdef DPBOARD_INSTANTIATE

@@ -48,7 +48,7 @@ for m in ("numpy", "numba", "numba_cuda", "cupy"):
         print(m, importlib.import_module(m).__version__)
     except Exception as e:
         print(m, "missing:", e)
-from dpboard import kernels_cuda
+from dpboard.loads import cuda as kernels_cuda
 print("cupy usable:", kernels_cuda.cupy_available())
 from numba import cuda
 print("numba.cuda usable:", cuda.is_available())

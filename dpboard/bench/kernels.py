@@ -38,7 +38,7 @@ def time_calls(fn: Callable[[], Any], iterations: int, warmup: int) -> dict[str,
 
 def available_backends() -> list[str]:
     backends = ["numba", "numba-parallel"]
-    from dpboard import kernels_cuda
+    from dpboard.loads import cuda as kernels_cuda
 
     try:
         from numba import cuda
@@ -74,7 +74,7 @@ def run(quick: bool, backends: list[str], page_size: int = 16) -> list[dict[str,
             ref = time_calls(lambda t=tables: compute_loads(*t, page_size=page_size, backend="numpy"), ref_iters, 2)
             for backend in backends:
                 if backend == "numba-parallel":  # every pass on Numba's thread pool, whatever the size
-                    from dpboard.kernels_cpu import raw_counts
+                    from dpboard.loads.cpu import raw_counts
 
                     res = time_calls(lambda t=tables: raw_counts(*t, req_parallel_min=0, page_parallel_min=0),
                                      iters, warmup)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in backends:
         if b not in ("numba", "numba-parallel", "numba-cuda", "cupy"):
             raise ValueError(f"unknown backend {b!r}: choose from numba, numba-parallel, numba-cuda, cupy")
-    from dpboard import kernels_cpu
+    from dpboard.loads import cpu as kernels_cpu
 
     kernels_cpu.warm_up()  # compile (or load) before anything is timed
     rows = run(args.quick, backends)

@@ -91,7 +91,7 @@ def _writer_main(args: argparse.Namespace) -> int:
 
 
 def _relay_main(args: argparse.Namespace) -> int:
-    from dpboard.relay import Relay
+    from dpboard.multinode.relay import Relay
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -141,7 +141,7 @@ def _node_args(args: argparse.Namespace, tag: str, node: int, n_slots: int) -> l
 
 
 def _measure_relay(args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    from dpboard.collector import Collector
+    from dpboard.multinode.collector import Collector
 
     n_slots = args.nodes * args.ranks
     name0 = f"{tag}-r0"

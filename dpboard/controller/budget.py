@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from dpboard.controller.methods import LoadBalanceMethod
+from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
 
 try:
-    from dpboard._dispatch import ArgminCore
+    from dpboard.controller._dispatch import ArgminCore
 except ImportError:  # a source tree without the built extension: the Python twin does the same work
     ArgminCore = None
 
@@ -58,7 +59,7 @@ class PyArgminCore:
         by_backlog: bool = False,
     ):
         if by_backlog and backlog is None:
-            raise ValueError("by_backlog needs the backlog array (queued prefill tokens per rank)")
+            raise InvalidInputError("by_backlog needs the backlog array (queued prefill tokens per rank)")
         self.tokens, self.requests, self.backlog = tokens, requests, backlog
         self.candidate, self.routable = candidate, routable
         self.sent_reqs, self.sent_tokens, self.ring = sent_reqs, sent_tokens, ring
@@ -73,16 +74,16 @@ class PyArgminCore:
             try:
                 return len(ids)
             except TypeError:
-                raise ValueError(
+                raise InvalidInputError(
                     f"request input_ids must be a sequence of token ids, got {type(ids)!r}"
                 ) from None
         nt = getattr(req, "num_tokens", None)
         if nt is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "request has neither input_ids nor num_tokens: give it one of them (the token estimate)"
             )
         if not isinstance(nt, int) or isinstance(nt, bool) or nt < 0 or nt >= 2**63:
-            raise ValueError(f"request num_tokens must be an int >= 0 that fits 64 bits, got {nt!r}")
+            raise InvalidInputError(f"request num_tokens must be an int >= 0 that fits 64 bits, got {nt!r}")
         return nt
 
     def _routed(self, req: Any) -> int | None:
@@ -90,9 +91,9 @@ class PyArgminCore:
         if r is None:
             return None
         if not isinstance(r, int) or isinstance(r, bool):
-            raise ValueError(f"routed_dp_rank must be an int or None, got {r!r}")
+            raise InvalidInputError(f"routed_dp_rank must be an int or None, got {r!r}")
         if r < 0 or r >= self.n or not self.routable[r]:
-            raise ValueError(f"DP rank {r} is not active.")
+            raise InvalidInputError(f"DP rank {r} is not active.")
         return r
 
     def _argmin(self) -> int:
@@ -112,7 +113,7 @@ class PyArgminCore:
             if best < 0 or key < best_key:
                 best, best_key = i, key
         if best < 0:
-            raise RuntimeError(
+            raise UnavailableError(
                 "no DP rank can take the request: every active rank is unavailable or unhealthy "
                 "(see set_active/set_status, and `dpboard dump` for stale slots)"
             )
@@ -140,9 +141,9 @@ class PyArgminCore:
 
     def retract(self, rank: int, tokens: int) -> None:
         if not 0 <= rank < self.n or tokens < 0:
-            raise ValueError(f"retract(rank, tokens) needs 0 <= rank < {self.n} and tokens >= 0")
+            raise InvalidInputError(f"retract(rank, tokens) needs 0 <= rank < {self.n} and tokens >= 0")
         if self.sent_reqs[rank] < 1 or self.sent_tokens[rank] < tokens:
-            raise ValueError(
+            raise InvalidInputError(
                 f"retract({rank}, {tokens}): rank {rank} has no such send in its ledger "
                 f"({int(self.sent_reqs[rank])} sends, {int(self.sent_tokens[rank])} tokens); "
                 "retract only a pick that was charged"
@@ -174,7 +175,7 @@ class PyArgminCore:
 
     def pick_tokens(self, tokens: int) -> int:
         if tokens < 0:
-            raise ValueError(f"estimated tokens must be >= 0, got {tokens}")
+            raise InvalidInputError(f"estimated tokens must be >= 0, got {tokens}")
         rank = self._argmin()
         self.charge(rank, tokens)
         return rank
@@ -200,9 +201,9 @@ class DPBudget:
         use_extension: bool = True,
     ):
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+            raise InvalidInputError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not isinstance(ledger_capacity, int) or ledger_capacity < 2:
-            raise ValueError(f"ledger_capacity must be an int >= 2, got {ledger_capacity!r}")
+            raise InvalidInputError(f"ledger_capacity must be an int >= 2, got {ledger_capacity!r}")
         n = num_workers
         self.num_workers = n
         self.inflight_accounting = bool(inflight_accounting)
@@ -251,7 +252,7 @@ class DPBudget:
         """Refresh from ``SNAPSHOT_DTYPE`` records, one per rank (``BoardReader.read_array()``)."""
         n = self.num_workers
         if records.dtype != SNAPSHOT_DTYPE or len(records) < n:
-            raise ValueError(
+            raise InvalidInputError(
                 f"update_from_array needs at least {n} SNAPSHOT_DTYPE records (BoardReader.read_array()), "
                 f"got {len(records)} of dtype {records.dtype}"
             )
@@ -314,7 +315,7 @@ class DPBudget:
         if method is not None:
             m = LoadBalanceMethod(method)
             if not m.is_load_aware:
-                raise ValueError(f"DPBudget.dispatch needs a load-aware method, got {m.value}")
+                raise InvalidInputError(f"DPBudget.dispatch needs a load-aware method, got {m.value}")
             self.core.by_tokens = m.by_tokens
             self.core.by_backlog = m.by_backlog
         return self.core.pick_tokens(int(estimated_tokens))
@@ -363,6 +364,6 @@ def snapshots_to_array(loads: Sequence[LoadSnapshot | None], n: int, out: np.nda
             continue
         rank = snap[0]
         if not 0 <= rank < n:
-            raise ValueError(f"a snapshot names dp_rank {rank}, outside the {n} worker slots (0..{n - 1})")
+            raise InvalidInputError(f"a snapshot names dp_rank {rank}, outside the {n} worker slots (0..{n - 1})")
         out[rank] = (*snap, _LIVE)
     return out

@@ -17,6 +17,7 @@ import numpy as np
 
 from dpboard.controller.budget import DEFAULT_LEDGER_CAPACITY, DPBudget, PyArgminCore, snapshots_to_array
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
 
 DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most once per 20 ms
@@ -27,7 +28,7 @@ _TORN = int(SlotStatus.TORN)
 
 def _check_rank_int(value: Any, what: str) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise ValueError(f"{what} must be an int, got {value!r}")
+        raise InvalidInputError(f"{what} must be an int, got {value!r}")
     return int(value)
 
 
@@ -61,12 +62,12 @@ class Dispatcher:
     ):
         self.method = resolve_load_balance_method(method, disaggregation_mode)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
+            raise InvalidInputError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
                              f"got {num_workers!r}")
         if not callable(clock):
-            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+            raise InvalidInputError(f"clock must be a callable returning seconds, got {clock!r}")
         if not isinstance(refresh_interval, (int, float)) or not refresh_interval >= 0:
-            raise ValueError(f"refresh_interval must be a number of seconds >= 0, got {refresh_interval!r}")
+            raise InvalidInputError(f"refresh_interval must be a number of seconds >= 0, got {refresh_interval!r}")
         self.num_workers = num_workers
         self.refresh_interval = float(refresh_interval)
         self._clock = clock
@@ -96,7 +97,7 @@ class Dispatcher:
     def _setup_load_aware(self, reader: Any, ledger_capacity: int, use_extension: bool) -> None:
         n = self.num_workers
         if reader is None:
-            raise ValueError(
+            raise InvalidInputError(
                 f"load balance method {self.method.value} reads loads and needs a reader: pass "
                 "reader=board.reader() (or any object with read_all())"
             )
@@ -114,7 +115,7 @@ class Dispatcher:
         if hasattr(reader, "read_array"):
             first = reader.read_array()
             if getattr(first, "dtype", None) != SNAPSHOT_DTYPE or len(first) < n:
-                raise ValueError(
+                raise InvalidInputError(
                     f"reader.read_array() must return at least {n} SNAPSHOT_DTYPE records (one per worker "
                     f"slot), got {len(first)} records of dtype {getattr(first, 'dtype', type(first))}"
                 )
@@ -132,7 +133,7 @@ class Dispatcher:
             read_all = reader.read_all
             self._read_records = lambda: snapshots_to_array(read_all(), n, records)
         else:
-            raise ValueError(
+            raise InvalidInputError(
                 f"reader must be a BoardReader or have read_all() (or read_array()), got {type(reader).__name__}"
             )
 
@@ -152,7 +153,7 @@ class Dispatcher:
         for r in ranks:
             rank = _check_rank_int(r, "an active rank")
             if not 0 <= rank < self.num_workers:
-                raise ValueError(f"active rank {rank} is outside the {self.num_workers} worker slots "
+                raise InvalidInputError(f"active rank {rank} is outside the {self.num_workers} worker slots "
                                  f"(0..{self.num_workers - 1})")
             seen.add(rank)
         self._active = tuple(sorted(seen))
@@ -164,7 +165,7 @@ class Dispatcher:
         """Mark a rank available or not (a failed or draining worker); every slot starts available."""
         rank = _check_rank_int(rank, "rank")
         if not 0 <= rank < self.num_workers:
-            raise ValueError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
+            raise InvalidInputError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
         self._available_mask[rank] = bool(available)
         self._update_candidates()
 
@@ -236,14 +237,14 @@ class Dispatcher:
             return
         rank = _check_rank_int(rank, "rank")
         if not 0 <= rank < self.num_workers:
-            raise ValueError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
+            raise InvalidInputError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
         self.budget.retract(rank, PyArgminCore._tokens(req))
 
     def _check_routed(self, rank: Any) -> int:
         if not isinstance(rank, int) or isinstance(rank, bool):
-            raise ValueError(f"routed_dp_rank must be an int or None, got {rank!r}")
+            raise InvalidInputError(f"routed_dp_rank must be an int or None, got {rank!r}")
         if rank < 0 or rank >= self.num_workers or not self._active_mask[rank]:
-            raise ValueError(f"DP rank {rank} is not active.")
+            raise InvalidInputError(f"DP rank {rank} is not active.")
         return rank
 
     def _dispatch_load(self, req: Any) -> int:
@@ -260,14 +261,14 @@ class Dispatcher:
         active = self._active
         n = len(active)
         if n == 0:
-            raise RuntimeError("no active DP rank: the active set is empty (call set_active with the live ranks)")
+            raise UnavailableError("no active DP rank: the active set is empty (call set_active with the live ranks)")
         available = self._available_mask
         for _ in range(n):
             slot = active[self._rr_counter % n]
             self._rr_counter = (self._rr_counter + 1) % n
             if available[slot]:
                 return slot
-        raise RuntimeError(
+        raise UnavailableError(
             f"all {n} active DP ranks are unavailable (set_status(rank, True) when a worker recovers)"
         )
 
@@ -277,12 +278,12 @@ class Dispatcher:
             return self._check_routed(routed)
         room = getattr(req, "bootstrap_room", None)
         if room is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "request has no bootstrap_room: follow_bootstrap_room needs one; send PD requests "
                 "through the router, which sets it, not straight to the prefill server"
             )
         if not isinstance(room, int) or isinstance(room, bool):
-            raise ValueError(f"bootstrap_room must be an int, got {room!r}")
+            raise InvalidInputError(f"bootstrap_room must be an int, got {room!r}")
         # len(workers) counts reserved slots too, and status is not checked (as in SGLang): the room
         # mapping must stay stable while ranks come and go
         return room % self.num_workers

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import warnings
 
+from dpboard.errors import InvalidInputError
+
 
 class LoadBalanceMethod(str, enum.Enum):
     """How the controller picks a DP rank for a request without ``routed_dp_rank``.
@@ -71,13 +73,13 @@ def parse_disaggregation_mode(mode: str | None) -> str:
     if mode is None:
         return "null"
     if not isinstance(mode, str):
-        raise ValueError(f"disaggregation_mode must be a string or None, got {mode!r}")
+        raise InvalidInputError(f"disaggregation_mode must be a string or None, got {mode!r}")
     norm = _normalise(mode)
     if norm in ("null", "none", ""):
         return "null"
     if norm in DISAGGREGATION_MODES:
         return norm
-    raise ValueError(
+    raise InvalidInputError(
         f"unknown disaggregation_mode {mode!r}: expected one of null (no PD), prefill, decode"
     )
 
@@ -87,14 +89,14 @@ def parse_load_balance_method(method: str | LoadBalanceMethod) -> LoadBalanceMet
     if isinstance(method, LoadBalanceMethod):
         return method
     if not isinstance(method, str):
-        raise ValueError(f"load balance method must be a string, got {method!r}")
+        raise InvalidInputError(f"load balance method must be a string, got {method!r}")
     norm = _normalise(method)
     if norm == AUTO:
         return AUTO
     try:
         return LoadBalanceMethod(norm)
     except ValueError:
-        raise ValueError(
+        raise InvalidInputError(
             f"unknown load balance method {method!r}: expected one of {', '.join(METHOD_CHOICES)}"
         ) from None
 
@@ -151,7 +153,7 @@ def zmq_reader_owner(
     only when this returns its own role.
     """
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+        raise InvalidInputError(f"dp_size must be an int >= 1, got {dp_size!r}")
     with warnings.catch_warnings():  # the controller's own resolve warns about round_robin once
         warnings.simplefilter("ignore")
         resolved = resolve_load_balance_method(method, disaggregation_mode)

@@ -13,7 +13,7 @@ Neither ever stops the loop. A request whose send fails is taken back out of the
 (``Dispatcher.retract``): the rank never got it.
 
 With a load-aware method the controller is node0's single owner of the relays' load PULL socket
-(SPEC 6): ``--collect-bind`` hosts a ``dpboard.collector.Collector`` in this process, polled in the
+(SPEC 6): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
 same loop as the requests.
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from dpboard.controller.codec import MalformedFrame, Request, decode_request
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, Dispatcher
 from dpboard.controller.methods import (
     DISAGGREGATION_MODES,
@@ -40,76 +41,13 @@ from dpboard.controller.methods import (
     resolve_load_balance_method,
     zmq_reader_owner,
 )
+from dpboard.errors import InvalidInputError, UnavailableError
 
 log = logging.getLogger("dpboard.controller")
 
 RESERVED = "-"  # a worker endpoint placeholder for a reserved (elastic EP) slot with no scheduler yet
 DEFAULT_SEND_HWM = 100_000
 DEFAULT_MAX_BATCH = 1024
-
-
-class Request:
-    """What the Dispatcher reads of a decoded frame; ``raw`` is what is forwarded."""
-
-    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw")
-
-    def __init__(self, rid: Any, routed_dp_rank: int | None, bootstrap_room: int | None, num_tokens: int,
-                 raw: bytes):
-        self.rid = rid
-        self.routed_dp_rank = routed_dp_rank
-        self.bootstrap_room = bootstrap_room
-        self.num_tokens = num_tokens
-        self.raw = raw
-
-
-class MalformedFrame(ValueError):
-    pass
-
-
-def _optional_int(msg: dict, key: str) -> int | None:
-    value = msg.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise MalformedFrame(f"{key} must be an int or nil, got {type(value).__name__}")
-    return value
-
-
-def decode_request(raw: bytes) -> Request:
-    """A frame -> Request, or ``MalformedFrame`` saying what is wrong with it."""
-    try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several types for bad bytes
-        raise MalformedFrame(f"not msgpack ({type(e).__name__})") from None
-    if not isinstance(msg, dict):
-        raise MalformedFrame(f"not a map but {type(msg).__name__}")
-    if "rid" not in msg:
-        raise MalformedFrame("no rid")
-    rid = msg["rid"]
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise MalformedFrame(f"rid must be a string or int, got {type(rid).__name__}")
-    ids = msg.get("input_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise MalformedFrame(f"input_ids must be a list, got {type(ids).__name__}")
-        num_tokens = len(ids)
-    else:
-        num_tokens = msg.get("num_tokens")
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise MalformedFrame("needs input_ids (a list) or num_tokens (an int >= 0)")
-    routed = _optional_int(msg, "routed_dp_rank")
-    room = _optional_int(msg, "bootstrap_room")
-    return Request(rid, routed, room, num_tokens, raw)
-
-
-def encode_request(rid: Any, *, input_ids: Sequence[int] | None = None, num_tokens: int | None = None,
-                   routed_dp_rank: int | None = None, bootstrap_room: int | None = None, **extra: Any) -> bytes:
-    """The frame a tokenizer-side process sends to the controller."""
-    msg: dict[str, Any] = {"rid": rid, "routed_dp_rank": routed_dp_rank, "bootstrap_room": bootstrap_room}
-    if input_ids is not None:
-        msg["input_ids"] = list(input_ids)
-    if num_tokens is not None:
-        msg["num_tokens"] = num_tokens
-    msg.update(extra)
-    return msgpack.packb(msg, use_bin_type=True)
 
 
 class DataParallelController:
@@ -120,7 +58,7 @@ class DataParallelController:
     ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the controller
     connects a PUSH there for ``{rid, error}`` answers.
 
-    ``collector``, when given, is a ``dpboard.collector.Collector`` (anything with ``socket`` and
+    ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
     """
 
@@ -139,16 +77,16 @@ class DataParallelController:
         collector: Any = None,
     ):
         if len(worker_endpoints) != dispatcher.num_workers:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{len(worker_endpoints)} worker endpoints for a dispatcher of {dispatcher.num_workers} "
                 f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
             )
         absent = [r for r in dispatcher.active if worker_endpoints[r] is None]
         if absent:
-            raise ValueError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
+            raise InvalidInputError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
                              "out of the active set")
         if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            raise InvalidInputError(f"max_batch must be >= 1, got {max_batch}")
         self.dispatcher = dispatcher
         self.worker_endpoints = list(worker_endpoints)
         self.input_endpoint = input_endpoint
@@ -191,7 +129,7 @@ class DataParallelController:
                 self.errors.connect(error_endpoint)
         except zmq.ZMQError as e:
             self.close()
-            raise RuntimeError(f"controller sockets: {e} (input {input_endpoint}, errors {error_endpoint})") from e
+            raise UnavailableError(f"controller sockets: {e} (input {input_endpoint}, errors {error_endpoint})") from e
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -404,11 +342,11 @@ def run(args: argparse.Namespace) -> int:
     endpoints = [None if e == RESERVED else e for e in args.workers]
     owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
     if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys):
-        raise ValueError("--collect-curve-* options configure the load fan-in: give --collect-bind ENDPOINT too")
+        raise InvalidInputError("--collect-curve-* options configure the load fan-in: give --collect-bind ENDPOINT too")
     if args.collect_bind is not None and owner is not ReaderOwner.CONTROLLER:
         why = (f"method {method.value} does not read loads" if not method.is_load_aware
                else "a controller of a single rank reads no loads")
-        raise ValueError(
+        raise InvalidInputError(
             f"--collect-bind: {why}, so this controller does not own the load fan-in PULL socket; run "
             f"`dpboard collect --board NAME --bind {args.collect_bind}` instead (or let the tokenizer-side "
             f"process own it)"
@@ -418,14 +356,14 @@ def run(args: argparse.Namespace) -> int:
     collector = None
     if method.is_load_aware:
         if not args.board:
-            raise ValueError(f"--method {method.value} reads loads: give --board NAME (the board the "
+            raise InvalidInputError(f"--method {method.value} reads loads: give --board NAME (the board the "
                              "schedulers publish to)")
         from dpboard.board import Board
 
         board = Board.attach(args.board)
         reader = board.reader(stale_after=args.stale_after)
         if args.collect_bind is not None:
-            from dpboard.collector import Collector
+            from dpboard.multinode.collector import Collector
 
             try:
                 collector = Collector(board, args.collect_bind, curve_secret_key=args.collect_curve_secret_key,

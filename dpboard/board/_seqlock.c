@@ -1,0 +1,692 @@
+/*
+ * dpboard.board._seqlock: the seqlocked slot writer and the board reader, the two hot paths of the board.
+ *
+ * A slot is a 64-bit sequence word, then the int64 fields of a LoadSnapshot, then the owner word
+ * and a reserved word (docs/FORMAT.md; the offsets come from dpboard_layout.h). One writer per slot;
+ * any number of readers, in any process that maps the board. The owner word (pid and process start
+ * time in one 64-bit value) is claimed with a compare-and-swap, so two would-be writers racing for
+ * a slot cannot both win.
+ *
+ * Writer (never waits; a publish is a fixed number of stores):
+ *     seq.store(s + 1, relaxed)        -- odd: a write is in progress
+ *     fence(release)                   -- [W1]
+ *     fields[k].store(v_k, relaxed)    -- for every field
+ *     seq.store(s + 2, release)        -- [W2] even: the write is whole
+ *
+ * Reader (bounded: at most max_retries attempts, then the slot is reported TORN):
+ *     s1 = seq.load(acquire)           -- [R1]
+ *     if s1 is odd: retry
+ *     v_k = fields[k].load(relaxed)    -- for every field
+ *     fence(acquire)                   -- [R2]
+ *     s2 = seq.load(relaxed)
+ *     if s1 != s2: retry; otherwise v is one whole snapshot
+ *
+ * Why a reader can never accept a mix of two writes:
+ *   - [W2] is a release store and [R1] an acquire load: a reader that sees s1 = s + 2 also sees every
+ *     field store made before [W2], i.e. the whole write that ended at s + 2 (or a later one).
+ *   - Suppose a field load returned a value stored by the *next* write (the one that begins with
+ *     seq = s + 3). That store comes after the release fence [W1] of that write, and the load is
+ *     followed by the acquire fence [R2]; fence-to-fence synchronisation (C11 7.17.4) then makes the
+ *     odd store s + 3 happen before the load of s2, so s2 >= s + 3 != s1 and the reader retries.
+ *   - Field accesses are atomic (relaxed) so a concurrent store and load are not a data race, and
+ *     aligned 8-byte accesses are single instructions on both targets, so no value is itself torn.
+ * What this costs on each target (GCC/Clang mapping of the C11 orders):
+ *   - x86-64 (TSO): stores are not reordered with stores, loads not with loads; release and acquire
+ *     compile to plain MOVs and the fences to compiler barriers only. The compiler barrier is what
+ *     keeps the compiler from moving field stores across the sequence stores.
+ *   - aarch64 (e.g. Grace): [W1] is `dmb ishst`-or-stronger (GCC emits `dmb ish`), [W2] is `stlr`,
+ *     [R1] is `ldar`, [R2] is `dmb ishld`. Without them the CPU may make field stores visible before
+ *     the odd sequence store, which is the bug this file exists to prevent.
+ * The writer is wait-free: it never reads anything a reader writes and never loops. A writer killed
+ * between its two sequence stores leaves the slot odd; readers give up after max_retries and report
+ * TORN, and the next writer of that slot starts from the odd value rounded up, so its first publish
+ * makes the slot whole again.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* Every layout fact (offsets, sizes, field indices, status codes) comes from the header generated
+   from dpboard/snapshot.py; the module exports them and the package compares them at import. */
+#include "dpboard_layout.h"
+
+#define SLOT_SIZE DPB_SLOT_SIZE
+#define NUM_FIELDS DPB_NUM_FIELDS
+#define FIELDS_OFFSET DPB_FIELDS_OFFSET
+#define OWNER_OFFSET DPB_OWNER_OFFSET
+#define RECORD_SIZE DPB_RECORD_SIZE
+#define RECORD_STATUS_OFFSET DPB_RECORD_STATUS_OFFSET
+#define F_DP_RANK DPB_F_DP_RANK
+#define F_NUM_LOAD_LAST DPB_F_LOAD_LAST
+#define F_TIMESTAMP_NS DPB_F_TIMESTAMP_NS
+#define F_MONOTONIC_NS DPB_F_MONOTONIC_NS
+#define F_PUBLISH_SEQ DPB_F_PUBLISH_SEQ
+#define F_WRITER_PID DPB_F_WRITER_PID
+#define F_NODE_ID DPB_F_NODE_ID
+
+enum { ST_EMPTY = DPB_STATUS_EMPTY, ST_LIVE = DPB_STATUS_LIVE, ST_STALE = DPB_STATUS_STALE, ST_TORN = DPB_STATUS_TORN };
+
+_Static_assert(DPB_SEQ_OFFSET == 0, "the sequence word opens the slot");
+_Static_assert(FIELDS_OFFSET % 8 == 0 && FIELDS_OFFSET >= 8, "fields are aligned int64 after the sequence");
+_Static_assert(FIELDS_OFFSET + 8 * NUM_FIELDS <= OWNER_OFFSET, "the fields end before the owner word");
+_Static_assert(OWNER_OFFSET % 8 == 0 && OWNER_OFFSET + 8 <= SLOT_SIZE, "the owner word is an aligned int64 in the slot");
+_Static_assert(SLOT_SIZE % 128 == 0, "slots are whole 128-byte lines: two writers never share a line");
+_Static_assert(DPB_HEADER_SIZE % 128 == 0, "slots start on a 128-byte boundary");
+_Static_assert(RECORD_STATUS_OFFSET == 8 * NUM_FIELDS && RECORD_STATUS_OFFSET < RECORD_SIZE,
+               "a read_array record is the fields, then the status byte");
+_Static_assert(RECORD_SIZE % 8 == 0, "records stay 8-byte aligned in an array");
+_Static_assert(DPB_NUM_STATUSES == 4, "the reader knows four slot statuses");
+
+static const char *const FIELD_NAMES[NUM_FIELDS] = {DPB_FIELD_NAMES_INIT};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+static inline int64_t clock_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The write side.                                                                             */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view; /* an export of the board mapping: keeps it mapped while this writer lives */
+    int has_view;
+    char *slot;
+    uint64_t local_seq; /* the slot's sequence as this writer left it (always even) */
+    int64_t publish_seq;
+    int64_t rank;
+    int64_t pid;
+    int64_t node_id;
+} SlotWriter;
+
+static inline void seqlock_write(SlotWriter *w, const int64_t *values) {
+    uint64_t *seq = (uint64_t *)w->slot;
+    int64_t *fields = (int64_t *)(w->slot + FIELDS_OFFSET);
+    uint64_t s = w->local_seq;
+    __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* [W1] */
+    for (int k = 0; k < NUM_FIELDS; k++)
+        __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
+    __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE); /* [W2] */
+    w->local_seq = s + 2;
+}
+
+static void writer_dealloc(SlotWriter *self) {
+    if (self->has_view) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* SlotWriter(mapping, offset, rank, node_id, pid) */
+static int writer_init(SlotWriter *self, PyObject *args, PyObject *kwds) {
+    PyObject *mapping;
+    Py_ssize_t offset;
+    long long rank, node_id, pid;
+    static char *kwlist[] = {"mapping", "offset", "rank", "node_id", "pid", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnLLL", kwlist, &mapping, &offset, &rank, &node_id, &pid))
+        return -1;
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    if (PyObject_GetBuffer(mapping, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->has_view = 1;
+    if (offset < 0 || offset % SLOT_SIZE != 0 || offset + SLOT_SIZE > self->view.len) {
+        PyErr_Format(PyExc_ValueError, "slot offset %zd is outside the %zd-byte board mapping", offset,
+                     self->view.len);
+        return -1;
+    }
+    self->slot = (char *)self->view.buf + offset;
+    self->rank = rank;
+    self->node_id = node_id;
+    self->pid = pid;
+    uint64_t s = __atomic_load_n((uint64_t *)self->slot, __ATOMIC_ACQUIRE);
+    /* A slot left odd by a dead writer: start from the next even value, so the first publish
+       of this writer goes odd -> even past it and repairs the slot. */
+    self->local_seq = (s & 1) ? s + 1 : s;
+    self->publish_seq = __atomic_load_n((int64_t *)(self->slot + FIELDS_OFFSET) + F_PUBLISH_SEQ,
+                                        __ATOMIC_RELAXED);
+    if (self->publish_seq < 0) self->publish_seq = 0;
+    return 0;
+}
+
+/* One load field (index k) from a Python int; `prefix` names where it came from in the error. */
+static inline int parse_load_field(PyObject *item, int k, const char *prefix, int64_t *out) {
+    long long v = PyLong_AsLongLong(item);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s%s must be an integer in [0, 2**63), got %R", prefix, FIELD_NAMES[k],
+                     item);
+        return -1;
+    }
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "%s%s must be >= 0, got %lld", prefix, FIELD_NAMES[k], v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int read_load_fields(PyObject *snap, int64_t *values, int64_t expected_rank) {
+    if (!PyTuple_Check(snap) || PyTuple_GET_SIZE(snap) != NUM_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "publish() takes a LoadSnapshot, got %.100s", Py_TYPE(snap)->tp_name);
+        return -1;
+    }
+    for (int k = 0; k <= F_NUM_LOAD_LAST; k++)
+        if (parse_load_field(PyTuple_GET_ITEM(snap, k), k, "LoadSnapshot.", &values[k]) < 0) return -1;
+    if (values[F_DP_RANK] != expected_rank) {
+        PyErr_Format(PyExc_ValueError,
+                     "LoadSnapshot.dp_rank is %lld but this writer owns slot %lld: publish each rank "
+                     "through board.writer(rank=dp_rank)",
+                     (long long)values[F_DP_RANK], (long long)expected_rank);
+        return -1;
+    }
+    return 0;
+}
+
+static inline void stamp(SlotWriter *self, int64_t *values) {
+    values[F_TIMESTAMP_NS] = clock_ns(CLOCK_REALTIME);
+    values[F_MONOTONIC_NS] = clock_ns(CLOCK_MONOTONIC);
+    values[F_PUBLISH_SEQ] = ++self->publish_seq;
+    values[F_WRITER_PID] = self->pid;
+    values[F_NODE_ID] = self->node_id;
+}
+
+static PyObject *writer_publish(SlotWriter *self, PyObject *snap) {
+    int64_t values[NUM_FIELDS];
+    if (read_load_fields(snap, values, self->rank) < 0) return NULL;
+    stamp(self, values);
+    seqlock_write(self, values);
+    Py_RETURN_NONE;
+}
+
+/* publish_values(num_running_reqs, num_waiting_reqs, num_used_tokens, num_total_tokens,
+                  num_active_tokens, max_total_num_tokens, num_received_reqs) */
+static PyObject *writer_publish_values(SlotWriter *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t values[NUM_FIELDS];
+    if (nargs != F_NUM_LOAD_LAST) {
+        PyErr_Format(PyExc_TypeError,
+                     "publish_values() takes the 7 load fields (num_running_reqs .. num_received_reqs), "
+                     "got %zd arguments", nargs);
+        return NULL;
+    }
+    values[F_DP_RANK] = self->rank;
+    for (int k = 1; k <= F_NUM_LOAD_LAST; k++)
+        if (parse_load_field(args[k - 1], k, "", &values[k]) < 0) return NULL;
+    stamp(self, values);
+    seqlock_write(self, values);
+    Py_RETURN_NONE;
+}
+
+/* publish_relayed(snapshot): copy a snapshot written on another node. Keeps its timestamp_ns,
+   publish_seq, writer_pid and node_id; stamps monotonic_ns with this node's clock (the receive
+   time), since another node's monotonic clock means nothing here. */
+static PyObject *writer_publish_relayed(SlotWriter *self, PyObject *snap) {
+    int64_t values[NUM_FIELDS];
+    if (read_load_fields(snap, values, self->rank) < 0) return NULL;
+    for (int k = F_TIMESTAMP_NS; k < NUM_FIELDS; k++) {
+        PyObject *item = PyTuple_GET_ITEM(snap, k);
+        long long v = PyLong_AsLongLong(item);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "LoadSnapshot.%s must be a 64-bit integer, got %R", FIELD_NAMES[k],
+                         item);
+            return NULL;
+        }
+        values[k] = v;
+    }
+    values[F_MONOTONIC_NS] = clock_ns(CLOCK_MONOTONIC);
+    seqlock_write(self, values);
+    Py_RETURN_NONE;
+}
+
+/* Test-only: publish with a pause between the odd store and the rest, so that a test can kill
+   the process mid-write. The pause releases the GIL. */
+static PyObject *writer_publish_paused(SlotWriter *self, PyObject *args) {
+    PyObject *snap;
+    double seconds;
+    int64_t values[NUM_FIELDS];
+    if (!PyArg_ParseTuple(args, "Od", &snap, &seconds)) return NULL;
+    if (read_load_fields(snap, values, self->rank) < 0) return NULL;
+    stamp(self, values);
+    uint64_t *seq = (uint64_t *)self->slot;
+    int64_t *fields = (int64_t *)(self->slot + FIELDS_OFFSET);
+    uint64_t s = self->local_seq;
+    __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int k = 0; k < NUM_FIELDS / 2; k++) __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    Py_BEGIN_ALLOW_THREADS nanosleep(&ts, NULL);
+    Py_END_ALLOW_THREADS
+    for (int k = NUM_FIELDS / 2; k < NUM_FIELDS; k++) __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
+    __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE);
+    self->local_seq = s + 2;
+    Py_RETURN_NONE;
+}
+
+static PyObject *writer_get_slot_address(SlotWriter *self, void *closure) {
+    return PyLong_FromVoidPtr(self->slot);
+}
+
+static PyObject *writer_get_sequence(SlotWriter *self, void *closure) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n((uint64_t *)self->slot, __ATOMIC_ACQUIRE));
+}
+
+static PyMethodDef writer_methods[] = {
+    {"publish", (PyCFunction)writer_publish, METH_O,
+     "publish(snapshot): write a LoadSnapshot into this writer's slot; the writer stamps\n"
+     "timestamp_ns, monotonic_ns, publish_seq, writer_pid and node_id."},
+    {"publish_values", (PyCFunction)(void (*)(void))writer_publish_values, METH_FASTCALL,
+     "publish_values(num_running_reqs, num_waiting_reqs, num_used_tokens, num_total_tokens,\n"
+     "num_active_tokens, max_total_num_tokens, num_received_reqs): publish without a LoadSnapshot."},
+    {"publish_relayed", (PyCFunction)writer_publish_relayed, METH_O,
+     "publish_relayed(snapshot): copy a snapshot from another node, stamping only monotonic_ns."},
+    {"_publish_paused", (PyCFunction)writer_publish_paused, METH_VARARGS,
+     "Test-only: publish with a pause (seconds) in the middle of the write."},
+    {NULL}};
+
+static PyMemberDef writer_members[] = {
+    {"rank", T_LONGLONG, offsetof(SlotWriter, rank), READONLY, "the slot's rank"},
+    {"node_id", T_LONGLONG, offsetof(SlotWriter, node_id), READONLY, "stamped into every snapshot"},
+    {"pid", T_LONGLONG, offsetof(SlotWriter, pid), READONLY, "stamped into every snapshot"},
+    {"publish_seq", T_LONGLONG, offsetof(SlotWriter, publish_seq), READONLY,
+     "number of publishes into this slot so far"},
+    {NULL}};
+
+static PyGetSetDef writer_getset[] = {
+    {"slot_address", (getter)writer_get_slot_address, NULL,
+     "address of the slot in this process (for GPU-direct publish)", NULL},
+    {"sequence", (getter)writer_get_sequence, NULL, "the slot's current sequence word", NULL},
+    {NULL}};
+
+static PyTypeObject SlotWriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpboard.board._seqlock.SlotWriter",
+    .tp_basicsize = sizeof(SlotWriter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "The single writer of one board slot.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)writer_init,
+    .tp_dealloc = (destructor)writer_dealloc,
+    .tp_methods = writer_methods,
+    .tp_members = writer_members,
+    .tp_getset = writer_getset,
+};
+
+/* ------------------------------------------------------------------------------------------- */
+/* The read side.                                                                              */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    const char *slots;
+    Py_ssize_t n_slots;
+    long long stale_after_ns;
+    int max_retries;
+    PyObject *snapshot_type; /* LoadSnapshot */
+    PyObject *statuses;      /* tuple of SlotStatus members, indexed by code */
+    PyObject *out_obj;       /* the default read_array() output */
+    Py_buffer out;
+    int has_out;
+} BoardView;
+
+/* Copies slot i into dst[0..12] and returns its status. Bounded by max_retries. */
+static inline int read_slot(const char *slot, int64_t *dst, int max_retries, int64_t now,
+                            int64_t stale_after) {
+    const uint64_t *seqp = (const uint64_t *)slot;
+    const int64_t *fields = (const int64_t *)(slot + FIELDS_OFFSET);
+    for (int attempt = 0; attempt < max_retries; attempt++) {
+        uint64_t s1 = __atomic_load_n(seqp, __ATOMIC_ACQUIRE); /* [R1] */
+        if (s1 & 1) {
+            cpu_relax();
+            continue;
+        }
+        if (s1 == 0) {
+            memset(dst, 0, NUM_FIELDS * sizeof(int64_t));
+            return ST_EMPTY;
+        }
+        for (int k = 0; k < NUM_FIELDS; k++) dst[k] = __atomic_load_n(&fields[k], __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* [R2] */
+        uint64_t s2 = __atomic_load_n(seqp, __ATOMIC_RELAXED);
+        if (s1 == s2) return (now - dst[F_MONOTONIC_NS] > stale_after) ? ST_STALE : ST_LIVE;
+        cpu_relax();
+    }
+    memset(dst, 0, NUM_FIELDS * sizeof(int64_t));
+    return ST_TORN;
+}
+
+static void view_dealloc(BoardView *self) {
+    if (self->has_view) PyBuffer_Release(&self->view);
+    if (self->has_out) PyBuffer_Release(&self->out);
+    Py_XDECREF(self->snapshot_type);
+    Py_XDECREF(self->statuses);
+    Py_XDECREF(self->out_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int get_record_buffer(PyObject *obj, Py_buffer *buf, Py_ssize_t n_slots) {
+    if (PyObject_GetBuffer(obj, buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (buf->len < n_slots * RECORD_SIZE || ((uintptr_t)buf->buf & 7) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "read_array(out=...) needs a C-contiguous, 8-byte aligned array of at least %zd "
+                     "SNAPSHOT_DTYPE records (%zd bytes), got %zd bytes",
+                     n_slots, n_slots * RECORD_SIZE, buf->len);
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    return 0;
+}
+
+/* BoardView(mapping, offset, n_slots, snapshot_type, statuses, out, stale_after_ns, max_retries) */
+static int view_init(BoardView *self, PyObject *args, PyObject *kwds) {
+    PyObject *mapping, *snapshot_type, *statuses, *out;
+    Py_ssize_t offset, n_slots;
+    long long stale_after_ns;
+    int max_retries;
+    static char *kwlist[] = {"mapping", "offset", "n_slots", "snapshot_type", "statuses",
+                             "out", "stale_after_ns", "max_retries", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnOO!OLi", kwlist, &mapping, &offset, &n_slots,
+                                     &snapshot_type, &PyTuple_Type, &statuses, &out, &stale_after_ns,
+                                     &max_retries))
+        return -1;
+    if (!PyType_Check(snapshot_type) || !PyType_IsSubtype((PyTypeObject *)snapshot_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "snapshot_type must be a tuple subclass (LoadSnapshot)");
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(statuses) != 4) {
+        PyErr_SetString(PyExc_ValueError, "statuses must hold the 4 SlotStatus members");
+        return -1;
+    }
+    if (max_retries < 1) {
+        PyErr_Format(PyExc_ValueError, "max_retries must be >= 1, got %d", max_retries);
+        return -1;
+    }
+    if (PyObject_GetBuffer(mapping, &self->view, PyBUF_SIMPLE) < 0) return -1;
+    self->has_view = 1;
+    if (offset < 0 || n_slots < 0 || offset + n_slots * SLOT_SIZE > self->view.len) {
+        PyErr_Format(PyExc_ValueError, "%zd slots at offset %zd do not fit the %zd-byte mapping", n_slots,
+                     offset, self->view.len);
+        return -1;
+    }
+    if (get_record_buffer(out, &self->out, n_slots) < 0) return -1;
+    self->has_out = 1;
+    self->slots = (const char *)self->view.buf + offset;
+    self->n_slots = n_slots;
+    self->stale_after_ns = stale_after_ns;
+    self->max_retries = max_retries;
+    Py_INCREF(snapshot_type);
+    self->snapshot_type = snapshot_type;
+    Py_INCREF(statuses);
+    self->statuses = statuses;
+    Py_INCREF(out);
+    self->out_obj = out;
+    return 0;
+}
+
+static void fill_records(BoardView *self, char *dst) {
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    for (Py_ssize_t i = 0; i < self->n_slots; i++) {
+        char *rec = dst + i * RECORD_SIZE;
+        int st = read_slot(self->slots + i * SLOT_SIZE, (int64_t *)rec, self->max_retries, now,
+                           self->stale_after_ns);
+        if (st == ST_EMPTY || st == ST_TORN) ((int64_t *)rec)[F_DP_RANK] = i;
+        rec[RECORD_STATUS_OFFSET] = (char)st;
+    }
+}
+
+static PyObject *view_read_array(BoardView *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs == 0 || args[0] == Py_None) {
+        fill_records(self, (char *)self->out.buf);
+        Py_INCREF(self->out_obj);
+        return self->out_obj;
+    }
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "read_array() takes at most one argument (out)");
+        return NULL;
+    }
+    Py_buffer buf;
+    if (get_record_buffer(args[0], &buf, self->n_slots) < 0) return NULL;
+    fill_records(self, (char *)buf.buf);
+    PyBuffer_Release(&buf);
+    Py_INCREF(args[0]);
+    return args[0];
+}
+
+static PyObject *make_snapshot(BoardView *self, const int64_t *values) {
+    PyTypeObject *tp = (PyTypeObject *)self->snapshot_type;
+#if PY_VERSION_HEX >= 0x030E0000
+    /* 3.14 tuples cache their hash; let tuple's own constructor set that up. */
+    PyObject *plain = PyTuple_New(NUM_FIELDS);
+    if (plain == NULL) return NULL;
+    for (int k = 0; k < NUM_FIELDS; k++) {
+        PyObject *v = PyLong_FromLongLong(values[k]);
+        if (v == NULL) {
+            Py_DECREF(plain);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(plain, k, v);
+    }
+    PyObject *call_args = PyTuple_Pack(1, plain);
+    Py_DECREF(plain);
+    if (call_args == NULL) return NULL;
+    PyObject *obj = PyTuple_Type.tp_new(tp, call_args, NULL);
+    Py_DECREF(call_args);
+    return obj;
+#else
+    /* What tuple's constructor does for a subclass: allocate the subclass, fill its items. */
+    PyObject *obj = tp->tp_alloc(tp, NUM_FIELDS);
+    if (obj == NULL) return NULL;
+    for (int k = 0; k < NUM_FIELDS; k++) {
+        PyObject *v = PyLong_FromLongLong(values[k]);
+        if (v == NULL) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(obj, k, v);
+    }
+    return obj;
+#endif
+}
+
+static int check_rank(BoardView *self, PyObject *arg, Py_ssize_t *rank) {
+    Py_ssize_t r = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    if (r == -1 && PyErr_Occurred()) return -1;
+    if (r < 0 || r >= self->n_slots) {
+        PyErr_Format(PyExc_IndexError, "rank %zd is out of range: this board has %zd slots (ranks 0..%zd)", r,
+                     self->n_slots, self->n_slots - 1);
+        return -1;
+    }
+    *rank = r;
+    return 0;
+}
+
+static int read_one(BoardView *self, PyObject *arg, int64_t *values) {
+    Py_ssize_t r;
+    if (check_rank(self, arg, &r) < 0) return -1;
+    return read_slot(self->slots + r * SLOT_SIZE, values, self->max_retries, clock_ns(CLOCK_MONOTONIC),
+                     self->stale_after_ns);
+}
+
+static PyObject *view_read(BoardView *self, PyObject *arg) {
+    int64_t values[NUM_FIELDS];
+    int st = read_one(self, arg, values);
+    if (st < 0) return NULL;
+    if (st == ST_EMPTY || st == ST_TORN) Py_RETURN_NONE;
+    return make_snapshot(self, values);
+}
+
+static PyObject *view_read_with_status(BoardView *self, PyObject *arg) {
+    int64_t values[NUM_FIELDS];
+    int st = read_one(self, arg, values);
+    if (st < 0) return NULL;
+    PyObject *snap;
+    if (st == ST_EMPTY || st == ST_TORN) {
+        snap = Py_None;
+        Py_INCREF(snap);
+    } else if ((snap = make_snapshot(self, values)) == NULL) {
+        return NULL;
+    }
+    PyObject *status = PyTuple_GET_ITEM(self->statuses, st);
+    PyObject *pair = PyTuple_Pack(2, status, snap);
+    Py_DECREF(snap);
+    return pair;
+}
+
+static PyObject *view_status(BoardView *self, PyObject *arg) {
+    int64_t values[NUM_FIELDS];
+    int st = read_one(self, arg, values);
+    if (st < 0) return NULL;
+    PyObject *status = PyTuple_GET_ITEM(self->statuses, st);
+    Py_INCREF(status);
+    return status;
+}
+
+static PyObject *view_read_all(BoardView *self, PyObject *unused) {
+    int64_t values[NUM_FIELDS];
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    PyObject *list = PyList_New(self->n_slots);
+    if (list == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < self->n_slots; i++) {
+        int st = read_slot(self->slots + i * SLOT_SIZE, values, self->max_retries, now, self->stale_after_ns);
+        PyObject *item;
+        if (st == ST_EMPTY || st == ST_TORN) {
+            item = Py_None;
+            Py_INCREF(item);
+        } else if ((item = make_snapshot(self, values)) == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+static PyMethodDef view_methods[] = {
+    {"read", (PyCFunction)view_read, METH_O, "read(rank) -> LoadSnapshot | None (None: empty or torn)"},
+    {"read_with_status", (PyCFunction)view_read_with_status, METH_O,
+     "read_with_status(rank) -> (SlotStatus, LoadSnapshot | None), from one consistent read"},
+    {"status", (PyCFunction)view_status, METH_O, "status(rank) -> SlotStatus"},
+    {"read_all", (PyCFunction)view_read_all, METH_NOARGS,
+     "read_all() -> list[LoadSnapshot | None], index = rank"},
+    {"read_array", (PyCFunction)(void (*)(void))view_read_array, METH_FASTCALL,
+     "read_array(out=None) -> the SNAPSHOT_DTYPE array, one record per slot.\n"
+     "Without out, the reader's own array is filled and returned: it is overwritten by the next call."},
+    {NULL}};
+
+static PyMemberDef view_members[] = {
+    {"stale_after_ns", T_LONGLONG, offsetof(BoardView, stale_after_ns), 0,
+     "a snapshot older than this (monotonic ns) reads as STALE"},
+    {"max_retries", T_INT, offsetof(BoardView, max_retries), 0,
+     "attempts per slot before it is reported TORN"},
+    {"n_slots", T_PYSSIZET, offsetof(BoardView, n_slots), READONLY, "number of slots"},
+    {NULL}};
+
+static PyTypeObject BoardViewType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpboard.board._seqlock.BoardView",
+    .tp_basicsize = sizeof(BoardView),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Seqlocked reads of every slot of a board.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)view_init,
+    .tp_dealloc = (destructor)view_dealloc,
+    .tp_methods = view_methods,
+    .tp_members = view_members,
+};
+
+/* The owner word of the slot at `offset`: one aligned 64-bit value, so a reader never sees a new
+   pid beside an old start time. */
+static int owner_word_at(PyObject *mapping, Py_ssize_t offset, int writable, Py_buffer *view, uint64_t **word) {
+    if (PyObject_GetBuffer(mapping, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+    if (offset < 0 || offset % SLOT_SIZE != 0 || offset + SLOT_SIZE > view->len) {
+        PyErr_Format(PyExc_ValueError, "slot offset %zd is outside the %zd-byte board mapping", offset, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *word = (uint64_t *)((char *)view->buf + offset + OWNER_OFFSET);
+    return 0;
+}
+
+/* slot_owner(mapping, offset) -> int: the slot's owner word (0: never claimed). */
+static PyObject *mod_slot_owner(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "slot_owner(mapping, offset)");
+        return NULL;
+    }
+    Py_ssize_t offset = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (offset == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    uint64_t *word;
+    if (owner_word_at(args[0], offset, 0, &view, &word) < 0) return NULL;
+    uint64_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+/* claim_slot(mapping, offset, expected, new) -> bool: store `new` into the owner word if it still
+   holds `expected` (compare-and-swap); False when another process changed it first. */
+static PyObject *mod_claim_slot(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "claim_slot(mapping, offset, expected, new)");
+        return NULL;
+    }
+    Py_ssize_t offset = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (offset == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long expected = PyLong_AsUnsignedLongLong(args[2]);
+    if (expected == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    unsigned long long desired = PyLong_AsUnsignedLongLong(args[3]);
+    if (desired == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    uint64_t *word;
+    if (owner_word_at(args[0], offset, 1, &view, &word) < 0) return NULL;
+    uint64_t exp = expected;
+    int won = __atomic_compare_exchange_n(word, &exp, (uint64_t)desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(won);
+}
+
+static PyMethodDef module_methods[] = {
+    {"slot_owner", (PyCFunction)(void (*)(void))mod_slot_owner, METH_FASTCALL,
+     "slot_owner(mapping, offset) -> the slot's owner word (0: never claimed)"},
+    {"claim_slot", (PyCFunction)(void (*)(void))mod_claim_slot, METH_FASTCALL,
+     "claim_slot(mapping, offset, expected, new) -> True if the owner word went from expected to new"},
+    {NULL}};
+
+static struct PyModuleDef seqlock_module = {
+    PyModuleDef_HEAD_INIT, "dpboard.board._seqlock", "Seqlocked slot writer and board reader (see the source).",
+    -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__seqlock(void) {
+    if (PyType_Ready(&SlotWriterType) < 0 || PyType_Ready(&BoardViewType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&seqlock_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&SlotWriterType);
+    Py_INCREF(&BoardViewType);
+    if (PyModule_AddObject(m, "SlotWriter", (PyObject *)&SlotWriterType) < 0 ||
+        PyModule_AddObject(m, "BoardView", (PyObject *)&BoardViewType) < 0 ||
+        /* The layout this extension was compiled with: dpboard.board compares it with snapshot.py. */
+        PyModule_AddIntConstant(m, "LAYOUT_VERSION", DPB_LAYOUT_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_SIZE", DPB_HEADER_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "SLOT_SIZE", DPB_SLOT_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "FIELDS_OFFSET", DPB_FIELDS_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "NUM_FIELDS", DPB_NUM_FIELDS) < 0 ||
+        PyModule_AddIntConstant(m, "OWNER_OFFSET", DPB_OWNER_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "OWNER_PID_BITS", DPB_OWNER_PID_BITS) < 0 ||
+        PyModule_AddIntConstant(m, "RECORD_SIZE", DPB_RECORD_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "RECORD_STATUS_OFFSET", DPB_RECORD_STATUS_OFFSET) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

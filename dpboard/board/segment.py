@@ -1,0 +1,340 @@
+"""``Board``: one POSIX shared-memory segment, a header and one seqlocked slot per DP rank.
+
+``Board.create`` makes the segment (``/dev/shm/dpboard.<name>``, mode 0600) and owns it: it is
+unlinked when the creator closes the board as a context manager, calls ``unlink()``, or exits
+cleanly. ``Board.attach`` opens an existing one and checks its layout. Writers and readers come
+from ``board.writer(rank)`` and ``board.reader()``; each keeps the mapping alive on its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import secrets
+import struct
+import time
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from dpboard.board.errors import BoardError, BoardLayoutError
+from dpboard.board.header import NO_MAGIC, BoardHeader, check_layout, pack_header, unpack_header
+from dpboard.board.liveness import process_alive, process_start_ticks
+from dpboard.board.names import MAX_SLOTS, SHM_DIR, segment_name
+from dpboard.board.seqlock import BoardReader, BoardWriter, claim_slot, slot_owner
+from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
+from dpboard.snapshot import (
+    COLLECTOR_STATS_DTYPE,
+    COLLECTOR_STATS_FIELDS,
+    COLLECTOR_STATS_OFFSET,
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    MAGIC,
+    SLOT_SIZE,
+    SNAPSHOT_DTYPE,
+    LoadSnapshot,
+    SlotStatus,
+    pack_owner,
+    segment_size,
+    slot_offset,
+    unpack_owner,
+)
+
+DEFAULT_STALE_AFTER = 1.0
+DEFAULT_MAX_RETRIES = 256
+CLAIM_ATTEMPTS = 16  # compare-and-swap rounds on a slot's owner word before giving up
+_STATUSES = tuple(SlotStatus)
+
+
+def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
+    # atexit handlers survive fork(): only the creating process may unlink.
+    if os.getpid() != pid:
+        return
+    unlink_if_generation(seg, generation)
+
+
+def read_segment_header(seg: str) -> BoardHeader | None:
+    """The header of the segment named ``seg`` now, or None (gone, unreadable, no board header)."""
+    try:
+        shm = posix_ipc.SharedMemory(seg)
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return None
+    try:
+        with mmap.mmap(shm.fd, min(shm.size, HEADER_SIZE), prot=mmap.PROT_READ) as mm:
+            magic, header = unpack_header(mm)
+    except (ValueError, OSError, struct.error):
+        return None
+    finally:
+        shm.close_fd()
+    return header if magic == MAGIC else None
+
+
+def unlink_if_generation(seg: str, generation: int) -> bool:
+    """Unlink the segment only if it is still the board we know (not a newer one of that name)."""
+    header = read_segment_header(seg)
+    if header is None or header.generation != generation:
+        return False
+    try:
+        posix_ipc.unlink_shared_memory(seg)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+class Board:
+    """A dpboard shared-memory board. Use ``Board.create`` or ``Board.attach``."""
+
+    def __init__(self, name: str, shm_size: int, mapping: mmap.mmap, header: BoardHeader, *, owner: bool):
+        self._name = name
+        self._size = shm_size
+        self._mapping: mmap.mmap | None = mapping
+        self._header = header
+        self._owner = owner
+        self._unlinked = False
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        n_slots: int,
+        *,
+        exist_ok: bool = False,
+        mode: int = 0o600,
+        node_id: int = 0,
+    ) -> Board:
+        """Create the board ``/dpboard.<name>`` with ``n_slots`` slots; this process owns it.
+
+        With ``exist_ok=True`` an existing board of the same shape is attached instead (the caller
+        does not own it then); one of another shape is an error naming both.
+        """
+        seg = segment_name(name)
+        if not isinstance(n_slots, int) or not 1 <= n_slots <= MAX_SLOTS:
+            raise InvalidInputError(f"n_slots must be an integer in [1, {MAX_SLOTS}], got {n_slots!r}")
+        size = segment_size(n_slots)
+        try:
+            shm = posix_ipc.SharedMemory(seg, posix_ipc.O_CREX, mode=mode, size=size)
+        except posix_ipc.ExistentialError:
+            if exist_ok:
+                return cls.attach(name, n_slots=n_slots)
+            raise AlreadyExistsError(
+                f"board {name!r} already exists ({SHM_DIR}/{seg[1:]}): attach it with Board.attach({name!r}), "
+                f"or remove it with `dpboard clean {name}` if its creator is gone"
+            ) from None
+        try:
+            os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
+            mapping = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.unlink()  # not a board yet (no magic): leave no segment behind
+            raise
+        finally:
+            shm.close_fd()
+        pid = os.getpid()
+        header = BoardHeader(
+            name=name,
+            layout_version=LAYOUT_VERSION,
+            header_size=HEADER_SIZE,
+            n_slots=n_slots,
+            slot_size=SLOT_SIZE,
+            creator_pid=pid,
+            creation_time_ns=time.time_ns(),
+            generation=secrets.randbits(63) | 1,
+            node_id=node_id,
+            creator_start_ticks=process_start_ticks(pid),
+        )
+        # Every field but the magic first: an attacher that sees the magic sees a whole header.
+        pack_header(mapping, header, magic=NO_MAGIC)
+        mapping[0:8] = MAGIC
+        atexit.register(_unlink_at_exit, seg, header.generation, pid)
+        return cls(name, size, mapping, header, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, *, n_slots: int | None = None, timeout: float = 1.0) -> Board:
+        """Open an existing board. ``n_slots``, when given, must match the board's.
+
+        Waits at most ``timeout`` seconds for a board that is being created to get its header.
+        """
+        seg = segment_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(seg)
+        except posix_ipc.ExistentialError:
+            raise NotFoundError(
+                f"board {name!r} does not exist ({SHM_DIR}/{seg[1:]}): create it with Board.create "
+                f"or check the name with `dpboard ls`"
+            ) from None
+        except posix_ipc.PermissionsError:
+            raise AccessDeniedError(
+                f"board {name!r} ({SHM_DIR}/{seg[1:]}) belongs to another user and is mode 0600: run as "
+                f"that user, or have its creator use Board.create(..., mode=0o660) and a shared group"
+            ) from None
+        try:
+            size = shm.size
+            if size < HEADER_SIZE:
+                raise BoardLayoutError(
+                    f"segment {SHM_DIR}/{seg[1:]} is {size} bytes, smaller than a board header: "
+                    f"it is not a dpboard board; remove it with `dpboard clean {name} --force`"
+                )
+            mapping = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        deadline = time.monotonic() + timeout
+        while True:
+            magic, header = unpack_header(mapping)
+            if magic == MAGIC:
+                break
+            if magic != NO_MAGIC or time.monotonic() >= deadline:
+                mapping.close()
+                raise BoardLayoutError(
+                    f"segment {SHM_DIR}/{seg[1:]} has no dpboard header (magic {magic!r}): it is not a "
+                    f"board, or its creator died while creating it; remove it with `dpboard clean {name} --force`"
+                )
+            time.sleep(0.001)
+        try:
+            check_layout(name, header, size, n_slots)
+        except BoardError:
+            mapping.close()
+            raise
+        return cls(name, size, mapping, header, owner=False)
+
+    def close(self) -> None:
+        """Drop this object's mapping. Readers and writers made from it keep theirs."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # readers, writers or a stats record still use it; unmapped when the last one goes
+
+    def unlink(self) -> None:
+        """Remove the segment's name; processes that have it mapped keep working until they close."""
+        if not self._unlinked:
+            unlink_if_generation(segment_name(self._name), self._header.generation)
+            self._unlinked = True
+
+    def is_current(self) -> bool:
+        """True while the segment of this name is still this board (not removed, not replaced by a
+        new board of the same name). Long-running readers call it to notice a recreated board."""
+        header = read_segment_header(segment_name(self._name))
+        return header is not None and header.generation == self._header.generation
+
+    def __enter__(self) -> Board:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    # -- writers and readers ------------------------------------------------------------------
+
+    def _require_mapping(self) -> mmap.mmap:
+        if self._mapping is None:
+            raise InvalidInputError(
+                f"board {self._name!r} is closed: attach it again with Board.attach({self._name!r})"
+            )
+        return self._mapping
+
+    def _check_rank(self, rank: int) -> int:
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.n_slots:
+            raise IndexError(
+                f"rank {rank!r} is out of range: board {self._name!r} has {self.n_slots} slots "
+                f"(ranks 0..{self.n_slots - 1})"
+            )
+        return int(rank)
+
+    def owner(self, rank: int) -> tuple[int, int]:
+        """(pid, start ticks) of the process that last took the slot's writer; (0, 0) if none ever did."""
+        rank = self._check_rank(rank)
+        return unpack_owner(slot_owner(self._require_mapping(), slot_offset(rank)))
+
+    def owner_pid(self, rank: int) -> int:
+        """Pid of the process that last took the slot's writer (0: never)."""
+        return self.owner(rank)[0]
+
+    def writer(self, rank: int, *, node_id: int | None = None, takeover: bool = False) -> BoardWriter:
+        """The writer of slot ``rank``. A restarted writer re-attaches to its slot (and repairs it if
+        its predecessor died mid-write). A slot held by another live process is refused unless
+        ``takeover=True``: one writer per slot, claimed with a compare-and-swap on the slot's owner
+        word, so of two processes racing for a slot exactly one wins."""
+        rank = self._check_rank(rank)
+        mapping = self._require_mapping()
+        offset = slot_offset(rank)
+        pid = os.getpid()
+        mine = pack_owner(pid, process_start_ticks(pid))
+        for _ in range(CLAIM_ATTEMPTS):
+            current = slot_owner(mapping, offset)
+            holder, holder_ticks = unpack_owner(current)
+            if not takeover and current not in (0, mine) and process_alive(holder, holder_ticks):
+                raise BoardError(
+                    f"slot {rank} of board {self._name!r} is held by the writer in live process {holder}: "
+                    f"one writer per slot; stop it, or pass takeover=True"
+                )
+            if current == mine or claim_slot(mapping, offset, current, mine):
+                break
+        else:
+            raise BoardError(f"slot {rank} of board {self._name!r}: its owner word keeps changing; retry")
+        w = BoardWriter(mapping, offset, rank, self.node_id if node_id is None else node_id, pid)
+        w.board_name = self._name
+        return w
+
+    def reader(self, *, stale_after: float = DEFAULT_STALE_AFTER, max_retries: int = DEFAULT_MAX_RETRIES) -> BoardReader:
+        """A reader of every slot. ``stale_after``: seconds without a publish before a slot is STALE."""
+        if not stale_after > 0:
+            raise InvalidInputError(f"stale_after must be > 0 seconds, got {stale_after!r}")
+        out = np.zeros(self.n_slots, dtype=SNAPSHOT_DTYPE)
+        r = BoardReader(
+            self._require_mapping(), HEADER_SIZE, self.n_slots, LoadSnapshot, _STATUSES, out,
+            int(stale_after * 1e9), max_retries,
+        )
+        r.board_name = self._name
+        return r
+
+    # -- the collector's statistics -------------------------------------------------------------
+
+    def collector_stats_record(self) -> np.ndarray:
+        """The header's collector statistics as a writable one-record COLLECTOR_STATS_DTYPE array.
+
+        Only the board's collector writes it (dpboard.multinode.collector); it keeps this board's
+        mapping alive while it is held."""
+        return np.frombuffer(self._require_mapping(), dtype=COLLECTOR_STATS_DTYPE, count=1,
+                             offset=COLLECTOR_STATS_OFFSET)
+
+    def collector_stats(self) -> dict[str, Any]:
+        """The collector's pid and frame counters, plus whether that collector is alive."""
+        rec = self.collector_stats_record()[0]
+        stats: dict[str, Any] = {name: int(rec[name]) for name in COLLECTOR_STATS_FIELDS}
+        stats["collector_alive"] = int(process_alive(stats["collector_pid"], stats["collector_start_ticks"]))
+        return stats
+
+    # -- facts ------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def n_slots(self) -> int:
+        return self._header.n_slots
+
+    @property
+    def header(self) -> BoardHeader:
+        return self._header
+
+    @property
+    def generation(self) -> int:
+        """Random 63-bit identity of this incarnation of the board."""
+        return self._header.generation
+
+    @property
+    def node_id(self) -> int:
+        return self._header.node_id
+
+    @property
+    def is_owner(self) -> bool:
+        return self._owner
+
+    def __repr__(self) -> str:
+        return f"Board({self._name!r}, n_slots={self.n_slots}, owner={self._owner})"

@@ -1,0 +1,72 @@
+"""The two sides of the seqlock, ``BoardWriter`` and ``BoardReader``, over the C extension.
+
+The C extension (``_seqlock.c``, with the memory-ordering argument at its top) is compiled against
+``kernels/dpboard_layout.h``, generated from ``dpboard.snapshot``. It exports the layout it was
+compiled with, and importing this module compares that with ``dpboard.snapshot``: an extension
+built from another layout is an ImportError naming both values, never a silent misread.
+"""
+
+from __future__ import annotations
+
+from dpboard import snapshot
+from dpboard.board import _seqlock
+
+# The facts the extension's reads and writes depend on, compared at import.
+_COMPILED_LAYOUT = (
+    "LAYOUT_VERSION",
+    "HEADER_SIZE",
+    "SLOT_SIZE",
+    "FIELDS_OFFSET",
+    "NUM_FIELDS",
+    "OWNER_OFFSET",
+    "OWNER_PID_BITS",
+    "RECORD_SIZE",
+    "RECORD_STATUS_OFFSET",
+)
+
+
+def _check_compiled_layout() -> None:
+    mismatched = [
+        f"{name} is {getattr(_seqlock, name, None)} in the extension but {getattr(snapshot, name)} in snapshot.py"
+        for name in _COMPILED_LAYOUT
+        if getattr(_seqlock, name, None) != getattr(snapshot, name)
+    ]
+    if mismatched:
+        raise ImportError(
+            f"dpboard's C extension {_seqlock.__file__} was built for another slot layout: "
+            f"{'; '.join(mismatched)}. Regenerate the header and rebuild: `make layout` (or "
+            f"`python tools/gen_layout.py && pip install -e .`)"
+        )
+
+
+_check_compiled_layout()
+
+
+class BoardWriter(_seqlock.SlotWriter):
+    """The single writer of one slot. ``publish(LoadSnapshot)`` is the hot path (C, no allocation).
+
+    The writer stamps ``timestamp_ns`` (CLOCK_REALTIME), ``monotonic_ns`` (CLOCK_MONOTONIC),
+    ``publish_seq``, ``writer_pid`` and ``node_id``; whatever the caller put there is ignored.
+    """
+
+    board_name: str
+
+
+class BoardReader(_seqlock.BoardView):
+    """Seqlocked reads of every slot; bounded retries, so a slot stuck mid-write reads as TORN.
+
+    ``read(rank)``, ``read_all()``, ``status(rank)``, ``read_with_status(rank)`` and
+    ``read_array(out=None)`` are C methods. ``read_array()`` without ``out`` fills and returns the
+    reader's own SNAPSHOT_DTYPE array, which the next call overwrites: copy what you keep.
+    """
+
+    board_name: str
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds without a publish after which a slot reads as STALE."""
+        return self.stale_after_ns / 1e9
+
+
+slot_owner = _seqlock.slot_owner
+claim_slot = _seqlock.claim_slot

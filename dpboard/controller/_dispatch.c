@@ -1,0 +1,461 @@
+/*
+ * dpboard.controller._dispatch: the per-request part of load-aware dispatch, over the budget's NumPy arrays.
+ *
+ * Why C: one decision is "read two attributes of the request, argmin over the candidate ranks,
+ * add the speculative +1 / +tokens". In Python each of those is a few hundred nanoseconds of
+ * interpreter work; a batch of 1024 requests must cost <= 0.2 us per request with the request
+ * objects read. The arrays stay owned by dpboard.controller.budget.DPBudget (NumPy, refreshed
+ * vectorised from the board); this type only holds pointers into them and changes them in place.
+ * dpboard/controller/budget.py has PyArgminCore, the same rules in Python: the tests check that
+ * both pick the same ranks.
+ *
+ * Rules (SPEC 5.2, 5.3, 5.4):
+ *   - routed_dp_rank set: that rank, if it is an int in range and routable (active), else
+ *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
+ *   - otherwise argmin over candidate ranks of (tokens, requests), of requests alone, or (by_backlog,
+ *     inflight_backlog) of (backlog, tokens): queued prefill tokens first; ties go to the first rank
+ *     met scanning from 0 (seed) or from the rank after the last pick (rotate).
+ *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget
+ *     (to tokens, and to backlog when the budget keeps one: the prompt queues for prefill),
+ *     and records the send in the ledger: sent_reqs[r] += 1, sent_tokens[r] += tokens, and
+ *     ring[r, sent_reqs[r] % cap] = sent_tokens[r] (cumulative tokens after the k-th send), from which
+ *     the refresh computes the tokens still in flight.
+ *   - a batch is all or nothing: when one request fails, the picks before it are undone.
+ *   - retract(rank, tokens) undoes the latest charge to a rank (its send failed): the budget and the
+ *     ledger lose that request again. The ring slot it wrote is left as it is; the next charge
+ *     overwrites it (see DPBudget.retract for the one case where that matters).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+static PyObject *s_routed_dp_rank, *s_input_ids, *s_num_tokens;
+/* dpboard.errors.InvalidInputError (a ValueError) and UnavailableError (a RuntimeError): what a bad
+   request and a request no rank can take raise, as in the Python twin. */
+static PyObject *InvalidInputError, *UnavailableError;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer bufs[8]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring, backlog */
+    int nbufs;
+    int64_t *tokens, *requests, *sent_reqs, *sent_tokens, *ring, *backlog;
+    const uint8_t *candidate, *routable;
+    Py_ssize_t n, ring_cap;
+    int by_tokens, rotate, by_backlog;
+    Py_ssize_t next_start;
+} Core;
+
+static int get_array(Core *self, PyObject *obj, const char *what, Py_ssize_t itemsize, Py_ssize_t min_len,
+                     void **out, Py_ssize_t *len_out) {
+    Py_buffer *b = &self->bufs[self->nbufs];
+    if (PyObject_GetBuffer(obj, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a writable C-contiguous array", what);
+        return -1;
+    }
+    self->nbufs++;
+    if (b->itemsize != itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s must have %zd-byte items, got %zd", what, itemsize, b->itemsize);
+        return -1;
+    }
+    Py_ssize_t len = b->len / itemsize;
+    if (len < min_len) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd items, needs at least %zd", what, len, min_len);
+        return -1;
+    }
+    *out = b->buf;
+    if (len_out) *len_out = len;
+    return 0;
+}
+
+static int core_init(Core *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"tokens", "requests", "candidate", "routable", "sent_reqs",
+                             "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog", NULL};
+    PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None;
+    int by_tokens = 1, rotate = 0, by_backlog = 0;
+    if (self->nbufs) {
+        PyErr_SetString(PyExc_RuntimeError, "ArgminCore is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOp", kwlist, &tok, &req, &cand, &rout, &sreq, &stok,
+                                     &ring, &by_tokens, &rotate, &backlog, &by_backlog))
+        return -1;
+    if (by_backlog && backlog == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
+        return -1;
+    }
+    Py_ssize_t n;
+    if (get_array(self, tok, "tokens", 8, 1, (void **)&self->tokens, &n) < 0) return -1;
+    self->n = n;
+    if (get_array(self, req, "requests", 8, n, (void **)&self->requests, NULL) < 0) return -1;
+    if (get_array(self, cand, "candidate", 1, n, (void **)&self->candidate, NULL) < 0) return -1;
+    if (get_array(self, rout, "routable", 1, n, (void **)&self->routable, NULL) < 0) return -1;
+    if (get_array(self, sreq, "sent_reqs", 8, n, (void **)&self->sent_reqs, NULL) < 0) return -1;
+    if (get_array(self, stok, "sent_tokens", 8, n, (void **)&self->sent_tokens, NULL) < 0) return -1;
+    if (ring != Py_None) {
+        Py_ssize_t len;
+        if (get_array(self, ring, "ring", 8, n, (void **)&self->ring, &len) < 0) return -1;
+        self->ring_cap = len / n;
+    }
+    if (backlog != Py_None && get_array(self, backlog, "backlog", 8, n, (void **)&self->backlog, NULL) < 0)
+        return -1;
+    self->by_backlog = by_backlog;
+    self->by_tokens = by_tokens;
+    self->rotate = rotate;
+    return 0;
+}
+
+static void core_dealloc(Core *self) {
+    for (int i = 0; i < self->nbufs; i++) PyBuffer_Release(&self->bufs[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The request's token estimate: len(input_ids), else num_tokens. -1 with an exception on bad input. */
+static int64_t request_tokens(PyObject *req) {
+    PyObject *ids = PyObject_GetAttr(req, s_input_ids);
+    if (ids == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+    } else if (ids != Py_None) {
+        Py_ssize_t len = PyList_CheckExact(ids) ? PyList_GET_SIZE(ids) : PyObject_Length(ids);
+        if (len < 0) {
+            PyErr_Clear();
+            PyErr_Format(InvalidInputError, "request input_ids must be a sequence of token ids, got %R",
+                         Py_TYPE(ids));
+            Py_DECREF(ids);
+            return -1;
+        }
+        Py_DECREF(ids);
+        return (int64_t)len;
+    } else {
+        Py_DECREF(ids);
+    }
+    PyObject *nt = PyObject_GetAttr(req, s_num_tokens);
+    if (nt == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        nt = Py_NewRef(Py_None);
+    }
+    if (nt == Py_None) {
+        Py_DECREF(nt);
+        PyErr_SetString(InvalidInputError,
+                        "request has neither input_ids nor num_tokens: give it one of them (the token estimate)");
+        return -1;
+    }
+    if (!PyLong_Check(nt) || PyBool_Check(nt)) {
+        PyErr_Format(InvalidInputError, "request num_tokens must be an int >= 0, got %R", nt);
+        Py_DECREF(nt);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(nt, &overflow);
+    if (overflow || v < 0) {
+        PyErr_Format(InvalidInputError, "request num_tokens must be an int >= 0 that fits 64 bits, got %R", nt);
+        Py_DECREF(nt);
+        return -1;
+    }
+    Py_DECREF(nt);
+    return (int64_t)v;
+}
+
+/* 1: routed to *rank; 0: not routed; -1: exception (invalid rank). */
+static int request_routed(Core *self, PyObject *req, Py_ssize_t *rank) {
+    PyObject *r = PyObject_GetAttr(req, s_routed_dp_rank);
+    if (r == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    if (r == Py_None) {
+        Py_DECREF(r);
+        return 0;
+    }
+    if (!PyLong_Check(r) || PyBool_Check(r)) {
+        PyErr_Format(InvalidInputError, "routed_dp_rank must be an int or None, got %R", r);
+        Py_DECREF(r);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(r, &overflow);
+    if (overflow || v < 0 || v >= self->n || !self->routable[v]) {
+        PyErr_Format(InvalidInputError, "DP rank %R is not active.", r);
+        Py_DECREF(r);
+        return -1;
+    }
+    Py_DECREF(r);
+    *rank = (Py_ssize_t)v;
+    return 1;
+}
+
+static Py_ssize_t argmin(Core *self) {
+    const Py_ssize_t n = self->n;
+    const int64_t *tok = self->tokens, *rq = self->requests;
+    const uint8_t *cand = self->candidate;
+    Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
+    int64_t bt = 0, bq = 0;
+    if (i < 0 || i >= n) i = 0;
+    if (self->by_backlog) {
+        const int64_t *bl = self->backlog;
+        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+            if (!cand[i]) continue;
+            int64_t b = bl[i], t = tok[i];
+            if (best < 0 || b < bq || (b == bq && t < bt)) {
+                best = i;
+                bq = b;
+                bt = t;
+            }
+        }
+    } else if (self->by_tokens) {
+        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+            if (!cand[i]) continue;
+            int64_t t = tok[i], q = rq[i];
+            if (best < 0 || t < bt || (t == bt && q < bq)) {
+                best = i;
+                bt = t;
+                bq = q;
+            }
+        }
+    } else {
+        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+            if (!cand[i]) continue;
+            int64_t q = rq[i];
+            if (best < 0 || q < bq) {
+                best = i;
+                bq = q;
+            }
+        }
+    }
+    if (best < 0) {
+        PyErr_SetString(UnavailableError,
+                        "no DP rank can take the request: every active rank is unavailable or unhealthy "
+                        "(see set_active/set_status, and `dpboard dump` for stale slots)");
+        return -1;
+    }
+    /* with rotating ties, the next scan starts after this pick */
+    if (self->rotate) self->next_start = (best + 1 == n) ? 0 : best + 1;
+    return best;
+}
+
+static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
+    self->tokens[r] += t;
+    self->requests[r] += 1;
+    if (self->backlog) self->backlog[r] += t;
+    int64_t k = ++self->sent_reqs[r];
+    int64_t cum = (self->sent_tokens[r] += t);
+    if (self->ring) self->ring[r * self->ring_cap + (Py_ssize_t)(k % self->ring_cap)] = cum;
+}
+
+static inline void uncharge(Core *self, Py_ssize_t r, int64_t t) {
+    self->tokens[r] -= t;
+    self->requests[r] -= 1;
+    if (self->backlog) self->backlog[r] -= t;
+    self->sent_reqs[r] -= 1;
+    self->sent_tokens[r] -= t;
+}
+
+/* One request: its rank, charged; -1 with an exception. */
+static Py_ssize_t pick_one(Core *self, PyObject *req, int64_t *tokens_out) {
+    Py_ssize_t rank;
+    int routed = request_routed(self, req, &rank);
+    if (routed < 0) return -1;
+    int64_t t = request_tokens(req);
+    if (t < 0) return -1;
+    if (!routed) {
+        rank = argmin(self);
+        if (rank < 0) return -1;
+    }
+    charge(self, rank, t);
+    *tokens_out = t;
+    return rank;
+}
+
+static PyObject *core_pick(Core *self, PyObject *req) {
+    int64_t t;
+    Py_ssize_t rank = pick_one(self, req, &t);
+    if (rank < 0) return NULL;
+    return PyLong_FromSsize_t(rank);
+}
+
+static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
+    PyObject *seq = PySequence_Fast(reqs, "pick_batch() needs a sequence of requests");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(m);
+    int64_t *charged = PyMem_Malloc(sizeof(int64_t) * (m ? m : 1));
+    if (out == NULL || charged == NULL) {
+        Py_XDECREF(out);
+        PyMem_Free(charged);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t saved_start = self->next_start;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_ssize_t rank = pick_one(self, items[j], &charged[j]);
+        PyObject *rank_obj = rank < 0 ? NULL : PyLong_FromSsize_t(rank);
+        if (rank_obj == NULL) {
+            /* all or nothing: undo the picks made so far (this one too, when it was charged), in reverse */
+            if (rank >= 0) uncharge(self, rank, charged[j]);
+            for (Py_ssize_t u = j - 1; u >= 0; u--)
+                uncharge(self, PyLong_AsSsize_t(PyList_GET_ITEM(out, u)), charged[u]);
+            self->next_start = saved_start;
+            PyMem_Free(charged);
+            Py_DECREF(seq);
+            Py_DECREF(out); /* slots from j on are NULL; list dealloc skips them */
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, rank_obj);
+    }
+    PyMem_Free(charged);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
+    long long t = PyLong_AsLongLong(arg);
+    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (t < 0) {
+        PyErr_Format(InvalidInputError, "estimated tokens must be >= 0, got %lld", t);
+        return NULL;
+    }
+    Py_ssize_t rank = argmin(self);
+    if (rank < 0) return NULL;
+    charge(self, rank, (int64_t)t);
+    return PyLong_FromSsize_t(rank);
+}
+
+/* The (rank, tokens) arguments of charge() and retract(), checked. */
+static int rank_tokens_args(Core *self, const char *name, PyObject *const *args, Py_ssize_t nargs,
+                            Py_ssize_t *rank, int64_t *tokens) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s(rank, tokens) takes 2 arguments", name);
+        return -1;
+    }
+    Py_ssize_t r = PyLong_AsSsize_t(args[0]);
+    if (r == -1 && PyErr_Occurred()) return -1;
+    long long t = PyLong_AsLongLong(args[1]);
+    if (t == -1 && PyErr_Occurred()) return -1;
+    if (r < 0 || r >= self->n || t < 0) {
+        PyErr_Format(PyExc_ValueError, "%s(rank, tokens) needs 0 <= rank < %zd and tokens >= 0", name, self->n);
+        return -1;
+    }
+    *rank = r;
+    *tokens = (int64_t)t;
+    return 0;
+}
+
+static PyObject *core_charge(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t r;
+    int64_t t;
+    if (rank_tokens_args(self, "charge", args, nargs, &r, &t) < 0) return NULL;
+    charge(self, r, t);
+    Py_RETURN_NONE;
+}
+
+/* Undo the latest charge of `tokens` to `rank`: the request never left (its send failed). */
+static PyObject *core_retract(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t r;
+    int64_t t;
+    if (rank_tokens_args(self, "retract", args, nargs, &r, &t) < 0) return NULL;
+    if (self->sent_reqs[r] < 1 || self->sent_tokens[r] < t) {
+        PyErr_Format(PyExc_ValueError,
+                     "retract(%zd, %lld): rank %zd has no such send in its ledger (%lld sends, %lld tokens); "
+                     "retract only a pick that was charged",
+                     r, (long long)t, r, (long long)self->sent_reqs[r], (long long)self->sent_tokens[r]);
+        return NULL;
+    }
+    uncharge(self, r, t);
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_get_next_start(Core *self, void *c) { return PyLong_FromSsize_t(self->next_start); }
+static int core_set_next_start(Core *self, PyObject *v, void *c) {
+    Py_ssize_t s = v ? PyLong_AsSsize_t(v) : -1;
+    if (s == -1 && PyErr_Occurred()) return -1;
+    if (s < 0 || s >= self->n) {
+        PyErr_Format(PyExc_ValueError, "next_start must be in [0, %zd)", self->n);
+        return -1;
+    }
+    self->next_start = s;
+    return 0;
+}
+static PyObject *core_get_n(Core *self, void *c) { return PyLong_FromSsize_t(self->n); }
+static PyObject *core_get_by_tokens(Core *self, void *c) { return PyBool_FromLong(self->by_tokens); }
+static int core_set_by_tokens(Core *self, PyObject *v, void *c) {
+    int b = v ? PyObject_IsTrue(v) : -1;
+    if (b < 0) return -1;
+    self->by_tokens = b;
+    return 0;
+}
+
+static PyObject *core_get_by_backlog(Core *self, void *c) { return PyBool_FromLong(self->by_backlog); }
+static int core_set_by_backlog(Core *self, PyObject *v, void *c) {
+    int b = v ? PyObject_IsTrue(v) : -1;
+    if (b < 0) return -1;
+    if (b && self->backlog == NULL) {
+        PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
+        return -1;
+    }
+    self->by_backlog = b;
+    return 0;
+}
+
+static PyMethodDef core_methods[] = {
+    {"pick", (PyCFunction)core_pick, METH_O, "pick(req) -> rank: routed rank or argmin, charged."},
+    {"pick_batch", (PyCFunction)core_pick_batch, METH_O,
+     "pick_batch(reqs) -> list of ranks, with consecutive speculative charges; all or nothing."},
+    {"pick_tokens", (PyCFunction)core_pick_tokens, METH_O, "pick_tokens(n) -> argmin rank, charged n tokens."},
+    {"charge", (PyCFunction)(void (*)(void))core_charge, METH_FASTCALL,
+     "charge(rank, tokens): add one request of that many tokens to rank."},
+    {"retract", (PyCFunction)(void (*)(void))core_retract, METH_FASTCALL,
+     "retract(rank, tokens): undo the latest charge of that many tokens to rank (a send that failed)."},
+    {NULL},
+};
+
+static PyGetSetDef core_getset[] = {
+    {"next_start", (getter)core_get_next_start, (setter)core_set_next_start, "where the next tie scan starts", NULL},
+    {"n", (getter)core_get_n, NULL, "number of ranks", NULL},
+    {"by_tokens", (getter)core_get_by_tokens, (setter)core_set_by_tokens,
+     "argmin of (tokens, requests) when true, of requests when false", NULL},
+    {"by_backlog", (getter)core_get_by_backlog, (setter)core_set_by_backlog,
+     "argmin of (backlog, tokens) when true (overrides by_tokens)", NULL},
+    {NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpboard.controller._dispatch.ArgminCore",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Argmin and speculative charge over a DPBudget's arrays (changed in place).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_getset = core_getset,
+};
+
+static struct PyModuleDef dispatch_module = {
+    PyModuleDef_HEAD_INIT, "dpboard.controller._dispatch", "Per-request dispatch core (see the source).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__dispatch(void) {
+    s_routed_dp_rank = PyUnicode_InternFromString("routed_dp_rank");
+    s_input_ids = PyUnicode_InternFromString("input_ids");
+    s_num_tokens = PyUnicode_InternFromString("num_tokens");
+    if (!s_routed_dp_rank || !s_input_ids || !s_num_tokens) return NULL;
+    PyObject *errors = PyImport_ImportModule("dpboard.errors");
+    if (errors == NULL) return NULL;
+    InvalidInputError = PyObject_GetAttrString(errors, "InvalidInputError");
+    UnavailableError = PyObject_GetAttrString(errors, "UnavailableError");
+    Py_DECREF(errors);
+    if (InvalidInputError == NULL || UnavailableError == NULL) return NULL;
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&dispatch_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "ArgminCore", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,309 @@
+"""``dpboard demo``: a simulated data-parallel cluster on this machine, with the live board.
+
+It creates a board, starts N scheduler processes (``dpboard.demo.scheduler``: synthetic request and
+KV page tables, published every step through the embedding API and the CPU kernels), the ZMQ
+controller between them, and a load generator with bursts and a long/short prompt mix; shows
+``dpboard top`` in the foreground (plain-text frames without a terminal); and on exit — the
+duration is up, or Ctrl-C — stops every process, unlinks the board and prints a summary: requests
+served, p50/p99 queueing delay, the imbalance over the run and requests per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpboard.board import Board
+from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.views.rows import status_of
+from dpboard.views.top import render, render_text
+from dpboard.views.watch import BoardWatch, Frame
+
+SETTLE_TIMEOUT = 3.0  # seconds for in-flight requests to reach their schedulers at the end
+READY_TIMEOUT = 120.0  # seconds for every scheduler to publish its first snapshot (cold Numba cache)
+STOP_TIMEOUT = 5.0
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=8, help="DP ranks, one scheduler process each (default 8)")
+    p.add_argument("--method", default="total_tokens",
+                   help="load-balance method of the controller (default total_tokens)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load (default 30)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="requests per second between bursts (default 8 per rank)")
+    p.add_argument("--burst-every", type=float, default=6.0, help="seconds between bursts (default 6)")
+    p.add_argument("--burst-seconds", type=float, default=1.0, help="length of a burst (default 1)")
+    p.add_argument("--burst-factor", type=float, default=4.0, help="rate multiplier in a burst (default 4)")
+    p.add_argument("--long-share", type=float, default=0.2, help="share of long prompts (default 0.2)")
+    p.add_argument("--step-ms", type=float, default=20.0, help="scheduler step, milliseconds (default 20)")
+    p.add_argument("--num-pages", type=int, default=4096, help="KV pages per rank (default 4096)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between board samples (default 0.5)")
+    p.add_argument("--print-every", type=float, default=3.0,
+                   help="without a terminal: seconds between plain-text frames (default 3)")
+    p.add_argument("--board", default=None, help="board name (default demo-<pid>)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _check(args: argparse.Namespace) -> None:
+    from dpboard.demo.load import LoadShape
+
+    if not 1 <= args.ranks <= 256:
+        raise InvalidInputError(f"--ranks must be in 1..256, got {args.ranks}")
+    if not args.duration > 0:
+        raise InvalidInputError(f"--duration must be > 0 seconds, got {args.duration}")
+    if not args.interval > 0 or not args.step_ms > 0:
+        raise InvalidInputError("--interval and --step-ms must be > 0")
+    if args.num_pages < 1 or args.page_size < 1:
+        raise InvalidInputError("--num-pages and --page-size must be >= 1")
+    longest = LoadShape.long_prompt[1]
+    if args.num_pages * args.page_size < 2 * longest:
+        raise InvalidInputError(f"--num-pages x --page-size is {args.num_pages * args.page_size} tokens per rank, too small "
+                         f"for the longest prompt ({longest} tokens) twice: raise --num-pages")
+    from dpboard.controller import resolve_load_balance_method
+
+    resolve_load_balance_method(args.method)  # an unknown method fails here, before any process starts
+
+
+# -- the run's statistics -------------------------------------------------------------------------
+
+
+@dataclass
+class RunStats:
+    ranks: int
+    queue_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    served_by_rank: list[int] = field(default_factory=list)
+    imbalance: list[float] = field(default_factory=list)
+    received_by_rank: list[int] = field(default_factory=list)
+    sent: int = 0
+    load_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.served_by_rank = [0] * self.ranks
+        self.received_by_rank = [0] * self.ranks
+
+    def add_completions(self, msg: dict[str, Any]) -> None:
+        rank = int(msg["rank"])
+        for rec in msg["done"]:
+            self.served_by_rank[rank] += 1
+            self.queue_s.append(rec["queue_s"])
+            if rec.get("latency_s") is not None:
+                self.latency_s.append(rec["latency_s"])
+
+    def add_frame(self, frame: Frame) -> None:
+        if frame.gone is not None:
+            return
+        if frame.imbalance is not None:
+            self.imbalance.append(frame.imbalance)
+        for row in frame.rows:
+            if status_of(row).has_snapshot:
+                self.received_by_rank[row["dp_rank"]] = row["num_received_reqs"]
+
+    def summary(self, method: str) -> str:
+        served = sum(self.served_by_rank)
+
+        def pct(values: list[float], q: float) -> str:
+            return f"{np.percentile(values, q) * 1e3:.1f} ms" if values else "-"
+
+        lines = [
+            f"dpboard demo: {self.ranks} ranks, method {method}, {self.load_seconds:.1f} s of load",
+            f"  requests sent {self.sent}, received by schedulers {sum(self.received_by_rank)}, served {served}",
+            f"  queueing delay (arrival at scheduler -> first scheduled): p50 {pct(self.queue_s, 50)}, "
+            f"p99 {pct(self.queue_s, 99)}",
+            f"  end-to-end latency (sent -> finished): p50 {pct(self.latency_s, 50)}, p99 {pct(self.latency_s, 99)}",
+        ]
+        if self.imbalance:
+            lines.append(f"  imbalance (max/mean total tokens over live ranks): mean {np.mean(self.imbalance):.2f}, "
+                         f"worst {max(self.imbalance):.2f} over {len(self.imbalance)} samples")
+        else:
+            lines.append("  imbalance: no sample had load on a live rank")
+        lines.append("  served per rank:   " + " ".join(f"{r}:{n}" for r, n in enumerate(self.served_by_rank)))
+        lines.append("  received per rank: " + " ".join(f"{r}:{n}" for r, n in enumerate(self.received_by_rank)))
+        return "\n".join(lines)
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+class Cluster:
+    """The demo's child processes: schedulers and the controller. Every one is stopped by ``stop()``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        log = self.workdir / f"{label}.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                    env=env, start_new_session=True)  # Ctrl-C reaches the demo only
+        self.procs.append((label, proc, log))
+
+    def check(self) -> None:
+        """A child that died early is an error that shows its last words."""
+        for label, proc, log in self.procs:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+                raise UnavailableError(f"the demo's {label} exited with status {proc.returncode}:\n  "
+                                   + "\n  ".join(tail or ["(no output)"]))
+
+    def stop(self) -> None:
+        for _, proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for _, proc, _ in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT)
+
+
+def _controller_argv(args: argparse.Namespace, board: str, requests: str, schedulers: list[str]) -> list[str]:
+    # --duration bounds the controller even if the demo itself is killed without a chance to stop it.
+    bound = READY_TIMEOUT + args.duration + 60
+    return ["-m", "dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
+            "--method", args.method, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
+
+
+def _warm_kernels() -> None:
+    """Compile the CPU kernels once here (or load them from Numba's cache), so that N schedulers do not
+    all compile them at once."""
+    from dpboard.loads import cpu as kernels_cpu
+
+    kernels_cpu.warm_up((np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.int8)))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    _check(args)
+    import msgpack
+    import zmq
+    from rich.console import Console
+    from rich.live import Live
+
+    from dpboard.demo.load import LoadGenerator, LoadShape
+
+    shape = LoadShape(rate=args.rate or 8.0 * args.ranks, burst_every=args.burst_every,
+                      burst_seconds=args.burst_seconds, burst_factor=args.burst_factor, long_share=args.long_share)
+    name = args.board or f"demo-{os.getpid()}"
+    console = Console()
+    tty = console.is_terminal
+    out = sys.stdout
+    print(f"dpboard demo: board {name!r}, {args.ranks} ranks, method {args.method}, "
+          f"{shape.rate:g} req/s (x{shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
+    _warm_kernels()
+
+    workdir = Path(tempfile.mkdtemp(prefix="dpboard-demo-"))
+    requests_ep = f"ipc://{workdir}/requests"
+    results_ep = f"ipc://{workdir}/results"
+    sched_eps = [f"ipc://{workdir}/rank{r}" for r in range(args.ranks)]
+    stats = RunStats(args.ranks)
+    board = Board.create(name, n_slots=args.ranks)
+    cluster = Cluster(workdir)
+    ctx = zmq.Context()
+    results = ctx.socket(zmq.PULL)
+    generator: LoadGenerator | None = None
+    watch: BoardWatch | None = None
+
+    def drain() -> None:
+        while True:
+            try:
+                stats.add_completions(msgpack.unpackb(results.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return
+
+    try:
+        results.bind(results_ep)
+        env = {**os.environ, "NUMBA_NUM_THREADS": "1"}  # N schedulers share the cores: one thread each
+        for r in range(args.ranks):
+            cluster.start(f"scheduler-{r}", [
+                "-m", "dpboard.demo.scheduler", "--board", name, "--rank", str(r), "--requests", sched_eps[r],
+                "--results", results_ep, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
+                "--step-ms", str(args.step_ms), "--seed", str(args.seed)], env=env)
+        cluster.start("controller", _controller_argv(args, name, requests_ep, sched_eps), env=env)
+        reader = board.reader(stale_after=5.0)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while any(s is None for s in reader.read_all()):
+            cluster.check()
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"the schedulers did not all publish within {READY_TIMEOUT:.0f} s; "
+                                   f"their logs are in {workdir}")
+            time.sleep(0.05)
+        watch = BoardWatch(name, stale_after=1.0)
+        started = time.monotonic()
+        generator = LoadGenerator(requests_ep, shape, seed=args.seed, context=ctx)
+        generator.start()
+        end = started + args.duration
+        hint = f"demo: {args.method}, {shape.rate:g} req/s, ends in {{left:.0f}} s (Ctrl-C stops it)"
+        if tty:
+            with Live(console=console, screen=True, auto_refresh=False) as live:
+                while (now := time.monotonic()) < end:
+                    frame = _tick(watch, stats, cluster, drain)
+                    live.update(render(frame, max_rows=max(console.size.height - 7, 1),
+                                       hint=hint.format(left=end - now)), refresh=True)
+                    time.sleep(min(args.interval, max(0.0, end - time.monotonic())))
+        else:
+            next_print = started
+            while (now := time.monotonic()) < end:
+                frame = _tick(watch, stats, cluster, drain)
+                if now >= next_print:
+                    out.write(render_text(frame) + "\n")
+                    out.flush()
+                    next_print = now + args.print_every
+                time.sleep(min(args.interval, max(0.0, end - time.monotonic())))
+    except KeyboardInterrupt:
+        print("dpboard demo: stopped by Ctrl-C", file=sys.stderr)
+    finally:
+        if generator is not None:
+            generator.stop()
+            generator.join(timeout=STOP_TIMEOUT)
+            stats.sent = generator.sent
+            stats.load_seconds = time.monotonic() - started
+            if watch is not None:
+                _settle(board, generator.sent)
+                stats.add_frame(watch.sample())
+        cluster.stop()
+        try:
+            drain()
+        finally:
+            results.close(0)
+            ctx.term()
+            if watch is not None:
+                watch.close()
+            board.close()
+            board.unlink()
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(stats.summary(args.method), flush=True)
+    return 0
+
+
+def _settle(board: Board, sent: int) -> None:
+    """Waits (bounded) until the schedulers have received every request sent, so that the summary
+    does not count the last few milliseconds' requests as missing."""
+    reader = board.reader(stale_after=5.0)
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while time.monotonic() < deadline:
+        if sum(s.num_received_reqs for s in reader.read_all() if s is not None) >= sent:
+            return
+        time.sleep(0.02)
+
+
+def _tick(watch: BoardWatch, stats: RunStats, cluster: Cluster, drain: Any) -> Frame:
+    cluster.check()
+    drain()
+    frame = watch.sample()
+    stats.add_frame(frame)
+    return frame

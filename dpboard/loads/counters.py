@@ -1,0 +1,94 @@
+"""From the raw counters every backend produces to the load figures, and the message for bad tables.
+
+Every backend reduces the tables to the same raw counters (``dpboard.snapshot.RAW_FIELDS``) and
+``finish_raw`` turns them into a ``KVLoads`` with the SPEC formulas, so the backends cannot disagree
+about the formulas::
+
+    max_total_num_tokens = num_pages * page_size
+    num_used_tokens      = (num_pages - #FREE pages - #EVICTABLE pages) * page_size
+    num_running_reqs     = #RUNNING
+    num_waiting_reqs     = #WAITING + #BOOTSTRAP + #PREALLOC + #TRANSFER + #RETRACTED
+    num_total_tokens     = num_used_tokens + sum(seqlen over WAITING, BOOTSTRAP, PREALLOC, RETRACTED)
+    num_active_tokens    = max(0, num_total_tokens - sum(seqlen over PREALLOC, TRANSFER))
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dpboard.snapshot import RAW_INDEX, PageState, ReqState
+
+RUNNING = RAW_INDEX["running"]
+WAITING = RAW_INDEX["waiting"]
+SEQLEN_WITHOUT_KV = RAW_INDEX["seqlen_without_kv"]
+SEQLEN_AWAITING_TRANSFER = RAW_INDEX["seqlen_awaiting_transfer"]
+FREE_PAGES = RAW_INDEX["free_pages"]
+EVICTABLE_PAGES = RAW_INDEX["evictable_pages"]
+BAD_REQ_STATES = RAW_INDEX["bad_req_states"]
+BAD_PAGE_STATES = RAW_INDEX["bad_page_states"]
+BAD_SEQLENS = RAW_INDEX["bad_seqlens"]
+
+_STATE_NAMES = ", ".join(f"{s.value}={s.name}" for s in ReqState)
+_PAGE_NAMES = ", ".join(f"{s.value}={s.name}" for s in PageState)
+
+
+class KVLoads(NamedTuple):
+    """The load figures of one rank, as ``compute_loads`` returns them (names as in LoadSnapshot)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    num_total_tokens: int
+    num_active_tokens: int
+    max_total_num_tokens: int
+
+
+def finish_raw(raw: Any, num_pages: int, page_size: int) -> KVLoads:
+    """The SPEC formulas on the raw counters (Python ints: no overflow)."""
+    used = (num_pages - int(raw[FREE_PAGES]) - int(raw[EVICTABLE_PAGES])) * page_size
+    total = used + int(raw[SEQLEN_WITHOUT_KV])
+    return KVLoads(
+        num_running_reqs=int(raw[RUNNING]),
+        num_waiting_reqs=int(raw[WAITING]),
+        num_used_tokens=used,
+        num_total_tokens=total,
+        num_active_tokens=max(0, total - int(raw[SEQLEN_AWAITING_TRANSFER])),
+        max_total_num_tokens=num_pages * page_size,
+    )
+
+
+def raw_has_errors(raw: Any) -> bool:
+    return bool(raw[BAD_REQ_STATES] or raw[BAD_PAGE_STATES] or raw[BAD_SEQLENS])
+
+
+def _first_bad(values: np.ndarray, bad: np.ndarray, name: str) -> str:
+    """``name[i] = v`` for the first entry the ``bad`` mask marks (``?`` if none does)."""
+    where = np.flatnonzero(bad)
+    return f"{name}[{int(where[0])}] = {int(values[where[0]])}" if where.size else f"{name}[?]"
+
+
+def describe_bad(raw: Any, req_state: Any, req_seqlen: Any, page_state: Any) -> str:
+    """The error message for raw counters that report bad entries (host arrays; the slow path)."""
+    state = np.asarray(req_state).astype(np.int64)
+    problems = []
+    if raw[BAD_REQ_STATES]:
+        first = _first_bad(state, (state < 0) | (state >= len(ReqState)), "req_state")
+        problems.append(
+            f"req_state has {int(raw[BAD_REQ_STATES])} code(s) outside ReqState ({_STATE_NAMES}); the first is {first}"
+        )
+    if raw[BAD_PAGE_STATES]:
+        pages = np.asarray(page_state).astype(np.int64)
+        first = _first_bad(pages, (pages < 0) | (pages >= len(PageState)), "page_state")
+        problems.append(
+            f"page_state has {int(raw[BAD_PAGE_STATES])} code(s) outside PageState ({_PAGE_NAMES}); the first is {first}"
+        )
+    if raw[BAD_SEQLENS]:
+        seqlen = np.asarray(req_seqlen).astype(np.int64)
+        first = _first_bad(seqlen, (seqlen < 0) & (state != int(ReqState.FREE)), "req_seqlen")
+        problems.append(
+            f"req_seqlen has {int(raw[BAD_SEQLENS])} negative value(s) in rows that are not FREE; the first "
+            f"is {first}"
+        )
+    return "; ".join(problems) + ": fix the scheduler's tables (nothing was published)"

@@ -1,0 +1,402 @@
+"""The CUDA backends of ``compute_loads``, and the kernel of GPU-direct publish (docs/KERNELS.md).
+
+Two implementations of one design (a single pass over both tables, block reduction, one atomic per
+counter per block, the last block finishes):
+
+- ``numba-cuda``: ``@cuda.jit`` kernels written in Python. They also run in Numba's CUDA simulator
+  (``NUMBA_ENABLE_CUDASIM=1``), which is how the test suite checks them on machines without a GPU.
+- ``cupy``: the CUDA C of ``kernels/loads.cu`` (shipped as the package ``dpboard.cuda_sources``),
+  compiled by NVRTC through ``cupy.RawModule``, one instantiation per dtype combination.
+
+Only the nine raw counters cross to the host (``compute_loads``), or nothing at all: the GPU-direct
+publishers (``dpboard.publish.gpu_direct``) launch the publish kernel built here, whose last block
+writes the snapshot into the board slot itself, through the slot's page registered as mapped host
+memory (``cudaHostRegister``), seqlock included.
+
+Nothing here is imported until a CUDA backend is asked for; CuPy and a GPU are optional.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.loads import counters as c
+from dpboard.loads.tables import array_info
+from dpboard.snapshot import (
+    DIRECT_STATUS_INDEX,
+    FIELD_INDEX,
+    FIELDS_OFFSET,
+    NUM_RAW,
+    PageState,
+    ReqState,
+)
+
+BLOCK = 256  # threads per block on a GPU (a multiple of 32, a power of two)
+SIM_BLOCK = 32  # in the simulator every thread is a Python thread: keep blocks small
+MAX_BLOCKS = 1024  # grid-stride beyond this; enough to fill an H200 (132 SMs) several times
+SIM_MAX_BLOCKS = 4
+
+# Plain ints for the kernels (Numba freezes module globals into the compiled code).
+_R_FREE, _R_RUNNING, _R_PREALLOC, _R_TRANSFER = (int(s) for s in (ReqState.FREE, ReqState.RUNNING,
+                                                                 ReqState.PREALLOC, ReqState.TRANSFER))
+_R_FIRST_QUEUED, _R_LAST_QUEUED, _R_MAX = int(ReqState.WAITING), int(ReqState.RETRACTED), int(max(ReqState))
+_P_FREE, _P_USED, _P_EVICTABLE = int(PageState.FREE), int(PageState.USED), int(PageState.EVICTABLE)
+assert [int(s) for s in ReqState] == list(range(_R_MAX + 1)) and _R_LAST_QUEUED == _R_MAX
+# Word k of a slot viewed as int64: the sequence is word 0, field i is word _W0 + i.
+_W0 = FIELDS_OFFSET // 8
+_W_DP_RANK, _W_RUNNING, _W_WAITING, _W_USED, _W_TOTAL, _W_ACTIVE, _W_CAPACITY, _W_RECEIVED = (
+    _W0 + FIELD_INDEX[name] for name in (
+        "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
+        "num_active_tokens", "max_total_num_tokens", "num_received_reqs"))
+_W_TIMESTAMP, _W_MONOTONIC, _W_PUBLISH_SEQ, _W_PID, _W_NODE = (
+    _W0 + FIELD_INDEX[name] for name in ("timestamp_ns", "monotonic_ns", "publish_seq", "writer_pid", "node_id"))
+_S_LAUNCH_ID, _S_PUBLISHED, _S_BAD_REQ, _S_BAD_PAGE, _S_BAD_SEQLEN, _S_PUBLISH_SEQ = (
+    DIRECT_STATUS_INDEX[name] for name in (
+        "launch_id", "published", "bad_req_states", "bad_page_states", "bad_seqlens", "publish_seq"))
+
+_NO_CUPY = (
+    "backend 'cupy' needs CuPy and an NVIDIA GPU: install the CUDA extra (pip install 'dpboard[cuda]', "
+    "i.e. cupy-cuda12x) on a machine with a GPU, or use backend='numba' on a CPU-only machine"
+)
+_NO_GPU_NUMBA = (
+    "backend 'numba-cuda' finds no CUDA GPU (numba.cuda.is_available() is False): use backend='numba' "
+    "on a CPU-only machine, install the CUDA extra (pip install 'dpboard[cuda]') where a GPU exists, or set "
+    "NUMBA_ENABLE_CUDASIM=1 before importing numba to run the kernels in Numba's simulator (slow; for tests)"
+)
+
+
+def simulator_enabled() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and sees at least one GPU."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # CUDA driver missing or broken: the same as no GPU for us
+        return False
+
+
+def _numba_cuda():
+    from numba import cuda
+
+    if not simulator_enabled() and not cuda.is_available():
+        raise UnavailableError(_NO_GPU_NUMBA)
+    return cuda
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise UnavailableError(_NO_CUPY) from None
+    if not cupy_available():
+        raise UnavailableError(_NO_CUPY)
+    return cupy
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A host copy of a device array (the error path only)."""
+    if not hasattr(x, "__cuda_array_interface__"):
+        return np.asarray(x)
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    if hasattr(x, "get"):
+        return x.get()
+    if hasattr(x, "cpu"):
+        return x.cpu().numpy()
+    from numba import cuda
+
+    return cuda.as_cuda_array(x).copy_to_host()
+
+
+# -- numba-cuda ------------------------------------------------------------------------------------
+
+_numba_kernels: dict[int, tuple[Any, Any]] = {}
+_numba_lock = threading.Lock()
+
+
+def numba_kernels(block: int) -> tuple[Any, Any]:
+    """(raw_counts_kernel, publish_kernel) for blocks of ``block`` threads (a power of two)."""
+    with _numba_lock:
+        if block not in _numba_kernels:
+            _numba_kernels[block] = _build_numba_kernels(block)
+        return _numba_kernels[block]
+
+
+cuda: Any = None  # numba.cuda, bound on first use (the simulator swaps this global while a kernel runs)
+
+
+def _build_numba_kernels(block: int) -> tuple[Any, Any]:
+    global cuda
+    import numba.cuda
+    from numba import int64
+
+    cuda = numba.cuda
+
+    if block < 1 or block & (block - 1):
+        raise InvalidInputError(f"block must be a power of two, got {block}")
+
+    @cuda.jit(device=True)
+    def accumulate(state, seqlen, pages, acc):
+        for k in range(NUM_RAW):
+            acc[k] = 0
+        stride = cuda.gridsize(1)
+        num_requests = state.shape[0]
+        num_pages = pages.shape[0]
+        n = max(num_requests, num_pages)
+        i = cuda.grid(1)
+        while i < n:
+            if i < num_requests:
+                s = int64(state[i])
+                length = int64(seqlen[i])
+                waiting = s >= _R_FIRST_QUEUED and s <= _R_LAST_QUEUED
+                if s == _R_RUNNING:
+                    acc[c.RUNNING] += 1
+                if waiting:
+                    acc[c.WAITING] += 1
+                    if s != _R_TRANSFER:
+                        acc[c.SEQLEN_WITHOUT_KV] += length
+                if s == _R_PREALLOC or s == _R_TRANSFER:
+                    acc[c.SEQLEN_AWAITING_TRANSFER] += length
+                if s < 0 or s > _R_MAX:
+                    acc[c.BAD_REQ_STATES] += 1
+                if length < 0 and s != _R_FREE:
+                    acc[c.BAD_SEQLENS] += 1
+            if i < num_pages:
+                p = int64(pages[i])
+                if p == _P_FREE:
+                    acc[c.FREE_PAGES] += 1
+                elif p == _P_EVICTABLE:
+                    acc[c.EVICTABLE_PAGES] += 1
+                elif p != _P_USED:
+                    acc[c.BAD_PAGE_STATES] += 1
+            i += stride
+
+    @cuda.jit(device=True)
+    def reduce_block(acc, accum, ticket):
+        """Block sums into the global accumulators; True in thread 0 of the last block, whose acc
+        then holds the grand totals (and the accumulators are reset for the next launch)."""
+        sums = cuda.shared.array((NUM_RAW, block), int64)
+        is_last = cuda.shared.array(1, int64)
+        tid = cuda.threadIdx.x
+        for k in range(NUM_RAW):
+            sums[k, tid] = acc[k]
+        cuda.syncthreads()
+        half = block // 2
+        while half > 0:
+            if tid < half:
+                for k in range(NUM_RAW):
+                    sums[k, tid] += sums[k, tid + half]
+            cuda.syncthreads()
+            half //= 2
+        if tid == 0:
+            for k in range(NUM_RAW):
+                cuda.atomic.add(accum, k, sums[k, 0])
+            cuda.threadfence()  # our adds are visible device-wide before our ticket is
+            is_last[0] = 1 if cuda.atomic.add(ticket, 0, 1) == cuda.gridDim.x - 1 else 0
+        cuda.syncthreads()
+        if tid != 0 or is_last[0] == 0:
+            return False
+        cuda.threadfence()
+        for k in range(NUM_RAW):
+            acc[k] = cuda.atomic.exch(accum, k, 0)
+        cuda.atomic.exch(ticket, 0, 0)
+        return True
+
+    @cuda.jit
+    def raw_counts_kernel(state, seqlen, pages, accum, ticket, raw):
+        acc = cuda.local.array(NUM_RAW, int64)
+        accumulate(state, seqlen, pages, acc)
+        if reduce_block(acc, accum, ticket):
+            for k in range(NUM_RAW):
+                raw[k] = acc[k]
+
+    @cuda.jit
+    def publish_kernel(state, seqlen, pages, page_size, accum, ticket, slot, host_fields, status, launch_id):
+        # slot: int64 view of the board slot (the sequence word, then the fields: SLOT_WORDS words).
+        # host_fields: int64[6] = dp_rank, num_received_reqs, timestamp_ns, monotonic_ns, writer_pid, node_id.
+        acc = cuda.local.array(NUM_RAW, int64)
+        accumulate(state, seqlen, pages, acc)
+        if not reduce_block(acc, accum, ticket):
+            return
+        status[_S_BAD_REQ] = acc[c.BAD_REQ_STATES]
+        status[_S_BAD_PAGE] = acc[c.BAD_PAGE_STATES]
+        status[_S_BAD_SEQLEN] = acc[c.BAD_SEQLENS]
+        if acc[c.BAD_REQ_STATES] != 0 or acc[c.BAD_PAGE_STATES] != 0 or acc[c.BAD_SEQLENS] != 0:
+            status[_S_PUBLISHED] = 0
+            cuda.threadfence_system()
+            status[_S_LAUNCH_ID] = launch_id
+            return
+        num_pages = int64(pages.shape[0])
+        used = (num_pages - acc[c.FREE_PAGES] - acc[c.EVICTABLE_PAGES]) * page_size
+        total = used + acc[c.SEQLEN_WITHOUT_KV]
+        active = max(int64(0), total - acc[c.SEQLEN_AWAITING_TRANSFER])
+        s = slot[0]
+        if s & 1:
+            s += 1  # left odd by a writer that died mid-write: step past it
+        publish_seq = max(int64(0), slot[_W_PUBLISH_SEQ]) + 1
+        cuda.atomic.exch(slot, 0, s + 1)  # odd: a write is in progress
+        cuda.threadfence_system()
+        slot[_W_DP_RANK] = host_fields[0]
+        slot[_W_RUNNING] = acc[c.RUNNING]
+        slot[_W_WAITING] = acc[c.WAITING]
+        slot[_W_USED] = used
+        slot[_W_TOTAL] = total
+        slot[_W_ACTIVE] = active
+        slot[_W_CAPACITY] = num_pages * page_size
+        slot[_W_RECEIVED] = host_fields[1]
+        slot[_W_TIMESTAMP] = host_fields[2]
+        slot[_W_MONOTONIC] = host_fields[3]
+        slot[_W_PUBLISH_SEQ] = publish_seq
+        slot[_W_PID] = host_fields[4]
+        slot[_W_NODE] = host_fields[5]
+        cuda.threadfence_system()
+        cuda.atomic.exch(slot, 0, s + 2)  # even: the snapshot is whole
+        status[_S_PUBLISH_SEQ] = publish_seq
+        status[_S_PUBLISHED] = 1
+        cuda.threadfence_system()
+        status[_S_LAUNCH_ID] = launch_id
+
+    return raw_counts_kernel, publish_kernel
+
+
+def grid_size(n: int, block: int, max_blocks: int) -> int:
+    return max(1, min(max_blocks, -(-n // block)))
+
+
+class NumbaCudaRunner:
+    """Device buffers and launches of the numba-cuda raw-counts kernel (one per user: not shared
+    between concurrent streams)."""
+
+    def __init__(self) -> None:
+        self.cuda = _numba_cuda()
+        sim = simulator_enabled()
+        self.block = SIM_BLOCK if sim else BLOCK
+        self.max_blocks = SIM_MAX_BLOCKS if sim else MAX_BLOCKS
+        self.kernel, self.publish_kernel = numba_kernels(self.block)
+        self.accum = self.cuda.to_device(np.zeros(NUM_RAW, dtype=np.int64))
+        self.ticket = self.cuda.to_device(np.zeros(1, dtype=np.uint32))
+        self.raw_dev = self.cuda.device_array(NUM_RAW, dtype=np.int64)
+        self.raw_host = self.cuda.pinned_array(NUM_RAW, dtype=np.int64) if not sim else np.zeros(NUM_RAW, np.int64)
+
+    def device(self, x: Any) -> Any:
+        if simulator_enabled():
+            return x  # the simulator runs kernels on host arrays
+        if hasattr(x, "__cuda_array_interface__"):
+            return self.cuda.as_cuda_array(x)
+        return self.cuda.to_device(np.ascontiguousarray(x))
+
+    def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
+        state, seqlen, pages = (self.device(x) for x in (req_state, req_seqlen, page_state))
+        grid = grid_size(max(state.shape[0], pages.shape[0]), self.block, self.max_blocks)
+        self.kernel[grid, self.block](state, seqlen, pages, self.accum, self.ticket, self.raw_dev)
+        self.raw_dev.copy_to_host(self.raw_host)  # nine integers; waits for the kernel
+        return np.array(self.raw_host)
+
+
+# -- cupy ------------------------------------------------------------------------------------------
+
+_C_TYPES = {
+    np.dtype(np.int8): "signed char",
+    np.dtype(np.uint8): "unsigned char",
+    np.dtype(np.int16): "short",
+    np.dtype(np.uint16): "unsigned short",
+    np.dtype(np.int32): "int",
+    np.dtype(np.uint32): "unsigned int",
+    np.dtype(np.int64): "long long",
+}
+
+
+def cuda_sources_dir() -> Path:
+    """The folder of kernels/loads.cu and its generated header, installed (the package
+    ``dpboard.cuda_sources``, shipped in the wheel) or in a source checkout."""
+    try:
+        return Path(str(resources.files("dpboard.cuda_sources")))
+    except ModuleNotFoundError:  # a source checkout that is not installed
+        return Path(__file__).resolve().parents[2] / "kernels"
+
+
+def cuda_source() -> str:
+    """The CUDA C of kernels/loads.cu (it includes dpboard_layout.h from the same folder)."""
+    return (cuda_sources_dir() / "loads.cu").read_text()
+
+
+_cupy_functions: dict[tuple[str, ...], Any] = {}
+
+
+def cupy_function(kind: str, state_dtype: np.dtype, seqlen_dtype: np.dtype, page_dtype: np.dtype) -> Any:
+    """The compiled ``dpb_raw_counts`` or ``dpb_publish`` for these dtypes (NVRTC; cached)."""
+    cupy = _cupy()
+    types = [_C_TYPES[np.dtype(d).newbyteorder("=")] for d in (state_dtype, seqlen_dtype, page_dtype)]
+    name = f"dpb_{kind}<{', '.join(types)}>"
+    key = (name,)
+    fn = _cupy_functions.get(key)
+    if fn is None:
+        options = ("-std=c++17", f"-I{cuda_sources_dir()}")  # for #include "dpboard_layout.h"
+        module = cupy.RawModule(code=cuda_source(), options=options, name_expressions=[name])
+        fn = _cupy_functions[key] = module.get_function(name)
+    return fn
+
+
+def _pointer(x: Any) -> np.uint64:
+    return np.uint64(x.__cuda_array_interface__["data"][0])
+
+
+class CupyRunner:
+    """Device buffers and launches of the CuPy raw-counts kernel."""
+
+    def __init__(self) -> None:
+        self.cupy = _cupy()
+        self.accum = self.cupy.zeros(NUM_RAW, dtype=np.uint64)
+        self.ticket = self.cupy.zeros(1, dtype=np.uint32)
+        self.raw_dev = self.cupy.zeros(NUM_RAW, dtype=np.int64)
+        self.raw_host = np.zeros(NUM_RAW, dtype=np.int64)
+
+    def device(self, x: Any) -> Any:
+        if hasattr(x, "__cuda_array_interface__"):
+            cai = x.__cuda_array_interface__
+            if cai.get("strides") not in (None, (np.dtype(cai["typestr"]).itemsize,)):
+                raise InvalidInputError(
+                    "device tables must be contiguous: pass x.contiguous() / cupy.ascontiguousarray(x)")
+            return x
+        return self.cupy.asarray(np.ascontiguousarray(x))
+
+    def launch(self, fn: Any, state: Any, seqlen: Any, pages: Any, *extra: Any) -> None:
+        num_requests, num_pages = array_info(state, "req_state")[1][0], array_info(pages, "page_state")[1][0]
+        grid = grid_size(max(num_requests, num_pages), BLOCK, MAX_BLOCKS)
+        fn((grid,), (BLOCK,), (_pointer(state), _pointer(seqlen), np.int64(num_requests), _pointer(pages),
+                               np.int64(num_pages), *extra))
+
+    def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
+        state, seqlen, pages = (self.device(x) for x in (req_state, req_seqlen, page_state))
+        fn = cupy_function("raw_counts", *(array_info(x, "table")[0] for x in (state, seqlen, pages)))
+        self.launch(fn, state, seqlen, pages, self.accum, self.ticket, self.raw_dev)
+        return self.raw_dev.get()  # nine integers; waits for the kernel
+
+
+_runners: dict[str, Any] = {}
+
+
+def runner(backend: str) -> Any:
+    r = _runners.get(backend)
+    if r is None:
+        r = _runners[backend] = NumbaCudaRunner() if backend == "numba-cuda" else CupyRunner()
+    return r
+
+
+def raw_counts(req_state: Any, req_seqlen: Any, page_state: Any, *, backend: str) -> np.ndarray:
+    if backend not in ("numba-cuda", "cupy"):
+        raise InvalidInputError(f"not a CUDA backend: {backend!r}")
+    return runner(backend).raw_counts(req_state, req_seqlen, page_state)

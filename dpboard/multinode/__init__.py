@@ -1,0 +1,6 @@
+"""The side path into node0's board: other nodes' boards relayed over ZMQ.
+
+wire.py is the relay frame (pack, unpack, validate); relay.py forwards a node's changed slots
+(``dpboard relay``); collector.py is node0's single PULL owner that writes them into its board
+(``dpboard collect``, or embedded in the controller); curve.py holds the CURVE keys of both ends.
+"""

@@ -1,0 +1,434 @@
+"""``dpboard collect``: node0's single owner of the relay PULL socket.
+
+The collector receives the relays' frames (dpboard.multinode.wire), validates every one, and writes the
+snapshots they carry into node0's board with ``publish_relayed``: the snapshot keeps the writer's
+wall-clock time, publish counter, pid and node id, and gets node0's own monotonic receive time, so
+that staleness on node0 means "time since node0 last heard of this rank" whatever the other nodes'
+clocks say.
+
+Exactly one collector may own a board and an endpoint. ZMQ itself does not enforce that (a second
+``ipc://`` bind silently steals the path from the first), so ownership is an exclusive ``flock`` on
+one lock file per board and one per endpoint under /dev/shm; a second owner fails at start with an
+error naming the first one's pid. Locks die with their process, so a killed collector never blocks
+its own restart; a clean exit also removes the lock files.
+
+Embedding (the controller owns the socket when its method is load-aware)::
+
+    collector = Collector(board, "tcp://10.0.0.1:5757")
+    poller.register(collector.socket, zmq.POLLIN)   # in the owner's own event loop
+    ...
+    collector.drain()                               # whenever the socket is readable
+    collector.close()
+
+or ``collector.serve(stop_event)`` in a thread or process of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dpboard.board import Board, BoardError, BoardWriter, process_start_ticks
+from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError, UnavailableError
+from dpboard.multinode.curve import load_certificate
+from dpboard.multinode.wire import (
+    BAD_IDENTITY,
+    BAD_NODE,
+    BAD_RANK,
+    BAD_REASONS,
+    MAX_FRAME_SIZE,
+    FrameError,
+    unpack_frame,
+    validate_records,
+)
+from dpboard.snapshot import COLLECTOR_STATS_FIELDS
+
+LOCK_DIR = Path("/dev/shm")
+LOCK_PREFIX = "dpboard-collector."
+DEFAULT_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never block
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class CollectorBusyError(UnavailableError):
+    """Another live collector already owns the board or the endpoint."""
+
+
+# -- ownership ------------------------------------------------------------------------------------
+
+
+def endpoint_lock_key(endpoint: str) -> str:
+    """What two endpoints must not share. TCP: the port (binding one port on two interfaces clashes
+    anyway, and the lock can then name the owner); ipc: the absolute path; anything else: itself."""
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rsplit(":", 1)[-1]
+        return f"tcp-port-{port}"
+    if endpoint.startswith("ipc://"):
+        return "ipc-" + os.path.abspath(endpoint[len("ipc://") :])
+    return endpoint
+
+
+def _lock_path(kind: str, key: str) -> Path:
+    readable = _SAFE.sub("_", key)[:80]
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
+
+
+def board_lock_path(board_name: str) -> Path:
+    return _lock_path("board", board_name)
+
+
+def endpoint_lock_path(endpoint: str) -> Path:
+    return _lock_path("endpoint", endpoint_lock_key(endpoint))
+
+
+class _OwnerLock:
+    """An exclusive flock on a file that holds the owner's pid; released when the process dies."""
+
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        self._fd: int | None = None
+        # A file unlinked by its previous owner between our open and our flock would give us a lock
+        # nobody else can see: re-open until the locked file is the one the path names.
+        for _ in range(100):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except PermissionError:
+                raise AccessDeniedError(
+                    f"cannot open the collector lock {path} for {what}: it belongs to another user, whose "
+                    f"collector may own it; run as that user, or remove the file if that collector is gone"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                owner = _read_pid(fd)
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                who = f"pid {owner}" if owner else "a process that is still starting"
+                raise CollectorBusyError(
+                    f"{what} already has a collector: {who} (lock {path}); only one process may own the "
+                    f"relay PULL socket: stop that one, or embed its Collector instead of starting another"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._fd = fd
+                return
+            os.close(fd)
+        raise CollectorBusyError(f"could not take the lock {path}: it keeps being replaced by another process")
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # still holding the lock: nobody can be inside it
+        finally:
+            os.close(fd)
+
+
+def _read_pid(fd: int) -> int:
+    try:
+        return int(os.pread(fd, 32, 0).split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# -- the collector ----------------------------------------------------------------------------------
+
+
+class Collector:
+    """The single owner of node0's relay PULL socket; writes relayed snapshots into ``board``.
+
+    ``board`` is a Board or a board name (attached; created with ``n_slots`` slots when it does not
+    exist and ``n_slots`` is given). ``bind`` is an explicit ZMQ endpoint, e.g. ``tcp://10.0.0.1:5757``
+    (``tcp://127.0.0.1:*`` picks a free port; ``endpoint`` tells which).
+    """
+
+    def __init__(
+        self,
+        board: Board | str,
+        bind: str,
+        *,
+        n_slots: int | None = None,
+        curve_secret_key: str | os.PathLike[str] | None = None,
+        curve_authorized_keys: str | os.PathLike[str] | None = None,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        context: zmq.Context | None = None,
+        record_latency: bool = False,
+    ):
+        if not isinstance(bind, str) or "://" not in bind:
+            raise InvalidInputError(f"bind must be a ZMQ endpoint such as tcp://10.0.0.1:5757, got {bind!r}")
+        if curve_authorized_keys is not None and curve_secret_key is None:
+            raise InvalidInputError("curve_authorized_keys needs curve_secret_key (the collector's own certificate)")
+        self._locks: list[_OwnerLock] = []
+        self._socket: zmq.Socket | None = None
+        self._auth: Any = None
+        self._stats_view: np.ndarray | None = None
+        self._own_board = False  # created here: unlinked on close
+        self._opened_board = False  # attached or created here (not passed in): closed on close
+        self._writers: dict[int, BoardWriter] = {}
+        self._closed = False
+        self.latencies_ns: list[np.ndarray] = []  # with record_latency: receive-side age of each snapshot
+        self._record_latency = record_latency
+        board_name = board.name if isinstance(board, Board) else board
+        try:
+            self._locks.append(_OwnerLock(board_lock_path(board_name), f"board {board_name!r}"))
+            # A TCP wildcard port is unique by construction; every other endpoint gets its lock.
+            wildcard_port = bind.startswith("tcp://") and bind.endswith((":*", ":0"))
+            if not wildcard_port:
+                self._locks.append(_OwnerLock(endpoint_lock_path(bind), f"endpoint {bind}"))
+            if isinstance(board, Board):
+                self.board = board
+            else:
+                self.board = self._open_board(board, n_slots)
+                self._opened_board = True
+            self.n_slots = self.board.n_slots
+            self._context = context or zmq.Context.instance()
+            self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
+            self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._init_stats()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_board(self, name: str, n_slots: int | None) -> Board:
+        try:
+            return Board.attach(name, n_slots=n_slots)
+        except FileNotFoundError:
+            if n_slots is None:
+                raise NotFoundError(
+                    f"board {name!r} does not exist: start node0's schedulers (or the controller) first, "
+                    f"or give the collector --n-slots to create it"
+                ) from None
+        board = Board.create(name, n_slots=n_slots, exist_ok=True)
+        self._own_board = board.is_owner
+        return board
+
+    def _bind(self, bind: str, secret_key: Any, authorized: Any, rcvhwm: int) -> zmq.Socket:
+        sock = self._context.socket(zmq.PULL)
+        try:
+            # No CONFLATE: it keeps one message for the whole socket, not one per peer, and would drop
+            # other nodes' frames. The board itself keeps the latest record per rank.
+            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            # Anything larger cannot be a frame; ZMQ cuts such a peer off instead of buffering it.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_SIZE + 4096)
+            if secret_key is not None:
+                public, secret = load_certificate(secret_key, "collector certificate")
+                if secret is None:
+                    raise InvalidInputError(f"{secret_key} holds only a public key: give the .key_secret file")
+                if authorized is not None:
+                    from zmq.auth.thread import ThreadAuthenticator
+
+                    if not Path(authorized).is_dir():
+                        raise NotFoundError(f"authorized keys directory {authorized} does not exist")
+                    self._auth = ThreadAuthenticator(self._context)
+                    self._auth.start()
+                    self._auth.configure_curve(domain="*", location=str(authorized))
+                sock.curve_secretkey = secret
+                sock.curve_publickey = public
+                sock.curve_server = True
+            try:
+                sock.bind(bind)
+            except zmq.ZMQError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise CollectorBusyError(
+                        f"endpoint {bind} is in use by another process (not a dpboard collector on this "
+                        f"machine's lock files): pick another port, or stop that process"
+                    ) from None
+                raise InvalidInputError(f"cannot bind {bind}: {e.strerror}") from None
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def _init_stats(self) -> None:
+        view = self.board.collector_stats_record()
+        view[0] = 0
+        pid = os.getpid()
+        view["collector_start_ticks"] = process_start_ticks(pid)
+        view["collector_pid"] = pid
+        self._stats_view = view
+
+    # -- the socket -------------------------------------------------------------------------------
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The PULL socket, to register in an embedding process's poller."""
+        if self._socket is None:
+            raise InvalidInputError("the collector is closed")
+        return self._socket
+
+    @property
+    def lock_paths(self) -> list[Path]:
+        return [lock.path for lock in self._locks]
+
+    def handle_frame(self, data: bytes | memoryview) -> int:
+        """Validate one frame and publish its snapshots. Returns how many it wrote (0 for a dropped
+        frame, which is counted). Never raises on the frame's content."""
+        stats = self._stats_view
+        assert stats is not None
+        try:
+            frame = unpack_frame(data)
+            if frame.board != self.board.name:
+                raise FrameError(
+                    BAD_IDENTITY, f"frame for board {frame.board!r}, this collector writes {self.board.name!r}"
+                )
+            if frame.node_id == self.board.node_id:
+                raise FrameError(BAD_NODE, f"frame claims node {frame.node_id}, which is this board's own node")
+            validate_records(frame, n_slots=self.n_slots)
+            rows = frame.records.tolist()
+            writers = [self._writers.get(row[0]) or self._writer_for(row[0]) for row in rows]
+        except FrameError as e:
+            stats[e.reason] += 1
+            stats["frames_bad"] += 1
+            return 0
+        for writer, row in zip(writers, rows, strict=True):
+            writer.publish_relayed(row)
+        now = time.monotonic_ns()
+        if self._record_latency and rows:
+            self.latencies_ns.append(time.time_ns() - frame.records["timestamp_ns"])
+        stats["frames_ok"] += 1
+        stats["snapshots_ok"] += len(rows)
+        stats["last_frame_monotonic_ns"] = now
+        return len(rows)
+
+    def _writer_for(self, rank: int) -> BoardWriter:
+        try:
+            # Not takeover: a slot that a live local scheduler writes is node0's own rank, and a
+            # relay claiming it is misconfigured. A dead holder (e.g. a previous collector) is fine.
+            writer = self.board.writer(rank)
+        except BoardError as e:
+            raise FrameError(BAD_RANK, f"rank {rank} is written locally on node0: {e}") from None
+        self._writers[rank] = writer
+        return writer
+
+    def drain(self, max_frames: int = 4096) -> int:
+        """Handle every frame already queued (at most ``max_frames``) without waiting; returns the count."""
+        sock = self.socket
+        handled = 0
+        while handled < max_frames:
+            try:
+                data = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.handle_frame(data.buffer)
+            handled += 1
+        return handled
+
+    def poll(self, timeout_ms: int = 100) -> int:
+        """Wait up to ``timeout_ms`` for frames, then drain them."""
+        if self.socket.poll(timeout_ms, zmq.POLLIN):
+            return self.drain()
+        return 0
+
+    def serve(self, stop: threading.Event | None = None, *, duration: float | None = None,
+              poll_ms: int = 100) -> None:
+        """Receive until ``stop`` is set or ``duration`` seconds have passed."""
+        deadline = None if duration is None else time.monotonic() + duration
+        while not (stop is not None and stop.is_set()):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            self.poll(poll_ms)
+
+    def stats(self) -> dict[str, int]:
+        if self._stats_view is None:
+            return dict.fromkeys(COLLECTOR_STATS_FIELDS, 0)
+        rec = self._stats_view[0]
+        return {name: int(rec[name]) for name in COLLECTOR_STATS_FIELDS}
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._writers.clear()
+        self._stats_view = None
+        if self._opened_board:
+            self.board.close()
+        if self._own_board:
+            self.board.unlink()
+        for lock in reversed(self._locks):
+            lock.release()
+        self._locks = []
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Collector(board={self.board.name!r}, endpoint={getattr(self, 'endpoint', None)!r})"
+
+
+assert set(BAD_REASONS) <= set(COLLECTOR_STATS_FIELDS)
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--board", required=True, help="node0's board (the name every node's relay uses)")
+    p.add_argument("--bind", required=True,
+                   help="explicit endpoint to bind, e.g. tcp://10.0.0.1:5757 (no wildcard by default)")
+    p.add_argument("--n-slots", type=int, default=None,
+                   help="create the board with this many slots if it does not exist yet")
+    p.add_argument("--curve-secret-key", metavar="FILE", default=None,
+                   help="this collector's CURVE certificate (.key_secret): encrypt and authenticate relays")
+    p.add_argument("--curve-authorized-keys", metavar="DIR", default=None,
+                   help="directory of the relays' public certificates allowed in (default: any relay that "
+                        "knows the server key)")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--quiet", action="store_true", help="no periodic status line")
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with Collector(args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
+                       curve_authorized_keys=args.curve_authorized_keys) as collector:
+            print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
+                  f"({collector.n_slots} slots)", flush=True)
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            next_report = time.monotonic() + 5.0
+            while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                collector.poll(100)
+                if not args.quiet and time.monotonic() >= next_report:
+                    s = collector.stats()
+                    print(f"frames {s['frames_ok']} ok, {s['frames_bad']} bad; snapshots {s['snapshots_ok']}",
+                          flush=True)
+                    next_report += 5.0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

@@ -1,0 +1,252 @@
+"""Metrics, table, JSON and plot of ``dpboard sim`` runs.
+
+Metrics per method:
+
+- time to first token (TTFT) = end of the request's first prefill step - its arrival at the controller;
+- queueing delay = first admission into a prefill batch - arrival;
+- imbalance = max / mean of ``num_total_tokens`` across ranks (the true values, not the published
+  ones), sampled every ``sample_period`` from the start to the last arrival; summarised as the
+  load-weighted mean (sum of maxima over sum of means) and the p99 of busy samples;
+- idle while queued = share of the loaded samples in that window in which some rank is idle while
+  another has requests waiting that it has not admitted yet.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dpboard.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from dpboard.sim.simulation import RunResult, SimConfig
+    from dpboard.sim.trace import Trace
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
+def _window(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
+    """Sample times and tokens [samples, ranks] from the start to the last arrival (the drain is left out)."""
+    last_arrival = max((r.arrival_s for r in result.requests), default=0.0)
+    keep = result.sample_t <= last_arrival
+    return result.sample_t[keep], result.sample_tokens[keep].astype(np.float64)
+
+
+def imbalance_series(result: RunResult, window_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(times, imbalance) over a moving window: sum of per-sample max over sum of per-sample mean.
+
+    Weighting each sample by its load keeps near-empty moments (one request in the cluster reads
+    as max/mean = ranks) from dominating the curve.
+    """
+    t, tokens = _window(result)
+    if t.size == 0:
+        return t, t
+    peak = tokens.max(axis=1)
+    mean = tokens.mean(axis=1)
+    period = float(t[1] - t[0]) if t.size > 1 else 1.0
+    width = max(1, round(window_s / period))
+    kernel = np.ones(width)
+    num = np.convolve(peak, kernel, mode="same")
+    den = np.convolve(mean, kernel, mode="same")
+    loaded = den > 0
+    return t[loaded], num[loaded] / den[loaded]
+
+
+def imbalance_stats(result: RunResult) -> tuple[float, float]:
+    """(load-weighted mean, p99 over loaded samples) of max/mean tokens across ranks.
+
+    The mean is sum(max) / sum(mean) over the samples up to the last arrival. The p99 is over the
+    per-sample ratios of samples whose mean load is at least a quarter of the average, so that a
+    lull with three requests in flight does not set the tail.
+    """
+    _, tokens = _window(result)
+    if tokens.size == 0:
+        return float("nan"), float("nan")
+    peak = tokens.max(axis=1)
+    mean = tokens.mean(axis=1)
+    if mean.sum() <= 0:
+        return float("nan"), float("nan")
+    weighted = float(peak.sum() / mean.sum())
+    busy = mean >= 0.25 * mean.mean()
+    return weighted, _pct(peak[busy] / mean[busy], 99)
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    reqs = result.requests
+    arrival = np.fromiter((r.arrival_s for r in reqs), np.float64, len(reqs))
+    first = np.fromiter((r.first_token_s for r in reqs), np.float64, len(reqs))
+    admitted = np.fromiter((r.admitted_s for r in reqs), np.float64, len(reqs))
+    ranks = np.fromiter((r.rank for r in reqs), np.int64, len(reqs))
+    burst = np.fromiter((r.is_burst for r in reqs), bool, len(reqs))
+    ttft = first - arrival
+    queue = admitted - arrival
+    n_ranks = result.sample_tokens.shape[1]
+    per_rank = np.bincount(ranks, minlength=n_ranks) if reqs else np.zeros(n_ranks, np.int64)
+    imbalance_mean, imbalance_p99 = imbalance_stats(result)
+    last_arrival = float(arrival.max()) if arrival.size else 0.0
+    in_window = result.sample_t <= last_arrival
+    loaded = result.sample_tokens[in_window].sum(axis=1) > 0
+    iwq = result.sample_idle_while_queued[in_window][loaded]
+    return {
+        "method": result.method,
+        "requests": len(reqs),
+        "ttft_p50_ms": _pct(ttft, 50) * 1e3,
+        "ttft_p90_ms": _pct(ttft, 90) * 1e3,
+        "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+        "ttft_mean_ms": float(ttft.mean()) * 1e3 if ttft.size else float("nan"),
+        "burst_ttft_p99_ms": _pct(ttft[burst], 99) * 1e3,
+        "queue_p50_ms": _pct(queue, 50) * 1e3,
+        "queue_p99_ms": _pct(queue, 99) * 1e3,
+        "imbalance_mean": imbalance_mean,
+        "imbalance_p99": imbalance_p99,
+        "idle_while_queued": float(iwq.mean()) if iwq.size else 0.0,
+        "requests_per_rank_min": int(per_rank.min()),
+        "requests_per_rank_max": int(per_rank.max()),
+        "retractions": result.retractions,
+        "makespan_s": result.end_s,
+        "publishes": result.publishes,
+        "board_reads": result.board_reads,
+        "wall_s": result.wall_s,
+    }
+
+
+def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = None) -> str:
+    s = trace.summary()
+    own = " (unless a method names its own cadence)" if any("cadence=" in m for m in methods or []) else ""
+    pub = config.publish
+    cadence = {
+        "step": "every step",
+        "sglang": f"every {pub.every_decode_steps} decode steps, forced on prefill and idle",
+        "period": f"every {pub.period_s * 1e3:g} ms",
+    }[pub.cadence]
+    return (
+        f"trace {trace.spec.name}: {s['requests']} requests ({s['burst_requests']} in bursts) over "
+        f"{trace.spec.duration_s:g} s, seed {trace.seed}; {config.n_ranks} ranks; publish {cadence}{own}, "
+        f"visible after {pub.visibility_delay_s * 1e3:g} ms; refresh at most every "
+        f"{config.refresh_interval_s * 1e3:g} ms\n"
+    )
+
+
+_COLUMNS = (
+    ("method", "method", "{}"),
+    ("p50 TTFT ms", "ttft_p50_ms", "{:.1f}"),
+    ("p99 TTFT ms", "ttft_p99_ms", "{:.1f}"),
+    ("p99 queue ms", "queue_p99_ms", "{:.1f}"),
+    ("imbalance mean", "imbalance_mean", "{:.3f}"),
+    ("imbalance p99", "imbalance_p99", "{:.3f}"),
+    ("idle while queued", "idle_while_queued", "{:.1%}"),
+    ("reqs/rank", None, None),
+)
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    """A markdown table, one row per method."""
+    lines = [
+        "| " + " | ".join(c[0] for c in _COLUMNS) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(_COLUMNS))) + "|",
+    ]
+    for s in summaries:
+        cells = []
+        for _, key, fmt in _COLUMNS:
+            if key is None:
+                cells.append(f"{s['requests_per_rank_min']}–{s['requests_per_rank_max']}")
+            else:
+                cells.append(fmt.format(s[key]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_json(
+    trace: Trace,
+    config: SimConfig,
+    results: list[RunResult],
+    summaries: list[dict[str, Any]],
+    *,
+    command: str = "",
+) -> dict[str, Any]:
+    from dpboard.sim.simulation import config_dict
+
+    runs = []
+    for result, summary in zip(results, summaries, strict=True):
+        t, ratio = imbalance_series(result)
+        ttft = np.array([r.first_token_s - r.arrival_s for r in result.requests])
+        runs.append(
+            {
+                "summary": summary,
+                "ttft_quantiles_ms": {
+                    str(q): _pct(ttft, q) * 1e3 for q in (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
+                },
+                "imbalance_series": {"t_s": t.round(4).tolist(), "max_over_mean": ratio.round(4).tolist()},
+            }
+        )
+    return {
+        "command": command,
+        "trace": {
+            "spec": trace.spec.__dict__,
+            "n_ranks": trace.n_ranks,
+            "seed": trace.seed,
+            **trace.summary(),
+        },
+        "config": config_dict(config),
+        "runs": runs,
+    }
+
+
+def write_json(doc: dict[str, Any], path: str) -> None:
+    text = json.dumps(doc, indent=1, allow_nan=True)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def _line_style(method: str) -> dict[str, Any]:
+    # dpboard's own methods solid, the baselines (SGLang's, vLLM's) dashed
+    name = method.split(":")[0]
+    ours = name.startswith("inflight_")
+    return {"linewidth": 1.6 if ours else 1.2, "linestyle": "-" if ours else "--"}
+
+
+def plot(results: list[RunResult], trace: Trace, config: SimConfig, path: str) -> None:
+    """Two panels: each method's TTFT distribution (CDF, log time) and imbalance over time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UnavailableError(f"--plot needs matplotlib ({e}): pip install 'dpboard[plot]'") from e
+    fig, (ax_ttft, ax_imb) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for result in results:
+        ttft = np.sort([r.first_token_s - r.arrival_s for r in result.requests])
+        if ttft.size:
+            cdf = np.arange(1, ttft.size + 1) / ttft.size
+            ax_ttft.plot(ttft * 1e3, cdf, label=result.method, **_line_style(result.method))
+        t, ratio = imbalance_series(result)
+        ax_imb.plot(t, ratio, label=result.method, **_line_style(result.method))
+    ax_ttft.set_xscale("log")
+    ax_ttft.set_xlabel("time to first token (ms, log)")
+    ax_ttft.set_ylabel("share of requests")
+    ax_ttft.set_title("TTFT distribution")
+    ax_ttft.axhline(0.99, color="grey", linewidth=0.6, linestyle=":")
+    ax_ttft.grid(True, which="both", alpha=0.3)
+    ax_ttft.legend(fontsize=8)
+    ax_imb.set_xlabel("simulated time (s)")
+    ax_imb.set_ylabel("max / mean of num_total_tokens (1 s window)")
+    ax_imb.set_title("load imbalance over time")
+    ax_imb.grid(True, alpha=0.3)
+    ax_imb.legend(fontsize=8)
+    fig.suptitle(
+        f"dpboard sim: {trace.spec.name}, {config.n_ranks} ranks, seed {trace.seed}, "
+        f"publish cadence {config.publish.cadence} unless a method names its own",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

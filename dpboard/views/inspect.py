@@ -1,0 +1,127 @@
+"""``dpboard ls | info | dump | clean``: read-only looks at boards, and removal of dead ones.
+
+Imports only the board (NumPy + the C reader): these commands must start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path
+from dpboard.views.rows import fmt_age, slot_rows, status_counts, status_of
+
+
+def add_ls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_info_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="board name (without the dpboard. prefix)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER, help="seconds (default 1.0)")
+
+
+def add_dump_arguments(p: argparse.ArgumentParser) -> None:
+    add_info_arguments(p)
+
+
+def add_clean_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="only this board (default: every board whose creator is dead)")
+    p.add_argument("--force", action="store_true", help="also remove a board whose creator is alive")
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    listings = list_boards()
+    if args.json:
+        out = []
+        for entry in listings:
+            item: dict[str, Any] = {"name": entry.name, "size": entry.size, "error": entry.error}
+            if entry.header is not None:
+                item.update(entry.header.as_dict())
+            out.append(item)
+        print(json.dumps(out, indent=2))
+        return 0
+    if not listings:
+        print("no boards on this machine")
+        return 0
+    print(f"{'NAME':<24} {'SLOTS':>5} {'CREATOR':>8} {'ALIVE':<5} {'CREATED (UTC)':<19}")
+    for entry in listings:
+        if entry.header is None:
+            print(f"{entry.name:<24} {'?':>5} {'?':>8} {'?':<5} {entry.error}")
+            continue
+        h = entry.header
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.creation_time_ns / 1e9))
+        alive = "yes" if h.creator_alive else "no"
+        print(f"{entry.name:<24} {h.n_slots:>5} {h.creator_pid:>8} {alive:<5} {created:<19}")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    board = Board.attach(args.name)
+    rows = slot_rows(board.reader(stale_after=args.stale_after))
+    info = {
+        "board": board.name,
+        "segment": str(segment_path(board.name)),
+        **board.header.as_dict(),
+        "slots": status_counts(rows),
+        "collector": board.collector_stats(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    h = board.header
+    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.creation_time_ns / 1e9))
+    print(f"board        {board.name}  ({info['segment']})")
+    print(f"layout       version {h.layout_version}, {h.n_slots} slots x {h.slot_size} B after {h.header_size} B")
+    print(f"creator      pid {h.creator_pid} ({'alive' if h.creator_alive else 'dead'}), created {created}")
+    print(f"generation   {h.generation:#018x}   node {h.node_id}")
+    print("slots        " + ", ".join(f"{n} {label}" for label, n in info["slots"].items()))
+    c = info["collector"]
+    if c["collector_pid"]:
+        state = "alive" if c["collector_alive"] else "dead"
+        print(f"collector    pid {c['collector_pid']} ({state}): {c['frames_ok']} frames, "
+              f"{c['snapshots_ok']} snapshots, {c['frames_bad']} bad frames dropped")
+        bad = {k: v for k, v in c.items() if k.startswith("bad_") and v}
+        if bad:
+            print("             " + ", ".join(f"{k[4:]} {v}" for k, v in bad.items()))
+    else:
+        print("collector    none has run on this board")
+    return 0
+
+
+def run_dump(args: argparse.Namespace) -> int:
+    board = Board.attach(args.name)
+    rows = slot_rows(board.reader(stale_after=args.stale_after))
+    if args.json:
+        print(json.dumps({"board": board.name, "n_slots": board.n_slots, "slots": rows}, indent=2))
+        return 0
+    print(f"board {board.name}: {board.n_slots} slots, " +
+          ", ".join(f"{n} {label}" for label, n in status_counts(rows).items()))
+    print(f"{'RANK':>4} {'STATUS':<6} {'RUN':>6} {'WAIT':>6} {'USED':>10} {'TOTAL':>10} {'ACTIVE':>10} "
+          f"{'CAPACITY':>10} {'USAGE':>6} {'RECV':>8} {'AGE':>7} {'PID':>7} {'NODE':>4} {'SEQ':>8}")
+    for row in rows:
+        if not status_of(row).has_snapshot:
+            print(f"{row['dp_rank']:>4} {row['status']:<6}")
+            continue
+        print(f"{row['dp_rank']:>4} {row['status']:<6} {row['num_running_reqs']:>6} {row['num_waiting_reqs']:>6} "
+              f"{row['num_used_tokens']:>10} {row['num_total_tokens']:>10} {row['num_active_tokens']:>10} "
+              f"{row['max_total_num_tokens']:>10} {row['token_usage']:>6.1%} {row['num_received_reqs']:>8} "
+              f"{fmt_age(row['age_s']):>7} {row['writer_pid']:>7} {row['node_id']:>4} {row['publish_seq']:>8}")
+    return 0
+
+
+def run_clean(args: argparse.Namespace) -> int:
+    removed = clean_boards(args.name, force=args.force)
+    if removed:
+        for name in removed:
+            print(f"removed {segment_path(name)}")
+    else:
+        print("nothing to remove: every board's creator is alive (use --force to remove one anyway)")
+    return 0
+

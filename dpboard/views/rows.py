@@ -1,0 +1,55 @@
+"""The one row model every view shares: a board slot as a plain dict, and how its status and age read.
+
+``slot_rows`` turns one ``read_array()`` into one dict per slot (every snapshot field, ``status`` as
+its label, ``token_usage`` and ``age_s``); ``dpboard dump``, ``info``, ``top``, ``serve`` and the demo
+all show these rows, so a field or a status means the same everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dpboard.board import BoardReader
+from dpboard.snapshot import FIELD_NAMES, SlotStatus, token_usage
+
+
+def slot_rows(reader: BoardReader) -> list[dict[str, Any]]:
+    """One dict per slot, every snapshot field plus status (its label), token usage and age (seconds)."""
+    arr = reader.read_array().copy()
+    now_mono = time.monotonic_ns()
+    rows = []
+    for rec in arr:
+        row: dict[str, Any] = {name: int(rec[name]) for name in FIELD_NAMES}
+        status = SlotStatus(int(rec["status"]))
+        row["status"] = status.label
+        row["token_usage"] = token_usage(row["num_used_tokens"], row["max_total_num_tokens"])
+        row["age_s"] = (now_mono - row["monotonic_ns"]) / 1e9 if status.has_snapshot else None
+        rows.append(row)
+    return rows
+
+
+def status_of(row: dict[str, Any]) -> SlotStatus:
+    """The SlotStatus of a row made by ``slot_rows``."""
+    return SlotStatus[row["status"].upper()]
+
+
+def status_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """How many rows are in each status, every status present (keys are the labels)."""
+    counts = {s.label: 0 for s in SlotStatus}
+    for row in rows:
+        counts[row["status"]] += 1
+    return counts
+
+
+def fmt_age(age: float | None) -> str:
+    """A snapshot's age in at most 5 characters: ms below a second, then s, m, h."""
+    if age is None:
+        return "-"
+    if age < 1:
+        return f"{age * 1e3:.0f}ms"
+    if age < 600:
+        return f"{age:.1f}s"
+    if age < 36_000:
+        return f"{age / 60:.0f}m"
+    return f"{age / 3600:.0f}h"

@@ -1,0 +1,272 @@
+"""``dpboard top NAME``: a live terminal view of a board.
+
+One row per rank (requests, tokens, a KV-usage bar, snapshot age coloured by liveness, writer pid,
+publish rate and a sparkline of the rank's recent total tokens) under a header with the imbalance
+(max / mean of total tokens over live ranks), totals and rates. ``--once`` prints one frame,
+``--json`` one frame as JSON; without a terminal the live view prints plain-text frames instead.
+
+Imports the board and rich only: no Numba, no CuPy, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from dpboard.board import DEFAULT_STALE_AFTER
+from dpboard.errors import InvalidInputError
+from dpboard.snapshot import SlotStatus
+from dpboard.views.rows import fmt_age, status_of
+from dpboard.views.watch import SORT_KEYS, BoardWatch, Frame
+
+STATUS_STYLE = {SlotStatus.LIVE.label: "green", SlotStatus.STALE.label: "yellow", SlotStatus.TORN.label: "bold red",
+                SlotStatus.EMPTY.label: "dim"}
+STATUS_NOTE = {SlotStatus.EMPTY: "never written", SlotStatus.TORN: "writer stopped mid-write"}
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+BAR_WIDTH = 12
+PLAIN_WIDTH = 132  # a plain-text frame fits its widest row in this many columns
+HISTORY_WIDTH = 24  # samples shown in the sparkline column
+HEADER_LINES = 6  # header, table heading and footer: what remains of the screen is for rows
+
+
+# -- formatting (fixed widths, so that rows do not jump between refreshes) ----------------------
+
+
+def fmt_count(n: int | None) -> str:
+    """At most 6 characters: exact below 100000, then k / M / G with three significant digits."""
+    if n is None:
+        return "-"
+    if abs(n) < 100_000:
+        return str(n)
+    for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        v = n / scale
+        if abs(v) < 999.5:
+            return f"{v:.3g}{unit}" if abs(v) >= 100 else f"{v:.1f}{unit}"
+    return f"{n / 1e15:.0f}P"
+
+
+def fmt_rate(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    if rate < 10:
+        return f"{rate:.1f}"
+    return fmt_count(int(round(rate)))
+
+
+def usage_bar(fraction: float, width: int = BAR_WIDTH) -> Text:
+    """A bar of eighth blocks and the percentage, coloured by how full the KV cache is."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = int(round(fraction * width * 8))
+    full, part = divmod(eighths, 8)
+    bar = "█" * full + (" ▏▎▍▌▋▊▉"[part] if part else "")
+    style = "green" if fraction < 0.7 else "yellow" if fraction < 0.9 else "red"
+    text = Text(bar.ljust(width), style=style)
+    text.append(f" {fraction * 100:3.0f}%")
+    return text
+
+
+def sparkline(values: list[int], top: int, width: int) -> str:
+    """The last ``width`` values as block characters scaled to ``top``, right-aligned."""
+    values = values[-width:]
+    if top <= 0:
+        return (SPARK_CHARS[0] * len(values)).rjust(width)
+    chars = [SPARK_CHARS[min(7, int(v * 7 / top + 0.5))] for v in values]
+    return "".join(chars).rjust(width)
+
+
+def _imbalance_text(value: float | None) -> Text:
+    if value is None:
+        return Text("-", style="dim")
+    style = "green" if value < 1.2 else "yellow" if value < 1.5 else "bold red"
+    return Text(f"{value:.2f}x", style=style)
+
+
+# -- the frame ----------------------------------------------------------------------------------
+
+
+def render_header(frame: Frame) -> Text:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(frame.wall_time_ns / 1e9))
+    text = Text()
+    text.append("dpboard top", style="bold")
+    text.append(f"  board {frame.board}", style="bold cyan")
+    text.append(f"  {frame.n_slots} slots  node {frame.node_id}  creator pid {frame.creator_pid}  {when}\n")
+    text.append("ranks ")
+    for label in (s.label for s in (SlotStatus.LIVE, SlotStatus.STALE, SlotStatus.TORN, SlotStatus.EMPTY)):
+        n = frame.counts.get(label, 0)
+        text.append(f"{n} {label}", style=STATUS_STYLE[label] if n else "dim")
+        text.append("  ")
+    text.append(" imbalance ")
+    text.append_text(_imbalance_text(frame.imbalance))
+    text.append(" (max/mean total tokens over live ranks)\n", style="dim")
+    t = frame.totals
+    cap = t.get("max_total_num_tokens", 0)
+    used = t.get("num_used_tokens", 0)
+    usage = f" ({used / cap:.0%})" if cap else ""
+    text.append(
+        f"running {fmt_count(t.get('num_running_reqs'))}  waiting {fmt_count(t.get('num_waiting_reqs'))}  "
+        f"KV used {fmt_count(used)}/{fmt_count(cap)}{usage}  total tokens {fmt_count(t.get('num_total_tokens'))}  "
+        f"active {fmt_count(t.get('num_active_tokens'))}  publishes/s {fmt_rate(frame.publish_rate)}  "
+        f"requests/s {fmt_rate(frame.request_rate)}"
+    )
+    return text
+
+
+def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = HISTORY_WIDTH) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False, padding=(0, 1))
+    for title, width, justify in (
+        ("RANK", 4, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"),
+        ("TOTAL TOK", 9, "right"), ("ACTIVE TOK", 10, "right"), ("KV USAGE", BAR_WIDTH + 5, "left"),
+        ("AGE", 7, "right"), ("PUB/S", 6, "right"), ("PID", 7, "right"),
+        ("HISTORY (total tokens)", history_width, "left"),
+    ):
+        table.add_column(title, width=width, min_width=width, max_width=width, justify=justify, no_wrap=True)
+    top = max((max(row.get("history") or [0]) for row in rows), default=0)
+    for row in rows:
+        status = row["status"]
+        style = STATUS_STYLE[status]
+        if not status_of(row).has_snapshot:
+            table.add_row(str(row["dp_rank"]), Text(status, style=style), "", "", "", "", "",
+                          Text("-", style=style), "", "", Text(STATUS_NOTE[status_of(row)], style=style))
+            continue
+        table.add_row(
+            str(row["dp_rank"]),
+            Text(status, style=style),
+            fmt_count(row["num_running_reqs"]),
+            fmt_count(row["num_waiting_reqs"]),
+            fmt_count(row["num_total_tokens"]),
+            fmt_count(row["num_active_tokens"]),
+            usage_bar(row["token_usage"]),
+            Text(fmt_age(row["age_s"]), style=style),
+            fmt_rate(row.get("publish_rate")),
+            str(row["writer_pid"]),
+            Text(sparkline(row.get("history") or [], top, history_width), style="cyan"),
+        )
+    return table
+
+
+def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hint: str = "") -> RenderableType:
+    """The whole view of one frame; ``max_rows`` keeps it within a screen."""
+    if frame.gone is not None:
+        return Text(f"dpboard top: {frame.gone}\n", style="bold yellow")
+    rows = frame.sorted_rows(sort)
+    hidden = 0
+    if max_rows is not None and len(rows) > max_rows:
+        hidden = len(rows) - max(max_rows, 1)
+        rows = rows[: max(max_rows, 1)]
+    footer = Text(style="dim")
+    if hidden:
+        footer.append(f"... {hidden} more ranks below (sorted by {sort}; --sort total shows the busiest first)\n")
+    footer.append(hint)
+    parts: list[RenderableType] = [render_header(frame), render_table(frame, rows)]
+    if footer.plain:
+        parts.append(footer)
+    return Group(*parts)
+
+
+def render_text(frame: Frame, *, sort: str = "rank", width: int = PLAIN_WIDTH, color: bool = False) -> str:
+    """One frame as text (no escape codes unless ``color``): for pipes, logs and tests."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
+                      color_system="standard" if color else None, highlight=False, soft_wrap=False)
+    console.print(render(frame, sort=sort))
+    return buf.getvalue()
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_top_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="board name (without the dpboard. prefix)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
+    p.add_argument("--sort", choices=sorted(SORT_KEYS), default="rank",
+                   help="row order (default rank; load keys sort busiest first)")
+    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER,
+                   help="seconds without a publish before a rank is stale (default 1.0)")
+    p.add_argument("--iterations", "-n", type=int, default=0,
+                   help="stop after this many refreshes (default 0: until Ctrl-C)")
+    p.add_argument("--wait", action="store_true", help="wait for the board to be created instead of failing")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.interval > 0:
+        raise InvalidInputError(f"--interval must be > 0 seconds, got {args.interval}")
+    if args.iterations < 0:
+        raise InvalidInputError(f"--iterations must be >= 0 (0: run until Ctrl-C), got {args.iterations}")
+
+
+def one_frame(watch: BoardWatch, interval: float) -> Frame:
+    """A frame with rates: two samples, a short while apart."""
+    watch.sample()
+    time.sleep(min(interval, 0.2))
+    return watch.sample()
+
+
+def run_top(args: argparse.Namespace) -> int:
+    _check_args(args)
+    watch = BoardWatch(args.name, stale_after=args.stale_after, wait=args.wait)
+    try:
+        if args.json:
+            frame = one_frame(watch, args.interval)
+            print(json.dumps(frame.as_dict(), indent=2))
+            return 0 if frame.gone is None else 1
+        if args.once:
+            frame = one_frame(watch, args.interval)
+            sys.stdout.write(render_text(frame, sort=args.sort, color=sys.stdout.isatty()))
+            return 0 if frame.gone is None else 1
+        console = Console()
+        if console.is_terminal:
+            live_view(watch, console, interval=args.interval, sort=args.sort, iterations=args.iterations)
+        else:
+            plain_frames(watch, interval=args.interval, sort=args.sort, iterations=args.iterations)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        watch.close()
+
+
+def live_view(watch: BoardWatch, console: Console, *, interval: float, sort: str = "rank",
+              iterations: int = 0, should_stop: Any = None, hint: str = "Ctrl-C to quit") -> None:
+    """Redraw the frame in place every ``interval`` seconds (rich.Live on the alternate screen)."""
+    hint = f"refresh {interval:g}s  sort {sort}  stale after {watch.stale_after:g}s  {hint}"
+    with Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False,
+              redirect_stderr=False) as live:
+        for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
+            rows_fit = max(console.size.height - HEADER_LINES - 1, 1)
+            live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint), refresh=True)
+
+
+def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iterations: int = 0,
+                 should_stop: Any = None, out: Any = None) -> None:
+    """Without a terminal: a plain-text frame every ``interval`` seconds, separated by a blank line."""
+    out = out or sys.stdout
+    for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
+        out.write(render_text(frame, sort=sort) + "\n")
+        out.flush()
+
+
+def paced_frames(watch: BoardWatch, *, interval: float, iterations: int = 0,
+                 should_stop: Any = None) -> Iterator[Frame]:
+    """A frame every ``interval`` seconds (time spent showing one counts against the wait), until
+    ``iterations`` frames were shown (0: no limit) or ``should_stop()`` says so."""
+    n = 0
+    while True:
+        started = time.monotonic()
+        yield watch.sample()
+        n += 1
+        if (iterations and n >= iterations) or (should_stop is not None and should_stop()):
+            return
+        time.sleep(max(0.0, interval - (time.monotonic() - started)))

@@ -1,0 +1,435 @@
+"""The board: API round trips, layout checks, liveness, and the seqlock under real processes."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpboard import SNAPSHOT_DTYPE, Board, BoardError, BoardLayoutError, LoadSnapshot, SlotStatus
+from dpboard.snapshot import HEADER_SIZE, LAYOUT_VERSION, OWNER_OFFSET, SLOT_SIZE, pack_owner, slot_offset
+from tests.support.names import new_board_name
+from tests.support.raw import raw_segment
+
+PROCS = str(Path(__file__).parents[1] / "support" / "board_procs.py")
+MAX = 2**63 - 1
+
+
+def start(role: str, *args: object, stdin: int | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, PROCS, role, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stdin=stdin,
+        text=True,
+    )
+
+
+def result(proc: subprocess.Popen, timeout: float = 60) -> dict:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def first_line(proc: subprocess.Popen) -> dict:
+    return json.loads(proc.stdout.readline())
+
+
+@pytest.fixture
+def board(board_name):
+    with Board.create(board_name, n_slots=8) as b:
+        yield b
+
+
+# -- round trips ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, 1, 2**31, 2**62, MAX - 1, MAX])
+def test_every_field_round_trips(board, value):
+    w = board.writer(3, node_id=7)
+    sent = LoadSnapshot(3, value, value, value, value, value, value, value)
+    before_wall, before_mono = time.time_ns(), time.monotonic_ns()
+    w.publish(sent)
+    after_wall, after_mono = time.time_ns(), time.monotonic_ns()
+    got = board.reader().read(3)
+    assert got[:8] == sent[:8]
+    assert before_wall <= got.timestamp_ns <= after_wall
+    assert before_mono <= got.monotonic_ns <= after_mono
+    assert got.publish_seq == 1
+    assert got.writer_pid == os.getpid()
+    assert got.node_id == 7
+
+
+def test_read_all_read_array_and_status_agree(board):
+    board.writer(1).publish(LoadSnapshot(1, num_running_reqs=4, num_used_tokens=300, max_total_num_tokens=1000))
+    board.writer(6).publish_values(2, 3, 40, 50, 45, 100, 9)
+    r = board.reader()
+    snaps = r.read_all()
+    assert [i for i, s in enumerate(snaps) if s is not None] == [1, 6]
+    assert snaps[6][1:8] == (2, 3, 40, 50, 45, 100, 9)
+    assert snaps[1].token_usage == pytest.approx(0.3)
+    arr = r.read_array()
+    assert arr.dtype == SNAPSHOT_DTYPE and len(arr) == 8
+    assert list(arr["status"]) == [SlotStatus.LIVE if i in (1, 6) else SlotStatus.EMPTY for i in range(8)]
+    assert list(arr["dp_rank"]) == list(range(8))  # empty slots still say whose they are
+    for rank in (1, 6):
+        assert tuple(int(arr[rank][f]) for f in LoadSnapshot._fields) == tuple(snaps[rank])
+        assert r.status(rank) is SlotStatus.LIVE
+        assert r.read_with_status(rank) == (SlotStatus.LIVE, snaps[rank])
+    assert r.status(0) is SlotStatus.EMPTY
+    assert r.read(0) is None
+    assert r.read_with_status(0) == (SlotStatus.EMPTY, None)
+
+
+def test_read_array_reuses_its_array_or_fills_out(board):
+    r = board.reader()
+    assert r.read_array() is r.read_array()
+    out = np.zeros(8, SNAPSHOT_DTYPE)
+    board.writer(2).publish(LoadSnapshot(2, num_waiting_reqs=5))
+    assert r.read_array(out) is out
+    assert out[2]["num_waiting_reqs"] == 5
+    with pytest.raises(ValueError, match="at least 8 SNAPSHOT_DTYPE records"):
+        r.read_array(np.zeros(4, SNAPSHOT_DTYPE))
+
+
+def test_publish_seq_counts_and_continues_after_writer_restart(board):
+    w = board.writer(0)
+    for _ in range(5):
+        w.publish(LoadSnapshot(0))
+    del w
+    w2 = board.writer(0)  # a restarted writer re-attaches to its slot
+    w2.publish(LoadSnapshot(0, num_running_reqs=1))
+    snap = board.reader().read(0)
+    assert snap.publish_seq == 6 and snap.num_running_reqs == 1
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_rank_out_of_range_is_a_clear_error(board):
+    r = board.reader()
+    for bad in (8, -1, 100):
+        with pytest.raises(IndexError, match=r"rank .* out of range.* 8 slots \(ranks 0\.\.7\)"):
+            board.writer(bad)
+        with pytest.raises(IndexError, match=r"out of range: this board has 8 slots"):
+            r.read(bad)
+        with pytest.raises(IndexError, match="out of range"):
+            r.status(bad)
+
+
+def test_bad_snapshots_are_refused_and_nothing_is_written(board):
+    w = board.writer(3)
+    r = board.reader()
+    with pytest.raises(ValueError, match="dp_rank is 2 but this writer owns slot 3"):
+        w.publish(LoadSnapshot(2))
+    with pytest.raises(ValueError, match="num_waiting_reqs must be >= 0, got -1"):
+        w.publish(LoadSnapshot(3, num_waiting_reqs=-1))
+    with pytest.raises(ValueError, match=r"num_used_tokens must be an integer in \[0, 2\*\*63\)"):
+        w.publish(LoadSnapshot(3, num_used_tokens=2**63))
+    with pytest.raises(ValueError, match="num_total_tokens must be an integer"):
+        w.publish(LoadSnapshot(3, num_total_tokens="many"))
+    with pytest.raises(TypeError, match="publish\\(\\) takes a LoadSnapshot, got dict"):
+        w.publish({"dp_rank": 3})
+    assert r.status(3) is SlotStatus.EMPTY
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x" * 65, "bad name", "ünï"])
+def test_bad_board_names_are_refused(name):
+    with pytest.raises(ValueError, match="board name .* is invalid"):
+        Board.create(name, n_slots=2)
+
+
+def test_bad_slot_counts_are_refused(board_name):
+    for n in (0, -1, 65537):
+        with pytest.raises(ValueError, match="n_slots must be an integer in"):
+            Board.create(board_name, n_slots=n)
+
+
+def test_bad_stale_after_is_refused(board):
+    with pytest.raises(ValueError, match="stale_after must be > 0"):
+        board.reader(stale_after=0)
+
+
+# -- creating and attaching -----------------------------------------------------------------------
+
+
+def test_create_twice_and_attach_missing(board):
+    with pytest.raises(FileExistsError, match=f"board '{board.name}' already exists"):
+        Board.create(board.name, n_slots=8)
+    same = Board.create(board.name, n_slots=8, exist_ok=True)
+    assert same.generation == board.generation and not same.is_owner
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Board.attach(new_board_name())
+
+
+def test_attach_with_another_slot_count_names_both(board):
+    with pytest.raises(BoardLayoutError, match="has 8 slots, but 16 were expected"):
+        Board.attach(board.name, n_slots=16)
+    with pytest.raises(BoardLayoutError, match="has 8 slots, but 4 were expected"):
+        Board.create(board.name, n_slots=4, exist_ok=True)
+
+
+def test_attach_with_another_layout_version_names_both(board):
+    with raw_segment(board.name) as raw:
+        raw[8:12] = (99).to_bytes(4, "little")
+    with pytest.raises(BoardLayoutError, match=f"layout version 99, but this dpboard reads layout version {LAYOUT_VERSION}"):
+        Board.attach(board.name)
+
+
+def test_attach_a_segment_that_is_not_a_board(board_name):
+    Path("/dev/shm", f"dpboard.{board_name}").write_bytes(b"garbage!" * 100)
+    try:
+        with pytest.raises(BoardLayoutError, match="has no dpboard header"):
+            Board.attach(board_name, timeout=0.05)
+    finally:
+        Path("/dev/shm", f"dpboard.{board_name}").unlink()
+
+
+def test_header_describes_the_board(board):
+    h = Board.attach(board.name).header
+    assert (h.name, h.n_slots, h.slot_size, h.header_size, h.layout_version) == (board.name, 8, SLOT_SIZE, HEADER_SIZE, LAYOUT_VERSION)
+    assert h.creator_pid == os.getpid() and h.creator_alive
+    assert Path("/dev/shm", f"dpboard.{board.name}").stat().st_size == HEADER_SIZE + 8 * SLOT_SIZE
+
+
+def test_reader_and_writer_keep_the_mapping_alive(board):
+    r = Board.attach(board.name).reader()  # the attached Board object is dropped at once
+    w = Board.attach(board.name).writer(4)
+    gc.collect()
+    w.publish(LoadSnapshot(4, num_running_reqs=9))
+    assert r.read(4).num_running_reqs == 9
+    board.close()  # the creator's own mapping goes too; the others keep theirs
+    w.publish(LoadSnapshot(4, num_running_reqs=10))
+    assert r.read(4).num_running_reqs == 10
+    with pytest.raises(ValueError, match="is closed"):
+        board.reader()
+
+
+def test_context_manager_unlinks_the_creators_board(board_name):
+    with Board.create(board_name, n_slots=2) as b:
+        assert Path("/dev/shm", f"dpboard.{board_name}").exists()
+        with Board.attach(board_name):
+            pass  # an attacher's exit does not unlink
+        assert Path("/dev/shm", f"dpboard.{board_name}").exists()
+        assert b.is_owner
+    assert not Path("/dev/shm", f"dpboard.{board_name}").exists()
+
+
+def test_unlink_does_not_remove_a_newer_board_of_the_same_name(board_name):
+    old = Board.create(board_name, n_slots=2)
+    old.unlink()
+    with Board.create(board_name, n_slots=2) as new:
+        old._unlinked = False
+        old.unlink()  # the old handle must not remove the new incarnation
+        assert Path("/dev/shm", f"dpboard.{board_name}").exists()
+        assert Board.attach(board_name).generation == new.generation
+
+
+def test_segment_is_0600(board):
+    mode = stat.S_IMODE(Path("/dev/shm", f"dpboard.{board.name}").stat().st_mode)
+    assert mode == 0o600
+
+
+def test_another_user_cannot_open_the_board(board):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch a process to another user (uid 65534)")
+    # A forked child drops to another user and tries to open the board (the interpreter under /root
+    # may not be executable by that user, so no exec).
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                Board.attach(board.name)
+                os.write(write_end, b"opened")
+            except PermissionError as e:
+                os.write(write_end, str(e).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    message = os.read(read_end, 4096).decode()
+    os.close(read_end)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "belongs to another user and is mode 0600" in message, message
+
+
+# -- one writer per slot --------------------------------------------------------------------------
+
+
+def test_a_slot_held_by_a_live_writer_is_refused(board):
+    proc = start("hold_writer", board.name, 5, stdin=subprocess.PIPE)
+    try:
+        holder = first_line(proc)["pid"]
+        assert board.owner_pid(5) == holder
+        with pytest.raises(BoardError, match=f"held by the writer in live process {holder}"):
+            board.writer(5)
+        board.writer(5, takeover=True).publish(LoadSnapshot(5, num_running_reqs=3))
+        assert board.reader().read(5).num_running_reqs == 3
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+# -- liveness -------------------------------------------------------------------------------------
+
+
+def test_a_slot_not_published_within_the_threshold_is_stale(board):
+    w = board.writer(2)
+    r = board.reader(stale_after=0.05)
+    w.publish(LoadSnapshot(2, num_running_reqs=1))
+    assert r.status(2) is SlotStatus.LIVE
+    time.sleep(0.1)
+    assert r.status(2) is SlotStatus.STALE
+    assert r.read(2).num_running_reqs == 1  # a stale snapshot is still data
+    assert r.read_array()["status"][2] == SlotStatus.STALE
+    assert board.reader(stale_after=10).status(2) is SlotStatus.LIVE
+    w.publish(LoadSnapshot(2, num_running_reqs=2))
+    assert r.status(2) is SlotStatus.LIVE
+
+
+def test_writer_killed_mid_write_reads_torn_and_a_new_writer_repairs_it(board):
+    proc = start("paused_writer", board.name, 3)
+    try:
+        first_line(proc)
+        r = board.reader(max_retries=64)
+        deadline = time.monotonic() + 10
+        while r.status(3) is not SlotStatus.TORN:  # the writer is inside its paused publish
+            assert time.monotonic() < deadline, "the paused writer never made its slot odd"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    # Readers return (bounded retries) and say torn; other slots are unaffected.
+    assert r.read(3) is None
+    assert r.read_with_status(3) == (SlotStatus.TORN, None)
+    arr = r.read_array()
+    assert arr["status"][3] == SlotStatus.TORN and arr["dp_rank"][3] == 3
+    assert r.read_all()[3] is None
+    # The dead writer's slot is free for a new writer, whose first publish makes it whole.
+    w = board.writer(3)
+    assert w.sequence % 2 == 1
+    w.publish(LoadSnapshot(3, num_running_reqs=42))
+    assert w.sequence % 2 == 0
+    assert r.read_with_status(3)[0] is SlotStatus.LIVE
+    assert r.read(3).num_running_reqs == 42
+    assert r.read(3).publish_seq == 2  # the killed write never got as far as storing its publish_seq
+
+
+def test_no_torn_reads_under_concurrent_writers_and_readers(board):
+    """4 writer processes and 2 reader processes for several seconds; every snapshot's fields check
+    each other, so a single mixed read fails the test."""
+    seconds = 3.0
+    writers = [start("writer", board.name, rank, seconds) for rank in (0, 2, 5, 7)]
+    readers = [start("reader", board.name, seconds) for _ in range(2)]
+    try:
+        w_results = [result(p) for p in writers]
+        r_results = [result(p) for p in readers]
+    finally:
+        for p in writers + readers:
+            p.kill()
+            p.wait(timeout=10)
+    total_reads = sum(r["reads"] for r in r_results)
+    print(f"torn-read stress: {sum(w['publishes'] for w in w_results)} publishes, {total_reads} reads, "
+          f"{sum(r['torn'] for r in r_results)} slots reported busy")
+    assert all(w["publishes"] > 1000 for w in w_results)
+    assert total_reads > 10_000
+    assert [r["bad"] for r in r_results] == [0, 0], r_results
+    assert [r["went_backwards"] for r in r_results] == [0, 0], r_results
+    final = board.reader().read_all()
+    for w in w_results:
+        assert final[w["rank"]].publish_seq == w["publishes"]
+
+
+# -- boards on this machine -----------------------------------------------------------------------
+
+
+def test_clean_removes_boards_of_dead_creators_only(board):
+    dead = new_board_name()
+    result(start("create_and_vanish", dead, 4))
+    path = Path("/dev/shm", f"dpboard.{dead}")
+    try:
+        assert path.exists()
+        ls = subprocess.run([sys.executable, "-m", "dpboard.cli", "ls", "--json"], capture_output=True,
+                            text=True, timeout=60, check=True)
+        listed = {entry["name"]: entry for entry in json.loads(ls.stdout)}
+        assert listed[dead]["creator_alive"] is False
+        assert listed[board.name]["creator_alive"] is True
+        refused = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", board.name],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "is in use" in refused.stderr and "--force" in refused.stderr
+        cleaned = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", dead], capture_output=True,
+                                 text=True, timeout=60, check=True)
+        assert f"removed /dev/shm/dpboard.{dead}" in cleaned.stdout
+        assert not path.exists()
+        assert Path("/dev/shm", f"dpboard.{board.name}").exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("command", [["dump"], ["dump", "--json"], ["info"], ["ls"]])
+def test_read_only_commands_print_the_board_without_importing_numba(board, command):
+    board.writer(2).publish(LoadSnapshot(2, num_running_reqs=7, num_used_tokens=64, max_total_num_tokens=128))
+    args = [command[0], *([board.name] if command[0] != "ls" else []), *command[1:]]
+    code = (
+        "import sys; from dpboard.cli import main; "
+        f"rc = main({args!r}); "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'cupy', 'llvmlite', 'zmq')); "
+        "print('HEAVY', heavy); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+    if command == ["dump"]:
+        row = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["2", "live"])
+        assert row.split()[2] == "7" and "50.0%" in row
+        assert "1 live" in proc.stdout and "7 empty" in proc.stdout
+    elif command == ["dump", "--json"]:
+        slots = json.loads(proc.stdout[: proc.stdout.rindex("HEAVY")])["slots"]
+        assert [s["status"] for s in slots].count("live") == 1
+        assert slots[2]["num_running_reqs"] == 7 and slots[2]["token_usage"] == 0.5
+    elif command == ["info"]:
+        assert "8 slots x 128 B" in proc.stdout and "1 live" in proc.stdout
+    else:
+        assert board.name in proc.stdout
+
+
+def test_clean_leaves_a_headerless_segment_unless_named(board_name):
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    path.write_bytes(b"\x00" * 600)  # what a creator that died before writing its header leaves
+    try:
+        swept = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean"], capture_output=True, text=True,
+                               timeout=60, check=True)
+        assert board_name not in swept.stdout and path.exists()
+        named = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", board_name], capture_output=True,
+                               text=True, timeout=60, check=True)
+        assert f"removed /dev/shm/dpboard.{board_name}" in named.stdout
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_recycled_owner_pid_does_not_hold_the_slot(board):
+    w = board.writer(6)
+    w.publish(LoadSnapshot(6))
+    # Same pid as a live process (ours), but another start time: the holder is gone, the pid recycled.
+    with raw_segment(board.name) as raw:
+        struct.pack_into("<Q", raw, slot_offset(6) + OWNER_OFFSET, pack_owner(os.getppid(), 1))
+    board.writer(6).publish(LoadSnapshot(6, num_running_reqs=1))  # not refused
+    assert board.owner_pid(6) == os.getpid()
+    assert board.reader().read(6).num_running_reqs == 1

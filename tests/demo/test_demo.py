@@ -1,0 +1,150 @@
+"""`dpboard demo` end to end (real processes, board, ZMQ controller), and its scheduler model."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpboard.demo.scheduler import SchedulerModel
+from dpboard.loads import PageState, ReqState, compute_loads
+from tests.support.mixed_board import PYTHON
+from tests.support.names import new_board_name
+from tests.support.procutil import read_line
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of processes whose command line contains ``text`` (the board name every child is given)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def check_summary(out: str, ranks: int) -> dict[str, float]:
+    sent = int(re.search(r"requests sent (\d+)", out).group(1))
+    served = int(re.search(r"served (\d+)", out).group(1))
+    p50, p99 = (float(x) for x in re.search(r"queueing delay.*p50 ([\d.]+) ms, p99 ([\d.]+) ms", out).groups())
+    per_rank = re.search(r"served per rank: +(.*)", out).group(1).split()
+    assert [int(item.split(":")[0]) for item in per_rank] == list(range(ranks))
+    assert sum(int(item.split(":")[1]) for item in per_rank) == served
+    assert 0 < served <= sent
+    assert 0 <= p50 <= p99
+    assert re.search(r"imbalance \(max/mean total tokens over live ranks\): mean [\d.]+, worst [\d.]+", out)
+    return {"sent": sent, "served": served}
+
+
+def test_demo_runs_and_cleans_up():
+    name = new_board_name()
+    proc = subprocess.run(
+        [PYTHON, "-m", "dpboard.cli", "demo", "--duration", "5", "--ranks", "4", "--board", name,
+         "--print-every", "1"],
+        capture_output=True, text=True, timeout=150,
+    )
+    try:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out = proc.stdout
+        assert "\x1b[" not in out  # no terminal: plain frames
+        assert out.count(f"board {name}") >= 3  # a frame every second or so
+        assert "4 live" in out
+        summary = check_summary(out, 4)
+        received = int(re.search(r"received by schedulers (\d+)", out).group(1))
+        assert received == summary["sent"]  # every request the controller got reached a scheduler
+        assert "Traceback" not in proc.stderr
+        assert not Path(f"/dev/shm/dpboard.{name}").exists()
+        assert processes_mentioning(name) == []
+    finally:
+        for pid in processes_mentioning(name):  # never leave a child behind, even when failing
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def test_ctrl_c_stops_everything_and_prints_the_summary():
+    name = new_board_name()
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "dpboard.cli", "demo", "--duration", "120", "--ranks", "2", "--board", name,
+         "--print-every", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "2 live" not in read_line(proc, max(1.0, deadline - time.monotonic())):
+            pass
+        time.sleep(1.5)  # some requests get served
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "stopped by Ctrl-C" in err
+        check_summary(out, 2)
+        assert not Path(f"/dev/shm/dpboard.{name}").exists()
+        assert processes_mentioning(name) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in processes_mentioning(name):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--ranks", "0"], "--ranks must be in 1..256"),
+    (["--method", "fastest"], "fastest"),
+    (["--duration", "-1"], "--duration must be > 0"),
+    (["--num-pages", "10"], "raise --num-pages"),
+])
+def test_bad_arguments_fail_before_starting_anything(args, words):
+    name = new_board_name()
+    proc = subprocess.run([PYTHON, "-m", "dpboard.cli", "demo", "--board", name, *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert not Path(f"/dev/shm/dpboard.{name}").exists()
+
+
+def loads_of(model: SchedulerModel):
+    return compute_loads(model.req_state, model.req_seqlen, model.page_state, page_size=model.page_size,
+                         backend="numpy")
+
+
+def test_scheduler_model_prefill_decode_finish():
+    model = SchedulerModel(num_pages=64, page_size=4, max_reqs=8, max_running=4, prefix_share=1.0)
+    model.receive({"rid": "a", "num_tokens": 6, "output_len": 3}, now=0.0)
+    model.receive({"rid": "b", "num_tokens": 4, "output_len": 1}, now=0.0)
+    waiting = loads_of(model)
+    assert (waiting.num_waiting_reqs, waiting.num_used_tokens, waiting.num_total_tokens) == (2, 0, 10)
+    assert model.step(now=0.5) == [  # b: 4 prompt tokens + 1 decoded = done in its first step
+        {"rid": "b", "prompt": 4, "output": 1, "queue_s": 0.5, "latency_s": None}]
+    after = loads_of(model)
+    assert after.num_running_reqs == 1 and after.num_waiting_reqs == 0
+    # a holds ceil(7 / 4) = 2 pages; b's one whole prompt page stayed as an evictable prefix.
+    assert after.num_used_tokens == 2 * 4
+    assert int((model.page_state == PageState.EVICTABLE).sum()) == 1
+    model.step(now=0.6)
+    done = model.step(now=0.7)
+    assert [d["rid"] for d in done] == ["a"] and done[0]["queue_s"] == 0.5
+    assert loads_of(model).num_used_tokens == 0 and model.num_received == 2
+    assert (model.req_state == ReqState.FREE).all()
+
+
+def test_scheduler_model_retracts_when_out_of_pages():
+    model = SchedulerModel(num_pages=4, page_size=4, max_reqs=4, max_running=4, prefix_share=0.0)
+    model.receive({"rid": "a", "num_tokens": 4, "output_len": 40}, now=0.0)
+    model.receive({"rid": "b", "num_tokens": 3, "output_len": 40}, now=0.0)
+    for k in range(12):
+        model.step(now=float(k))
+        loads = loads_of(model)
+        assert loads.num_used_tokens <= loads.max_total_num_tokens
+        held = sum(len(p) for p in model.pages_of)
+        assert held == int((model.page_state == PageState.USED).sum())
+    assert model.num_retracted >= 1
+    assert np.isin(model.req_state, [ReqState.RUNNING, ReqState.RETRACTED, ReqState.FREE]).all()

@@ -1,0 +1,274 @@
+"""Relays and the collector as real processes over TCP loopback: delivery, restarts, dead relays."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import zmq
+import zmq.auth
+
+from dpboard import Board, LoadSnapshot, SlotStatus
+from dpboard.multinode.collector import LOCK_DIR, LOCK_PREFIX, Collector
+from dpboard.multinode.relay import Relay, parse_ranks
+from tests.support.names import new_board_name
+from tests.support.procutil import read_line, stop, wait_until
+
+CLI = [sys.executable, "-m", "dpboard.cli"]
+RANKS_PER_NODE = 4
+
+
+class Cluster:
+    """node0's board plus one local board per other node, each with the cluster's shape; the test
+    process writes every node's ranks (as the schedulers would) and runs the tools as processes."""
+
+    def __init__(self, n_nodes: int):
+        self.n_slots = n_nodes * RANKS_PER_NODE
+        self.name0 = new_board_name()
+        self.board0 = Board.create(self.name0, n_slots=self.n_slots)
+        self.nodes = [Board.create(new_board_name(), n_slots=self.n_slots, node_id=k) for k in range(1, n_nodes + 1)]
+        self.writers = {
+            rank: node.writer(rank)
+            for k, node in enumerate(self.nodes)
+            for rank in range(k * RANKS_PER_NODE, (k + 1) * RANKS_PER_NODE)
+        }
+        self.procs: list[subprocess.Popen] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.value = 0
+
+    def publish(self, value: int) -> None:
+        self.value = value
+        for rank, w in self.writers.items():
+            w.publish(LoadSnapshot(dp_rank=rank, num_running_reqs=rank, num_received_reqs=value,
+                                   max_total_num_tokens=1000, num_used_tokens=value % 1000))
+
+    def start_publishing(self, period: float = 0.02) -> None:
+        def loop() -> None:
+            value = self.value
+            while not self._stop.wait(period):
+                value += 1
+                self.publish(value)
+
+        self._stop.clear()
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop_publishing(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def collector(self, bind: str = "tcp://127.0.0.1:*") -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([*CLI, "collect", "--board", self.name0, "--bind", bind, "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        line = read_line(proc)
+        assert " owns " in line, (line, proc.poll())
+        return proc, line.split(" owns ")[1].split()[0]
+
+    def relay(self, k: int, endpoint: str, *extra: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [*CLI, "relay", "--board", self.nodes[k].name, "--to", endpoint, "--node-id", str(k + 1),
+             "--remote-board", self.name0, "--tick-ms", "5", "--quiet", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        assert "dpboard relay: pid" in read_line(proc)
+        return proc
+
+    def node0_values(self, ranks: range | None = None) -> list[int | None]:
+        reader = self.board0.reader()
+        snaps = reader.read_all()
+        ranks = range(self.n_slots) if ranks is None else ranks
+        return [None if snaps[r] is None else snaps[r].num_received_reqs for r in ranks]
+
+    def node_ranks(self, k: int) -> range:
+        return range(k * RANKS_PER_NODE, (k + 1) * RANKS_PER_NODE)
+
+    def close(self) -> None:
+        self.stop_publishing()
+        for proc in self.procs:
+            stop(proc)
+        for board in [self.board0, *self.nodes]:
+            board.close()
+            board.unlink()
+        leftover = [p for p in LOCK_DIR.glob(LOCK_PREFIX + "*") if self.name0 in p.name]
+        assert not leftover, f"lock files left behind: {leftover}"
+
+
+@contextmanager
+def cluster(n_nodes: int) -> Iterator[Cluster]:
+    c = Cluster(n_nodes)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_every_ranks_latest_snapshot_arrives():
+    with cluster(3) as c:
+        collector, endpoint = c.collector()
+        relays = [c.relay(k, endpoint) for k in range(3)]
+        for value in range(1, 40):
+            c.publish(value)
+            time.sleep(0.002)
+        assert wait_until(lambda: c.node0_values() == [39] * c.n_slots), c.node0_values()
+        snaps = c.board0.reader().read_all()
+        for k in range(3):
+            for rank in c.node_ranks(k):
+                local = c.nodes[k].reader().read(rank)
+                assert snaps[rank].node_id == k + 1
+                # Everything but node0's receive time is the node's own record.
+                assert snaps[rank]._replace(monotonic_ns=0) == local._replace(monotonic_ns=0)
+        for proc in [collector, *relays]:
+            assert proc.poll() is None
+        stop(collector)
+        assert collector.returncode == 0
+
+
+def test_collector_killed_and_restarted_relays_reconnect():
+    with cluster(2) as c:
+        collector, endpoint = c.collector()
+        # A long local stale threshold: the resync after the restart must send the idle ranks too.
+        relays = [c.relay(k, endpoint, "--stale-after", "60") for k in range(2)]
+        c.publish(1)
+        assert wait_until(lambda: c.node0_values() == [1] * c.n_slots)
+        collector.kill()
+        collector.wait(10)
+        c.publish(2)  # sent (and dropped) while node0 is down: carried again once it is back
+        time.sleep(0.3)
+        assert all(r.poll() is None for r in relays)
+        collector, _ = c.collector(bind=endpoint)  # the killed one's lock does not block its restart
+        assert wait_until(lambda: c.node0_values() == [2] * c.n_slots), c.node0_values()
+        # node0 comes back with a fresh, empty board: every live rank must arrive without a new publish.
+        collector.kill()
+        collector.wait(10)
+        c.board0.close()
+        c.board0.unlink()
+        c.board0 = Board.create(c.name0, n_slots=c.n_slots)
+        collector, _ = c.collector(bind=endpoint)
+        assert wait_until(lambda: c.node0_values() == [2] * c.n_slots), c.node0_values()
+        c.publish(3)
+        assert wait_until(lambda: c.node0_values() == [3] * c.n_slots), c.node0_values()
+        for proc in [collector, *relays]:
+            assert proc.poll() is None
+        for r in relays:
+            stop(r)
+            assert r.returncode == 0
+            assert "Traceback" not in r.stderr.read()
+
+
+def test_killed_relay_makes_its_ranks_stale_on_node0():
+    with cluster(2) as c:
+        collector, endpoint = c.collector()
+        relays = [c.relay(k, endpoint) for k in range(2)]
+        c.start_publishing(0.02)
+        reader = c.board0.reader(stale_after=0.4)
+
+        def statuses(k: int) -> set[SlotStatus]:
+            return {reader.status(r) for r in c.node_ranks(k)}
+
+        assert wait_until(lambda: statuses(0) == statuses(1) == {SlotStatus.LIVE})
+        relays[0].kill()
+        relays[0].wait(10)
+        killed_at = time.monotonic()
+        assert wait_until(lambda: statuses(0) == {SlotStatus.STALE}, timeout=5)
+        assert time.monotonic() - killed_at < 5
+        assert statuses(1) == {SlotStatus.LIVE}  # the other node is unaffected
+        assert collector.poll() is None
+
+
+# -- the Relay class, driven tick by tick ----------------------------------------------------------
+
+
+def test_sends_only_changed_slots_of_its_own_node():
+    name0, name1 = new_board_name(), new_board_name()
+    with Board.create(name0, n_slots=8) as b0, Board.create(name1, n_slots=8, node_id=1) as b1, \
+            Collector(b0, "tcp://127.0.0.1:*") as col, \
+            Relay(b1, col.endpoint, 1, remote_board=name0, ranks=range(0, 6)) as relay:
+        # Let the relay see its connection first: the handshake makes it resend every live slot, which
+        # would add a frame below if it came after the first publish.
+        def connected() -> bool:
+            relay.tick()
+            return relay.connects >= 1
+
+        assert wait_until(connected, timeout=10)
+        assert relay.frames_sent == 0
+        for rank in (0, 1, 2):
+            b1.writer(rank).publish(LoadSnapshot(dp_rank=rank, num_running_reqs=1))
+        b1.writer(3, node_id=4).publish(LoadSnapshot(dp_rank=3))  # another node's slot: not ours to send
+        b1.writer(7).publish(LoadSnapshot(dp_rank=7))  # outside --ranks
+
+        def first_frame() -> bool:
+            relay.tick()
+            col.poll(5)
+            return relay.frames_sent == 1
+
+        assert wait_until(first_frame, timeout=10)
+        assert relay.snapshots_sent == 3
+        assert col.stats()["snapshots_ok"] == 3
+        for _ in range(5):  # nothing changed: nothing sent
+            relay.tick()
+        assert relay.frames_sent == 1
+        b1.writer(1).publish(LoadSnapshot(dp_rank=1, num_running_reqs=9))
+        assert relay.tick() == 1
+        reader0 = b0.reader()
+
+        def new_value_landed() -> bool:
+            col.poll(5)  # handling a frame is not enough: its record must reach node0's board
+            return reader0.read(1).num_running_reqs == 9
+
+        assert wait_until(new_value_landed, timeout=10), (reader0.read(1), col.stats())
+        assert col.stats()["frames_ok"] == 2 and col.stats()["snapshots_ok"] == 4
+        assert col.stats()["frames_bad"] == 0
+        assert reader0.read(0).num_running_reqs == reader0.read(2).num_running_reqs == 1
+        assert reader0.status(3) == reader0.status(7) == SlotStatus.EMPTY
+
+
+def test_no_collector_means_counted_drops_never_a_stall():
+    name1 = new_board_name()
+    with Board.create(name1, n_slots=4, node_id=1) as b1:
+        w = b1.writer(0)
+        # A port nobody listens on: ZMQ keeps trying to connect in the background.
+        with Relay(b1, "tcp://127.0.0.1:9", 1) as relay:
+            started = time.monotonic()
+            for i in range(50):
+                w.publish(LoadSnapshot(dp_rank=0, num_running_reqs=i))
+                assert relay.tick() == 0
+            assert time.monotonic() - started < 10  # a bound, not a speed figure: it never blocks
+            assert relay.frames_dropped == 50 and relay.frames_sent == 0
+
+
+def test_bad_relay_arguments_are_clear_errors(board_name):
+    with Board.create(board_name, n_slots=4, node_id=1) as b1:
+        with pytest.raises(ValueError, match="--to"):
+            Relay(b1, "127.0.0.1:5000", 1)
+        with pytest.raises(ValueError, match="outside board"):
+            Relay(b1, "tcp://127.0.0.1:9", 1, ranks=[2, 9])
+        with pytest.raises(ValueError, match="node_id"):
+            Relay(b1, "tcp://127.0.0.1:9", -1)
+    assert parse_ranks("8-11,3") == [3, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="--ranks"):
+        parse_ranks("5-2")
+    out = subprocess.run([*CLI, "relay", "--board", "x"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--to" in out.stderr and "--node-id" in out.stderr
+    out = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9", "--node-id", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--node-id must be >= 1" in out.stderr
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+def test_keygen_writes_a_certificate_pair(tmp_path):
+    out = subprocess.run([*CLI, "relay", "--keygen", str(tmp_path / "keys"), "--key-name", "node3"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    public, secret = tmp_path / "keys" / "node3.key", tmp_path / "keys" / "node3.key_secret"
+    assert public.is_file() and secret.stat().st_mode & 0o777 == 0o600
+    pub, sec = zmq.auth.load_certificate(secret)
+    assert zmq.auth.load_certificate(public) == (pub, None) and len(sec) == 40

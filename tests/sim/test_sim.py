@@ -1,0 +1,350 @@
+"""dpboard sim: determinism, conservation, hand-checked dispatch, and why throttle and speculation matter.
+
+These drive the real ``dpboard.controller.Dispatcher`` through the simulator (no stand-in), on tiny
+traces so the whole file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpboard.sim.model import RankConfig
+from dpboard.sim.policy import SimBoard, VllmScorePolicy, parse_method_spec
+from dpboard.sim.report import summarize
+from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation, simulate
+from dpboard.sim.trace import Trace, TraceSpec, generate_trace, scenario
+
+ALL_METHODS = [
+    "round_robin",
+    "total_requests",
+    "total_tokens",
+    "vllm",
+    "inflight_requests",
+    "inflight_tokens",
+    "inflight_backlog",
+]
+
+
+def small_trace(name: str = "bursty", ranks: int = 4, seed: int = 7, duration: float = 3.0) -> Trace:
+    spec = scenario(name).scaled(duration_s=duration)
+    return generate_trace(spec, ranks, seed)
+
+
+def hand_trace(arrivals: list[float], prompts: list[int], outputs: list[int], ranks: int) -> Trace:
+    return Trace(
+        spec=TraceSpec(name="hand"),
+        n_ranks=ranks,
+        seed=0,
+        arrival_s=np.asarray(arrivals, dtype=np.float64),
+        prompt_len=np.asarray(prompts, dtype=np.int64),
+        output_len=np.asarray(outputs, dtype=np.int64),
+        is_burst=np.zeros(len(arrivals), dtype=bool),
+    )
+
+
+def outcome(result) -> list[tuple[int, float, float, float]]:
+    return [(r.rank, r.admitted_s, r.first_token_s, r.finished_s) for r in result.requests]
+
+
+# -- determinism ----------------------------------------------------------------------------------
+
+
+def test_same_seed_same_result():
+    config = SimConfig(n_ranks=4, publish=PublishConfig(cadence="sglang", visibility_delay_s=0.002))
+    first = simulate(small_trace(seed=3), ALL_METHODS, config)
+    again = simulate(small_trace(seed=3), ALL_METHODS, config)
+    for a, b in zip(first, again, strict=True):
+        assert outcome(a) == outcome(b), a.method
+        assert np.array_equal(a.sample_tokens, b.sample_tokens)
+        sa, sb = summarize(a), summarize(b)
+        sa.pop("wall_s"), sb.pop("wall_s")
+        assert sa == sb
+    other = generate_trace(scenario("bursty").scaled(duration_s=3.0), 4, 4)
+    assert not np.array_equal(other.arrival_s, small_trace(seed=3).arrival_s)
+
+
+def test_trace_is_seeded_and_shaped_as_named():
+    bursty = generate_trace(scenario("bursty").scaled(duration_s=20.0), 8, 1)
+    assert np.array_equal(
+        bursty.arrival_s, generate_trace(scenario("bursty").scaled(duration_s=20.0), 8, 1).arrival_s
+    )
+    assert np.all(np.diff(bursty.arrival_s) >= 0)
+    burst_size = round(scenario("bursty").burst_per_rank * 8)
+    assert bursty.is_burst.sum() > 0 and bursty.is_burst.sum() % burst_size == 0
+    # each burst's requests land within the burst span
+    times = np.sort(bursty.arrival_s[bursty.is_burst]).reshape(-1, burst_size)
+    assert np.all(times[:, -1] - times[:, 0] <= scenario("bursty").burst_span_s)
+    longshort = generate_trace(scenario("longshort").scaled(duration_s=20.0), 8, 1)
+    long_share = np.mean(longshort.prompt_len > 4000)
+    assert 0.03 < long_share < 0.15
+    assert np.median(longshort.prompt_len) < 1000
+    assert longshort.output_len.min() >= 1 and longshort.output_len.max() <= scenario("longshort").output_max
+
+
+# -- conservation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_request_is_served_once_on_one_rank(method):
+    # A small KV cache forces retractions too: a retracted request goes back to its own rank's queue.
+    config = SimConfig(n_ranks=3, rank=RankConfig(kv_capacity=12_000, max_running=16))
+    spec = TraceSpec(name="tight", duration_s=2.0, rate_per_rank=12.0, prompt_max=4000, output_max=2000)
+    trace = generate_trace(spec, 3, 11)
+    sim = Simulation(trace, method, config)
+    result = sim.run()
+    n = len(trace)
+    assert n > 20
+    assert sum(rank.received for rank in sim.ranks) == n
+    finished_on = Counter()
+    for rank in sim.ranks:
+        for req in rank.finished:
+            assert req.rank == rank.rank
+            finished_on[req.rid] += 1
+    assert finished_on == Counter(range(n))
+    for req in result.requests:
+        assert 0 <= req.rank < 3
+        assert req.arrival_s <= req.received_s <= req.admitted_s < req.first_token_s <= req.finished_s
+        assert req.generated == req.output_len
+    assert all(not rank.running and not rank.waiting and rank.used_tokens == 0 for rank in sim.ranks)
+    if method == "round_robin":
+        assert result.retractions > 0  # the tight cache did exercise retraction
+
+
+def test_single_request_ttft_is_transit_plus_prefill():
+    cfg = RankConfig(
+        prefill_base_s=0.004, prefill_s_per_token=40e-6, decode_base_s=0.01, decode_s_per_token=0.0
+    )
+    config = SimConfig(n_ranks=2, rank=cfg, send_delay_s=0.001)
+    trace = hand_trace([0.25], [1000], [5], ranks=2)
+    (result,) = simulate(trace, ["total_tokens"], config)
+    req = result.requests[0]
+    assert req.rank == 0
+    assert req.first_token_s - req.arrival_s == pytest.approx(0.001 + 0.004 + 1000 * 40e-6)
+    # then four decode steps of 10 ms each
+    assert req.finished_s - req.first_token_s == pytest.approx(4 * 0.01)
+
+
+# -- a scenario small enough to work out by hand --------------------------------------------------
+
+# Three ranks. Prefill takes 1 ms whatever the length; a decode step takes 1 s, so after its prefill
+# each rank sits in its first decode step (publishing at its start) for the rest of the story.
+# Requests spend 30 ms in transit, so at D's refresh A, B, C are still on their way, and the ranks'
+# idle publishes (every 10 ms, as SGLang's idle loop) still show them empty.
+#
+#   A t=0.010 1000 tokens   B t=0.011 100   C t=0.012 100   D t=0.031 100   (D: 21 ms after A: refresh)
+#   E t=0.550 10            F t=0.551 10    G t=0.552 10    (refresh; every rank is in its decode step)
+#
+# round_robin:       A0 B1 C2 D0 | E1 F2 G0  (the counter just turns)
+# total_requests:    A0 B1 C2 | D's refresh overwrites the budget with the idle ranks' zeros -> D0 |
+#                    at E rank 0's snapshot (taken at its decode step, before D arrived) says 1 request,
+#                    like ranks 1 and 2 -> E0 F1 G2
+# total_tokens:      A0 B1 C2 | zeros again -> D0 | tokens (1001, 101, 101) -> E1 (tie with 2, lowest),
+#                    F2 (111 vs 101), G1 (111, 111: requests tie too, lowest index)
+# inflight_requests: rotation starts after the last pick: A0 B1 C2 | snapshot 0 + in flight (1,1,1),
+#                    start 0 -> D0 | rank 0: snapshot 1 + D in flight = 2; (2,1,1) from 1 -> E1, F2, G0
+# inflight_tokens:   A0 B1 C2 | 0 + in flight (1000,100,100) from 0 -> D1 | rank 1: 101 + D's 100 = 201,
+#                    rank 2: 101, scanning from 2 -> E2 (111), F2 (121), G2 (131)
+# inflight_backlog:  keys (queued tokens, total tokens), both with in flight added; rotation as above:
+#                    A0 B1 C2 | (1000,1000) (100,100) (100,100) from 0 -> D1 | rank 0 (0, 1001),
+#                    rank 1 (0 + D's 100, 201), rank 2 (0, 101), from 2 -> E2, now (10, 111); from 0:
+#                    rank 0's queue is empty -> F0, now (10, 1011); from 1 -> G2 (10, 111) over rank 0
+# vllm:              zeros and +1 waiting per pick: A0 B1 C2 D0 (scores 4,4,4) | the 100 ms stats say
+#                    (waiting, running) = (1,1) (0,1) (0,1): scores 5,1,1 -> E1, F2, then 5,5,5 -> G0
+HAND_EXPECTED = {
+    "round_robin": [0, 1, 2, 0, 1, 2, 0],
+    "total_requests": [0, 1, 2, 0, 0, 1, 2],
+    "total_tokens": [0, 1, 2, 0, 1, 2, 1],
+    "inflight_requests": [0, 1, 2, 0, 1, 2, 0],
+    "inflight_tokens": [0, 1, 2, 1, 2, 2, 2],
+    "vllm": [0, 1, 2, 0, 1, 2, 0],
+    "inflight_backlog": [0, 1, 2, 1, 2, 0, 2],
+}
+
+
+@pytest.mark.parametrize("method", list(HAND_EXPECTED))
+def test_hand_computed_assignment(method):
+    rank = RankConfig(
+        kv_capacity=100_000,
+        prefill_base_s=0.001,
+        prefill_s_per_token=0.0,
+        decode_base_s=1.0,
+        decode_s_per_token=0.0,
+    )
+    config = SimConfig(
+        n_ranks=3,
+        rank=rank,
+        publish=PublishConfig(cadence="step", idle_publish_s=0.01),
+        send_delay_s=0.03,
+        refresh_interval_s=0.02,
+    )
+    trace = hand_trace(
+        [0.010, 0.011, 0.012, 0.031, 0.550, 0.551, 0.552],
+        [1000, 100, 100, 100, 10, 10, 10],
+        [3] * 7,
+        ranks=3,
+    )
+    (result,) = simulate(trace, [method], config)
+    assert [r.rank for r in result.requests] == HAND_EXPECTED[method]
+
+
+# -- the throttle and speculative updates ---------------------------------------------------------
+
+
+def burst_ranks(method: str, *, refresh_interval: float) -> Counter:
+    # 64 requests within 2 ms on 4 idle ranks; they reach their rank 5 ms later. The ranks publish
+    # all the time while idle (every 10 us; SGLang's idle loop publishes on every pass), so every
+    # read of the board sees a new snapshot of an empty rank until the burst arrives.
+    n = 64
+    trace = hand_trace(
+        list(0.1 + np.arange(n) * (0.002 / n)),
+        [500] * n,
+        [1] * n,
+        ranks=4,
+    )
+    config = SimConfig(
+        n_ranks=4,
+        publish=PublishConfig(cadence="step", idle_publish_s=1e-5),
+        send_delay_s=0.005,
+        refresh_interval_s=refresh_interval,
+    )
+    (result,) = simulate(trace, [method], config)
+    return Counter(r.rank for r in result.requests)
+
+
+@pytest.mark.parametrize("method", ["total_requests", "total_tokens"])
+def test_without_throttle_and_speculation_a_burst_lands_on_one_rank(method):
+    # Refreshing before every pick lets each fresh (but empty) snapshot overwrite the speculative
+    # charges, which is the same as having none: every request of the burst sees four idle ranks.
+    assert burst_ranks(method, refresh_interval=0.0) == Counter({0: 64})
+    # With SGLang's 20 ms throttle the speculative +1 / +tokens spread the burst evenly.
+    assert burst_ranks(method, refresh_interval=0.02) == Counter({0: 16, 1: 16, 2: 16, 3: 16})
+
+
+@pytest.mark.parametrize("method", ["inflight_requests", "inflight_tokens", "inflight_backlog"])
+def test_inflight_accounting_spreads_a_burst_even_without_the_throttle(method):
+    # A fresh snapshot that has not seen the burst yet cannot erase it: what is in flight is added.
+    assert burst_ranks(method, refresh_interval=0.0) == Counter({0: 16, 1: 16, 2: 16, 3: 16})
+
+
+# -- vLLM's score, on its own ---------------------------------------------------------------------
+
+
+def test_vllm_counts_are_local_between_stats_updates():
+    now = [0.0]
+    policy = VllmScorePolicy(3, lambda: now[0], stats_interval_s=0.1)
+
+    class FakeRank:  # only what on_tick reads
+        def __init__(self, waiting, running):
+            self.num_waiting, self.num_running = waiting, running
+
+    policy.on_tick(0.0, [FakeRank(0, 2), FakeRank(1, 0), FakeRank(0, 0)])
+    req = type("R", (), {"routed_dp_rank": None})()
+    # scores (2, 4, 0) -> rank 2, whose +1 waiting makes it 4; (2, 4, 4) -> 0, now 6; (6, 4, 4) -> 1
+    # (ties go to the first scanned), now 8; (6, 8, 4) -> 2
+    assert [policy.dispatch(req) for _ in range(4)] == [2, 0, 1, 2]
+    # the same counts again are not republished: the local charges stay
+    policy.on_tick(0.1, [FakeRank(0, 2), FakeRank(1, 0), FakeRank(0, 0)])
+    assert policy.counts == [[1, 2], [2, 0], [2, 0]]
+    # new counts replace the local ones wholesale
+    policy.on_tick(0.2, [FakeRank(0, 0), FakeRank(0, 0), FakeRank(0, 0)])
+    now[0] = 0.2
+    assert policy.dispatch(req) == 0
+    assert policy.counts == [[1, 0], [0, 0], [0, 0]]
+
+
+def test_sim_board_delays_visibility():
+    now = [0.0]
+    board = SimBoard(2, lambda: now[0], delay_s=0.005)
+    from dpboard.snapshot import LoadSnapshot
+
+    board.publish(1, LoadSnapshot(dp_rank=1, num_waiting_reqs=3), 0.0)
+    assert board.read_all() == [None, None]
+    now[0] = 0.005
+    assert board.read_all()[1].num_waiting_reqs == 3
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_methods_and_settings_are_named():
+    trace = small_trace(duration=0.5)
+    with pytest.raises(ValueError, match="unknown dispatch method 'fastest'"):
+        Simulation(trace, "fastest", SimConfig(n_ranks=4))
+    with pytest.raises(ValueError, match="Dispatcher has no option 'turbo'"):
+        Simulation(trace, "total_tokens:turbo=1", SimConfig(n_ranks=4))
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_method_spec("total_tokens:refresh_interval")
+    with pytest.raises(ValueError, match="unknown publish cadence"):
+        Simulation(trace, "vllm", SimConfig(n_ranks=4, publish=PublishConfig(cadence="sometimes")))
+    with pytest.raises(ValueError, match="trace was drawn for 4 ranks"):
+        Simulation(trace, "vllm", SimConfig(n_ranks=8))
+    with pytest.raises(ValueError, match="KV capacity"):
+        Simulation(trace, "vllm", SimConfig(n_ranks=4, rank=RankConfig(kv_capacity=1000)))
+    with pytest.raises(ValueError, match="unknown trace 'calm'"):
+        scenario("calm")
+    with pytest.raises(RuntimeError, match="did not drain"):
+        Simulation(trace, "vllm", SimConfig(n_ranks=4, max_sim_s=0.2)).run()
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dpboard.cli", "sim", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_cli_prints_table_and_writes_json_and_plot(tmp_path: Path):
+    out_json = tmp_path / "sim.json"
+    out_png = tmp_path / "sim.png"
+    proc = run_cli(
+        "--trace", "bursty", "--ranks", "4", "--duration", "3", "--seed", "2",
+        "--methods", "total_tokens,vllm,inflight_tokens,total_tokens:refresh_interval=0",
+        "--json", str(out_json), "--plot", str(out_png),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "| method | p50 TTFT ms | p99 TTFT ms" in proc.stdout
+    for name in ("total_tokens", "vllm", "inflight_tokens", "total_tokens:refresh_interval=0"):
+        assert f"| {name} |" in proc.stdout
+    doc = json.loads(out_json.read_text())
+    assert [run["summary"]["method"] for run in doc["runs"]] == [
+        "total_tokens", "vllm", "inflight_tokens", "total_tokens:refresh_interval=0",
+    ]  # fmt: skip
+    assert doc["trace"]["n_ranks"] == 4 and doc["trace"]["seed"] == 2
+    for run in doc["runs"]:
+        s = run["summary"]
+        assert s["requests"] == doc["trace"]["requests"]
+        assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"]
+        assert s["imbalance_mean"] >= 1.0 and not math.isnan(s["imbalance_p99"])
+        assert len(run["imbalance_series"]["t_s"]) == len(run["imbalance_series"]["max_over_mean"]) > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bad_method_exits_1_with_the_name():
+    proc = run_cli("--quick", "--methods", "total_tokens,warp_speed")
+    assert proc.returncode == 2
+    assert "warp_speed" in proc.stderr and "inflight_tokens" in proc.stderr
+
+
+def test_a_method_can_name_its_own_cadence():
+    trace = small_trace(seed=5)
+    sglang = SimConfig(n_ranks=4, publish=PublishConfig(cadence="sglang"))
+    step = SimConfig(n_ranks=4, publish=PublishConfig(cadence="step"))
+    (own,) = simulate(trace, ["total_tokens:cadence=step"], sglang)
+    (plain_step,) = simulate(trace, ["total_tokens"], step)
+    (plain_sglang,) = simulate(trace, ["total_tokens"], sglang)
+    assert own.method == "total_tokens:cadence=step"
+    assert outcome(own) == outcome(plain_step)
+    assert own.publishes == plain_step.publishes > plain_sglang.publishes

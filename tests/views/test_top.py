@@ -1,0 +1,270 @@
+"""`dpboard top` against real boards: every slot state, JSON, sorting, a vanishing board, 256 ranks,
+and the live view driven in a real terminal (tmux)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from dpboard import Board, LoadSnapshot
+from dpboard.views.top import fmt_count, render, render_text, sparkline, usage_bar
+from dpboard.views.watch import BoardWatch, imbalance
+from tests.support.mixed_board import (
+    CAPACITY,
+    EMPTY_RANKS,
+    LIVE_RANKS,
+    PYTHON,
+    STALE_AFTER,
+    STALE_RANK,
+    TORN_RANK,
+    expected_imbalance,
+    load_of,
+    mixed_board,
+)
+from tests.support.names import new_board_name
+from tests.support.procutil import read_line
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def dpboard(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "dpboard.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    with mixed_board(new_board_name()) as b:
+        yield b
+
+
+def rank_lines(text: str) -> dict[int, str]:
+    """The table rows of a plain frame, by rank."""
+    rows = {}
+    for line in text.splitlines():
+        first = line.split()[:1]
+        if first and first[0].isdigit() and len(line.split()) >= 2 and line.split()[1] in (
+                "live", "stale", "torn", "empty"):
+            rows[int(first[0])] = line
+    return rows
+
+
+def test_once_shows_every_slot_state(mixed):
+    proc = dpboard("top", mixed.name, "--once", "--stale-after", str(STALE_AFTER))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "\x1b[" not in out  # no escape codes into a pipe
+    assert f"board {mixed.name}" in out
+    assert "4 live" in out and "1 stale" in out and "1 torn" in out and "2 empty" in out
+    assert f"imbalance {expected_imbalance():.2f}x" in out
+    rows = rank_lines(out)
+    assert sorted(rows) == list(range(8))
+    for r in LIVE_RANKS:
+        fields = rows[r].split()
+        load = load_of(r)
+        assert fields[1] == "live"
+        assert fields[2:6] == [str(load["num_running_reqs"]), str(load["num_waiting_reqs"]),
+                               str(load["num_total_tokens"]), str(load["num_active_tokens"])]
+        assert f"{load['num_used_tokens'] / CAPACITY * 100:.0f}%" in rows[r]
+        assert str(mixed.publisher_pid) in rows[r]
+    assert rows[STALE_RANK].split()[1] == "stale"
+    assert str(os.getpid()) in rows[STALE_RANK]  # this process published it
+    assert "writer stopped mid-write" in rows[TORN_RANK]
+    for r in EMPTY_RANKS:
+        assert "never written" in rows[r]
+    totals = [load_of(r) for r in LIVE_RANKS]
+    assert f"running {sum(t['num_running_reqs'] for t in totals)}" in out
+    assert f"total tokens {sum(t['num_total_tokens'] for t in totals)}" in out
+
+
+def test_json_frame(mixed):
+    proc = dpboard("top", mixed.name, "--json", "--stale-after", str(STALE_AFTER))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["board"] == mixed.name and doc["n_slots"] == 8 and doc["gone"] is None
+    assert doc["status_counts"] == {"live": 4, "stale": 1, "torn": 1, "empty": 2}
+    status = {row["dp_rank"]: row["status"] for row in doc["ranks"]}
+    assert status == {0: "live", 1: "live", 2: "live", 3: "live", 4: "stale", 5: "torn", 6: "empty", 7: "empty"}
+    for r in LIVE_RANKS:
+        row = doc["ranks"][r]
+        for field, value in load_of(r).items():
+            assert row[field] == value, field
+        assert row["writer_pid"] == mixed.publisher_pid
+        assert row["publish_rate"] > 0  # the publisher runs at about 100 Hz
+        assert 0 <= row["age_s"] < STALE_AFTER
+    assert doc["ranks"][STALE_RANK]["age_s"] >= STALE_AFTER
+    assert doc["ranks"][TORN_RANK]["age_s"] is None
+    assert doc["imbalance"] == pytest.approx(expected_imbalance())
+    assert doc["totals"]["live_ranks"] == 4
+    assert doc["totals"]["num_total_tokens"] == sum(load_of(r)["num_total_tokens"] for r in LIVE_RANKS)
+    assert doc["publish_rate"] > 0
+
+
+def test_sort_by_total_puts_the_busiest_first(mixed):
+    proc = dpboard("top", mixed.name, "--once", "--sort", "total", "--stale-after", str(STALE_AFTER))
+    assert proc.returncode == 0, proc.stderr
+    order = [int(line.split()[0]) for line in proc.stdout.splitlines()
+             if line.split()[:1] and line.split()[0].isdigit() and len(line.split()) > 1
+             and line.split()[1] in ("live", "stale", "torn", "empty")]
+    # Highest total first (stale rank 4 has the largest), slots without data last.
+    assert order[:5] == [4, 3, 2, 1, 0]
+    assert set(order[5:]) == {5, 6, 7}
+
+
+def test_missing_board_is_a_clear_error():
+    proc = dpboard("top", new_board_name(), "--once")
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "dpboard ls" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_interval_is_refused(board_name):
+    with Board.create(board_name, n_slots=1):
+        proc = dpboard("top", board_name, "--interval", "0")
+    assert proc.returncode == 2 and "--interval must be > 0" in proc.stderr
+
+
+def test_top_does_not_import_numba(mixed):
+    code = (
+        "import sys; from dpboard.cli import main; "
+        f"rc = main(['top', {mixed.name!r}, '--once']); "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'cupy', 'llvmlite')); "
+        "print('HEAVY', heavy); sys.exit(rc)"
+    )
+    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+
+
+def test_vanishing_board_is_reported_and_followed(board_name):
+    board = Board.create(board_name, n_slots=2)
+    try:
+        board.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=7))
+        watch = BoardWatch(board_name)
+        first = watch.sample()
+        assert first.gone is None and first.rows[0]["num_total_tokens"] == 7
+        board.unlink()
+        gone = watch.sample()
+        assert gone.gone is not None and "is gone" in gone.gone and board_name in gone.gone
+        assert "is gone" in render_text(gone)
+        assert "is gone" in watch.sample().gone  # still waiting, still the same message
+        with Board.create(board_name, n_slots=3) as again:
+            again.writer(2).publish(LoadSnapshot(dp_rank=2, num_total_tokens=11))
+            back = watch.sample()
+            assert back.gone is None and back.n_slots == 3 and back.generation == again.generation
+            assert back.rows[2]["num_total_tokens"] == 11 and back.rows[2]["status"] == "live"
+        watch.close()
+    finally:
+        board.close()
+        board.unlink()
+
+
+def test_plain_frames_survive_the_board_vanishing(board_name):
+    """Piped (no terminal), the live view prints frames; a removed board is said, not a traceback."""
+    board = Board.create(board_name, n_slots=2)
+    proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "top", board_name, "--interval", "0.1", "-n", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first_frame = read_line(proc, 30)  # remove the board only once top has drawn it
+        while f"board {board_name}" not in first_frame:
+            first_frame = read_line(proc, 30)
+        board.close()
+        board.unlink()
+        out, err = proc.communicate(timeout=60)
+        out = first_frame + out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        board.close()
+        board.unlink()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert f"board {board_name}" in out
+    assert "is gone" in out and "waiting for it to come back" in out
+
+
+def test_256_ranks_fit_the_screen(board_name):
+    with Board.create(board_name, n_slots=256) as board:
+        for r in range(256):
+            board.writer(r).publish(LoadSnapshot(dp_rank=r, num_total_tokens=r * 10, max_total_num_tokens=5000,
+                                                 num_used_tokens=r * 10))
+        watch = BoardWatch(board_name)
+        frame = watch.sample()
+        assert frame.counts["live"] == 256
+        from io import StringIO
+
+        from rich.console import Console
+
+        buf = StringIO()
+        Console(file=buf, width=140, no_color=True).print(render(frame, sort="total", max_rows=30))
+        text = buf.getvalue()
+        watch.close()
+    rows = rank_lines(text)
+    assert len(rows) == 30
+    assert min(rows) == 226  # the busiest 30, rank 255 first
+    assert text.index("255 ") < text.index("254 ")
+    assert "226 more ranks below" in text
+
+
+def test_formatting_keeps_widths():
+    assert fmt_count(99_999) == "99999"
+    assert fmt_count(123_456) == "123k"
+    assert fmt_count(1_234_567) == "1.2M"
+    assert all(len(fmt_count(10**k)) <= 6 for k in range(16))
+    line = sparkline([0, 5, 10], top=10, width=8)
+    assert len(line) == 8 and line.endswith("▁▅█")
+    assert usage_bar(0.5, width=10).plain.startswith("█████     ")
+    assert usage_bar(1.7, width=10).plain.endswith("100%")
+    assert imbalance([]) is None and imbalance([0, 0]) is None
+    assert imbalance([1, 3]) == pytest.approx(1.5)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_live_view_in_a_real_terminal(mixed):
+    socket = f"dpboard-test-{os.getpid()}"
+    session = "top"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    command = (f"{PYTHON} -m dpboard.cli top {mixed.name} --interval 0.2 --stale-after {STALE_AFTER}; "
+               f"echo TOP-EXITED-$?; sleep 30")
+    env = {**os.environ, "TERM": "xterm-256color"}
+    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "150", "-y", "30", command],
+                   check=True, timeout=30, env=env)
+
+    def capture() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True,
+                              timeout=30).stdout
+
+    try:
+        screens = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            screen = capture()
+            if "writer stopped mid-write" in screen:
+                screens.append(screen)
+                if len(screens) >= 2 and screens[-1] != screens[0]:
+                    break
+            time.sleep(0.3)
+        assert screens, f"top never drew a full frame; screen was:\n{capture()}"
+        screen = screens[-1]
+        assert screen != screens[0], "the view did not refresh"
+        assert f"board {mixed.name}" in screen and "4 live" in screen and "1 torn" in screen
+        rows = rank_lines(screen)
+        assert sorted(rows) == list(range(8))
+        assert rows[STALE_RANK].split()[1] == "stale"
+        assert "never written" in rows[7]
+        assert "Ctrl-C to quit" in screen
+        assert screen.count(f"board {mixed.name}") == 1  # drawn in place, not scrolled
+        subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True, timeout=30)
+        deadline = time.monotonic() + 15
+        while "TOP-EXITED-" not in capture():
+            assert time.monotonic() < deadline, "top did not stop on Ctrl-C"
+            time.sleep(0.2)
+        assert "TOP-EXITED-0" in capture()
+        assert "Traceback" not in capture()
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
