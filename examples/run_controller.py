@@ -19,7 +19,7 @@ import zmq
 
 from dpboard import Board
 from dpboard.controller import DataParallelController, Dispatcher
-from dpboard.controller.process import encode_request
+from dpboard.controller.codec import encode_request
 
 
 def scheduler(board: Board, rank: int, endpoint: str, stop: threading.Event, ctx: zmq.Context) -> None:

@@ -4,7 +4,7 @@
 ``total_tokens``, and ``backlog``: prompt tokens queued for prefill), which ranks the argmin may pick (``candidate``) and which a routed request may
 target (``routable``), and a ledger of what it sent (``sent_reqs``, ``sent_tokens``, and a ring of
 cumulative sent tokens for exact in-flight accounting). A pick and its speculative charge are done
-by ``dpboard._dispatch.ArgminCore`` in place on these arrays; ``PyArgminCore`` below is the same
+by ``dpboard.controller._dispatch.ArgminCore`` in place on these arrays; ``PyArgminCore`` below is the same
 rules in plain Python (the tests run both and compare).
 
 Refresh rules (SPEC 5.3, 5.4):
@@ -41,8 +41,35 @@ _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
 
 
+def request_tokens(req: Any) -> int:
+    """A request's token estimate: ``len(input_ids)``, else ``num_tokens`` (SPEC 5.5)."""
+    ids = getattr(req, "input_ids", None)
+    if ids is not None:
+        try:
+            return len(ids)
+        except TypeError:
+            raise InvalidInputError(f"request input_ids must be a sequence of token ids, got {type(ids)!r}") from None
+    nt = getattr(req, "num_tokens", None)
+    if nt is None:
+        raise InvalidInputError(
+            "request has neither input_ids nor num_tokens: give it one of them (the token estimate)"
+        )
+    if not isinstance(nt, int) or isinstance(nt, bool) or nt < 0 or nt >= 2**63:
+        raise InvalidInputError(f"request num_tokens must be an int >= 0 that fits 64 bits, got {nt!r}")
+    return nt
+
+
+def check_routed_rank(rank: Any, routable: np.ndarray) -> int:
+    """``routed_dp_rank`` as SPEC 5.2 accepts it: an int naming a routable (active) slot."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise InvalidInputError(f"routed_dp_rank must be an int or None, got {rank!r}")
+    if rank < 0 or rank >= len(routable) or not routable[rank]:
+        raise InvalidInputError(f"DP rank {rank} is not active.")
+    return rank
+
+
 class PyArgminCore:
-    """``dpboard._dispatch.ArgminCore`` in Python: same arguments, same picks, same errors."""
+    """``dpboard.controller._dispatch.ArgminCore`` in Python: same arguments, same picks, same errors."""
 
     def __init__(
         self,
@@ -67,34 +94,9 @@ class PyArgminCore:
         self.by_tokens, self.rotate, self.by_backlog = bool(by_tokens), bool(rotate), bool(by_backlog)
         self.next_start = 0
 
-    @staticmethod
-    def _tokens(req: Any) -> int:
-        ids = getattr(req, "input_ids", None)
-        if ids is not None:
-            try:
-                return len(ids)
-            except TypeError:
-                raise InvalidInputError(
-                    f"request input_ids must be a sequence of token ids, got {type(ids)!r}"
-                ) from None
-        nt = getattr(req, "num_tokens", None)
-        if nt is None:
-            raise InvalidInputError(
-                "request has neither input_ids nor num_tokens: give it one of them (the token estimate)"
-            )
-        if not isinstance(nt, int) or isinstance(nt, bool) or nt < 0 or nt >= 2**63:
-            raise InvalidInputError(f"request num_tokens must be an int >= 0 that fits 64 bits, got {nt!r}")
-        return nt
-
     def _routed(self, req: Any) -> int | None:
         r = getattr(req, "routed_dp_rank", None)
-        if r is None:
-            return None
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise InvalidInputError(f"routed_dp_rank must be an int or None, got {r!r}")
-        if r < 0 or r >= self.n or not self.routable[r]:
-            raise InvalidInputError(f"DP rank {r} is not active.")
-        return r
+        return None if r is None else check_routed_rank(r, self.routable)
 
     def _argmin(self) -> int:
         n = self.n
@@ -152,7 +154,7 @@ class PyArgminCore:
 
     def _pick(self, req: Any) -> tuple[int, int]:
         routed = self._routed(req)
-        tokens = self._tokens(req)
+        tokens = request_tokens(req)
         rank = self._argmin() if routed is None else routed
         self.charge(rank, tokens)
         return rank, tokens

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.controller.budget import DEFAULT_LEDGER_CAPACITY, DPBudget, PyArgminCore, snapshots_to_array
+from dpboard.controller.budget import (
+    DEFAULT_LEDGER_CAPACITY,
+    DPBudget,
+    check_routed_rank,
+    request_tokens,
+    snapshots_to_array,
+)
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
@@ -24,12 +30,6 @@ DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most
 
 _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
-
-
-def _check_rank_int(value: Any, what: str) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise InvalidInputError(f"{what} must be an int, got {value!r}")
-    return int(value)
 
 
 class Dispatcher:
@@ -147,15 +147,20 @@ class Dispatcher:
     def available(self) -> tuple[bool, ...]:
         return tuple(bool(x) for x in self._available_mask)
 
+    def _worker_rank(self, value: Any, what: str) -> int:
+        """``value`` as a worker slot index, or an error naming ``what`` and the valid range."""
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise InvalidInputError(f"{what} must be an int, got {value!r}")
+        rank = int(value)
+        if not 0 <= rank < self.num_workers:
+            raise InvalidInputError(
+                f"{what} {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})"
+            )
+        return rank
+
     def set_active(self, ranks: Iterable[int]) -> None:
         """The ranks that have a worker now (elastic EP); the others are reserved slots."""
-        seen = set()
-        for r in ranks:
-            rank = _check_rank_int(r, "an active rank")
-            if not 0 <= rank < self.num_workers:
-                raise InvalidInputError(f"active rank {rank} is outside the {self.num_workers} worker slots "
-                                 f"(0..{self.num_workers - 1})")
-            seen.add(rank)
+        seen = {self._worker_rank(r, "active rank") for r in ranks}
         self._active = tuple(sorted(seen))
         self._active_mask[:] = False
         self._active_mask[list(self._active)] = True
@@ -163,9 +168,7 @@ class Dispatcher:
 
     def set_status(self, rank: int, available: bool) -> None:
         """Mark a rank available or not (a failed or draining worker); every slot starts available."""
-        rank = _check_rank_int(rank, "rank")
-        if not 0 <= rank < self.num_workers:
-            raise InvalidInputError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
+        rank = self._worker_rank(rank, "rank")
         self._available_mask[rank] = bool(available)
         self._update_candidates()
 
@@ -211,10 +214,7 @@ class Dispatcher:
         nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept."""
         method = self.method
         if self.budget is not None:
-            now = self._clock()
-            if now - self._last_refresh >= self.refresh_interval:
-                self._last_refresh = now
-                self._refresh()
+            self._refresh_if_due()
             return self._pick_batch(reqs)
         if method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
             return [self._dispatch_room(req) for req in reqs]
@@ -235,29 +235,23 @@ class Dispatcher:
         """
         if self.budget is None:
             return
-        rank = _check_rank_int(rank, "rank")
-        if not 0 <= rank < self.num_workers:
-            raise InvalidInputError(f"rank {rank} is outside the {self.num_workers} worker slots (0..{self.num_workers - 1})")
-        self.budget.retract(rank, PyArgminCore._tokens(req))
+        self.budget.retract(self._worker_rank(rank, "rank"), request_tokens(req))
 
-    def _check_routed(self, rank: Any) -> int:
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            raise InvalidInputError(f"routed_dp_rank must be an int or None, got {rank!r}")
-        if rank < 0 or rank >= self.num_workers or not self._active_mask[rank]:
-            raise InvalidInputError(f"DP rank {rank} is not active.")
-        return rank
-
-    def _dispatch_load(self, req: Any) -> int:
+    def _refresh_if_due(self) -> None:
+        """The 20 ms throttle (SPEC 5.3): read the board only when ``refresh_interval`` has passed."""
         now = self._clock()
         if now - self._last_refresh >= self.refresh_interval:
             self._last_refresh = now
             self._refresh()
+
+    def _dispatch_load(self, req: Any) -> int:
+        self._refresh_if_due()
         return self._pick(req)
 
     def _dispatch_round_robin(self, req: Any) -> int:
         routed = getattr(req, "routed_dp_rank", None)
         if routed is not None:
-            return self._check_routed(routed)
+            return check_routed_rank(routed, self._active_mask)
         active = self._active
         n = len(active)
         if n == 0:
@@ -275,7 +269,7 @@ class Dispatcher:
     def _dispatch_room(self, req: Any) -> int:
         routed = getattr(req, "routed_dp_rank", None)
         if routed is not None:
-            return self._check_routed(routed)
+            return check_routed_rank(routed, self._active_mask)
         room = getattr(req, "bootstrap_room", None)
         if room is None:
             raise InvalidInputError(

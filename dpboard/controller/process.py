@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -41,7 +40,8 @@ from dpboard.controller.methods import (
     resolve_load_balance_method,
     zmq_reader_owner,
 )
-from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
+from dpboard.stopping import StopFlag
 
 log = logging.getLogger("dpboard.controller")
 
@@ -139,8 +139,7 @@ class DataParallelController:
 
     def run(self, duration: float | None = None) -> dict[str, Any]:
         """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds."""
-        deadline = None if duration is None else time.monotonic() + duration
-        restore = self._install_signal_handlers()
+        stop = StopFlag(duration, event=self._stop)
         log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s",
                  self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
                  self.input_endpoint, self.error_endpoint)
@@ -153,20 +152,18 @@ class DataParallelController:
             log.info("controller: owns the load fan-in PULL %s", getattr(self.collector, "endpoint", loads))
         next_log = time.monotonic() + self.log_every
         try:
-            while not self._stop.is_set():
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                ready = dict(poller.poll(self.poll_ms))
-                # loads first: a request batch then sees the freshest relayed snapshots
-                if loads is not None and loads in ready:
-                    self.collector.drain()
-                if self.input in ready:
-                    self._serve_ready()
-                if time.monotonic() >= next_log:
-                    next_log = time.monotonic() + self.log_every
-                    self._log_counts()
+            with stop:
+                while not stop.is_set():
+                    ready = dict(poller.poll(self.poll_ms))
+                    # loads first: a request batch then sees the freshest relayed snapshots
+                    if loads is not None and loads in ready:
+                        self.collector.drain()
+                    if self.input in ready:
+                        self._serve_ready()
+                    if time.monotonic() >= next_log:
+                        next_log = time.monotonic() + self.log_every
+                        self._log_counts()
         finally:
-            restore()
             self._log_counts()
             if self.collector is not None and hasattr(self.collector, "stats"):
                 self.stats["collector"] = self.collector.stats()
@@ -191,12 +188,12 @@ class DataParallelController:
             return
         try:
             ranks = self.dispatcher.dispatch_batch(reqs)
-        except (ValueError, RuntimeError):
+        except DpboardError:
             # the batch is all or nothing: take it one by one to answer only the requests that fail
             for req in reqs:
                 try:
                     rank = self.dispatcher.dispatch(req)
-                except (ValueError, RuntimeError) as e:
+                except DpboardError as e:
                     self._reject(req.rid, str(e))
                     continue
                 if not self._send(rank, req):
@@ -266,19 +263,6 @@ class DataParallelController:
             c = self.collector.stats()
             log.info("controller: load fan-in frames %d ok, %d bad; snapshots %d",
                      c["frames_ok"], c["frames_bad"], c["snapshots_ok"])
-
-    def _install_signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-        for sig in previous:
-            signal.signal(sig, lambda *_: self.stop())
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
 
     def close(self) -> None:
         for sock in [self.input, self.errors, *self.workers]:

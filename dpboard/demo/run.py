@@ -4,8 +4,9 @@ It creates a board, starts N scheduler processes (``dpboard.demo.scheduler``: sy
 KV page tables, published every step through the embedding API and the CPU kernels), the ZMQ
 controller between them, and a load generator with bursts and a long/short prompt mix; shows
 ``dpboard top`` in the foreground (plain-text frames without a terminal); and on exit — the
-duration is up, or Ctrl-C — stops every process, unlinks the board and prints a summary: requests
-served, p50/p99 queueing delay, the imbalance over the run and requests per rank.
+duration is up, Ctrl-C or SIGTERM — stops every process, unlinks the board, removes its work folder
+and prints a summary: requests served, p50/p99 queueing delay, the imbalance over the run and
+requests per rank.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from dpboard.board import Board
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.stopping import StopFlag
 from dpboard.views.rows import status_of
 from dpboard.views.top import render, render_text
 from dpboard.views.watch import BoardWatch, Frame
@@ -187,107 +189,173 @@ def _warm_kernels() -> None:
     kernels_cpu.warm_up((np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.int8)))
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    _check(args)
-    import msgpack
-    import zmq
-    from rich.console import Console
-    from rich.live import Live
+class DemoRun:
+    """One demo: its board, work folder, processes and sockets, set up and torn down in one place.
 
-    from dpboard.demo.load import LoadGenerator, LoadShape
+    ``run()`` goes through the phases in order (start the cluster, wait for every scheduler's first
+    publish, send load while showing the board) and, whatever ends it — the duration, Ctrl-C,
+    SIGTERM, a child that died — stops every process, unlinks the board and removes the work folder.
+    """
 
-    shape = LoadShape(rate=args.rate or 8.0 * args.ranks, burst_every=args.burst_every,
-                      burst_seconds=args.burst_seconds, burst_factor=args.burst_factor, long_share=args.long_share)
-    name = args.board or f"demo-{os.getpid()}"
-    console = Console()
-    tty = console.is_terminal
-    out = sys.stdout
-    print(f"dpboard demo: board {name!r}, {args.ranks} ranks, method {args.method}, "
-          f"{shape.rate:g} req/s (x{shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
-    _warm_kernels()
+    def __init__(self, args: argparse.Namespace) -> None:
+        import zmq
 
-    workdir = Path(tempfile.mkdtemp(prefix="dpboard-demo-"))
-    requests_ep = f"ipc://{workdir}/requests"
-    results_ep = f"ipc://{workdir}/results"
-    sched_eps = [f"ipc://{workdir}/rank{r}" for r in range(args.ranks)]
-    stats = RunStats(args.ranks)
-    board = Board.create(name, n_slots=args.ranks)
-    cluster = Cluster(workdir)
-    ctx = zmq.Context()
-    results = ctx.socket(zmq.PULL)
-    generator: LoadGenerator | None = None
-    watch: BoardWatch | None = None
+        from dpboard.demo.load import LoadShape
 
-    def drain() -> None:
+        self.args = args
+        self.shape = LoadShape(rate=args.rate or 8.0 * args.ranks, burst_every=args.burst_every,
+                               burst_seconds=args.burst_seconds, burst_factor=args.burst_factor,
+                               long_share=args.long_share)
+        self.name = args.board or f"demo-{os.getpid()}"
+        self.stats = RunStats(args.ranks)
+        self.workdir = Path(tempfile.mkdtemp(prefix="dpboard-demo-"))
+        self.requests_ep = f"ipc://{self.workdir}/requests"
+        self.results_ep = f"ipc://{self.workdir}/results"
+        self.sched_eps = [f"ipc://{self.workdir}/rank{r}" for r in range(args.ranks)]
+        self.cluster = Cluster(self.workdir)
+        self.ctx = zmq.Context()
+        self.results = self.ctx.socket(zmq.PULL)
+        self.board: Board | None = None
+        self.generator: Any = None
+        self.watch: BoardWatch | None = None
+        self.started = time.monotonic()
+
+    # -- phases ------------------------------------------------------------------------------------
+
+    def start_cluster(self) -> None:
+        args = self.args
+        self.board = Board.create(self.name, n_slots=args.ranks)
+        self.results.bind(self.results_ep)
+        env = {**os.environ, "NUMBA_NUM_THREADS": "1"}  # N schedulers share the cores: one thread each
+        for r in range(args.ranks):
+            self.cluster.start(f"scheduler-{r}", [
+                "-m", "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
+                self.sched_eps[r], "--results", self.results_ep, "--num-pages", str(args.num_pages),
+                "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed)],
+                env=env)
+        self.cluster.start("controller", _controller_argv(args, self.name, self.requests_ep, self.sched_eps),
+                           env=env)
+
+    def wait_ready(self, stop: StopFlag) -> bool:
+        """Every scheduler has published once (True), or the demo was stopped first (False)."""
+        assert self.board is not None
+        reader = self.board.reader(stale_after=5.0)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while any(s is None for s in reader.read_all()):
+            self.cluster.check()
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"the schedulers did not all publish within {READY_TIMEOUT:.0f} s; "
+                                       f"their logs are in {self.workdir}")
+            if stop.wait(0.05):
+                return False
+        return True
+
+    def send_load(self, stop: StopFlag) -> None:
+        """Start the load generator and show the board until the duration is up or a stop comes."""
+        from rich.console import Console
+        from rich.live import Live
+
+        from dpboard.demo.load import LoadGenerator
+
+        args = self.args
+        self.watch = BoardWatch(self.name, stale_after=1.0)
+        self.started = time.monotonic()
+        self.generator = LoadGenerator(self.requests_ep, self.shape, seed=args.seed, context=self.ctx)
+        self.generator.start()
+        end = self.started + args.duration
+        console = Console()
+        if console.is_terminal:
+            hint = f"demo: {args.method}, {self.shape.rate:g} req/s, ends in {{left:.0f}} s (Ctrl-C stops it)"
+            with Live(console=console, screen=True, auto_refresh=False) as live:
+                while (now := time.monotonic()) < end and not stop.is_set():
+                    frame = self._tick()
+                    live.update(render(frame, max_rows=max(console.size.height - 7, 1),
+                                       hint=hint.format(left=end - now)), refresh=True)
+                    stop.wait(min(args.interval, max(0.0, end - time.monotonic())))
+            return
+        next_print = self.started
+        while (now := time.monotonic()) < end and not stop.is_set():
+            frame = self._tick()
+            if now >= next_print:
+                sys.stdout.write(render_text(frame) + "\n")
+                sys.stdout.flush()
+                next_print = now + args.print_every
+            stop.wait(min(args.interval, max(0.0, end - time.monotonic())))
+
+    def _tick(self) -> Frame:
+        assert self.watch is not None
+        self.cluster.check()
+        self._drain()
+        frame = self.watch.sample()
+        self.stats.add_frame(frame)
+        return frame
+
+    def _drain(self) -> None:
+        import msgpack
+        import zmq
+
         while True:
             try:
-                stats.add_completions(msgpack.unpackb(results.recv(zmq.NOBLOCK)))
+                self.stats.add_completions(msgpack.unpackb(self.results.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 return
 
-    try:
-        results.bind(results_ep)
-        env = {**os.environ, "NUMBA_NUM_THREADS": "1"}  # N schedulers share the cores: one thread each
-        for r in range(args.ranks):
-            cluster.start(f"scheduler-{r}", [
-                "-m", "dpboard.demo.scheduler", "--board", name, "--rank", str(r), "--requests", sched_eps[r],
-                "--results", results_ep, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
-                "--step-ms", str(args.step_ms), "--seed", str(args.seed)], env=env)
-        cluster.start("controller", _controller_argv(args, name, requests_ep, sched_eps), env=env)
-        reader = board.reader(stale_after=5.0)
-        deadline = time.monotonic() + READY_TIMEOUT
-        while any(s is None for s in reader.read_all()):
-            cluster.check()
-            if time.monotonic() > deadline:
-                raise UnavailableError(f"the schedulers did not all publish within {READY_TIMEOUT:.0f} s; "
-                                   f"their logs are in {workdir}")
-            time.sleep(0.05)
-        watch = BoardWatch(name, stale_after=1.0)
-        started = time.monotonic()
-        generator = LoadGenerator(requests_ep, shape, seed=args.seed, context=ctx)
-        generator.start()
-        end = started + args.duration
-        hint = f"demo: {args.method}, {shape.rate:g} req/s, ends in {{left:.0f}} s (Ctrl-C stops it)"
-        if tty:
-            with Live(console=console, screen=True, auto_refresh=False) as live:
-                while (now := time.monotonic()) < end:
-                    frame = _tick(watch, stats, cluster, drain)
-                    live.update(render(frame, max_rows=max(console.size.height - 7, 1),
-                                       hint=hint.format(left=end - now)), refresh=True)
-                    time.sleep(min(args.interval, max(0.0, end - time.monotonic())))
-        else:
-            next_print = started
-            while (now := time.monotonic()) < end:
-                frame = _tick(watch, stats, cluster, drain)
-                if now >= next_print:
-                    out.write(render_text(frame) + "\n")
-                    out.flush()
-                    next_print = now + args.print_every
-                time.sleep(min(args.interval, max(0.0, end - time.monotonic())))
-    except KeyboardInterrupt:
-        print("dpboard demo: stopped by Ctrl-C", file=sys.stderr)
-    finally:
-        if generator is not None:
-            generator.stop()
-            generator.join(timeout=STOP_TIMEOUT)
-            stats.sent = generator.sent
-            stats.load_seconds = time.monotonic() - started
-            if watch is not None:
-                _settle(board, generator.sent)
-                stats.add_frame(watch.sample())
-        cluster.stop()
+    # -- teardown ----------------------------------------------------------------------------------
+
+    def finish_load(self) -> None:
+        """Stop the generator and count what it sent, once the schedulers have received it."""
+        if self.generator is None:
+            return
+        self.generator.stop()
+        self.generator.join(timeout=STOP_TIMEOUT)
+        self.stats.sent = self.generator.sent
+        self.stats.load_seconds = time.monotonic() - self.started
+        if self.watch is not None and self.board is not None:
+            _settle(self.board, self.generator.sent)
+            self.stats.add_frame(self.watch.sample())
+
+    def close(self) -> None:
+        """Stop every process, close every socket, remove the board and the work folder."""
         try:
-            drain()
+            self.cluster.stop()
+            self._drain()
         finally:
-            results.close(0)
-            ctx.term()
-            if watch is not None:
-                watch.close()
-            board.close()
-            board.unlink()
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(stats.summary(args.method), flush=True)
-    return 0
+            self.results.close(0)
+            self.ctx.term()
+            if self.watch is not None:
+                self.watch.close()
+            if self.board is not None:
+                self.board.close()
+                self.board.unlink()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def run(self) -> int:
+        with StopFlag() as stop:
+            try:
+                self.start_cluster()
+                if self.wait_ready(stop):
+                    self.send_load(stop)
+            except KeyboardInterrupt:
+                stop.set()
+            finally:
+                try:
+                    self.finish_load()
+                finally:
+                    self.close()
+        if stop.signal is not None:
+            how = "Ctrl-C" if stop.signal == signal.SIGINT else signal.Signals(stop.signal).name
+            print(f"dpboard demo: stopped by {how}", file=sys.stderr)
+        print(self.stats.summary(self.args.method), flush=True)
+        return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    _check(args)
+    demo = DemoRun(args)
+    print(f"dpboard demo: board {demo.name!r}, {args.ranks} ranks, method {args.method}, "
+          f"{demo.shape.rate:g} req/s (x{demo.shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
+    _warm_kernels()
+    return demo.run()
 
 
 def _settle(board: Board, sent: int) -> None:
@@ -299,11 +367,3 @@ def _settle(board: Board, sent: int) -> None:
         if sum(s.num_received_reqs for s in reader.read_all() if s is not None) >= sent:
             return
         time.sleep(0.02)
-
-
-def _tick(watch: BoardWatch, stats: RunStats, cluster: Cluster, drain: Any) -> Frame:
-    cluster.check()
-    drain()
-    frame = watch.sample()
-    stats.add_frame(frame)
-    return frame

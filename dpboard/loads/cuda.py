@@ -139,14 +139,25 @@ cuda: Any = None  # numba.cuda, bound on first use (the simulator swaps this glo
 
 
 def _build_numba_kernels(block: int) -> tuple[Any, Any]:
+    """Compile the raw-counts and GPU-direct publish kernels for blocks of ``block`` threads."""
     global cuda
     import numba.cuda
-    from numba import int64
-
-    cuda = numba.cuda
 
     if block < 1 or block & (block - 1):
         raise InvalidInputError(f"block must be a power of two, got {block}")
+    cuda = numba.cuda
+    accumulate = _accumulate_device()
+    reduce_block = _reduce_block_device(block)
+    return _raw_counts_kernel(accumulate, reduce_block), _publish_kernel(accumulate, reduce_block)
+
+
+# The builders below refer to ``cuda`` as this module's global, not as a closure: the simulator runs
+# a kernel by swapping that global for its fake module.
+
+
+def _accumulate_device() -> Any:
+    """Each thread's grid-stride pass over both tables into its own raw counters."""
+    from numba import int64
 
     @cuda.jit(device=True)
     def accumulate(state, seqlen, pages, acc):
@@ -184,6 +195,13 @@ def _build_numba_kernels(block: int) -> tuple[Any, Any]:
                     acc[c.BAD_PAGE_STATES] += 1
             i += stride
 
+    return accumulate
+
+
+def _reduce_block_device(block: int) -> Any:
+    """The block sum into the global accumulators; the last block to finish gets the totals."""
+    from numba import int64
+
     @cuda.jit(device=True)
     def reduce_block(acc, accum, ticket):
         """Block sums into the global accumulators; True in thread 0 of the last block, whose acc
@@ -215,6 +233,12 @@ def _build_numba_kernels(block: int) -> tuple[Any, Any]:
         cuda.atomic.exch(ticket, 0, 0)
         return True
 
+    return reduce_block
+
+
+def _raw_counts_kernel(accumulate: Any, reduce_block: Any) -> Any:
+    from numba import int64
+
     @cuda.jit
     def raw_counts_kernel(state, seqlen, pages, accum, ticket, raw):
         acc = cuda.local.array(NUM_RAW, int64)
@@ -222,6 +246,12 @@ def _build_numba_kernels(block: int) -> tuple[Any, Any]:
         if reduce_block(acc, accum, ticket):
             for k in range(NUM_RAW):
                 raw[k] = acc[k]
+
+    return raw_counts_kernel
+
+
+def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
+    from numba import int64
 
     @cuda.jit
     def publish_kernel(state, seqlen, pages, page_size, accum, ticket, slot, host_fields, status, launch_id):
@@ -269,7 +299,7 @@ def _build_numba_kernels(block: int) -> tuple[Any, Any]:
         cuda.threadfence_system()
         status[_S_LAUNCH_ID] = launch_id
 
-    return raw_counts_kernel, publish_kernel
+    return publish_kernel
 
 
 def grid_size(n: int, block: int, max_blocks: int) -> int:

@@ -31,7 +31,6 @@ import fcntl
 import hashlib
 import os
 import re
-import signal
 import threading
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ from dpboard.multinode.wire import (
     validate_records,
 )
 from dpboard.snapshot import COLLECTOR_STATS_FIELDS
+from dpboard.stopping import StopFlag
 
 LOCK_DIR = Path("/dev/shm")
 LOCK_PREFIX = "dpboard-collector."
@@ -342,11 +342,9 @@ class Collector:
     def serve(self, stop: threading.Event | None = None, *, duration: float | None = None,
               poll_ms: int = 100) -> None:
         """Receive until ``stop`` is set or ``duration`` seconds have passed."""
-        deadline = None if duration is None else time.monotonic() + duration
-        while not (stop is not None and stop.is_set()):
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            self.poll(poll_ms)
+        flag = StopFlag(duration, event=stop)
+        while not flag.is_set():
+            self.poll(int(1000 * flag.remaining(cap=poll_ms / 1000)))
 
     def stats(self) -> dict[str, int]:
         if self._stats_view is None:
@@ -408,27 +406,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with Collector(args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
-                       curve_authorized_keys=args.curve_authorized_keys) as collector:
-            print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
-                  f"({collector.n_slots} slots)", flush=True)
-            deadline = None if args.duration is None else time.monotonic() + args.duration
-            next_report = time.monotonic() + 5.0
-            while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                collector.poll(100)
-                if not args.quiet and time.monotonic() >= next_report:
-                    s = collector.stats()
-                    print(f"frames {s['frames_ok']} ok, {s['frames_bad']} bad; snapshots {s['snapshots_ok']}",
-                          flush=True)
-                    next_report += 5.0
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with StopFlag(args.duration) as stop, Collector(
+        args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
+        curve_authorized_keys=args.curve_authorized_keys,
+    ) as collector:
+        print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
+              f"({collector.n_slots} slots)", flush=True)
+        next_report = time.monotonic() + 5.0
+        while not stop.is_set():
+            collector.poll(int(1000 * stop.remaining(cap=0.1)))
+            if not args.quiet and time.monotonic() >= next_report:
+                s = collector.stats()
+                print(f"frames {s['frames_ok']} ok, {s['frames_bad']} bad; snapshots {s['snapshots_ok']}",
+                      flush=True)
+                next_report += 5.0
     return 0

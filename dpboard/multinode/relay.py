@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import zmq
@@ -32,6 +30,7 @@ from dpboard.errors import InvalidInputError
 from dpboard.multinode.curve import generate_certificates, load_certificate
 from dpboard.multinode.wire import pack_frame
 from dpboard.snapshot import SlotStatus
+from dpboard.stopping import StopFlag
 
 DEFAULT_TICK_MS = 5.0
 DEFAULT_SNDHWM = 16  # frames queued toward node0 before the relay drops; 80 ms at the default tick
@@ -192,16 +191,12 @@ class Relay:
     def run(self, stop: threading.Event | None = None, *, duration: float | None = None) -> None:
         """Tick every ``tick_ms`` until ``stop`` is set or ``duration`` seconds have passed. A tick
         that runs late is not made up for (no bursts)."""
-        stop = stop or threading.Event()
-        start = time.monotonic()
-        deadline = None if duration is None else start + duration
-        next_tick = start
-        while not stop.is_set():
+        flag = StopFlag(duration, event=stop)
+        next_tick = time.monotonic()
+        while not flag.is_set():
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                break
             if now < next_tick:
-                stop.wait(next_tick - now)
+                flag.wait(next_tick - now)
                 continue
             self.tick()
             next_tick += self.tick_s
@@ -274,33 +269,21 @@ def run(args: argparse.Namespace) -> int:
     if args.node_id < 1:
         raise InvalidInputError(f"--node-id must be >= 1, got {args.node_id}: node 0 is node0, whose board the collector writes")
     ranks = parse_ranks(args.ranks) if args.ranks else None
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with Relay(args.board, args.to, args.node_id, tick_ms=args.tick_ms, ranks=ranks,
-                   remote_board=args.remote_board, stale_after=args.stale_after, sndhwm=args.sndhwm,
-                   curve_secret_key=args.curve_secret_key, curve_server_key=args.curve_server_key) as relay:
-            if relay.board.node_id != args.node_id:
-                print(f"dpboard relay: warning: board {relay.board.name!r} was created for node "
-                      f"{relay.board.node_id}; only slots whose writers stamp node {args.node_id} are sent",
-                      file=sys.stderr)
-            print(f"dpboard relay: pid {os.getpid()} node {args.node_id}: board {relay.board.name!r} -> "
-                  f"{args.to} ({relay.remote_board!r}) every {args.tick_ms:g} ms", flush=True)
-            deadline = None if args.duration is None else time.monotonic() + args.duration
-            while not stop.is_set():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                relay.run(stop, duration=5.0 if remaining is None else min(5.0, remaining))
-                if not args.quiet:
-                    s = relay.stats()
-                    print(f"frames {s['frames_sent']} sent, {s['frames_dropped']} dropped; snapshots "
-                          f"{s['snapshots_sent']}; connects {s['connects']}", flush=True)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with StopFlag(args.duration) as stop, Relay(
+        args.board, args.to, args.node_id, tick_ms=args.tick_ms, ranks=ranks, remote_board=args.remote_board,
+        stale_after=args.stale_after, sndhwm=args.sndhwm, curve_secret_key=args.curve_secret_key,
+        curve_server_key=args.curve_server_key,
+    ) as relay:
+        if relay.board.node_id != args.node_id:
+            print(f"dpboard relay: warning: board {relay.board.name!r} was created for node "
+                  f"{relay.board.node_id}; only slots whose writers stamp node {args.node_id} are sent",
+                  file=sys.stderr)
+        print(f"dpboard relay: pid {os.getpid()} node {args.node_id}: board {relay.board.name!r} -> "
+              f"{args.to} ({relay.remote_board!r}) every {args.tick_ms:g} ms", flush=True)
+        while not stop.is_set():
+            relay.run(stop.event, duration=stop.remaining(cap=5.0))
+            if not args.quiet:
+                s = relay.stats()
+                print(f"frames {s['frames_sent']} sent, {s['frames_dropped']} dropped; snapshots "
+                      f"{s['snapshots_sent']}; connects {s['connects']}", flush=True)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,8 +70,10 @@ def test_demo_runs_and_cleans_up():
             subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
-def test_ctrl_c_stops_everything_and_prints_the_summary():
+@pytest.mark.parametrize(("sig", "how"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
     name = new_board_name()
+    workdirs_before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
     proc = subprocess.Popen(
         [PYTHON, "-m", "dpboard.cli", "demo", "--duration", "120", "--ranks", "2", "--board", name,
          "--print-every", "0.5"],
@@ -81,13 +84,14 @@ def test_ctrl_c_stops_everything_and_prints_the_summary():
         while "2 live" not in read_line(proc, max(1.0, deadline - time.monotonic())):
             pass
         time.sleep(1.5)  # some requests get served
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
-        assert "stopped by Ctrl-C" in err
+        assert f"stopped by {how}" in err
         check_summary(out, 2)
         assert not Path(f"/dev/shm/dpboard.{name}").exists()
-        assert processes_mentioning(name) == []
+        assert processes_mentioning(name) == []  # the schedulers and the controller are gone
+        assert set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) <= workdirs_before
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -190,8 +190,15 @@ def _valid(board: Board, running: int) -> bytes:
 ))
 def test_fuzzed_frames_are_dropped_and_counted_while_serving(serving_collector, data):
     board, proc, push, sent = serving_collector
+    before = _processed(board)
+    marker = 1000 + sent["n"]  # a valid frame after the fuzzed one: the collector got past it
     push.send(data)
-    sent["n"] += 1
+    push.send(_valid(board, marker))
+    sent["n"] += 2
+    assert wait_until(lambda: _processed(board) >= before + 2, timeout=10), board.collector_stats()
+    assert proc.poll() is None
+    assert _processed(board) == before + 2  # each frame counted once, as ok or as bad
+    assert board.reader().read(5).num_running_reqs == marker
 
 
 def test_collector_still_serves_after_the_fuzz(serving_collector):

@@ -113,14 +113,3 @@ def test_lazy_exports():
         "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens", "num_active_tokens",
         "max_total_num_tokens",
     )
-
-
-def test_embed_writer_example_runs(board_name):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "embed_writer.py"), "--board", board_name, "--steps", "50",
-         "--interval", "0", "--backend", "numba"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "published 50 snapshots from rank 0 (numba)" in out.stdout
-    assert not (Path("/dev/shm") / f"dpboard.{board_name}").exists()

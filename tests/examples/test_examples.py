@@ -1,0 +1,92 @@
+"""Every script in examples/ runs, briefly, as a user would run it, and says what it should."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpboard import Board, LoadSnapshot
+from tests.support.names import ROOT
+from tests.support.procutil import read_line, stop
+
+EXAMPLES = ROOT / "examples"
+PYTHON = sys.executable
+
+
+def run_example(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, str(EXAMPLES / name), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_every_example_has_a_test():
+    tested = {m.group(1) for m in re.finditer(r'"(\w+\.py)"', Path(__file__).read_text())}
+    assert {p.name for p in EXAMPLES.glob("*.py")} <= tested
+
+
+def test_embed_writer(board_name):
+    out = run_example("embed_writer.py", "--board", board_name, "--steps", "50", "--interval", "0",
+                      "--backend", "numba")
+    assert out.returncode == 0, out.stderr
+    assert "published 50 snapshots from rank 0 (numba)" in out.stdout
+    assert not (Path("/dev/shm") / f"dpboard.{board_name}").exists()  # it created the board, so it removed it
+
+
+def test_run_controller():
+    out = run_example("run_controller.py")
+    assert out.returncode == 0, out.stderr
+    received = [int(n) for n in re.findall(r"rank \d: received (\d+) requests", out.stdout)]
+    assert len(received) == 2 and sum(received) == 500 and min(received) > 0, out.stdout
+    assert "'dispatched': 500" in out.stdout and "'rejected': 0" in out.stdout
+
+
+def test_relay_two_nodes():
+    out = run_example("relay_two_nodes.py")
+    assert out.returncode == 0, out.stderr
+    ranks = dict(re.findall(r"rank (\d): node (\d)", out.stdout))
+    # node0's board shows its own four ranks and node1's four, relayed
+    assert ranks == {**{str(r): "0" for r in range(4)}, **{str(r): "1" for r in range(4, 8)}}, out.stdout
+    assert re.search(r"rank 7: node 1, running 7, waiting 19", out.stdout), out.stdout
+
+
+def test_watch_board(board_name):
+    with Board.create(board_name, n_slots=2) as board:
+        board.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=300, max_total_num_tokens=1000))
+        out = run_example("watch_board.py", board_name, "1.2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) >= 2
+    assert f"{board_name}: 1 live, 0 stale, imbalance 1.00, total tokens 300" in lines[0]
+
+
+def test_serve_board(board_name):
+    with Board.create(board_name, n_slots=2) as board:
+        board.writer(1).publish(LoadSnapshot(dp_rank=1, num_total_tokens=77, max_total_num_tokens=1000))
+        proc = subprocess.Popen([PYTHON, str(EXAMPLES / "serve_board.py"), board_name], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 30
+            lines = []
+            while not lines or not lines[-1].startswith("serving board"):
+                lines.append(read_line(proc, max(1.0, deadline - time.monotonic())))
+            assert any(re.match(r"rank 1: live\s+total tokens 77", line) for line in lines), lines
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=10)
+            assert proc.returncode == 0
+        finally:
+            stop(proc)
+
+
+@pytest.mark.timeout(300)
+def test_compare_methods():
+    out = run_example("compare_methods.py", "--trace", "bursty", "--ranks", "4", "--seeds", "1",
+                      "--methods", "total_tokens,inflight_tokens", timeout=280)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^\| total_tokens \|", out.stdout, re.M) and re.search(r"^\| inflight_tokens \|", out.stdout, re.M)
+    assert "best dpboard method by p99 TTFT: inflight_tokens" in out.stdout
+
