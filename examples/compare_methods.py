@@ -19,8 +19,8 @@ import sys
 
 import numpy as np
 
-from dpboard.sim.report import summarize
 from dpboard.sim.cli import split_methods
+from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation
 from dpboard.sim.trace import SCENARIOS, generate_trace, scenario
 

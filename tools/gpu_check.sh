@@ -36,7 +36,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl >"$LOGS/pip.log" 2>&1 || log "pip install of .whl/ failed (see pip.log)"
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! "$PY" -c "import dpboard._seqlock, dpboard._dispatch" 2>/dev/null; then
+if ! "$PY" -c "import dpboard.board._seqlock, dpboard.controller._dispatch" 2>/dev/null; then
     log "building dpboard's C extensions in place"
     "$PY" -c "from setuptools import setup; setup()" build_ext --inplace >"$LOGS/build.log" 2>&1 \
         || { log "cannot build dpboard (see build.log)"; exit 1; }
@@ -48,8 +48,8 @@ for m in ("numpy", "numba", "numba_cuda", "cupy"):
         print(m, importlib.import_module(m).__version__)
     except Exception as e:
         print(m, "missing:", e)
-from dpboard.loads import cuda as kernels_cuda
-print("cupy usable:", kernels_cuda.cupy_available())
+from dpboard.loads import cuda as loads_cuda
+print("cupy usable:", loads_cuda.cupy_available())
 from numba import cuda
 print("numba.cuda usable:", cuda.is_available())
 PYEOF
@@ -57,7 +57,7 @@ cat "$LOGS/versions.txt" | tee -a "$LOGS/summary.txt"
 
 log "CUDA tests (real GPU, no simulator) + nvcc"
 NUMBA_ENABLE_CUDASIM=0 DPBOARD_GPU_CHECK_OUT="$LOGS" timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_kernels_gpu.py tests/test_kernels.py -k "not simulator" \
+    tests/loads/test_gpu.py tests/loads/test_cuda_sources.py -k "not simulator" \
     --junitxml="$LOGS/pytest-gpu.xml" >"$LOGS/pytest-gpu.log" 2>&1 || status=1
 tail -n 15 "$LOGS/pytest-gpu.log" | tee -a "$LOGS/summary.txt"
 

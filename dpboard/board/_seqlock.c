@@ -445,22 +445,28 @@ static void fill_records(BoardView *self, char *dst) {
     }
 }
 
-static PyObject *view_read_array(BoardView *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs == 0 || args[0] == Py_None) {
+/* read_array(out=None): positional or keyword, parsed by hand to keep the hot path free of
+   argument-parsing allocations. */
+static PyObject *view_read_array(BoardView *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs + nkw > 1 ||
+        (nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "out") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "read_array() takes at most one argument, out");
+        return NULL;
+    }
+    PyObject *out = nargs + nkw == 1 ? args[0] : Py_None;
+    if (out == Py_None) {
         fill_records(self, (char *)self->out.buf);
         Py_INCREF(self->out_obj);
         return self->out_obj;
     }
-    if (nargs > 1) {
-        PyErr_SetString(PyExc_TypeError, "read_array() takes at most one argument (out)");
-        return NULL;
-    }
     Py_buffer buf;
-    if (get_record_buffer(args[0], &buf, self->n_slots) < 0) return NULL;
+    if (get_record_buffer(out, &buf, self->n_slots) < 0) return NULL;
     fill_records(self, (char *)buf.buf);
     PyBuffer_Release(&buf);
-    Py_INCREF(args[0]);
-    return args[0];
+    Py_INCREF(out);
+    return out;
 }
 
 static PyObject *make_snapshot(BoardView *self, const int64_t *values) {
@@ -579,7 +585,7 @@ static PyMethodDef view_methods[] = {
     {"status", (PyCFunction)view_status, METH_O, "status(rank) -> SlotStatus"},
     {"read_all", (PyCFunction)view_read_all, METH_NOARGS,
      "read_all() -> list[LoadSnapshot | None], index = rank"},
-    {"read_array", (PyCFunction)(void (*)(void))view_read_array, METH_FASTCALL,
+    {"read_array", (PyCFunction)(void (*)(void))view_read_array, METH_FASTCALL | METH_KEYWORDS,
      "read_array(out=None) -> the SNAPSHOT_DTYPE array, one record per slot.\n"
      "Without out, the reader's own array is filled and returned: it is overwritten by the next call."},
     {NULL}};

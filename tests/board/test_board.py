@@ -433,3 +433,16 @@ def test_a_recycled_owner_pid_does_not_hold_the_slot(board):
     board.writer(6).publish(LoadSnapshot(6, num_running_reqs=1))  # not refused
     assert board.owner_pid(6) == os.getpid()
     assert board.reader().read(6).num_running_reqs == 1
+
+
+def test_read_array_fills_the_array_given_as_out(board):
+    board.writer(2).publish(LoadSnapshot(dp_rank=2, num_running_reqs=9))
+    reader = board.reader()
+    mine = np.zeros(board.n_slots, dtype=SNAPSHOT_DTYPE)
+    assert reader.read_array(out=mine) is mine and reader.read_array(mine) is mine
+    assert mine["num_running_reqs"][2] == 9 and SlotStatus(mine["status"][2]) is SlotStatus.LIVE
+    assert reader.read_array() is not mine
+    with pytest.raises(TypeError, match="at most one argument, out"):
+        reader.read_array(into=mine)
+    with pytest.raises(ValueError, match="at least 8 SNAPSHOT_DTYPE records"):
+        reader.read_array(out=np.zeros(2, dtype=SNAPSHOT_DTYPE))

@@ -1,0 +1,31 @@
+# Types of the C extension dpboard/controller/_dispatch.c (the per-request argmin and charge).
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+class ArgminCore:
+    next_start: int
+    by_tokens: bool
+    by_backlog: bool
+    @property
+    def n(self) -> int: ...
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        requests: np.ndarray,
+        candidate: np.ndarray,
+        routable: np.ndarray,
+        sent_reqs: np.ndarray,
+        sent_tokens: np.ndarray,
+        ring: np.ndarray | None,
+        by_tokens: bool = True,
+        rotate: bool = False,
+        backlog: np.ndarray | None = None,
+        by_backlog: bool = False,
+    ) -> None: ...
+    def pick(self, req: Any, /) -> int: ...
+    def pick_batch(self, reqs: Sequence[Any], /) -> list[int]: ...
+    def pick_tokens(self, tokens: int, /) -> int: ...
+    def charge(self, rank: int, tokens: int, /) -> None: ...
+    def retract(self, rank: int, tokens: int, /) -> None: ...
