@@ -113,7 +113,9 @@ FIELD_INDEX: dict[str, int] = {name: i for i, name in enumerate(FIELD_NAMES)}
 LOAD_FIELDS: tuple[str, ...] = FIELD_NAMES[1:8]  # what a scheduler supplies besides its rank
 STAMPED_FIELDS: tuple[str, ...] = FIELD_NAMES[8:]  # what the writer supplies
 
-SLOT_SIZE = 128  # two 64-byte cache lines, one 128-byte line on CPUs that have those
+# A slot is four 128-byte lines: the dispatch line (the sequence, the fields above, the owner word)
+# and the detail (below), all under the one sequence. Dispatch reads only the first line.
+SLOT_SIZE = 512
 SEQ_OFFSET = 0  # the seqlock sequence, first word of each slot
 FIELDS_OFFSET = 8  # the snapshot's fields follow it, int64 each, in LoadSnapshot's order
 # The slot's owner outside the seqlock, one 64-bit word stored at once: the pid of the process that
@@ -121,10 +123,10 @@ FIELDS_OFFSET = 8  # the snapshot's fields follow it, int64 each, in LoadSnapsho
 # time in clock ticks since boot above them, so that a recycled pid is not taken for the owner.
 OWNER_OFFSET = 112
 OWNER_PID_BITS = 22
-RESERVED_OFFSET = 120  # the slot's last word, zero
-SLOT_WORDS = FIELDS_OFFSET // 8 + NUM_FIELDS  # what GPU-direct writes: the sequence and the fields
+RESERVED_OFFSET = 120  # zero
+DETAIL_OFFSET = 128  # the detail's words (DETAIL_DTYPE), its flags word first
 
-assert FIELDS_OFFSET + 8 * NUM_FIELDS <= OWNER_OFFSET < RESERVED_OFFSET < SLOT_SIZE
+assert FIELDS_OFFSET + 8 * NUM_FIELDS <= OWNER_OFFSET < RESERVED_OFFSET < DETAIL_OFFSET
 
 
 def pack_owner(pid: int, start_ticks: int) -> int:
@@ -172,6 +174,175 @@ SNAPSHOT_DTYPE = np.dtype(
         "itemsize": RECORD_SIZE,
     }
 )
+
+
+# -- the detail: what an engine reports beyond the dispatch fields --------------------------------
+#
+# Everything SGLang's LoadSnapshot carries that the fields above do not (its 17 scalars minus the
+# dispatch ones, decode_moments and the five optional sections), under the slot's sequence, so a
+# detailed read is as consistent as a dispatch read. Names are SGLang's. A slot published without a
+# detail has flags 0 and reads back with detail None.
+
+MAX_DECODE_MOMENTS = 8  # SGLang sends 6 cumulative sums; room for two more
+DETAIL_MODE_BYTES = 8  # disaggregation.mode: "null", "prefill" or "decode" (UTF-8, NUL-padded)
+
+
+class MemoryDetail(NamedTuple):
+    weight_gb: float
+    kv_cache_gb: float
+    graph_gb: float
+    token_capacity: int
+
+
+class SpeculativeDetail(NamedTuple):
+    accept_length: float
+    accept_rate: float
+
+
+class LoraDetail(NamedTuple):
+    slots_used: int
+    slots_total: int
+    utilization: float
+
+
+class DisaggregationDetail(NamedTuple):
+    mode: str
+    prefill_bootstrap_queue_reqs: int = 0
+    prefill_inflight_queue_reqs: int = 0
+    decode_prealloc_queue_reqs: int = 0
+    decode_transfer_queue_reqs: int = 0
+    decode_retracted_queue_reqs: int = 0
+    kv_transfer_speed_gb_s: float = 0.0
+    kv_transfer_latency_ms: float = 0.0
+
+
+class QueueDetail(NamedTuple):
+    waiting: int
+    grammar: int
+    paused: int
+    retracted: int
+    prealloc_ready: int
+
+
+class LoadDetail(NamedTuple):
+    """A rank's load beyond the dispatch fields: the rest of SGLang's LoadSnapshot, field for field.
+
+    ``timestamp`` is the engine's own wall-clock time (float seconds), kept as the engine wrote it;
+    the slot's ``timestamp_ns`` is dpboard's. A section is None when the engine did not report it.
+    """
+
+    timestamp: float = 0.0
+    num_waiting_uncached_tokens: int = 0
+    num_prealloc_ready_tokens: int = 0
+    max_running_requests: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    cache_hit_rate: float = 0.0
+    utilization: float = 0.0
+    total_prefill_uncached_tokens: int = 0
+    total_prefill_busy_us: int = 0
+    decode_moments: tuple[float, ...] | None = None
+    memory: MemoryDetail | None = None
+    speculative: SpeculativeDetail | None = None
+    lora: LoraDetail | None = None
+    disaggregation: DisaggregationDetail | None = None
+    queues: QueueDetail | None = None
+
+
+DETAIL_SECTIONS: dict[str, type[NamedTuple]] = {
+    "memory": MemoryDetail,
+    "speculative": SpeculativeDetail,
+    "lora": LoraDetail,
+    "disaggregation": DisaggregationDetail,
+    "queues": QueueDetail,
+}
+DETAIL_SCALARS: tuple[str, ...] = LoadDetail._fields[:10]
+# flags: bit 0 = the slot holds a detail; bit 1 = decode_moments present; bits 2.. = the sections.
+DETAIL_PRESENT = 1
+DETAIL_FLAG: dict[str, int] = {
+    name: 1 << (i + 1) for i, name in enumerate(("decode_moments", *DETAIL_SECTIONS))
+}
+
+
+def _columns(prefix: str, record: type[NamedTuple]) -> list[tuple[str, str]]:
+    """DETAIL_DTYPE columns of a NamedTuple's int, float and str fields (from their annotations)."""
+    formats = {"float": "<f8", "int": "<i8", "str": f"S{DETAIL_MODE_BYTES}"}
+    # NamedTuple keeps the annotations as ForwardRefs here (postponed evaluation): compare their text.
+    kinds = {f: getattr(a, "__forward_arg__", a) for f, a in record.__annotations__.items()}
+    return [(prefix + f, formats[kinds[f]]) for f in record._fields if kinds[f] in formats]
+
+
+DETAIL_DTYPE = np.dtype(
+    [("flags", "<u8")]
+    + _columns("", LoadDetail)  # the scalars (the sections and decode_moments are not plain types)
+    + [("decode_moments_count", "<i8"), ("decode_moments", "<f8", (MAX_DECODE_MOMENTS,))]
+    + [col for name, section in DETAIL_SECTIONS.items() for col in _columns(f"{name}_", section)]
+)
+assert tuple(DETAIL_DTYPE.names[1 : 1 + len(DETAIL_SCALARS)]) == DETAIL_SCALARS
+DETAIL_SIZE = DETAIL_DTYPE.itemsize
+DETAIL_WORDS = DETAIL_SIZE // 8
+assert DETAIL_SIZE % 8 == 0 and DETAIL_OFFSET + DETAIL_SIZE <= SLOT_SIZE
+# What a GPU-direct kernel writes, as int64 words from the slot's start: the sequence, the fields,
+# and the detail's flags word (0: a kernel publishes no detail).
+DIRECT_SLOT_WORDS = DETAIL_OFFSET // 8 + 1
+
+# read_detailed_array(): a read_array record followed by the slot's detail words, one consistent read.
+DETAILED_DTYPE = np.dtype(
+    {
+        "names": ["load", "detail"],
+        "formats": [SNAPSHOT_DTYPE, DETAIL_DTYPE],
+        "offsets": [0, RECORD_SIZE],
+        "itemsize": RECORD_SIZE + DETAIL_SIZE,
+    }
+)
+
+
+def pack_detail(detail: LoadDetail | None, out: np.ndarray | None = None) -> np.ndarray:
+    """``detail`` as one DETAIL_DTYPE record (into ``out`` when given): what ``publish`` stores."""
+    rec = np.zeros(1, DETAIL_DTYPE) if out is None else out
+    rec[0] = 0
+    if detail is None:
+        return rec
+    flags = DETAIL_PRESENT
+    for f in DETAIL_SCALARS:
+        rec[f] = getattr(detail, f)
+    if detail.decode_moments is not None:
+        moments = tuple(detail.decode_moments)
+        if len(moments) > MAX_DECODE_MOMENTS:
+            raise ValueError(f"decode_moments has {len(moments)} values; a slot holds {MAX_DECODE_MOMENTS}")
+        rec["decode_moments_count"] = len(moments)
+        rec["decode_moments"][0, : len(moments)] = moments
+        flags |= DETAIL_FLAG["decode_moments"]
+    for name in DETAIL_SECTIONS:
+        section = getattr(detail, name)
+        if section is None:
+            continue
+        flags |= DETAIL_FLAG[name]
+        for f, value in zip(section._fields, section, strict=True):
+            if isinstance(value, str):
+                raw = value.encode()
+                if len(raw) > DETAIL_MODE_BYTES or b"\x00" in raw:
+                    raise ValueError(f"{name}.{f} {value!r} does not fit the slot's {DETAIL_MODE_BYTES}-byte text")
+                value = raw
+            rec[f"{name}_{f}"] = value
+    rec["flags"] = flags
+    return rec
+
+
+def unpack_detail(rec: np.void | np.ndarray) -> LoadDetail | None:
+    """The LoadDetail of one DETAIL_DTYPE record (None when the slot holds none)."""
+    flags = int(rec["flags"])
+    if not flags & DETAIL_PRESENT:
+        return None
+    values: dict[str, object] = {f: rec[f].item() for f in DETAIL_SCALARS}
+    if flags & DETAIL_FLAG["decode_moments"]:
+        count = int(rec["decode_moments_count"])
+        values["decode_moments"] = tuple(float(v) for v in rec["decode_moments"][:count])
+    for name, section in DETAIL_SECTIONS.items():
+        if flags & DETAIL_FLAG[name]:
+            items = [rec[f"{name}_{f}"].item() for f in section._fields]
+            values[name] = section(*(v.decode() if isinstance(v, bytes) else v for v in items))
+    return LoadDetail(**values)
 
 
 def segment_size(n_slots: int) -> int:

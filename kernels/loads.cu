@@ -149,6 +149,7 @@ __global__ void dpb_publish(const S *state, const L *seqlen, i64 num_requests, c
     fields[DPB_F_PUBLISH_SEQ] = publish_seq;
     fields[DPB_F_WRITER_PID] = writer_pid;
     fields[DPB_F_NODE_ID] = node_id;
+    ((volatile u64 *)slot)[DPB_DETAIL_OFFSET / 8] = 0ull;  // the detail flags: a kernel publishes no detail
     __threadfence_system();   // every field store is visible before the even store
     *seq = s + 2ull;          // even: the snapshot is whole
 

@@ -2,7 +2,9 @@
  * dpboard.board._seqlock: the seqlocked slot writer and the board reader, the two hot paths of the board.
  *
  * A slot is a 64-bit sequence word, then the int64 fields of a LoadSnapshot, then the owner word
- * and a reserved word (docs/FORMAT.md; the offsets come from dpboard_layout.h). One writer per slot;
+ * and a reserved word, then the detail words (an engine's whole snapshot beyond the dispatch fields;
+ * docs/FORMAT.md; the offsets come from dpboard_layout.h). One sequence covers fields and detail:
+ * a dispatch read copies the fields only, a detailed read both, and either is one whole write. One writer per slot;
  * any number of readers, in any process that maps the board. The owner word (pid and process start
  * time in one 64-bit value) is claimed with a compare-and-swap, so two would-be writers racing for
  * a slot cannot both win.
@@ -57,6 +59,9 @@
 #define NUM_FIELDS DPB_NUM_FIELDS
 #define FIELDS_OFFSET DPB_FIELDS_OFFSET
 #define OWNER_OFFSET DPB_OWNER_OFFSET
+#define DETAIL_OFFSET DPB_DETAIL_OFFSET
+#define DETAIL_WORDS DPB_DETAIL_WORDS
+#define DETAIL_SIZE DPB_DETAIL_SIZE
 #define RECORD_SIZE DPB_RECORD_SIZE
 #define RECORD_STATUS_OFFSET DPB_RECORD_STATUS_OFFSET
 #define F_DP_RANK DPB_F_DP_RANK
@@ -74,6 +79,10 @@ _Static_assert(FIELDS_OFFSET % 8 == 0 && FIELDS_OFFSET >= 8, "fields are aligned
 _Static_assert(FIELDS_OFFSET + 8 * NUM_FIELDS <= OWNER_OFFSET, "the fields end before the owner word");
 _Static_assert(OWNER_OFFSET % 8 == 0 && OWNER_OFFSET + 8 <= SLOT_SIZE, "the owner word is an aligned int64 in the slot");
 _Static_assert(SLOT_SIZE % 128 == 0, "slots are whole 128-byte lines: two writers never share a line");
+_Static_assert(DETAIL_OFFSET % 8 == 0 && DETAIL_OFFSET >= OWNER_OFFSET + 8 && DETAIL_SIZE == 8 * DETAIL_WORDS &&
+                   DETAIL_OFFSET + DETAIL_SIZE <= SLOT_SIZE,
+               "the detail words follow the owner word inside the slot");
+_Static_assert(DPB_DETAILED_RECORD_SIZE == RECORD_SIZE + DETAIL_SIZE, "a detailed record is a record, then the detail");
 _Static_assert(DPB_HEADER_SIZE % 128 == 0, "slots start on a 128-byte boundary");
 _Static_assert(RECORD_STATUS_OFFSET == 8 * NUM_FIELDS && RECORD_STATUS_OFFSET < RECORD_SIZE,
                "a read_array record is the fields, then the status byte");
@@ -111,16 +120,42 @@ typedef struct {
     int64_t node_id;
 } SlotWriter;
 
-static inline void seqlock_write(SlotWriter *w, const int64_t *values) {
+/* `detail`: DETAIL_WORDS words to store with the fields, or NULL for none (the flags word, the
+   detail's first, becomes 0, so a reader sees no stale detail beside new fields). */
+static inline void seqlock_write(SlotWriter *w, const int64_t *values, const uint64_t *detail) {
     uint64_t *seq = (uint64_t *)w->slot;
     int64_t *fields = (int64_t *)(w->slot + FIELDS_OFFSET);
+    uint64_t *words = (uint64_t *)(w->slot + DETAIL_OFFSET);
     uint64_t s = w->local_seq;
     __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_RELEASE); /* [W1] */
     for (int k = 0; k < NUM_FIELDS; k++)
         __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
+    if (detail == NULL) {
+        __atomic_store_n(&words[0], (uint64_t)0, __ATOMIC_RELAXED);
+    } else {
+        for (int k = 0; k < DETAIL_WORDS; k++) __atomic_store_n(&words[k], detail[k], __ATOMIC_RELAXED);
+    }
     __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE); /* [W2] */
     w->local_seq = s + 2;
+}
+
+/* The detail argument of publish()/publish_relayed(): None, or a buffer of exactly DETAIL_SIZE bytes
+   (a DETAIL_DTYPE record, as dpboard.snapshot.pack_detail makes). Copied out, so that the buffer may
+   be reused and is never read inside the write. Returns 0 (no detail), 1 (copied) or -1. */
+static int get_detail(PyObject *obj, uint64_t *out) {
+    if (obj == Py_None) return 0;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(obj, &buf, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (buf.len != DETAIL_SIZE) {
+        PyErr_Format(PyExc_ValueError, "detail must be %d bytes (one DETAIL_DTYPE record: pack_detail()), got %zd",
+                     DETAIL_SIZE, buf.len);
+        PyBuffer_Release(&buf);
+        return -1;
+    }
+    memcpy(out, buf.buf, DETAIL_SIZE);
+    PyBuffer_Release(&buf);
+    return 1;
 }
 
 static void writer_dealloc(SlotWriter *self) {
@@ -203,11 +238,24 @@ static inline void stamp(SlotWriter *self, int64_t *values) {
     values[F_NODE_ID] = self->node_id;
 }
 
-static PyObject *writer_publish(SlotWriter *self, PyObject *snap) {
+/* The (snapshot[, detail]) arguments of publish() and publish_relayed(). */
+static int publish_args(const char *name, PyObject *const *args, Py_ssize_t nargs, uint64_t *detail, int *has_detail) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "%s(snapshot, detail=None) takes 1 or 2 arguments, got %zd", name, nargs);
+        return -1;
+    }
+    *has_detail = nargs == 2 ? get_detail(args[1], detail) : 0;
+    return *has_detail < 0 ? -1 : 0;
+}
+
+static PyObject *writer_publish(SlotWriter *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t values[NUM_FIELDS];
-    if (read_load_fields(snap, values, self->rank) < 0) return NULL;
+    uint64_t detail[DETAIL_WORDS];
+    int has_detail;
+    if (publish_args("publish", args, nargs, detail, &has_detail) < 0) return NULL;
+    if (read_load_fields(args[0], values, self->rank) < 0) return NULL;
     stamp(self, values);
-    seqlock_write(self, values);
+    seqlock_write(self, values, has_detail ? detail : NULL);
     Py_RETURN_NONE;
 }
 
@@ -225,15 +273,19 @@ static PyObject *writer_publish_values(SlotWriter *self, PyObject *const *args, 
     for (int k = 1; k <= F_NUM_LOAD_LAST; k++)
         if (parse_load_field(args[k - 1], k, "", &values[k]) < 0) return NULL;
     stamp(self, values);
-    seqlock_write(self, values);
+    seqlock_write(self, values, NULL);
     Py_RETURN_NONE;
 }
 
 /* publish_relayed(snapshot): copy a snapshot written on another node. Keeps its timestamp_ns,
    publish_seq, writer_pid and node_id; stamps monotonic_ns with this node's clock (the receive
    time), since another node's monotonic clock means nothing here. */
-static PyObject *writer_publish_relayed(SlotWriter *self, PyObject *snap) {
+static PyObject *writer_publish_relayed(SlotWriter *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t values[NUM_FIELDS];
+    uint64_t detail[DETAIL_WORDS];
+    int has_detail;
+    if (publish_args("publish_relayed", args, nargs, detail, &has_detail) < 0) return NULL;
+    PyObject *snap = args[0];
     if (read_load_fields(snap, values, self->rank) < 0) return NULL;
     for (int k = F_TIMESTAMP_NS; k < NUM_FIELDS; k++) {
         PyObject *item = PyTuple_GET_ITEM(snap, k);
@@ -247,7 +299,7 @@ static PyObject *writer_publish_relayed(SlotWriter *self, PyObject *snap) {
         values[k] = v;
     }
     values[F_MONOTONIC_NS] = clock_ns(CLOCK_MONOTONIC);
-    seqlock_write(self, values);
+    seqlock_write(self, values, has_detail ? detail : NULL);
     Py_RETURN_NONE;
 }
 
@@ -270,6 +322,7 @@ static PyObject *writer_publish_paused(SlotWriter *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS nanosleep(&ts, NULL);
     Py_END_ALLOW_THREADS
     for (int k = NUM_FIELDS / 2; k < NUM_FIELDS; k++) __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(self->slot + DETAIL_OFFSET), (uint64_t)0, __ATOMIC_RELAXED);
     __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE);
     self->local_seq = s + 2;
     Py_RETURN_NONE;
@@ -284,14 +337,14 @@ static PyObject *writer_get_sequence(SlotWriter *self, void *closure) {
 }
 
 static PyMethodDef writer_methods[] = {
-    {"publish", (PyCFunction)writer_publish, METH_O,
-     "publish(snapshot): write a LoadSnapshot into this writer's slot; the writer stamps\n"
-     "timestamp_ns, monotonic_ns, publish_seq, writer_pid and node_id."},
+    {"publish", (PyCFunction)(void (*)(void))writer_publish, METH_FASTCALL,
+     "publish(snapshot, detail=None): write a LoadSnapshot (and a packed LoadDetail, or none) into\n"
+     "this writer's slot; the writer stamps timestamp_ns, monotonic_ns, publish_seq, writer_pid and node_id."},
     {"publish_values", (PyCFunction)(void (*)(void))writer_publish_values, METH_FASTCALL,
      "publish_values(num_running_reqs, num_waiting_reqs, num_used_tokens, num_total_tokens,\n"
      "num_active_tokens, max_total_num_tokens, num_received_reqs): publish without a LoadSnapshot."},
-    {"publish_relayed", (PyCFunction)writer_publish_relayed, METH_O,
-     "publish_relayed(snapshot): copy a snapshot from another node, stamping only monotonic_ns."},
+    {"publish_relayed", (PyCFunction)(void (*)(void))writer_publish_relayed, METH_FASTCALL,
+     "publish_relayed(snapshot, detail=None): copy a snapshot from another node, stamping only monotonic_ns."},
     {"_publish_paused", (PyCFunction)writer_publish_paused, METH_VARARGS,
      "Test-only: publish with a pause (seconds) in the middle of the write."},
     {NULL}};
@@ -342,10 +395,14 @@ typedef struct {
 } BoardView;
 
 /* Copies slot i into dst[0..12] and returns its status. Bounded by max_retries. */
-static inline int read_slot(const char *slot, int64_t *dst, int max_retries, int64_t now,
-                            int64_t stale_after) {
+/* Copies the fields of a slot into dst[0..NUM_FIELDS) and, when `detail` is not NULL, its detail
+   words too, all from one write; returns the slot's status. Bounded by max_retries. Inlined with a
+   NULL detail, the dispatch read does no work for the detail. */
+static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *detail, int max_retries, int64_t now,
+                                  int64_t stale_after) {
     const uint64_t *seqp = (const uint64_t *)slot;
     const int64_t *fields = (const int64_t *)(slot + FIELDS_OFFSET);
+    const uint64_t *words = (const uint64_t *)(slot + DETAIL_OFFSET);
     for (int attempt = 0; attempt < max_retries; attempt++) {
         uint64_t s1 = __atomic_load_n(seqp, __ATOMIC_ACQUIRE); /* [R1] */
         if (s1 & 1) {
@@ -354,16 +411,24 @@ static inline int read_slot(const char *slot, int64_t *dst, int max_retries, int
         }
         if (s1 == 0) {
             memset(dst, 0, NUM_FIELDS * sizeof(int64_t));
+            if (detail != NULL) memset(detail, 0, DETAIL_SIZE);
             return ST_EMPTY;
         }
         for (int k = 0; k < NUM_FIELDS; k++) dst[k] = __atomic_load_n(&fields[k], __ATOMIC_RELAXED);
+        if (detail != NULL)
+            for (int k = 0; k < DETAIL_WORDS; k++) detail[k] = __atomic_load_n(&words[k], __ATOMIC_RELAXED);
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* [R2] */
         uint64_t s2 = __atomic_load_n(seqp, __ATOMIC_RELAXED);
         if (s1 == s2) return (now - dst[F_MONOTONIC_NS] > stale_after) ? ST_STALE : ST_LIVE;
         cpu_relax();
     }
     memset(dst, 0, NUM_FIELDS * sizeof(int64_t));
+    if (detail != NULL) memset(detail, 0, DETAIL_SIZE);
     return ST_TORN;
+}
+
+static inline int read_slot(const char *slot, int64_t *dst, int max_retries, int64_t now, int64_t stale_after) {
+    return read_slot_words(slot, dst, NULL, max_retries, now, stale_after);
 }
 
 static void view_dealloc(BoardView *self) {
@@ -578,7 +643,64 @@ static PyObject *view_read_all(BoardView *self, PyObject *unused) {
     return list;
 }
 
+/* read_detailed(rank) -> (SlotStatus, LoadSnapshot | None, bytes | None): fields and detail from one
+   write; the detail is the DETAIL_SIZE bytes of a DETAIL_DTYPE record, None when the slot has none. */
+static PyObject *view_read_detailed(BoardView *self, PyObject *arg) {
+    int64_t values[NUM_FIELDS];
+    uint64_t detail[DETAIL_WORDS];
+    Py_ssize_t r;
+    if (check_rank(self, arg, &r) < 0) return NULL;
+    int st = read_slot_words(self->slots + r * SLOT_SIZE, values, detail, self->max_retries,
+                             clock_ns(CLOCK_MONOTONIC), self->stale_after_ns);
+    PyObject *snap, *raw;
+    if (st == ST_EMPTY || st == ST_TORN) {
+        snap = Py_NewRef(Py_None);
+    } else if ((snap = make_snapshot(self, values)) == NULL) {
+        return NULL;
+    }
+    if (snap == Py_None || !(detail[0] & DPB_DETAIL_PRESENT)) {
+        raw = Py_NewRef(Py_None);
+    } else if ((raw = PyBytes_FromStringAndSize((const char *)detail, DETAIL_SIZE)) == NULL) {
+        Py_DECREF(snap);
+        return NULL;
+    }
+    PyObject *out = PyTuple_Pack(3, PyTuple_GET_ITEM(self->statuses, st), snap, raw);
+    Py_DECREF(snap);
+    Py_DECREF(raw);
+    return out;
+}
+
+/* read_detailed_array(out) -> out: every slot as a DETAILED_DTYPE record (a read_array record, then
+   the detail words), each from one write. `out` is the caller's: this path is for views, not dispatch. */
+static PyObject *view_read_detailed_array(BoardView *self, PyObject *out) {
+    Py_buffer buf;
+    if (PyObject_GetBuffer(out, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (buf.len < self->n_slots * DPB_DETAILED_RECORD_SIZE || ((uintptr_t)buf.buf & 7) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "read_detailed_array(out) needs a C-contiguous, 8-byte aligned array of at least %zd "
+                     "DETAILED_DTYPE records (%zd bytes), got %zd bytes",
+                     self->n_slots, self->n_slots * (Py_ssize_t)DPB_DETAILED_RECORD_SIZE, buf.len);
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    for (Py_ssize_t i = 0; i < self->n_slots; i++) {
+        char *rec = (char *)buf.buf + i * DPB_DETAILED_RECORD_SIZE;
+        int st = read_slot_words(self->slots + i * SLOT_SIZE, (int64_t *)rec, (uint64_t *)(rec + RECORD_SIZE),
+                                 self->max_retries, now, self->stale_after_ns);
+        if (st == ST_EMPTY || st == ST_TORN) ((int64_t *)rec)[F_DP_RANK] = i;
+        memset(rec + RECORD_STATUS_OFFSET, 0, RECORD_SIZE - RECORD_STATUS_OFFSET);
+        rec[RECORD_STATUS_OFFSET] = (char)st;
+    }
+    PyBuffer_Release(&buf);
+    return Py_NewRef(out);
+}
+
 static PyMethodDef view_methods[] = {
+    {"read_detailed", (PyCFunction)view_read_detailed, METH_O,
+     "read_detailed(rank) -> (SlotStatus, LoadSnapshot | None, detail bytes | None), from one write"},
+    {"read_detailed_array", (PyCFunction)view_read_detailed_array, METH_O,
+     "read_detailed_array(out) -> out: every slot as a DETAILED_DTYPE record (fields, status, detail)"},
     {"read", (PyCFunction)view_read, METH_O, "read(rank) -> LoadSnapshot | None (None: empty or torn)"},
     {"read_with_status", (PyCFunction)view_read_with_status, METH_O,
      "read_with_status(rank) -> (SlotStatus, LoadSnapshot | None), from one consistent read"},
@@ -690,7 +812,9 @@ PyMODINIT_FUNC PyInit__seqlock(void) {
         PyModule_AddIntConstant(m, "OWNER_OFFSET", DPB_OWNER_OFFSET) < 0 ||
         PyModule_AddIntConstant(m, "OWNER_PID_BITS", DPB_OWNER_PID_BITS) < 0 ||
         PyModule_AddIntConstant(m, "RECORD_SIZE", DPB_RECORD_SIZE) < 0 ||
-        PyModule_AddIntConstant(m, "RECORD_STATUS_OFFSET", DPB_RECORD_STATUS_OFFSET) < 0) {
+        PyModule_AddIntConstant(m, "RECORD_STATUS_OFFSET", DPB_RECORD_STATUS_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "DETAIL_OFFSET", DPB_DETAIL_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "DETAIL_SIZE", DPB_DETAIL_SIZE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

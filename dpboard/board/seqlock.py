@@ -8,8 +8,11 @@ built from another layout is an ImportError naming both values, never a silent m
 
 from __future__ import annotations
 
+import numpy as np
+
 from dpboard import snapshot
 from dpboard.board import _seqlock
+from dpboard.snapshot import DETAIL_DTYPE, LoadDetail, LoadSnapshot, SlotStatus, pack_detail, unpack_detail
 
 # The facts the extension's reads and writes depend on, compared at import.
 _COMPILED_LAYOUT = (
@@ -22,6 +25,8 @@ _COMPILED_LAYOUT = (
     "OWNER_PID_BITS",
     "RECORD_SIZE",
     "RECORD_STATUS_OFFSET",
+    "DETAIL_OFFSET",
+    "DETAIL_SIZE",
 )
 
 
@@ -47,9 +52,18 @@ class BoardWriter(_seqlock.SlotWriter):
 
     The writer stamps ``timestamp_ns`` (CLOCK_REALTIME), ``monotonic_ns`` (CLOCK_MONOTONIC),
     ``publish_seq``, ``writer_pid`` and ``node_id``; whatever the caller put there is ignored.
+    ``publish_detailed(snapshot, detail)`` also stores a ``LoadDetail`` (an engine's whole snapshot
+    beyond the dispatch fields) under the same sequence; a plain ``publish`` clears it.
     """
 
     board_name: str
+    _detail_buffer: np.ndarray | None = None
+
+    def publish_detailed(self, snapshot: LoadSnapshot, detail: LoadDetail | None) -> None:
+        """Publish the fields and the detail as one write (None: no detail, as ``publish``)."""
+        if self._detail_buffer is None:
+            self._detail_buffer = np.zeros(1, DETAIL_DTYPE)
+        self.publish(snapshot, pack_detail(detail, self._detail_buffer))
 
 
 class BoardReader(_seqlock.BoardView):
@@ -66,6 +80,13 @@ class BoardReader(_seqlock.BoardView):
     def stale_after(self) -> float:
         """Seconds without a publish after which a slot reads as STALE."""
         return self.stale_after_ns / 1e9
+
+    def read_detail(self, rank: int) -> tuple[SlotStatus, LoadSnapshot | None, LoadDetail | None]:
+        """The slot's status, snapshot and detail, from one write (the detail is None when the writer
+        published none, and with the snapshot when the slot is EMPTY or TORN)."""
+        status, snap, raw = self.read_detailed(rank)
+        detail = None if raw is None else unpack_detail(np.frombuffer(raw, DETAIL_DTYPE)[0])
+        return status, snap, detail
 
 
 slot_owner = _seqlock.slot_owner

@@ -30,6 +30,7 @@ from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.loads import counters as c
 from dpboard.loads.tables import array_info
 from dpboard.snapshot import (
+    DETAIL_OFFSET,
     DIRECT_STATUS_INDEX,
     FIELD_INDEX,
     FIELDS_OFFSET,
@@ -55,6 +56,7 @@ _W_DP_RANK, _W_RUNNING, _W_WAITING, _W_USED, _W_TOTAL, _W_ACTIVE, _W_CAPACITY, _
     _W0 + FIELD_INDEX[name] for name in (
         "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
         "num_active_tokens", "max_total_num_tokens", "num_received_reqs"))
+_W_DETAIL_FLAGS = DETAIL_OFFSET // 8  # a kernel publishes no detail: its flags word is 0
 _W_TIMESTAMP, _W_MONOTONIC, _W_PUBLISH_SEQ, _W_PID, _W_NODE = (
     _W0 + FIELD_INDEX[name] for name in ("timestamp_ns", "monotonic_ns", "publish_seq", "writer_pid", "node_id"))
 _S_LAUNCH_ID, _S_PUBLISHED, _S_BAD_REQ, _S_BAD_PAGE, _S_BAD_SEQLEN, _S_PUBLISH_SEQ = (
@@ -255,7 +257,7 @@ def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
 
     @cuda.jit
     def publish_kernel(state, seqlen, pages, page_size, accum, ticket, slot, host_fields, status, launch_id):
-        # slot: int64 view of the board slot (the sequence word, then the fields: SLOT_WORDS words).
+        # slot: int64 view of the board slot from its start (DIRECT_SLOT_WORDS words).
         # host_fields: int64[6] = dp_rank, num_received_reqs, timestamp_ns, monotonic_ns, writer_pid, node_id.
         acc = cuda.local.array(NUM_RAW, int64)
         accumulate(state, seqlen, pages, acc)
@@ -292,6 +294,7 @@ def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
         slot[_W_PUBLISH_SEQ] = publish_seq
         slot[_W_PID] = host_fields[4]
         slot[_W_NODE] = host_fields[5]
+        slot[_W_DETAIL_FLAGS] = 0
         cuda.threadfence_system()
         cuda.atomic.exch(slot, 0, s + 2)  # even: the snapshot is whole
         status[_S_PUBLISH_SEQ] = publish_seq

@@ -21,7 +21,7 @@ import numpy as np
 from dpboard.errors import InvalidInputError
 from dpboard.loads.cuda import CupyRunner, NumbaCudaRunner, cupy_function, grid_size, simulator_enabled
 from dpboard.loads.tables import array_info
-from dpboard.snapshot import DIRECT_STATUS_INDEX, DIRECT_STATUS_WORDS, SLOT_WORDS
+from dpboard.snapshot import DIRECT_SLOT_WORDS, DIRECT_STATUS_INDEX, DIRECT_STATUS_WORDS
 
 ST_LAUNCH_ID, ST_PUBLISHED, ST_BAD_REQ, ST_BAD_PAGE, ST_BAD_SEQLEN, ST_PUBLISH_SEQ = (
     DIRECT_STATUS_INDEX[name] for name in (
@@ -34,8 +34,8 @@ _registered_lock = threading.Lock()
 
 
 def slot_view(slot_address: int) -> np.ndarray:
-    """An int64[SLOT_WORDS] NumPy view of a board slot at ``slot_address`` (the writer keeps the mapping)."""
-    buf = (ctypes.c_int64 * SLOT_WORDS).from_address(slot_address)
+    """An int64[DIRECT_SLOT_WORDS] NumPy view of a board slot at ``slot_address`` (the writer keeps the mapping)."""
+    buf = (ctypes.c_int64 * DIRECT_SLOT_WORDS).from_address(slot_address)
     return np.frombuffer(buf, dtype=np.int64)
 
 
@@ -111,7 +111,7 @@ class NumbaDirectPublisher(DirectPublisherBase):
             pin = cuda.current_context().mempin(page, page_base, PAGE, mapped=True)
             offset = self.slot_address - page_base
             device_page = cuda.devicearray.from_array_like(page, gpu_data=pin)
-            self.slot = device_page[offset : offset + 8 * SLOT_WORDS].view(np.int64)
+            self.slot = device_page[offset : offset + 8 * DIRECT_SLOT_WORDS].view(np.int64)
             self.status = cuda.mapped_array(STATUS_WORDS, dtype=np.int64)
             self.status_host = self.status
             self._pins = [pin]

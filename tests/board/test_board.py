@@ -17,7 +17,22 @@ import numpy as np
 import pytest
 
 from dpboard import SNAPSHOT_DTYPE, Board, BoardError, BoardLayoutError, LoadSnapshot, SlotStatus
-from dpboard.snapshot import HEADER_SIZE, LAYOUT_VERSION, OWNER_OFFSET, SLOT_SIZE, pack_owner, slot_offset
+from dpboard.snapshot import (
+    DETAILED_DTYPE,
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    OWNER_OFFSET,
+    SLOT_SIZE,
+    DisaggregationDetail,
+    LoadDetail,
+    LoraDetail,
+    MemoryDetail,
+    QueueDetail,
+    SpeculativeDetail,
+    pack_owner,
+    slot_offset,
+    unpack_detail,
+)
 from tests.support.names import new_board_name
 from tests.support.raw import raw_segment
 
@@ -356,6 +371,96 @@ def test_no_torn_reads_under_concurrent_writers_and_readers(board):
         assert final[w["rank"]].publish_seq == w["publishes"]
 
 
+def test_details_and_fields_come_from_one_write_under_concurrency(board):
+    """Writers alternate detailed and plain publishes; readers check every detail against the fields
+    it was read with (one slot at a time and all at once)."""
+    seconds = 2.0
+    writers = [start("detailed_writer", board.name, rank, seconds) for rank in (1, 4)]
+    readers = [start("detailed_reader", board.name, seconds) for _ in range(2)]
+    try:
+        w_results = [result(p) for p in writers]
+        r_results = [result(p) for p in readers]
+    finally:
+        for p in writers + readers:
+            p.kill()
+            p.wait(timeout=10)
+    assert all(w["publishes"] > 200 for w in w_results)
+    assert sum(r["reads"] for r in r_results) > 1000
+    assert [r["bad"] for r in r_results] == [0, 0], r_results
+
+
+# -- the detail: an engine's whole snapshot beside the dispatch fields ---------------------------
+
+
+FULL_DETAIL = LoadDetail(
+    timestamp=1764498000.123456, num_waiting_uncached_tokens=5, num_prealloc_ready_tokens=6,
+    max_running_requests=1024, token_usage=0.3125, gen_throughput=1234.5, cache_hit_rate=0.75,
+    utilization=0.5, total_prefill_uncached_tokens=2**40, total_prefill_busy_us=123456789,
+    decode_moments=(10.0, 20.5, 30.25, 40.0, 50.0, 60.0),
+    memory=MemoryDetail(15.5, 60.25, 2.5, 500000),
+    speculative=SpeculativeDetail(3.5, 0.875),
+    lora=LoraDetail(2, 8, 0.25),
+    disaggregation=DisaggregationDetail("decode", 1, 2, 3, 4, 5, 12.5, 0.75),
+    queues=QueueDetail(1, 2, 3, 4, 5),
+)
+
+
+def test_a_detail_round_trips_field_for_field(board):
+    w = board.writer(3)
+    snap = LoadSnapshot(dp_rank=3, num_running_reqs=4, num_total_tokens=100)
+    w.publish_detailed(snap, FULL_DETAIL)
+    r = board.reader()
+    status, got, detail = r.read_detail(3)
+    assert status is SlotStatus.LIVE and got.num_running_reqs == 4 and got.num_total_tokens == 100
+    assert detail == FULL_DETAIL
+    # every section may be absent, and an empty list of moments is not None
+    sparse = LoadDetail(timestamp=2.0, decode_moments=())
+    w.publish_detailed(snap, sparse)
+    assert r.read_detail(3)[2] == sparse
+    # the dispatch read is unchanged by a detail
+    assert r.read(3) == r.read_detail(3)[1]._replace(monotonic_ns=r.read(3).monotonic_ns)
+
+
+def test_a_plain_publish_clears_the_detail(board):
+    w = board.writer(0)
+    w.publish_detailed(LoadSnapshot(dp_rank=0), FULL_DETAIL)
+    w.publish(LoadSnapshot(dp_rank=0, num_running_reqs=1))
+    r = board.reader()
+    assert r.read_detail(0)[2] is None
+    w.publish_detailed(LoadSnapshot(dp_rank=0), FULL_DETAIL)
+    w.publish_values(1, 0, 0, 0, 0, 10, 0)
+    assert r.read_detail(0)[2] is None
+    assert r.read_detail(5) == (SlotStatus.EMPTY, None, None)
+
+
+def test_read_detailed_array_holds_fields_status_and_detail(board):
+    board.writer(2).publish_detailed(LoadSnapshot(dp_rank=2, num_waiting_reqs=3), FULL_DETAIL)
+    board.writer(6).publish(LoadSnapshot(dp_rank=6, num_waiting_reqs=1))
+    out = np.zeros(board.n_slots, DETAILED_DTYPE)
+    arr = board.reader().read_detailed_array(out)
+    assert arr is out
+    assert [SlotStatus(s) for s in arr["load"]["status"]] == [
+        SlotStatus.EMPTY, SlotStatus.EMPTY, SlotStatus.LIVE, SlotStatus.EMPTY, SlotStatus.EMPTY, SlotStatus.EMPTY,
+        SlotStatus.LIVE, SlotStatus.EMPTY]
+    assert list(arr["load"]["dp_rank"]) == list(range(8))
+    assert unpack_detail(arr["detail"][2]) == FULL_DETAIL and arr["load"]["num_waiting_reqs"][2] == 3
+    assert unpack_detail(arr["detail"][6]) is None
+    with pytest.raises(ValueError, match="at least 8 DETAILED_DTYPE records"):
+        board.reader().read_detailed_array(np.zeros(2, DETAILED_DTYPE))
+
+
+def test_a_detail_that_does_not_fit_is_refused(board):
+    w = board.writer(1)
+    with pytest.raises(ValueError, match="does not fit the slot's 8-byte text"):
+        w.publish_detailed(LoadSnapshot(dp_rank=1), FULL_DETAIL._replace(
+            disaggregation=DisaggregationDetail("prefill-and-decode")))
+    with pytest.raises(ValueError, match="decode_moments has 9 values; a slot holds 8"):
+        w.publish_detailed(LoadSnapshot(dp_rank=1), LoadDetail(decode_moments=(0.0,) * 9))
+    with pytest.raises(ValueError, match="detail must be 336 bytes"):
+        w.publish(LoadSnapshot(dp_rank=1), b"short")
+    assert board.reader().read(1) is None  # nothing was published
+
+
 # -- boards on this machine -----------------------------------------------------------------------
 
 
@@ -404,7 +509,7 @@ def test_read_only_commands_print_the_board_without_importing_numba(board, comma
         assert [s["status"] for s in slots].count("live") == 1
         assert slots[2]["num_running_reqs"] == 7 and slots[2]["token_usage"] == 0.5
     elif command == ["info"]:
-        assert "8 slots x 128 B" in proc.stdout and "1 live" in proc.stdout
+        assert f"8 slots x {SLOT_SIZE} B" in proc.stdout and "1 live" in proc.stdout
     else:
         assert board.name in proc.stdout
 

@@ -1,6 +1,6 @@
 """Processes that the board tests start: real writers and readers in their own interpreters.
 
-Run as ``python tests/board_procs.py ROLE BOARD ...``; each role prints one JSON line when done.
+Run as ``python tests/support/board_procs.py ROLE BOARD ...``; each role prints one JSON line when done.
 """
 
 from __future__ import annotations
@@ -10,7 +10,18 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from dpboard import Board, LoadSnapshot
+from dpboard.snapshot import (
+    DETAILED_DTYPE,
+    DisaggregationDetail,
+    LoadDetail,
+    MemoryDetail,
+    QueueDetail,
+    SpeculativeDetail,
+    unpack_detail,
+)
 
 
 def consistent_snapshot(rank: int, k: int) -> LoadSnapshot:
@@ -33,6 +44,66 @@ def check_snapshot(snap: LoadSnapshot) -> bool:
     return snap == consistent_snapshot(snap.dp_rank, k)._replace(
         **{f: getattr(snap, f) for f in LoadSnapshot._fields[8:]}
     ) and snap.publish_seq >= 1
+
+
+def consistent_detail(k: int) -> LoadDetail | None:
+    """A detail derived from k like consistent_snapshot, with sections present or not by k, and none
+    at all for every fifth k (a plain publish, which clears the detail)."""
+    if k % 5 == 0:
+        return None
+    return LoadDetail(
+        timestamp=k * 0.5,
+        num_waiting_uncached_tokens=k + 1,
+        max_running_requests=k * 4,
+        token_usage=k / 1e6,
+        total_prefill_busy_us=k * 9,
+        decode_moments=tuple(float(k + i) for i in range(6)) if k % 3 else None,
+        memory=MemoryDetail(k * 1.0, k * 2.0, k * 3.0, k * 4) if k % 2 == 0 else None,
+        speculative=SpeculativeDetail(k * 0.25, 0.5) if k % 2 else None,
+        disaggregation=DisaggregationDetail("prefill" if k % 2 else "decode", k, k + 1, k + 2, k + 3, k + 4,
+                                            k * 0.1, k * 0.2),
+        queues=QueueDetail(k, k + 1, k + 2, k + 3, k + 4) if k % 7 else None,
+    )
+
+
+def detailed_writer(board_name: str, rank: int, seconds: float) -> None:
+    board = Board.attach(board_name)
+    w = board.writer(rank)
+    deadline = time.monotonic() + seconds
+    k = 0
+    while time.monotonic() < deadline:
+        for _ in range(200):
+            k += 1
+            detail = consistent_detail(k)
+            if detail is None:
+                w.publish(consistent_snapshot(rank, k))
+            else:
+                w.publish_detailed(consistent_snapshot(rank, k), detail)
+    print(json.dumps({"role": "detailed_writer", "rank": rank, "publishes": k}), flush=True)
+
+
+def detailed_reader(board_name: str, seconds: float) -> None:
+    """Reads fields and details together (one slot, and every slot at once) and checks that both
+    come from the same write."""
+    board = Board.attach(board_name)
+    r = board.reader()
+    out = np.zeros(board.n_slots, DETAILED_DTYPE)
+    deadline = time.monotonic() + seconds
+    reads = bad = 0
+    while time.monotonic() < deadline:
+        for rank in range(board.n_slots):
+            _, snap, detail = r.read_detail(rank)
+            if snap is None:
+                continue
+            reads += 1
+            bad += not check_snapshot(snap) or detail != consistent_detail(snap.num_running_reqs)
+        for rec in r.read_detailed_array(out):
+            if rec["load"]["status"] != 1:
+                continue
+            reads += 1
+            k = int(rec["load"]["num_running_reqs"])
+            bad += unpack_detail(rec["detail"]) != consistent_detail(k) or int(rec["load"]["num_used_tokens"]) != 3 * k
+    print(json.dumps({"role": "detailed_reader", "reads": reads, "bad": bad}), flush=True)
 
 
 def writer(board_name: str, rank: int, seconds: float) -> None:
@@ -115,6 +186,10 @@ if __name__ == "__main__":
         writer(name, int(rest[0]), float(rest[1]))
     elif role == "reader":
         reader(name, float(rest[0]))
+    elif role == "detailed_writer":
+        detailed_writer(name, int(rest[0]), float(rest[1]))
+    elif role == "detailed_reader":
+        detailed_reader(name, float(rest[0]))
     elif role == "paused_writer":
         paused_writer(name, int(rest[0]))
     elif role == "hold_writer":

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpboard import Board, PageState, ReqState, compute_loads
+from dpboard import Board, LoadSnapshot, PageState, ReqState, compute_loads
 from dpboard.loads import cuda as kc
 from dpboard.publish import gpu_direct
+from dpboard.snapshot import LoadDetail
 
 assert kc.simulator_enabled(), "run with NUMBA_ENABLE_CUDASIM=1"
 
@@ -73,7 +74,9 @@ def test_gpu_direct_publish_writes_a_whole_snapshot(board_name):
     name = board_name
     with Board.create(name, n_slots=4, node_id=3) as board:
         writer = board.writer(2)
-        writer.publish_values(1, 1, 1, 1, 1, 1, 1)  # publish_seq 1 by the host
+        # publish_seq 1 by the host, with a detail that a kernel's publish must clear
+        writer.publish_detailed(LoadSnapshot(dp_rank=2, num_running_reqs=1), LoadDetail(timestamp=1.0))
+        assert board.reader().read_detail(2)[2] == LoadDetail(timestamp=1.0)
         pub = gpu_direct.NumbaDirectPublisher(writer, page_size=16, node_id=3)
         tables = step_tables(4)
         pub.publish(*tables, num_received_reqs=77)
@@ -84,6 +87,7 @@ def test_gpu_direct_publish_writes_a_whole_snapshot(board_name):
         assert (snap.dp_rank, snap.num_received_reqs, snap.publish_seq, snap.writer_pid, snap.node_id) == (
             2, 77, 2, os.getpid(), 3)
         assert pub.poll()["published"] == 1 and pub.poll()["publish_seq"] == 2
+        assert board.reader().read_detail(2)[2] is None
         seq_before = gpu_direct.slot_view(writer.slot_address)[0]
         assert seq_before % 2 == 0
 
