@@ -1,0 +1,149 @@
+"""The prefix index and the block hashes it is keyed by."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpboard.controller import _prefix
+from dpboard.controller.prefix_index import (
+    PrefixIndex,
+    block_hashes,
+    block_hashes_py,
+    frame_block_hashes,
+    request_block_hashes,
+)
+
+token_ids = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=token_ids, block_size=st.integers(1, 40))
+def test_the_c_hashes_equal_the_python_oracle(ids, block_size):
+    expected = block_hashes_py(ids, block_size)
+    assert block_hashes(ids, block_size) == expected
+    assert len(expected) == len(ids) // block_size
+    frame = msgpack.packb({"rid": 1, "input_ids": ids}, use_bin_type=True)
+    assert frame_block_hashes(frame, block_size) == (len(ids), expected)
+
+
+def test_hashes_are_chained_over_the_prefix():
+    a = list(range(100))
+    b = a[:60] + [999] + a[61:]
+    ha, hb = block_hashes(a, 10), block_hashes(b, 10)
+    assert ha[:6] == hb[:6] and all(x != y for x, y in zip(ha[6:], hb[6:], strict=True))
+    c = [5] + a[1:]  # the first token differs: no block hash is shared, however equal the rest is
+    assert not set(block_hashes(c, 10)) & set(ha)
+    assert block_hashes(a[:30] + [7] * 9, 10) == ha[:3]  # a partial last block has no hash
+
+
+def test_frames_with_other_keys_of_every_kind():
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    frame = msgpack.packb({
+        "rid": "r-1", "routed_dp_rank": None, "bootstrap_room": 2**40, "flag": True, "temp": 0.7,
+        "stop": ["\n", "x" * 40], "nested": {"a": [1, {"b": b"\x00" * 300}], "c": -1.5}, "input_ids": ids,
+        "after": "ignored",
+    }, use_bin_type=True)
+    assert frame_block_hashes(frame, 4) == (8, block_hashes_py(ids, 4))
+    assert frame_block_hashes(msgpack.packb({"rid": 1, "num_tokens": 9}), 4) is None
+    assert frame_block_hashes(msgpack.packb({"rid": 1, "input_ids": None}), 4) is None
+
+
+@pytest.mark.parametrize(("frame", "words"), [
+    (msgpack.packb([1, 2, 3]), "not a msgpack map"),
+    (msgpack.packb({"input_ids": "abc"}), "input_ids is not an array"),
+    (msgpack.packb({"input_ids": [1, 2.5]}), r"input_ids\[1\] is not an integer"),
+    (msgpack.packb({"input_ids": [1, 2**64 - 1]}), r"input_ids\[1\] is not an integer that fits 64 bits"),
+    (msgpack.packb({"rid": 1, "input_ids": list(range(50))})[:-10], r"input_ids\[4\d\]"),
+    (msgpack.packb({"rid": "x" * 40, "input_ids": [1]})[:20], "malformed map entry"),
+])
+def test_a_malformed_frame_is_a_clear_error(frame, words):
+    with pytest.raises(ValueError, match=words):
+        _prefix.hash_frame_blocks(frame, 4)
+
+
+def test_bad_token_lists_and_block_sizes():
+    with pytest.raises(ValueError, match=r"input_ids\[1\] is not a 64-bit integer token id"):
+        block_hashes([1, "2"], 1)
+    with pytest.raises(ValueError, match=r"input_ids\[0\]"):
+        block_hashes([2**70], 1)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        block_hashes([1, 2], 0)
+
+
+# -- the index ----------------------------------------------------------------------------------------
+
+
+def prompt(tag: int, blocks: int, block_size: int = 4) -> list[int]:
+    return [tag * 1000 + i for i in range(blocks * block_size)]
+
+
+def test_match_counts_the_leading_blocks_each_rank_holds():
+    idx = PrefixIndex(4, block_size=4)
+    conversation = prompt(1, 6)
+    idx.record(1, block_hashes(conversation[:16], 4))  # the first 4 blocks went to rank 1
+    idx.record(3, block_hashes(conversation[:8], 4))  # the first 2 to rank 3
+    idx.record(2, block_hashes(prompt(2, 6), 4))  # another conversation
+    assert idx.match(block_hashes(conversation, 4)).tolist() == [0, 16, 0, 8]
+    assert idx.match(block_hashes(prompt(3, 6), 4)).tolist() == [0, 0, 0, 0]
+    assert idx.match([]).tolist() == [0, 0, 0, 0]
+    # a prompt that branches after block 1 still gets its shared first two blocks
+    branch = conversation[:8] + prompt(9, 2)
+    assert idx.match(block_hashes(branch, 4)).tolist() == [0, 8, 0, 8]
+    out = np.full(4, 7, np.int64)
+    assert idx.match(block_hashes(conversation, 4), out) is out and out.tolist() == [0, 16, 0, 8]
+
+
+def test_least_recently_used_blocks_go_first_and_a_prefix_outlives_its_suffix():
+    idx = PrefixIndex(2, block_size=4, capacity_blocks=3)
+    a, b = block_hashes(prompt(1, 4), 4), block_hashes(prompt(2, 2), 4)
+    idx.record(0, a)  # 4 blocks into 3: the deepest is dropped, never the leading ones
+    assert idx.match(a).tolist() == [12, 0] and idx.held(0) == 3
+    idx.record(0, b)  # b is newer: a's least recently used blocks (its deeper ones) go first
+    assert idx.match(b).tolist() == [8, 0]
+    assert idx.match(a).tolist() == [4, 0] and idx.held(0) == 3
+    idx.record(0, a[:1])  # touching a's first block keeps it over b's older blocks
+    idx.record(0, block_hashes(prompt(3, 1), 4))
+    assert idx.match(a).tolist() == [4, 0] and idx.match(b).tolist() == [4, 0]
+
+
+def test_capacity_from_the_board_and_forgetting_a_rank():
+    idx = PrefixIndex(2, block_size=4, capacity_blocks=100)
+    a = block_hashes(prompt(1, 10), 4)
+    idx.record(0, a)
+    idx.record(1, a)
+    idx.set_capacity_tokens([20, 0])  # rank 0 holds 20 tokens = 5 blocks; rank 1 reports nothing
+    assert idx.capacity(0) == 5 and idx.capacity(1) == 100
+    assert idx.match(a).tolist() == [20, 40]
+    idx.forget(1)
+    assert idx.match(a).tolist() == [20, 0] and idx.held(1) == 0
+    # the index is bounded by the capacities: nothing is left over for blocks no rank holds
+    assert len(idx._holders) == 5
+
+
+def test_request_block_hashes_prefers_the_requests_own_hashes():
+    class Req:
+        input_ids = list(range(20))
+
+    class Traced:
+        block_hashes = (11, 22, 33)
+        input_ids = [0] * 100
+
+    class Sized:
+        num_tokens = 100
+
+    assert request_block_hashes(Req(), 5) == block_hashes(list(range(20)), 5)
+    assert request_block_hashes(Traced(), 5) == [11, 22, 33]
+    assert request_block_hashes(Sized(), 5) == []
+
+
+def test_bad_index_arguments():
+    with pytest.raises(ValueError, match="num_ranks must be an int >= 1"):
+        PrefixIndex(0)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        PrefixIndex(2, block_size=0)
+    with pytest.raises(ValueError, match="capacity of rank 1 must be an int >= 0"):
+        PrefixIndex(2).set_capacity(1, -1)
