@@ -277,8 +277,9 @@ def plot(results: list[RunResult], trace: Trace, config: SimConfig, path: str) -
     ax_imb.set_title("load imbalance over time")
     ax_imb.grid(True, alpha=0.3)
     ax_imb.legend(fontsize=8)
+    load = f", offered load {trace.info['load']:.2f}" if trace.info else ""
     fig.suptitle(
-        f"dpboard sim: {trace.name}, {config.n_ranks} ranks, seed {trace.seed}, "
+        f"dpboard sim: {trace.name}{load}, {config.n_ranks} ranks, seed {trace.seed}, "
         f"publish cadence {config.publish.cadence} unless a method names its own",
         fontsize=11,
     )
