@@ -406,3 +406,17 @@ def test_a_method_can_name_its_own_cadence():
     assert own.method == "total_tokens:cadence=step"
     assert outcome(own) == outcome(plain_step)
     assert own.publishes == plain_step.publishes > plain_sglang.publishes
+
+
+def test_compare_methods_example_runs():
+    example = Path(__file__).resolve().parents[2] / "examples" / "compare_methods.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--trace", "steady", "--ranks", "2", "--seeds", "2",
+         "--methods", "total_tokens,vllm,inflight_backlog"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "seeds 0..1" in proc.stdout
+    for name in ("total_tokens", "vllm", "inflight_backlog"):
+        assert f"| {name} |" in proc.stdout
+    assert "best dpboard method by p99 TTFT: inflight_backlog" in proc.stdout

@@ -304,3 +304,17 @@ def test_real_trace_runs_are_deterministic(tmp_path, trace, window):
         assert hits["total_tokens"] < hits["dynamo_kv"]
     else:
         assert set(hits.values()) == {0.0}  # no block ids, no reuse
+
+
+def test_cli_options_that_do_not_fit_the_source_are_refused(tmp_path):
+    path = write(tmp_path, "a.csv", AZURE_TEXT)
+    proc = run_cli("--trace-file", str(path), "--duration", "5")
+    assert proc.returncode == 2 and "--window START:END" in proc.stderr
+    proc = run_cli("--trace", "steady", "--window", "0:5")
+    assert proc.returncode == 2 and "--trace-file only" in proc.stderr
+    proc = run_cli("--trace-file", str(path), "--trace", "steady")
+    assert proc.returncode == 2 and "not allowed with" in proc.stderr
+    proc = run_cli("--trace-file", str(path), "--ranks", "2", "--profile", "synthetic", "--methods", "round_robin")
+    assert proc.returncode == 0, proc.stderr
+    assert "(Azure LLM inference trace (CSV)): 3 of 3 requests" in proc.stdout
+    assert "profile synthetic" in proc.stdout
