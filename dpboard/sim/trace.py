@@ -131,12 +131,6 @@ class Trace:
     def __len__(self) -> int:
         return int(self.arrival_s.size)
 
-    @property
-    def duration_s(self) -> float:
-        if self.spec is not None:
-            return self.spec.duration_s
-        return float(self.arrival_s[-1]) if len(self) else 0.0
-
     def block_rows(self) -> list[tuple[int, ...]]:
         """Each request's block ids (empty tuples when the trace has none)."""
         if self.blocks is None:
