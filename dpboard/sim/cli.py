@@ -3,35 +3,74 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from dpboard.errors import InvalidInputError
 from dpboard.sim import report as sim_report
-from dpboard.sim.model import RankConfig
+from dpboard.sim.profile import Profile, load_profile, load_profile_file, profile_names
 from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods, simulate
 from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
+from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
+
+DEFAULT_SCENARIO = "bursty"
+SCENARIO_PROFILE = "synthetic"  # the model the synthetic scenarios were made for
+FILE_PROFILE = "llama3.1-8b-h100"  # real traces run on a calibrated model unless told otherwise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--trace", default="bursty", choices=sorted(SCENARIOS), help="named scenario (default bursty)"
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--trace", default=None, choices=sorted(SCENARIOS), help=f"named synthetic scenario (default {DEFAULT_SCENARIO})"
+    )
+    source.add_argument(
+        "--trace-file",
+        metavar="PATH",
+        help="a real trace: Azure LLM inference CSV, Mooncake JSON lines (with prefix block ids) or "
+        "BurstGPT CSV, recognised from its first line",
     )
     p.add_argument("--ranks", type=int, default=8, help="DP ranks (default 8)")
     p.add_argument(
-        "--duration", type=float, default=None, help="seconds of arrivals (default: the scenario's)"
+        "--load",
+        type=float,
+        default=None,
+        help="with --trace-file: scale arrival times so the offered work per rank is this share of a "
+        "rank's capacity (e.g. 0.8; default: the file's own timing); with --trace: multiply the "
+        "scenario's arrival rates (default 1.0)",
+    )
+    p.add_argument("--window", metavar="START:END", help="--trace-file: only requests in this span of the file, seconds")
+    p.add_argument(
+        "--no-spread",
+        action="store_true",
+        help="--trace-file: keep bucketed timestamps (Mooncake's 3 s buckets) as written instead of "
+        "spreading each bucket's requests uniformly (seeded)",
     )
     p.add_argument(
-        "--load", type=float, default=1.0, help="multiply the scenario's arrival rates (default 1.0)"
+        "--duration", type=float, default=None, help="--trace: seconds of arrivals (default: the scenario's)"
     )
-    p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace, the spread and random ties (default 0)")
     p.add_argument(
         "--methods",
         default=None,
         help="comma-separated NAME[:key=value;...] specs. NAME: a controller method (round_robin, "
-        "total_requests, total_tokens, inflight_requests, inflight_tokens, inflight_backlog) or vllm "
-        "(vLLM's score). Options after ':' are separated by ';' here: "
-        "Dispatcher keywords (refresh_interval=0, rotate_ties=false, ...) or cadence=step|sglang|period "
-        "and publish_every=N for that method alone. Default: the seed methods, vllm and dpboard's methods",
+        "total_requests, total_tokens, inflight_requests, inflight_tokens, inflight_backlog) or a peer's "
+        "router (vllm, cache_aware, dynamo_kv). Options after ':' are separated by ';' here: "
+        "Dispatcher keywords (refresh_interval=0, rotate_ties=false, ...), the peer's parameters, or "
+        "cadence=step|sglang|period and publish_every=N for that method alone. Default: the seed "
+        "methods, the peers and dpboard's methods",
+    )
+    prof = p.add_mutually_exclusive_group()
+    prof.add_argument(
+        "--profile",
+        default=None,
+        help=f"rank model: {', '.join(profile_names())} (default {SCENARIO_PROFILE} with --trace, "
+        f"{FILE_PROFILE} with --trace-file)",
+    )
+    prof.add_argument("--profile-file", metavar="PATH", help="rank model from your own profile file")
+    p.add_argument("--kv-capacity", type=int, default=None, help="KV tokens per rank (default: the profile's)")
+    p.add_argument("--max-running", type=int, default=None, help="running batch limit per rank (default: the profile's)")
+    p.add_argument(
+        "--chunked-prefill-size", type=int, default=None, help="prompt tokens per prefill step, 0 = off (default: the profile's)"
     )
     p.add_argument("--cadence", default="sglang", choices=CADENCES, help="publish cadence (default sglang)")
     p.add_argument("--publish-every", type=int, default=15, help="sglang cadence: decode steps per publish")
@@ -40,17 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--idle-publish", type=float, default=0.01, help="step/sglang cadence: idle republish period, s"
     )
     p.add_argument(
-        "--visibility-delay", type=float, default=0.0, help="publish -> visible, seconds (default 0)"
+        "--visibility-delay", type=float, default=0.0, help="publish (and KV event) -> visible, seconds (default 0)"
     )
     p.add_argument(
         "--send-delay", type=float, default=0.0005, help="controller -> rank, seconds (default 0.0005)"
     )
     p.add_argument(
         "--refresh-interval", type=float, default=0.02, help="Dispatcher throttle, seconds (default 0.02)"
-    )
-    p.add_argument("--kv-capacity", type=int, default=RankConfig.kv_capacity, help="KV tokens per rank")
-    p.add_argument(
-        "--max-running", type=int, default=RankConfig.max_running, help="running batch limit per rank"
     )
     p.add_argument("--sample-period", type=float, default=0.05, help="metrics sampling period, seconds")
     p.add_argument("--json", metavar="PATH", help="write the full results as JSON here ('-' for stdout)")
@@ -65,16 +100,33 @@ def split_methods(text: str) -> list[str]:
     return [m.strip().replace(";", ",") for m in text.split(",") if m.strip()]
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace]:
+def profile_from_args(args: argparse.Namespace) -> Profile:
+    if args.profile_file:
+        profile = load_profile_file(args.profile_file)
+    else:
+        profile = load_profile(args.profile or (FILE_PROFILE if args.trace_file else SCENARIO_PROFILE))
+    overrides = {
+        field: value
+        for field, value in (
+            ("kv_capacity", args.kv_capacity),
+            ("max_running", args.max_running),
+            ("chunked_prefill_size", args.chunked_prefill_size),
+        )
+        if value is not None
+    }
+    if overrides:
+        profile = dataclasses.replace(profile, rank=dataclasses.replace(profile.rank, **overrides).validate())
+    return profile
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profile]:
     ranks = 4 if args.quick and args.ranks == 8 else args.ranks
     if args.seed < 0:
         raise InvalidInputError(f"--seed must be >= 0, got {args.seed}")
-    duration = args.duration if args.duration is not None else (10.0 if args.quick else None)
-    if duration is not None and duration <= 0:
-        raise InvalidInputError(f"--duration must be > 0 seconds, got {duration}")
+    profile = profile_from_args(args)
     config = SimConfig(
         n_ranks=ranks,
-        rank=RankConfig(kv_capacity=args.kv_capacity, max_running=args.max_running),
+        rank=profile.rank,
         publish=PublishConfig(
             cadence=args.cadence,
             every_decode_steps=args.publish_every,
@@ -86,12 +138,33 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace]:
         refresh_interval_s=args.refresh_interval,
         sample_period_s=args.sample_period,
     ).validate()
-    spec = scenario(args.trace).scaled(load=args.load, duration_s=duration)
-    return config, generate_trace(spec, ranks, args.seed)
+    if args.trace_file:
+        if args.duration is not None:
+            raise InvalidInputError("--duration is for the synthetic scenarios: take a slice of a trace file with --window START:END")
+        window = parse_window(args.window) if args.window else (None, None)
+        trace = shape_trace(
+            read_trace_file(args.trace_file),
+            n_ranks=ranks,
+            seed=args.seed,
+            rank=config.rank,
+            window=window,
+            spread=not args.no_spread,
+            load=args.load,
+        )
+        return config, trace, profile
+    if args.window or args.no_spread:
+        raise InvalidInputError("--window and --no-spread apply to --trace-file only")
+    duration = args.duration if args.duration is not None else (10.0 if args.quick else None)
+    if duration is not None and duration <= 0:
+        raise InvalidInputError(f"--duration must be > 0 seconds, got {duration}")
+    spec = scenario(args.trace or DEFAULT_SCENARIO).scaled(
+        load=1.0 if args.load is None else args.load, duration_s=duration
+    )
+    return config, generate_trace(spec, ranks, args.seed), profile
 
 
 def run(args: argparse.Namespace) -> int:
-    config, trace = config_from_args(args)
+    config, trace, profile = config_from_args(args)
     methods = split_methods(args.methods) if args.methods else default_methods()
     if not methods:
         raise InvalidInputError("--methods is empty: name at least one method, e.g. --methods total_tokens,vllm")
@@ -99,10 +172,12 @@ def run(args: argparse.Namespace) -> int:
     summaries = [sim_report.summarize(r) for r in results]
     # With --json - the JSON owns stdout; the table goes to stderr so a pipe gets pure JSON.
     human = sys.stderr if args.json == "-" else sys.stdout
-    print(sim_report.header_text(trace, config, methods), file=human)
+    print(sim_report.header_text(trace, config, methods, profile.name), file=human)
     print(sim_report.table(summaries), file=human)
     if args.json:
-        doc = sim_report.to_json(trace, config, results, summaries, command=_command_line(args))
+        doc = sim_report.to_json(
+            trace, config, results, summaries, command=_command_line(args), profile=profile.as_dict()
+        )
         sim_report.write_json(doc, args.json)
     if args.plot:
         sim_report.plot(results, trace, config, args.plot)
@@ -111,16 +186,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    parts = ["dpboard sim", f"--trace {args.trace}", f"--ranks {args.ranks}", f"--seed {args.seed}"]
+    parts = ["dpboard sim"]
+    if args.trace_file:
+        parts.append(f"--trace-file {args.trace_file}")
+    else:
+        parts.append(f"--trace {args.trace or DEFAULT_SCENARIO}")
+    parts += [f"--ranks {args.ranks}", f"--seed {args.seed}"]
     for flag, value, default in (
+        ("--load", args.load, None),
+        ("--window", args.window, None),
         ("--duration", args.duration, None),
-        ("--load", args.load, 1.0),
+        ("--profile", args.profile, None),
+        ("--profile-file", args.profile_file, None),
+        ("--kv-capacity", args.kv_capacity, None),
+        ("--max-running", args.max_running, None),
+        ("--chunked-prefill-size", args.chunked_prefill_size, None),
         ("--cadence", args.cadence, "sglang"),
         ("--visibility-delay", args.visibility_delay, 0.0),
         ("--refresh-interval", args.refresh_interval, 0.02),
     ):
         if value != default:
             parts.append(f"{flag} {value}")
+    if args.no_spread:
+        parts.append("--no-spread")
     if args.methods:
         parts.append(f"--methods {args.methods}")
     if args.quick:

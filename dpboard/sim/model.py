@@ -1,20 +1,28 @@
-"""The model of one DP rank in ``dpboard sim``: a scheduler loop over a KV cache.
+"""The model of one DP rank in ``dpboard sim``: a scheduler loop over a KV cache with a prefix cache.
 
 Each rank runs steps back to back, like SGLang's scheduler loop, and picks up newly received
 requests only between steps:
 
-- Prefill has priority. When requests wait and a batch slot is free, a prefill step admits them in
-  arrival order (no skipping ahead) while the running batch stays under ``max_running``, the KV
-  cache has room for the prompt, and the step's prompt tokens stay under ``max_prefill_tokens``
-  (one request is always admitted, however long: prefill is not chunked in this model). It takes
-  ``prefill_base_s + prefill_s_per_token * tokens`` and ends with each admitted request's first
-  token: time to first token is the end of that step minus the request's arrival.
+- Prefill has priority. A prefill step continues the request whose prompt is being chunked, then
+  admits waiting requests in arrival order (no skipping ahead) while the running batch stays under
+  ``max_running`` and the KV pool has room for the prompt. With chunked prefill on
+  (``chunked_prefill_size > 0``, SGLang's default) a step computes at most that many prompt tokens:
+  the last request admitted may get only part of its prompt and finishes it in the next steps, ahead
+  of everything else. With it off, a step takes whole prompts up to ``max_prefill_tokens`` (one
+  request always, however long). A step costs ``prefill_base_s + prefill_s_per_token * tokens``,
+  counting only the tokens computed: those the prefix cache held are not. The step that computes a
+  request's last prompt token gives its first token: time to first token ends there.
 - Otherwise a decode step gives every running request one token. It takes
-  ``decode_base_s + decode_s_per_token * batch_tokens``, where batch_tokens is the KV the batch
-  holds, so decode slows down as sequences grow.
-- A decode step that would overflow the KV cache first retracts the most recently admitted
-  requests back to the head of the waiting queue (their KV is freed; they are prefilled again
-  later with what they had generated), as SGLang does.
+  ``decode_base_s + decode_s_per_request * batch + decode_s_per_kv_token * kv_tokens``, where
+  kv_tokens is the KV the batch holds, so decode slows down as sequences grow.
+- The KV pool (``kv_capacity`` tokens) holds the running requests' private KV and the prefix
+  cache's blocks. A request whose prompt has block ids (``SimRequest.block_ids``, one per 512 tokens)
+  reuses the leading blocks the cache holds, pins them while it runs, and adds its prompt's blocks to
+  the cache when its prefill ends; they stay there, evictable, after it finishes. When the pool runs
+  short, unpinned blocks are evicted first (least recently used leaves); a decode step that would
+  still overflow retracts the most recently admitted requests back to the head of the waiting queue
+  (their private KV is freed; they are prefilled again later with what they had generated), as
+  SGLang does. A request without block ids shares nothing.
 
 A running request's finish is kept as the decode-step count at which it ends, so a decode step
 costs O(1) plus O(log n) per request that finishes, not O(batch).
@@ -24,9 +32,11 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dpboard.errors import InvalidInputError
+from dpboard.sim.prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_tokens
 from dpboard.snapshot import LoadSnapshot
 
 # What a rank is doing.
@@ -37,34 +47,56 @@ DECODE = 2
 
 @dataclass(frozen=True)
 class RankConfig:
-    """One rank's capacity and speed. The defaults are in the range of an 8B model on one H100-class GPU."""
+    """One rank's capacity and speed. The defaults are the ``synthetic`` profile."""
 
-    kv_capacity: int = 160_000  # tokens of KV cache
+    kv_capacity: int = 160_000  # tokens of KV cache (prefix cache included)
     max_running: int = 128  # requests in the running batch
-    max_prefill_tokens: int = 16384  # prompt tokens admitted per prefill step (at least one request)
+    max_prefill_tokens: int = 16384  # with chunking off: prompt tokens per prefill step (at least one request)
+    chunked_prefill_size: int = 0  # prompt tokens per prefill step, a prompt split across steps; 0 = off
     prefill_base_s: float = 0.004
     prefill_s_per_token: float = 40e-6  # 25k prompt tokens per second
     decode_base_s: float = 0.010
-    decode_s_per_token: float = 60e-9  # +6 ms per step per 100k tokens in the batch
+    decode_s_per_request: float = 0.0
+    decode_s_per_kv_token: float = 60e-9  # +6 ms per step per 100k tokens in the batch
 
     def validate(self) -> RankConfig:
         if self.kv_capacity < 1 or self.max_running < 1 or self.max_prefill_tokens < 1:
             raise InvalidInputError("rank kv_capacity, max_running and max_prefill_tokens must be >= 1")
-        for name in ("prefill_base_s", "prefill_s_per_token", "decode_base_s", "decode_s_per_token"):
+        if self.chunked_prefill_size < 0:
+            raise InvalidInputError(
+                f"chunked_prefill_size must be >= 0 tokens (0 turns chunking off), got {self.chunked_prefill_size}"
+            )
+        for name in (
+            "prefill_base_s",
+            "prefill_s_per_token",
+            "decode_base_s",
+            "decode_s_per_request",
+            "decode_s_per_kv_token",
+        ):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"rank {name} must be >= 0 seconds")
-        if self.prefill_base_s + self.decode_base_s <= 0:
+        if self.prefill_base_s + self.prefill_s_per_token <= 0 or self.decode_base_s + self.decode_s_per_request <= 0:
             raise InvalidInputError(
-                "rank prefill_base_s and decode_base_s cannot both be 0 (steps would take no time)"
+                "a prefill step and a decode step must each take some time: give prefill_base_s or "
+                "prefill_s_per_token, and decode_base_s or decode_s_per_request, a value > 0"
             )
         return self
+
+    @property
+    def prefill_step_tokens(self) -> int:
+        """Prompt tokens one full prefill step computes."""
+        return self.chunked_prefill_size or self.max_prefill_tokens
+
+    def decode_step_s(self, batch: int, kv_tokens: float) -> float:
+        return self.decode_base_s + self.decode_s_per_request * batch + self.decode_s_per_kv_token * kv_tokens
 
 
 class SimRequest:
     """One request of the trace, as the dispatcher and a rank see it.
 
     ``routed_dp_rank``, ``bootstrap_room`` and ``num_tokens`` are what the real ``Dispatcher`` reads;
-    the rest is the simulator's record of what happened to it.
+    ``block_ids`` (one per 512 prompt tokens, empty when the trace has none) is what cache-aware
+    policies and the rank's prefix cache read; the rest is the simulator's record of what happened.
     """
 
     __slots__ = (
@@ -73,6 +105,7 @@ class SimRequest:
         "prompt_len",
         "output_len",
         "is_burst",
+        "block_ids",
         "routed_dp_rank",
         "bootstrap_room",
         "num_tokens",
@@ -85,14 +118,27 @@ class SimRequest:
         "finish_step",
         "epoch",
         "retractions",
+        "cached_tokens",
+        "prefill_left",
+        "held_blocks",
+        "private_kv",
     )
 
-    def __init__(self, rid: int, arrival_s: float, prompt_len: int, output_len: int, is_burst: bool = False):
+    def __init__(
+        self,
+        rid: int,
+        arrival_s: float,
+        prompt_len: int,
+        output_len: int,
+        is_burst: bool = False,
+        block_ids: tuple[int, ...] = (),
+    ):
         self.rid = rid
         self.arrival_s = arrival_s
         self.prompt_len = prompt_len
         self.output_len = output_len
         self.is_burst = is_burst
+        self.block_ids = block_ids
         self.routed_dp_rank: int | None = None
         self.bootstrap_room: int | None = None
         self.num_tokens = prompt_len  # the dispatcher's token estimate: the prompt length
@@ -105,6 +151,10 @@ class SimRequest:
         self.finish_step = 0
         self.epoch = 0  # bumped on retraction, to drop its stale entry in the finish heap
         self.retractions = 0
+        self.cached_tokens = -1  # prompt tokens the rank's cache held at first admission
+        self.prefill_left = 0  # tokens still to compute in the current prefill
+        self.held_blocks = 0  # leading block_ids pinned in the rank's cache
+        self.private_kv = 0  # KV tokens reserved outside the prefix cache at admission (during prefill)
 
     @property
     def seqlen(self) -> int:
@@ -114,39 +164,63 @@ class SimRequest:
         return f"SimRequest(rid={self.rid}, prompt={self.prompt_len}, output={self.output_len}, rank={self.rank})"
 
 
-class RankModel:
-    """One DP rank: waiting queue, running batch, KV cache, and the step it is in."""
+RequestHook = Callable[[SimRequest], None]
 
-    def __init__(self, rank: int, config: RankConfig):
+
+class RankModel:
+    """One DP rank: waiting queue, running batch, KV pool with a prefix cache, and the step it is in.
+
+    ``on_first_token`` and ``on_finish``, when set, are called with each request as its first token
+    comes and as it finishes (a router that tracks its requests listens to them)."""
+
+    def __init__(self, rank: int, config: RankConfig, cache: PrefixCache | None = None):
         self.rank = rank
         self.config = config.validate()
+        self.cache = cache if cache is not None else PrefixCache()
         self.waiting: deque[SimRequest] = deque()
         self.waiting_tokens = 0  # sum of seqlens in the waiting queue (they hold no KV)
-        self.running: dict[int, SimRequest] = {}  # rid -> request, in admission order
+        self.running: dict[int, SimRequest] = {}  # rid -> request in decode, in admission order
         self._finish_heap: list[tuple[int, int, int]] = []  # (finish_step, rid, epoch)
-        self.used_tokens = 0  # KV held by the running batch and the prefill in progress
+        self.private_tokens = 0  # KV held outside the prefix cache (running and prefilling requests)
         self.decode_steps = 0
         self.state = IDLE
-        self._prefill_batch: list[SimRequest] = []
+        self._prefill_batch: list[tuple[SimRequest, int]] = []  # (request, tokens computed this step)
+        self._chunked: SimRequest | None = None  # the request whose prompt is split across steps
         self.received = 0  # cumulative requests received from the controller
         self.finished: list[SimRequest] = []
         self.retracted = 0
         self.busy_s = 0.0  # time spent in steps (for utilisation)
+        self.on_first_token: RequestHook | None = None
+        self.on_finish: RequestHook | None = None
 
     # -- what the rank is ----------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self._prefill_batch)
+        prefilling = len(self._prefill_batch)
+        if self._chunked is not None and self.state != PREFILL:
+            prefilling += 1
+        return len(self.running) + prefilling
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
     @property
+    def used_tokens(self) -> int:
+        """SGLang's num_used_tokens: KV that is not free and not evictable."""
+        return self.private_tokens + self.cache.locked_tokens
+
+    @property
     def total_tokens(self) -> int:
         """SGLang's num_total_tokens: KV in use plus the seqlens of requests still waiting for KV."""
-        return self.used_tokens + self.waiting_tokens
+        return self.private_tokens + self.cache.locked_tokens + self.waiting_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        """vLLM's kv_cache_usage: the share of the pool held by live requests (cached blocks nobody
+        uses count as free)."""
+        return self.used_tokens / self.config.kv_capacity
 
     @property
     def idle(self) -> bool:
@@ -155,12 +229,13 @@ class RankModel:
     def snapshot(self, now_s: float, publish_seq: int) -> LoadSnapshot:
         """The load this rank would publish now; the clock fields come from the simulated clock."""
         now_ns = int(round(now_s * 1e9))
-        total = self.total_tokens
+        used = self.used_tokens
+        total = used + self.waiting_tokens
         return LoadSnapshot(
             dp_rank=self.rank,
             num_running_reqs=self.num_running,
             num_waiting_reqs=self.num_waiting,
-            num_used_tokens=self.used_tokens,
+            num_used_tokens=used,
             num_total_tokens=total,
             num_active_tokens=total,
             max_total_num_tokens=self.config.kv_capacity,
@@ -184,25 +259,16 @@ class RankModel:
     def begin_step(self, now_s: float) -> float | None:
         """Choose the next step and return its duration, or None when there is nothing to do."""
         cfg = self.config
-        if self.waiting and len(self.running) < cfg.max_running:
-            batch = self._form_prefill_batch()
-            if batch:
-                tokens = 0
-                for req in batch:
-                    tokens += req.seqlen
-                    if req.admitted_s < 0:
-                        req.admitted_s = now_s
-                self.used_tokens += tokens
-                self.waiting_tokens -= tokens
-                self._prefill_batch = batch
+        if self._chunked is not None or (self.waiting and len(self.running) < cfg.max_running):
+            tokens = self._form_prefill_batch(now_s)
+            if tokens:
                 self.state = PREFILL
                 return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens
         if self.running:
-            # Each running request needs one more KV token this step: make room by retraction.
-            while self.used_tokens + len(self.running) > cfg.kv_capacity and len(self.running) > 1:
-                self._retract_newest()
+            self._make_decode_room()
             self.state = DECODE
-            return cfg.decode_base_s + cfg.decode_s_per_token * self.used_tokens
+            kv = self.private_tokens + self.cache.locked_tokens
+            return cfg.decode_base_s + cfg.decode_s_per_request * len(self.running) + cfg.decode_s_per_kv_token * kv
         self.state = IDLE
         return None
 
@@ -210,67 +276,160 @@ class RankModel:
         """Apply the step that just ended; returns how many requests finished in it."""
         done_before = len(self.finished)
         if self.state == PREFILL:
-            batch, self._prefill_batch = self._prefill_batch, []
-            for req in batch:
-                req.generated += 1
-                self.used_tokens += 1
-                if req.first_token_s < 0:
-                    req.first_token_s = now_s
-                if req.generated >= req.output_len:
-                    self._finish(req, now_s)
-                else:
-                    req.finish_step = self.decode_steps + (req.output_len - req.generated)
-                    self.running[req.rid] = req
-                    heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
+            self._end_prefill(now_s)
         elif self.state == DECODE:
-            self.decode_steps += 1
-            self.used_tokens += len(self.running)
-            heap = self._finish_heap
-            while heap and heap[0][0] <= self.decode_steps:
-                _, rid, epoch = heapq.heappop(heap)
-                req = self.running.get(rid)
-                if req is None or req.epoch != epoch:
-                    continue  # retracted since this entry was pushed
-                del self.running[rid]
-                req.generated = req.output_len
-                self._finish(req, now_s)
+            self._end_decode(now_s)
         self.state = IDLE
         return len(self.finished) - done_before
 
-    # -- internals -----------------------------------------------------------------------------
+    # -- prefill -------------------------------------------------------------------------------
 
-    def _form_prefill_batch(self) -> list[SimRequest]:
+    def _form_prefill_batch(self, now_s: float) -> int:
+        """Put this step's prefill work in ``_prefill_batch``; returns the prompt tokens it computes."""
         cfg = self.config
-        batch: list[SimRequest] = []
+        chunk = cfg.chunked_prefill_size
+        budget = chunk or cfg.max_prefill_tokens
+        batch = self._prefill_batch
         tokens = 0
-        free_slots = cfg.max_running - len(self.running)
+        if self._chunked is not None:
+            req = self._chunked
+            take = min(req.prefill_left, budget)
+            batch.append((req, take))
+            tokens = take
+            budget -= take
+            self._chunked = None if take == req.prefill_left else req
         # Room for the prompts plus one decode token for everything already running.
-        kv_room = cfg.kv_capacity - self.used_tokens - len(self.running)
-        for req in self.waiting:
-            if len(batch) >= free_slots:
-                break
-            if tokens + len(batch) + req.seqlen + 1 > kv_room:
-                break
-            if batch and tokens + req.seqlen > cfg.max_prefill_tokens:
-                break
-            batch.append(req)
-            tokens += req.seqlen
-        for _ in batch:
-            self.waiting.popleft()
-        return batch
+        free = cfg.kv_capacity - self.private_tokens - self.cache.tokens - len(self.running)
+        slots = cfg.max_running - len(self.running) - len(batch)
+        waiting = self.waiting
+        while waiting and slots > 0 and self._chunked is None and (budget > 0 or not batch):
+            req = waiting[0]
+            ids = req.block_ids
+            cache = self.cache
+            matched = cache.match(ids) if ids else 0
+            seqlen = req.seqlen
+            cached = min(prefix_tokens(req.prompt_len, len(ids), matched), seqlen - 1)
+            need = seqlen - cached
+            if chunk == 0 and batch and need > budget:
+                break  # unchunked: whole prompts only, and only the first may exceed the budget
+            if matched:
+                cache.acquire(ids, matched)
+            if need + 1 > free:
+                free += cache.evict(need + 1 - free)
+                if need + 1 > free:
+                    if matched:
+                        cache.release(ids, matched)
+                    break
+            waiting.popleft()
+            self.waiting_tokens -= seqlen
+            free -= need + 1
+            slots -= 1
+            self.private_tokens += need
+            req.private_kv = need
+            req.held_blocks = matched
+            req.prefill_left = need
+            if req.admitted_s < 0:
+                req.admitted_s = now_s
+                req.cached_tokens = cached
+            take = need if chunk == 0 else min(need, budget)
+            batch.append((req, take))
+            tokens += take
+            budget -= take
+            if take < need:
+                self._chunked = req
+        return tokens
 
-    def _retract_newest(self) -> None:
+    def _end_prefill(self, now_s: float) -> None:
+        batch, self._prefill_batch = self._prefill_batch, []
+        for req, take in batch:
+            req.prefill_left -= take
+            if req.prefill_left > 0:
+                continue  # chunked: the rest comes in the next steps
+            self._cache_prompt(req)
+            req.generated += 1
+            self.private_tokens += 1
+            if req.first_token_s < 0:
+                req.first_token_s = now_s
+                if self.on_first_token is not None:
+                    self.on_first_token(req)
+            if req.generated >= req.output_len:
+                self._finish(req, now_s)
+            else:
+                req.finish_step = self.decode_steps + (req.output_len - req.generated)
+                self.running[req.rid] = req
+                heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
+
+    def _cache_prompt(self, req: SimRequest) -> None:
+        """Move the request's computed prompt blocks into the prefix cache, pinned while it runs."""
+        ids = req.block_ids
+        if not ids:
+            return  # nothing to share: its whole sequence stays private
+        n = len(ids)
+        if req.held_blocks < n:
+            sizes = [BLOCK_TOKENS] * n
+            sizes[-1] = req.prompt_len - BLOCK_TOKENS * (n - 1)
+            self.cache.insert(ids, sizes, req.held_blocks)
+            req.held_blocks = n
+        # Its copy of the prompt now lives in the cache (or is dropped where another request stored
+        # the same blocks first): what stays private is what it generated before a retraction.
+        private = req.seqlen - req.prompt_len
+        self.private_tokens += private - req.private_kv
+        req.private_kv = private
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def _make_decode_room(self) -> None:
+        """Each running request needs one more KV token this step: evict, then retract, to make room."""
+        cfg = self.config
+        cache = self.cache
+        short = self.private_tokens + cache.tokens + len(self.running) - cfg.kv_capacity
+        if short > 0:
+            short -= cache.evict(short)
+        while short > 0 and len(self.running) > 1:
+            short -= self._retract_newest()
+            if short > 0 and cache.evictable_tokens:
+                short -= cache.evict(short)
+
+    def _end_decode(self, now_s: float) -> None:
+        self.decode_steps += 1
+        self.private_tokens += len(self.running)
+        heap = self._finish_heap
+        while heap and heap[0][0] <= self.decode_steps:
+            _, rid, epoch = heapq.heappop(heap)
+            req = self.running.get(rid)
+            if req is None or req.epoch != epoch:
+                continue  # retracted since this entry was pushed
+            del self.running[rid]
+            req.generated = req.output_len
+            self._finish(req, now_s)
+
+    def _retract_newest(self) -> int:
+        """Send the newest running request back to the head of the queue; returns the KV tokens freed."""
         rid = next(reversed(self.running))
         req = self.running.pop(rid)
         req.generated = req.output_len - (req.finish_step - self.decode_steps)
-        self.used_tokens -= req.seqlen
+        freed = self._drop_kv(req)
         req.epoch += 1
         req.retractions += 1
         self.retracted += 1
         self.waiting.appendleft(req)
         self.waiting_tokens += req.seqlen
+        return freed
+
+    def _drop_kv(self, req: SimRequest) -> int:
+        """Free the request's private KV and unpin its blocks; returns the tokens freed at once.
+
+        Past its prefill, a request's private KV is its sequence less the prompt blocks it pins."""
+        private = req.seqlen - prefix_tokens(req.prompt_len, len(req.block_ids), req.held_blocks)
+        self.private_tokens -= private
+        if req.held_blocks:
+            self.cache.release(req.block_ids, req.held_blocks)
+            req.held_blocks = 0
+        return private
 
     def _finish(self, req: SimRequest, now_s: float) -> None:
         req.finished_s = now_s
-        self.used_tokens -= req.seqlen
+        self._drop_kv(req)
         self.finished.append(req)
+        if self.on_finish is not None:
+            self.on_finish(req)

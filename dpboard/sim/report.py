@@ -8,11 +8,14 @@ Metrics per method:
   ones), sampled every ``sample_period`` from the start to the last arrival; summarised as the
   load-weighted mean (sum of maxima over sum of means) and the p99 of busy samples;
 - idle while queued = share of the loaded samples in that window in which some rank is idle while
-  another has requests waiting that it has not admitted yet.
+  another has requests waiting that it has not admitted yet;
+- cache hit rate = prompt tokens the rank's prefix cache held when the request was first admitted,
+  over all prompt tokens (0 for a trace without block ids).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -83,6 +86,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
     admitted = np.fromiter((r.admitted_s for r in reqs), np.float64, len(reqs))
     ranks = np.fromiter((r.rank for r in reqs), np.int64, len(reqs))
     burst = np.fromiter((r.is_burst for r in reqs), bool, len(reqs))
+    prompt_tokens = sum(r.prompt_len for r in reqs)
+    cached_tokens = sum(max(r.cached_tokens, 0) for r in reqs)
     ttft = first - arrival
     queue = admitted - arrival
     n_ranks = result.sample_tokens.shape[1]
@@ -105,6 +110,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "imbalance_mean": imbalance_mean,
         "imbalance_p99": imbalance_p99,
         "idle_while_queued": float(iwq.mean()) if iwq.size else 0.0,
+        "cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "evicted_tokens": result.evicted_tokens,
         "requests_per_rank_min": int(per_rank.min()),
         "requests_per_rank_max": int(per_rank.max()),
         "retractions": result.retractions,
@@ -115,8 +122,28 @@ def summarize(result: RunResult) -> dict[str, Any]:
     }
 
 
-def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = None) -> str:
+def describe_trace(trace: Trace) -> str:
+    """One line on where the trace came from and how it was shaped."""
     s = trace.summary()
+    if trace.spec is not None:
+        return (
+            f"trace {trace.name}: {s['requests']} requests ({s['burst_requests']} in bursts) over "
+            f"{trace.spec.duration_s:g} s, seed {trace.seed}"
+        )
+    info = trace.info
+    lo, hi = info["window_s"]
+    window = "" if (lo == 0 and hi is None) else f", window {lo:g}:{'' if hi is None else f'{hi:g}'} s"
+    spread = ", bucketed times spread (seeded)" if info["spread"] else ""
+    zero = f", {info['zero_outputs_run_as_1']} with 0 output tokens run as 1" if info["zero_outputs_run_as_1"] else ""
+    blocks = f", {s['prompt_blocks']} prompt blocks with ids" if s["prompt_blocks"] else ", no block ids (no reuse)"
+    return (
+        f"trace {info['path']} ({info['format_label']}): {s['requests']} of {info['file_requests']} requests"
+        f"{window}{spread}{zero}{blocks}; times x{info['time_scale']:.4g} -> {s['last_arrival_s']:.0f} s, "
+        f"offered load {info['load']:.2f} of capacity per rank (as recorded: {info['natural_load']:.3f}); seed {trace.seed}"
+    )
+
+
+def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = None, profile: str = "") -> str:
     own = " (unless a method names its own cadence)" if any("cadence=" in m for m in methods or []) else ""
     pub = config.publish
     cadence = {
@@ -124,10 +151,13 @@ def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = Non
         "sglang": f"every {pub.every_decode_steps} decode steps, forced on prefill and idle",
         "period": f"every {pub.period_s * 1e3:g} ms",
     }[pub.cadence]
+    rank = config.rank
+    chunk = f"chunked prefill {rank.chunked_prefill_size}" if rank.chunked_prefill_size else "no chunked prefill"
+    named = f"profile {profile}: " if profile else ""
     return (
-        f"trace {trace.spec.name}: {s['requests']} requests ({s['burst_requests']} in bursts) over "
-        f"{trace.spec.duration_s:g} s, seed {trace.seed}; {config.n_ranks} ranks; publish {cadence}{own}, "
-        f"visible after {pub.visibility_delay_s * 1e3:g} ms; refresh at most every "
+        f"{describe_trace(trace)}\n"
+        f"{config.n_ranks} ranks, {named}KV {rank.kv_capacity} tokens, max running {rank.max_running}, {chunk}; "
+        f"publish {cadence}{own}, visible after {pub.visibility_delay_s * 1e3:g} ms; refresh at most every "
         f"{config.refresh_interval_s * 1e3:g} ms\n"
     )
 
@@ -140,6 +170,7 @@ _COLUMNS = (
     ("imbalance mean", "imbalance_mean", "{:.3f}"),
     ("imbalance p99", "imbalance_p99", "{:.3f}"),
     ("idle while queued", "idle_while_queued", "{:.1%}"),
+    ("cache hit", "cache_hit_rate", "{:.1%}"),
     ("reqs/rank", None, None),
 )
 
@@ -168,6 +199,7 @@ def to_json(
     summaries: list[dict[str, Any]],
     *,
     command: str = "",
+    profile: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     from dpboard.sim.simulation import config_dict
 
@@ -187,11 +219,14 @@ def to_json(
     return {
         "command": command,
         "trace": {
-            "spec": trace.spec.__dict__,
+            "name": trace.name,
+            "spec": dataclasses.asdict(trace.spec) if trace.spec is not None else None,
+            "file": trace.info or None,
             "n_ranks": trace.n_ranks,
             "seed": trace.seed,
             **trace.summary(),
         },
+        "profile": profile,
         "config": config_dict(config),
         "runs": runs,
     }
@@ -242,8 +277,9 @@ def plot(results: list[RunResult], trace: Trace, config: SimConfig, path: str) -
     ax_imb.set_title("load imbalance over time")
     ax_imb.grid(True, alpha=0.3)
     ax_imb.legend(fontsize=8)
+    load = f", offered load {trace.info['load']:.2f}" if trace.info else ""
     fig.suptitle(
-        f"dpboard sim: {trace.spec.name}, {config.n_ranks} ranks, seed {trace.seed}, "
+        f"dpboard sim: {trace.name}{load}, {config.n_ranks} ranks, seed {trace.seed}, "
         f"publish cadence {config.publish.cadence} unless a method names its own",
         fontsize=11,
     )

@@ -1,14 +1,17 @@
 """``dpboard sim``: a deterministic discrete-event simulation that compares dispatch methods.
 
-The simulator drives the real ``dpboard.controller.Dispatcher`` (the code users run) against a
-model of DP ranks (``dpboard.sim.model``) on a request trace (``dpboard.sim.trace``), one run per
-method on the same trace, and reports time to first token, queueing delay, load imbalance over time
-and how often a rank idles while another queues (``dpboard.sim.report``).
+The simulator drives the real ``dpboard.controller.Dispatcher`` (the code users run), and the
+peers' routers (``dpboard.sim.peers``), against a model of DP ranks with prefix caches
+(``dpboard.sim.model``) on a request trace (``dpboard.sim.trace``, ``dpboard.sim.tracefile``), one
+run per method on the same trace. ``dpboard.sim.report`` turns the ``RunResult`` into time to first
+token, queueing delay, load imbalance over time, prefix-cache hits and how often a rank idles while
+another queues.
 
 The pipeline it models, per request:
 
     arrival at the controller --dispatch (policy)--> send_delay --> rank's waiting queue
     rank steps (prefill / decode) --publish per cadence--> visibility delay --> controller's reads
+    rank's prefix cache --KV events--> visibility delay --> a router that subscribes to them
 
 Publish cadences: ``step`` (every scheduler step), ``sglang`` (every ``publish_every`` decode steps,
 forced on prefill and while idle, as SGLang does with 15), ``period`` (every ``publish_period``
@@ -23,23 +26,26 @@ for the report), so a seed gives one result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
-import math
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dpboard.errors import InvalidInputError
+from dpboard.sim.methods import make_policy, parse_method_spec
 from dpboard.sim.model import IDLE, PREFILL, RankConfig, RankModel, SimRequest
-from dpboard.sim.policy import Policy, SimBoard, make_policy, parse_method_spec
+from dpboard.sim.policy import Policy, SimBoard
 from dpboard.sim.trace import Trace
 
 CADENCES = ("step", "sglang", "period")
 SEED_METHODS = ("round_robin", "total_requests", "total_tokens")
 
-# Event kinds, in the heap as (time, seq, kind, a, b).
+# Event kinds, in the heap as (time, seq, kind, a, b); the index of their handler in Simulation.
 _ARRIVE = 0
 _RECEIVE = 1
 _STEP_END = 2
@@ -47,6 +53,7 @@ _PUBLISH_TICK = 3
 _IDLE_BEAT = 4
 _SAMPLE = 5
 _POLICY_TICK = 6
+_KV_EVENT = 7
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class SimConfig:
     send_delay_s: float = 0.0005  # controller -> rank transit (ZMQ PUSH, scheduler recv)
     refresh_interval_s: float = 0.02  # the Dispatcher's budget throttle, unless a method overrides it
     sample_period_s: float = 0.05  # metrics over time
-    max_sim_s: float = 3600.0  # bound: a run that has not drained by then is an error, not a hang
+    drain_limit_s: float = 3600.0  # bound: a run not drained this long after its last arrival is an error
 
     def validate(self) -> SimConfig:
         if self.n_ranks < 1:
@@ -90,6 +97,8 @@ class SimConfig:
             raise InvalidInputError("send delay and refresh interval must be >= 0 seconds")
         if self.sample_period_s <= 0:
             raise InvalidInputError(f"sample period must be > 0 seconds, got {self.sample_period_s}")
+        if not self.drain_limit_s > 0:
+            raise InvalidInputError(f"drain limit must be > 0 seconds, got {self.drain_limit_s}")
         self.rank.validate()
         self.publish.validate()
         return self
@@ -107,6 +116,7 @@ class RunResult:
     publishes: int
     board_reads: int
     retractions: int
+    evicted_tokens: int  # prefix-cache tokens evicted to make room
     end_s: float
     wall_s: float
 
@@ -133,6 +143,37 @@ def split_sim_options(spec: str, config: SimConfig) -> tuple[str, SimConfig]:
     return (f"{name}:{rest}" if rest else name), dataclasses.replace(config, publish=publish)
 
 
+class _Sampler:
+    """The metrics over time: every ``period_s``, each rank's true ``num_total_tokens`` and whether
+    some rank idles while another has requests it has not admitted."""
+
+    def __init__(self, n_ranks: int):
+        self.n_ranks = n_ranks
+        self.t: list[float] = []
+        self.tokens: list[list[int]] = []
+        self.idle_while_queued: list[bool] = []
+
+    def take(self, t: float, ranks: list[RankModel]) -> None:
+        any_idle = False
+        any_queued = False
+        for rank in ranks:
+            if rank.state == IDLE:
+                any_idle = True
+            elif rank.waiting:
+                any_queued = True
+        self.t.append(t)
+        self.tokens.append([rank.total_tokens for rank in ranks])
+        self.idle_while_queued.append(any_idle and any_queued)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(self.t)
+        return (
+            np.asarray(self.t, dtype=np.float64),
+            np.asarray(self.tokens, dtype=np.int64).reshape(n, self.n_ranks),
+            np.asarray(self.idle_while_queued, dtype=bool),
+        )
+
+
 class Simulation:
     """One method on one trace. ``run()`` returns a ``RunResult``; a Simulation runs once."""
 
@@ -147,9 +188,10 @@ class Simulation:
         if longest + 1 > config.rank.kv_capacity:
             raise InvalidInputError(
                 f"a request of {longest} tokens (prompt + output) cannot fit a rank's KV capacity of "
-                f"{config.rank.kv_capacity}: raise --kv-capacity or lower the trace's prompt_max/output_max"
+                f"{config.rank.kv_capacity}: raise --kv-capacity, pick a larger --profile, or shorten the trace"
             )
         self.trace = trace
+        self.method = method
         self.now = 0.0
         self.ranks = [RankModel(r, config.rank) for r in range(config.n_ranks)]
         self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
@@ -160,12 +202,20 @@ class Simulation:
             board=self.board,
             clock=self.clock,
             refresh_interval_s=config.refresh_interval_s,
+            seed=trace.seed,
         )
-        self.method = method
+        self._wire_policy()
         self.requests = [
-            SimRequest(i, float(a), int(p), int(o), bool(b))
-            for i, (a, p, o, b) in enumerate(
-                zip(trace.arrival_s, trace.prompt_len, trace.output_len, trace.is_burst, strict=True)
+            SimRequest(i, a, p, o, b, ids)
+            for i, (a, p, o, b, ids) in enumerate(
+                zip(
+                    trace.arrival_s.tolist(),
+                    trace.prompt_len.tolist(),
+                    trace.output_len.tolist(),
+                    trace.is_burst.tolist(),
+                    trace.block_rows(),
+                    strict=True,
+                )
             )
         ]
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -173,11 +223,34 @@ class Simulation:
         self._publish_seq = [0] * config.n_ranks
         self._decode_since_publish = [0] * config.n_ranks
         self._idle_epoch = [0] * config.n_ranks
+        self._kv_pending: deque[tuple[int, int, list[int]]] = deque()
+        self._sampler = _Sampler(config.n_ranks)
         self._finished = 0
         self._ran = False
+        # One handler per event kind, indexed by the kind.
+        self._handlers: list[Callable[[float, int, int], None]] = [
+            self._on_arrive,
+            self._on_receive,
+            self._on_step_end,
+            self._on_publish_tick,
+            self._on_idle_beat,
+            self._on_sample,
+            self._on_policy_tick,
+            self._on_kv_event,
+        ]
 
     def clock(self) -> float:
         return self.now
+
+    def _wire_policy(self) -> None:
+        """Give the policy the signals its own system gives it, and nothing else."""
+        policy = self.policy
+        for rank in self.ranks:
+            if policy.wants_request_events:
+                rank.on_first_token = policy.on_first_token
+                rank.on_finish = policy.on_finish
+            if policy.wants_kv_events:
+                rank.cache.listener = functools.partial(self._kv_event, rank.rank)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -190,9 +263,21 @@ class Simulation:
         self._decode_since_publish[r] = 0
         self.board.publish(r, self.ranks[r].snapshot(self.now, self._publish_seq[r]), self.now)
 
+    def _kv_event(self, r: int, kind: int, ids: list[int]) -> None:
+        """A rank's prefix cache stored or dropped blocks: the router hears of it after the
+        visibility delay (the events travel like the snapshots)."""
+        delay = self.config.publish.visibility_delay_s
+        if delay == 0.0:
+            self.policy.on_kv_event(r, kind, ids)
+        else:
+            self._kv_pending.append((r, kind, ids))
+            self._push(self.now + delay, _KV_EVENT)
+
     def _start_step(self, r: int) -> None:
         rank = self.ranks[r]
         duration = rank.begin_step(self.now)
+        if self.policy.wants_rank_steps:
+            self.policy.on_rank_step(rank, self.now)
         cadence = self.config.publish.cadence
         if duration is None:
             if cadence != "period":  # SGLang publishes on every idle loop; beats keep it fresh
@@ -212,15 +297,50 @@ class Simulation:
         rank.busy_s += duration
         self._push(self.now + duration, _STEP_END, r)
 
+    # -- event handlers ------------------------------------------------------------------------
+
+    def _on_arrive(self, t: float, rid: int, _: int) -> None:
+        rank = self.policy.dispatch(self.requests[rid])
+        if not 0 <= rank < self.config.n_ranks:
+            raise RuntimeError(f"method {self.method!r} picked rank {rank} of {self.config.n_ranks}")
+        self._push(t + self.config.send_delay_s, _RECEIVE, rid, rank)
+
+    def _on_receive(self, t: float, rid: int, r: int) -> None:
+        rank = self.ranks[r]
+        rank.receive(self.requests[rid], t)
+        if rank.state == IDLE:
+            self._idle_epoch[r] += 1  # cancels its idle beat
+            self._start_step(r)
+
+    def _on_step_end(self, t: float, r: int, _: int) -> None:
+        self._finished += self.ranks[r].end_step(t)
+        self._start_step(r)
+
+    def _on_publish_tick(self, t: float, r: int, _: int) -> None:
+        self._publish(r)
+        self._push(t + self.config.publish.period_s, _PUBLISH_TICK, r)
+
+    def _on_idle_beat(self, t: float, r: int, epoch: int) -> None:
+        if self.ranks[r].state == IDLE and epoch == self._idle_epoch[r]:
+            self._publish(r)
+            self._push(t + self.config.publish.idle_publish_s, _IDLE_BEAT, r, epoch)
+
+    def _on_sample(self, t: float, _a: int, _b: int) -> None:
+        self._sampler.take(t, self.ranks)
+        self._push(t + self.config.sample_period_s, _SAMPLE)
+
+    def _on_policy_tick(self, t: float, _a: int, _b: int) -> None:
+        self.policy.on_tick(t, self.ranks)
+        self._push(t + self.policy.tick_period_s, _POLICY_TICK)
+
+    def _on_kv_event(self, t: float, _a: int, _b: int) -> None:
+        r, kind, ids = self._kv_pending.popleft()
+        self.policy.on_kv_event(r, kind, ids)
+
     # -- the loop ------------------------------------------------------------------------------
 
-    def run(self) -> RunResult:
-        if self._ran:
-            raise RuntimeError("a Simulation runs once; make a new one for another run")
-        self._ran = True
-        wall0 = time.perf_counter()
+    def _schedule_start(self) -> None:
         cfg = self.config
-        n_total = len(self.requests)
         for req in self.requests:
             self._push(req.arrival_s, _ARRIVE, req.rid)
         for r in range(cfg.n_ranks):
@@ -234,73 +354,45 @@ class Simulation:
         if self.policy.tick_period_s > 0:
             self._push(0.0, _POLICY_TICK)
 
-        sample_t: list[float] = []
-        sample_tokens: list[list[int]] = []
-        sample_iwq: list[bool] = []
+    def run(self) -> RunResult:
+        if self._ran:
+            raise RuntimeError("a Simulation runs once; make a new one for another run")
+        self._ran = True
+        wall0 = time.perf_counter()
+        self._schedule_start()
+        n_total = len(self.requests)
+        last_arrival = self.requests[-1].arrival_s if self.requests else 0.0
+        deadline = last_arrival + self.config.drain_limit_s
         heap = self._heap
-        ranks = self.ranks
-        n_ranks = cfg.n_ranks
+        handlers = self._handlers
         while self._finished < n_total:
             if not heap:
-                raise RuntimeError(
-                    f"simulation of {self.method!r} ran out of events with requests unfinished"
-                )
+                raise RuntimeError(f"simulation of {self.method!r} ran out of events with requests unfinished")
             t, _, kind, a, b = heapq.heappop(heap)
-            if t > cfg.max_sim_s:
+            if t > deadline:
                 raise RuntimeError(
-                    f"simulation of {self.method!r} did not drain within {cfg.max_sim_s} simulated seconds "
-                    f"({self._finished}/{n_total} requests finished): the trace overloads the ranks"
+                    f"simulation of {self.method!r} did not drain within {self.config.drain_limit_s:g} simulated "
+                    f"seconds of the last arrival ({self._finished}/{n_total} requests finished): the trace "
+                    f"overloads the ranks (lower --load)"
                 )
             self.now = t
-            if kind == _STEP_END:
-                self._finished += ranks[a].end_step(t)
-                self._start_step(a)
-            elif kind == _ARRIVE:
-                req = self.requests[a]
-                rank = self.policy.dispatch(req)
-                if not 0 <= rank < n_ranks:
-                    raise RuntimeError(f"method {self.method!r} picked rank {rank} of {n_ranks}")
-                self._push(t + cfg.send_delay_s, _RECEIVE, a, rank)
-            elif kind == _RECEIVE:
-                rank_model = ranks[b]
-                rank_model.receive(self.requests[a], t)
-                if rank_model.state == IDLE:
-                    self._idle_epoch[b] += 1  # cancels its idle beat
-                    self._start_step(b)
-            elif kind == _IDLE_BEAT:
-                if ranks[a].state == IDLE and b == self._idle_epoch[a]:
-                    self._publish(a)
-                    self._push(t + cfg.publish.idle_publish_s, _IDLE_BEAT, a, b)
-            elif kind == _PUBLISH_TICK:
-                self._publish(a)
-                self._push(t + cfg.publish.period_s, _PUBLISH_TICK, a)
-            elif kind == _SAMPLE:
-                tokens = [rk.total_tokens for rk in ranks]
-                any_idle = False
-                any_queued = False
-                for rk in ranks:
-                    if rk.state == IDLE:
-                        any_idle = True
-                    elif rk.waiting:
-                        any_queued = True
-                sample_t.append(t)
-                sample_tokens.append(tokens)
-                sample_iwq.append(any_idle and any_queued)
-                self._push(t + cfg.sample_period_s, _SAMPLE)
-            elif kind == _POLICY_TICK:
-                self.policy.on_tick(t, ranks)
-                self._push(t + self.policy.tick_period_s, _POLICY_TICK)
+            handlers[kind](t, a, b)
+        return self._result(time.perf_counter() - wall0)
+
+    def _result(self, wall_s: float) -> RunResult:
+        sample_t, sample_tokens, sample_iwq = self._sampler.arrays()
         return RunResult(
             method=self.method,
             requests=self.requests,
-            sample_t=np.asarray(sample_t, dtype=np.float64),
-            sample_tokens=np.asarray(sample_tokens, dtype=np.int64).reshape(len(sample_t), n_ranks),
-            sample_idle_while_queued=np.asarray(sample_iwq, dtype=bool),
+            sample_t=sample_t,
+            sample_tokens=sample_tokens,
+            sample_idle_while_queued=sample_iwq,
             publishes=self.board.publishes,
             board_reads=self.board.reads,
-            retractions=sum(rk.retracted for rk in ranks),
+            retractions=sum(rank.retracted for rank in self.ranks),
+            evicted_tokens=sum(rank.cache.evicted_tokens for rank in self.ranks),
             end_s=self.now,
-            wall_s=time.perf_counter() - wall0,
+            wall_s=wall_s,
         )
 
 
@@ -310,16 +402,15 @@ def simulate(trace: Trace, methods: list[str], config: SimConfig) -> list[RunRes
 
 
 def default_methods() -> list[str]:
-    """The seed methods, vLLM's score and every improved method the controller offers."""
-    from dpboard.sim.policy import VLLM, controller_methods
+    """The seed methods, the peers' routers and every improved method the controller offers."""
+    from dpboard.sim.methods import controller_methods
+    from dpboard.sim.peers import PEERS
 
     offered = controller_methods()
     improved = [m for m in offered if m not in (*SEED_METHODS, "auto", "follow_bootstrap_room")]
     seeds = [m for m in SEED_METHODS if m in offered] if offered else []
-    return [*seeds, VLLM, *improved]
+    return [*seeds, *PEERS, *improved]
 
 
 def config_dict(config: SimConfig) -> dict[str, Any]:
-    d = asdict(config)
-    d["max_sim_s"] = config.max_sim_s if math.isfinite(config.max_sim_s) else None
-    return d
+    return asdict(config)

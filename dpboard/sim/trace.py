@@ -1,6 +1,10 @@
-"""Request traces for ``dpboard sim``: when requests arrive and how long they are.
+"""Request traces for ``dpboard sim``: when requests arrive, how long they are, what prefix they share.
 
-A trace is a deterministic function of its ``TraceSpec``, the number of ranks and a seed (a NumPy
+A ``Trace`` holds arrays of arrival times, prompt and output lengths and, where the source has them,
+the prompt's block ids (one per 512 tokens, chained: equal ids are equal prefixes). Traces come from
+a file (``dpboard.sim.tracefile``) or from one of the named synthetic scenarios below.
+
+A synthetic trace is a deterministic function of its ``TraceSpec``, the number of ranks and a seed (a NumPy
 ``Generator``; no wall clock, no global random state), so two runs with the same arguments see the
 same requests in the same order. Rates and burst sizes are given per rank and scaled by the number
 of ranks, so that ``--ranks 4`` and ``--ranks 16`` put the same load on each rank.
@@ -18,7 +22,8 @@ few run for thousands of tokens and hold their rank's KV cache and batch slot fo
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -87,19 +92,50 @@ def scenario(name: str) -> TraceSpec:
 
 
 @dataclass
-class Trace:
-    """Arrays of one trace, sorted by arrival time (ties keep draw order)."""
+class BlockTable:
+    """Per request, the prompt's block ids, stored flat: request i's are ``ids[offsets[i]:offsets[i+1]]``."""
 
-    spec: TraceSpec
+    offsets: np.ndarray  # int64, one more than there are requests
+    ids: np.ndarray  # int64
+
+    def rows(self) -> list[tuple[int, ...]]:
+        flat = self.ids.tolist()
+        bounds = self.offsets.tolist()
+        return [tuple(flat[bounds[i] : bounds[i + 1]]) for i in range(len(bounds) - 1)]
+
+    def take(self, index: np.ndarray) -> BlockTable:
+        """The rows ``index`` (in that order)."""
+        starts = self.offsets[index]
+        lengths = self.offsets[index + 1] - starts
+        offsets = np.zeros(index.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        gather = np.repeat(starts - offsets[:-1], lengths) + np.arange(int(offsets[-1]), dtype=np.int64)
+        return BlockTable(offsets=offsets, ids=self.ids[gather])
+
+
+@dataclass
+class Trace:
+    """Arrays of one trace, sorted by arrival time (ties keep the source's order)."""
+
+    name: str
     n_ranks: int
     seed: int
     arrival_s: np.ndarray  # float64 seconds from the start
     prompt_len: np.ndarray  # int64 tokens
     output_len: np.ndarray  # int64 tokens to generate, >= 1
     is_burst: np.ndarray  # bool: came in a burst
+    blocks: BlockTable | None = None  # prompt block ids, where the source has them
+    spec: TraceSpec | None = None  # a synthetic scenario's spec
+    info: dict[str, Any] = field(default_factory=dict)  # where a file trace came from and how it was shaped
 
     def __len__(self) -> int:
         return int(self.arrival_s.size)
+
+    def block_rows(self) -> list[tuple[int, ...]]:
+        """Each request's block ids (empty tuples when the trace has none)."""
+        if self.blocks is None:
+            return [()] * len(self)
+        return self.blocks.rows()
 
     def summary(self) -> dict[str, float | int]:
         return {
@@ -108,6 +144,7 @@ class Trace:
             "prompt_tokens": int(self.prompt_len.sum()),
             "output_tokens": int(self.output_len.sum()),
             "last_arrival_s": float(self.arrival_s[-1]) if len(self) else 0.0,
+            "prompt_blocks": int(self.blocks.ids.size) if self.blocks is not None else 0,
         }
 
 
@@ -163,6 +200,7 @@ def generate_trace(spec: TraceSpec, n_ranks: int, seed: int) -> Trace:
         prompt = np.where(is_long, long_prompt, prompt)
     output = _lognormal_ints(rng, n, spec.output_median, spec.output_sigma, 1, spec.output_max)
     return Trace(
+        name=spec.name,
         spec=spec,
         n_ranks=n_ranks,
         seed=seed,

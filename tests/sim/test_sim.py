@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpboard.sim.methods import parse_method_spec
 from dpboard.sim.model import RankConfig
-from dpboard.sim.policy import SimBoard, VllmScorePolicy, parse_method_spec
+from dpboard.sim.peers import VllmPolicy
+from dpboard.sim.policy import SimBoard
 from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation, simulate
 from dpboard.sim.trace import Trace, TraceSpec, generate_trace, scenario
@@ -27,6 +29,8 @@ ALL_METHODS = [
     "total_requests",
     "total_tokens",
     "vllm",
+    "cache_aware",
+    "dynamo_kv",
     "inflight_requests",
     "inflight_tokens",
     "inflight_backlog",
@@ -40,6 +44,7 @@ def small_trace(name: str = "bursty", ranks: int = 4, seed: int = 7, duration: f
 
 def hand_trace(arrivals: list[float], prompts: list[int], outputs: list[int], ranks: int) -> Trace:
     return Trace(
+        name="hand",
         spec=TraceSpec(name="hand"),
         n_ranks=ranks,
         seed=0,
@@ -120,7 +125,7 @@ def test_every_request_is_served_once_on_one_rank(method):
 
 def test_single_request_ttft_is_transit_plus_prefill():
     cfg = RankConfig(
-        prefill_base_s=0.004, prefill_s_per_token=40e-6, decode_base_s=0.01, decode_s_per_token=0.0
+        prefill_base_s=0.004, prefill_s_per_token=40e-6, decode_base_s=0.01, decode_s_per_kv_token=0.0
     )
     config = SimConfig(n_ranks=2, rank=cfg, send_delay_s=0.001)
     trace = hand_trace([0.25], [1000], [5], ranks=2)
@@ -156,8 +161,13 @@ def test_single_request_ttft_is_transit_plus_prefill():
 #                    A0 B1 C2 | (1000,1000) (100,100) (100,100) from 0 -> D1 | rank 0 (0, 1001),
 #                    rank 1 (0 + D's 100, 201), rank 2 (0, 101), from 2 -> E2, now (10, 111); from 0:
 #                    rank 0's queue is empty -> F0, now (10, 1011); from 1 -> G2 (10, 111) over rank 0
-# vllm:              zeros and +1 waiting per pick: A0 B1 C2 D0 (scores 4,4,4) | the 100 ms stats say
-#                    (waiting, running) = (1,1) (0,1) (0,1): scores 5,1,1 -> E1, F2, then 5,5,5 -> G0
+# vllm:              score max(in flight, waiting + running), scan start moving on after each pick:
+#                    A0 B1 C2 (all 0), D from 0: (1,1,1) -> D0 | the coordinator published at 0.1 s
+#                    (waiting, running) = (0,1) on every rank; in flight (2,1,1): from 1 -> E1 (1),
+#                    from 2 -> F2 (1; rank 1 is now 2), from 0: (2,2,2) -> G0
+# cache_aware:       no block ids, so always its least-in-flight worker, ties to the first:
+#                    A0 B1 C2 D0 | nothing finished yet: (2,1,1) -> E1, F2, then (2,2,2) -> G0
+# (dynamo_kv breaks ties at random, so it is worked by hand on its own in test_peers.py)
 HAND_EXPECTED = {
     "round_robin": [0, 1, 2, 0, 1, 2, 0],
     "total_requests": [0, 1, 2, 0, 0, 1, 2],
@@ -165,6 +175,7 @@ HAND_EXPECTED = {
     "inflight_requests": [0, 1, 2, 0, 1, 2, 0],
     "inflight_tokens": [0, 1, 2, 1, 2, 2, 2],
     "vllm": [0, 1, 2, 0, 1, 2, 0],
+    "cache_aware": [0, 1, 2, 0, 1, 2, 0],
     "inflight_backlog": [0, 1, 2, 1, 2, 0, 2],
 }
 
@@ -176,7 +187,7 @@ def test_hand_computed_assignment(method):
         prefill_base_s=0.001,
         prefill_s_per_token=0.0,
         decode_base_s=1.0,
-        decode_s_per_token=0.0,
+        decode_s_per_kv_token=0.0,
     )
     config = SimConfig(
         n_ranks=3,
@@ -237,27 +248,75 @@ def test_inflight_accounting_spreads_a_burst_even_without_the_throttle(method):
 # -- vLLM's score, on its own ---------------------------------------------------------------------
 
 
-def test_vllm_counts_are_local_between_stats_updates():
+class FakeRank:
+    """What vLLM's engine reports of a rank: its queues and KV usage."""
+
+    def __init__(self, rank: int, waiting: int, running: int, kv: float = 0.0):
+        self.rank, self.num_waiting, self.num_running, self.kv_usage = rank, waiting, running, kv
+
+
+class FakeRequest:
+    def __init__(self, rank: int = -1):
+        self.routed_dp_rank = None
+        self.rank = rank
+
+
+def test_vllm_scores_inflight_floor_rotation_and_kv_penalty():
     now = [0.0]
-    policy = VllmScorePolicy(3, lambda: now[0], stats_interval_s=0.1)
+    policy = VllmPolicy(3, lambda: now[0], stats_interval_s=0.1)
+    # The engines report (waiting, running, kv); the coordinator publishes them at its tick.
+    for rank in (FakeRank(0, 2, 3, kv=0.9), FakeRank(1, 0, 4), FakeRank(2, 1, 1, kv=0.75)):
+        policy.on_rank_step(rank, 0.0)
+    policy.on_tick(0.0, [])
+    req = FakeRequest()
+    # scores: rank 0 = max(0, 5) + 2 * 6 * 0.4 = 9.8; rank 1 = 4; rank 2 = max(0, 2) + 1 * 6 * 0.25 = 3.5
+    assert policy.dispatch(req) == 2
+    # rank 2 now waits 2 locally: 3 + 2 * 1.5 = 6; rank 1 = 4 (scan starts at 1 now) -> 1
+    assert policy.dispatch(req) == 1
+    assert policy.counts[1][0] == 1 and policy.counts[2][0] == 2 and policy.inflight == [0, 1, 1]
+    # rank 1 = max(1, 5) = 5, rank 2 = 6, rank 0 = 9.8; scan starts at 2 -> rank 1
+    assert policy.dispatch(req) == 1
+    assert policy.start == 0
 
-    class FakeRank:  # only what on_tick reads
-        def __init__(self, waiting, running):
-            self.num_waiting, self.num_running = waiting, running
 
-    policy.on_tick(0.0, [FakeRank(0, 2), FakeRank(1, 0), FakeRank(0, 0)])
-    req = type("R", (), {"routed_dp_rank": None})()
-    # scores (2, 4, 0) -> rank 2, whose +1 waiting makes it 4; (2, 4, 4) -> 0, now 6; (6, 4, 4) -> 1
-    # (ties go to the first scanned), now 8; (6, 8, 4) -> 2
-    assert [policy.dispatch(req) for _ in range(4)] == [2, 0, 1, 2]
-    # the same counts again are not republished: the local charges stay
-    policy.on_tick(0.1, [FakeRank(0, 2), FakeRank(1, 0), FakeRank(0, 0)])
-    assert policy.counts == [[1, 2], [2, 0], [2, 0]]
-    # new counts replace the local ones wholesale
-    policy.on_tick(0.2, [FakeRank(0, 0), FakeRank(0, 0), FakeRank(0, 0)])
+def test_vllm_inflight_floor_survives_a_stale_publication():
+    now = [0.0]
+    policy = VllmPolicy(2, lambda: now[0], stats_interval_s=0.1)
+    req = FakeRequest()
+    picks = [policy.dispatch(req) for _ in range(4)]
+    assert picks == [0, 1, 0, 1] and policy.inflight == [2, 2]
+    # The engines still report empty queues (the requests have not arrived): the publication wipes the
+    # local waiting counts, but not the client's own in-flight counts.
+    for rank in (FakeRank(0, 0, 0), FakeRank(1, 0, 0)):
+        policy.on_rank_step(rank, 0.05)
+    policy.on_tick(0.1, [])
+    now[0] = 0.1
+    assert policy.dispatch(req) == 0  # (2, 2): a tie, first scanned (the start is back at 0)
+    assert policy.counts == [[1, 0, 0.0], [0, 0, 0.0]] and policy.inflight == [3, 2]
+    assert policy.dispatch(req) == 1
+    # a finish drops the floor
+    policy.on_finish(FakeRequest(rank=0))
+    policy.on_finish(FakeRequest(rank=0))
+    assert policy.inflight == [1, 3]
+
+
+def test_vllm_coordinator_publishes_only_changes():
+    now = [0.0]
+    policy = VllmPolicy(2, lambda: now[0], stats_interval_s=0.1, delay_s=0.01)
+    policy.on_rank_step(FakeRank(0, 3, 1), 0.0)
+    policy.on_tick(0.0, [])
+    assert len(policy._pending) == 1
+    # the same counts again are not a change; a kv change alone is not either (vLLM publishes on
+    # (running, waiting) changes)
+    policy.on_rank_step(FakeRank(0, 3, 1, kv=0.8), 0.05)
+    policy.on_tick(0.1, [])
+    assert len(policy._pending) == 1
+    req = FakeRequest()
+    now[0] = 0.005  # not visible yet
+    assert policy.dispatch(req) == 0 and policy.counts[0][0] == 1
     now[0] = 0.2
-    assert policy.dispatch(req) == 0
-    assert policy.counts == [[1, 0], [0, 0], [0, 0]]
+    policy.dispatch(req)
+    assert policy.counts[0][:2] == [3, 1]
 
 
 def test_sim_board_delays_visibility():
@@ -291,7 +350,7 @@ def test_bad_methods_and_settings_are_named():
     with pytest.raises(ValueError, match="unknown trace 'calm'"):
         scenario("calm")
     with pytest.raises(RuntimeError, match="did not drain"):
-        Simulation(trace, "vllm", SimConfig(n_ranks=4, max_sim_s=0.2)).run()
+        Simulation(trace, "vllm", SimConfig(n_ranks=4, drain_limit_s=0.01)).run()
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -348,3 +407,17 @@ def test_a_method_can_name_its_own_cadence():
     assert own.method == "total_tokens:cadence=step"
     assert outcome(own) == outcome(plain_step)
     assert own.publishes == plain_step.publishes > plain_sglang.publishes
+
+
+def test_compare_methods_example_runs():
+    example = Path(__file__).resolve().parents[2] / "examples" / "compare_methods.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--trace", "steady", "--ranks", "2", "--seeds", "2",
+         "--methods", "total_tokens,vllm,inflight_backlog"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "seeds 0..1" in proc.stdout
+    for name in ("total_tokens", "vllm", "inflight_backlog"):
+        assert f"| {name} |" in proc.stdout
+    assert "best dpboard method by p99 TTFT: inflight_backlog" in proc.stdout

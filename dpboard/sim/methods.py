@@ -1,0 +1,98 @@
+"""Which policy a method spec names: ``NAME[:key=value,...]`` -> dpboard's ``Dispatcher`` with those
+options (policy.py) or one of the peers' routers (peers.py)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dpboard.errors import InvalidInputError
+from dpboard.sim.peers import PEERS, make_peer
+from dpboard.sim.policy import DispatcherPolicy, Policy, SimBoard
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "on", "yes"):
+        return True
+    if low in ("false", "off", "no"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"total_tokens:refresh_interval=0,foo=bar"`` -> ``("total_tokens", {...})``."""
+    spec = spec.strip()
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise InvalidInputError(f"empty method name in {spec!r}: write NAME or NAME:key=value,...")
+    options: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise InvalidInputError(f"method option {part!r} in {spec!r} is not key=value (e.g. refresh_interval=0)")
+        options[key.strip()] = _parse_value(value.strip())
+    return name, options
+
+
+def controller_methods() -> list[str]:
+    """Names of the methods dpboard's controller offers (empty when it cannot be imported)."""
+    try:
+        from dpboard.controller import LoadBalanceMethod
+    except ImportError:
+        return []
+    return [m.value if isinstance(m.value, str) else m.name.lower() for m in LoadBalanceMethod]
+
+
+def make_policy(
+    spec: str,
+    *,
+    n_ranks: int,
+    board: SimBoard,
+    clock: Callable[[], float],
+    refresh_interval_s: float = 0.02,
+    seed: int = 0,
+    label: str | None = None,
+) -> Policy:
+    """Build the policy that ``spec`` names, for ``n_ranks`` ranks reading ``board`` on ``clock``.
+
+    ``seed`` feeds a policy that breaks ties at random; ``label`` names it in results (default: ``spec``)."""
+    name, options = parse_method_spec(spec)
+    label = spec if label is None else label
+    if name in PEERS:
+        return make_peer(name, options, n_ranks=n_ranks, clock=clock, delay_s=board.delay_s, seed=seed, label=label)
+    try:
+        from dpboard.controller import Dispatcher, resolve_load_balance_method
+    except ImportError as e:
+        raise RuntimeError(
+            f"method {name!r} needs dpboard.controller, which cannot be imported ({e}); "
+            f"only the peers' policies ({', '.join(PEERS)}) run without it"
+        ) from e
+    try:
+        method = resolve_load_balance_method(name)
+    except ValueError as e:
+        known = ", ".join([*controller_methods(), *PEERS])
+        raise InvalidInputError(f"unknown dispatch method {name!r} ({e}); use one of {known}") from None
+    kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s}
+    kwargs.update(options)
+    accepted = inspect.signature(Dispatcher).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    unknown = [k for k in kwargs if k not in accepted and not takes_any]
+    if unknown:
+        allowed = sorted(
+            k for k in accepted if k not in ("method", "num_workers", "reader", "active", "clock")
+        )
+        raise InvalidInputError(f"Dispatcher has no option {unknown[0]!r} (in {spec!r}); its options are {allowed}")
+    dispatcher = Dispatcher(
+        method, num_workers=n_ranks, reader=board, active=range(n_ranks), clock=clock, **kwargs
+    )
+    return DispatcherPolicy(label, dispatcher)
