@@ -3,7 +3,9 @@
 - ``GET /v1/loads`` — JSON shaped like SGLang's loads endpoint:
   ``{"timestamp": ISO-8601 UTC, "version": ..., "loads": [one object per rank]}``;
   ``?dp_rank=N`` keeps one rank, ``?format=prometheus`` answers in the Prometheus text format.
-- ``GET /metrics`` — the Prometheus text format (prometheus-client), every rank and the board summary.
+- ``GET /metrics`` — the Prometheus text format (prometheus-client), every rank and the board summary,
+  under names that follow Prometheus's rules, plus the series SGLang's model gateway reads when it
+  falls back from ``/v1/loads`` (``dpboard.views.metrics``).
 - ``GET /healthz`` — 200 while the board is attached, 503 while it is gone.
 
 Bad query parameters get a 400 whose JSON body says what was wrong and what is accepted. The
