@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             _publish_all(board, writers, rng)
             reqs = [Request(i, rng.randint(16, 4096)) for i in range(args.batch)]
             block = reqs[:256]
-            for method in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG):
+            for method in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG,
+                           M.INFLIGHT_CACHE):
                 reader = board.reader()
                 ours = Dispatcher(method, n, reader=reader)
                 # the backlog key is compared with SGLang's token method, the nearest it has
@@ -185,7 +186,61 @@ def main(argv: list[str] | None = None) -> int:
     if verdicts:
         print()
         print("\n".join(verdicts))
+    print()
+    print(prefix_index_table(max(args.ranks), 200 if args.quick else 2000, rng))
     return 0
+
+
+def _match_and_record(index, hashes: list[int], rank: int) -> None:
+    index.match(hashes)
+    index.record(rank, hashes)
+
+
+def prefix_index_table(n_ranks: int, repeats: int, rng: random.Random) -> str:
+    """What the prefix index adds per request, beside what the controller already spends on it:
+    decoding the frame's ``input_ids`` (msgpack) and SGLang's ``DPBudget.dispatch``."""
+    import msgpack
+
+    from dpboard.controller.prefix_index import DEFAULT_BLOCK_SIZE, PrefixIndex, frame_block_hashes
+
+    t = time.perf_counter_ns
+    budget = BaselineBudget(n_ranks)
+    index = PrefixIndex(n_ranks, DEFAULT_BLOCK_SIZE)
+    # history: every rank holds a few dozen conversations' prefixes
+    for conv in range(40 * n_ranks):
+        ids = [conv * 100_000 + i for i in range(DEFAULT_BLOCK_SIZE * rng.randint(1, 16))]
+        index.record(conv % n_ranks, frame_block_hashes(msgpack.packb({"input_ids": ids}))[1])
+    rows = []
+    for tokens in (1024, 16384):
+        # a follow-up turn of a conversation that one rank holds, with new tokens after it
+        ids = [7 * 100_000 + i for i in range(tokens)]
+        frame = msgpack.packb({"rid": "r", "input_ids": ids, "routed_dp_rank": None}, use_bin_type=True)
+
+        def each(fn: Callable[[], object]) -> np.ndarray:
+            out = np.empty(repeats)
+            for i in range(repeats):
+                a = t()
+                fn()
+                out[i] = t() - a
+            return out
+
+        hashes = frame_block_hashes(frame)[1]
+        decode = each(functools.partial(msgpack.unpackb, frame, raw=False))
+        hashing = each(functools.partial(frame_block_hashes, frame))
+        lookup = each(functools.partial(_match_and_record, index, hashes, 7 % n_ranks))
+        sglang = each(functools.partial(budget.dispatch, M.TOTAL_TOKENS, tokens))
+        index_total = hashing + lookup
+        for what, samples in (("decode input_ids from the frame (msgpack, what the controller does now)", decode),
+                              ("block hashes from the frame bytes (C)", hashing),
+                              ("index: match on every rank + record", lookup),
+                              ("the prefix index in all (hashes + match + record)", index_total),
+                              ("SGLang DPBudget.dispatch (total_tokens)", sglang)):
+            rows.append([f"{tokens}", what, fmt_ns(pct(samples, 50)), fmt_ns(pct(samples, 99))])
+        ratio = pct(index_total, 50) / pct(decode, 50)
+        rows.append([f"{tokens}", "prefix index / decoding input_ids (p50)", f"{ratio:.2f}x", "-"])
+    return (f"### prefix index, per request ({n_ranks} ranks, {DEFAULT_BLOCK_SIZE}-token blocks, "
+            f"{len(index._holders)} blocks indexed)\n\n"
+            + markdown_table(["prompt tokens", "what", "p50", "p99"], rows))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@
  *   - routed_dp_rank set: that rank, if it is an int in range and routable (active), else
  *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
  *   - otherwise argmin over candidate ranks of (tokens, requests), of requests alone, or (by_backlog,
- *     inflight_backlog) of (backlog, tokens): queued prefill tokens first; ties go to the first rank
- *     met scanning from 0 (seed) or from the rank after the last pick (rotate).
+ *     inflight_backlog) of (backlog, tokens): queued prefill tokens first; or (pick_saving,
+ *     inflight_cache) of (backlog + the tokens the rank's prefix cache does not hold, tokens); ties
+ *     go to the first rank met scanning from 0 (seed) or from the rank after the last pick (rotate).
  *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget
  *     (to tokens, and to backlog when the budget keeps one: the prompt queues for prefill),
  *     and records the send in the ledger: sent_reqs[r] += 1, sent_tokens[r] += tokens, and
@@ -310,6 +311,73 @@ static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
     return out;
 }
 
+/* The inflight_cache argmin: the rank where the request's first token comes soonest, counting the
+   prefill work queued there and the part of the prompt (t tokens) that the rank's prefix cache does
+   not hold (sav[r] tokens, from the controller's prefix index): key backlog[r] + max(0, t - sav[r]),
+   ties to fewer KV tokens, then to the scan order. Needs the backlog array. */
+static Py_ssize_t argmin_saving(Core *self, int64_t t, const int64_t *sav, int64_t *uncached_out) {
+    const Py_ssize_t n = self->n;
+    const int64_t *tok = self->tokens, *bl = self->backlog;
+    const uint8_t *cand = self->candidate;
+    Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
+    int64_t bk = 0, bt = 0, bu = 0;
+    if (i < 0 || i >= n) i = 0;
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t u = t > sav[i] ? t - sav[i] : 0;
+        int64_t key = bl[i] + u, tt = tok[i];
+        if (best < 0 || key < bk || (key == bk && tt < bt)) {
+            best = i;
+            bk = key;
+            bt = tt;
+            bu = u;
+        }
+    }
+    if (best < 0) {
+        PyErr_SetString(UnavailableError,
+                        "no DP rank can take the request: every active rank is unavailable or unhealthy "
+                        "(see set_active/set_status, and `dpboard dump` for stale slots)");
+        return -1;
+    }
+    if (self->rotate) self->next_start = (best + 1 == n) ? 0 : best + 1;
+    *uncached_out = bu;
+    return best;
+}
+
+/* pick_saving(req, savings) -> (rank, charged): routed_dp_rank first, else argmin_saving; the rank
+   is charged the uncached tokens (the prefill work the request adds there). */
+static PyObject *core_pick_saving(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pick_saving(req, savings) takes 2 arguments");
+        return NULL;
+    }
+    if (self->backlog == NULL) {
+        PyErr_SetString(PyExc_ValueError, "pick_saving needs the backlog array (queued prefill tokens per rank)");
+        return NULL;
+    }
+    Py_buffer sb;
+    if (PyObject_GetBuffer(args[1], &sb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (sb.itemsize != 8 || sb.len < self->n * 8) {
+        PyErr_Format(PyExc_ValueError, "savings must be int64, one per rank (%zd), got %zd bytes of %zd-byte items",
+                     self->n, sb.len, sb.itemsize);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    const int64_t *sav = (const int64_t *)sb.buf;
+    Py_ssize_t rank;
+    int64_t u = 0;
+    int routed = request_routed(self, args[0], &rank);
+    int64_t t = routed < 0 ? -1 : request_tokens(args[0]);
+    if (t >= 0) {
+        if (routed) u = t > sav[rank] ? t - sav[rank] : 0;
+        else rank = argmin_saving(self, t, sav, &u);
+    }
+    PyBuffer_Release(&sb);
+    if (t < 0 || rank < 0) return NULL;
+    charge(self, rank, u);
+    return Py_BuildValue("(nL)", rank, (long long)u);
+}
+
 static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
     long long t = PyLong_AsLongLong(arg);
     if (t == -1 && PyErr_Occurred()) return NULL;
@@ -404,6 +472,8 @@ static PyMethodDef core_methods[] = {
     {"pick_batch", (PyCFunction)core_pick_batch, METH_O,
      "pick_batch(reqs) -> list of ranks, with consecutive speculative charges; all or nothing."},
     {"pick_tokens", (PyCFunction)core_pick_tokens, METH_O, "pick_tokens(n) -> argmin rank, charged n tokens."},
+    {"pick_saving", (PyCFunction)(void (*)(void))core_pick_saving, METH_FASTCALL,
+     "pick_saving(req, savings) -> (rank, charged): the inflight_cache pick, charged the uncached tokens."},
     {"charge", (PyCFunction)(void (*)(void))core_charge, METH_FASTCALL,
      "charge(rank, tokens): add one request of that many tokens to rank."},
     {"retract", (PyCFunction)(void (*)(void))core_retract, METH_FASTCALL,

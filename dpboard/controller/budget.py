@@ -175,6 +175,37 @@ class PyArgminCore:
             raise
         return [rank for rank, _ in done]
 
+    def pick_saving(self, req: Any, savings: np.ndarray) -> tuple[int, int]:
+        """The ``inflight_cache`` pick: (rank, charged uncached tokens); see ``_dispatch.c``."""
+        if self.backlog is None:
+            raise InvalidInputError("pick_saving needs the backlog array (queued prefill tokens per rank)")
+        routed = self._routed(req)
+        tokens = request_tokens(req)
+        if routed is not None:
+            uncached = max(0, tokens - int(savings[routed]))
+            self.charge(routed, uncached)
+            return routed, uncached
+        n = self.n
+        start = self.next_start if self.rotate else 0
+        best, best_key, best_uncached = -1, None, 0
+        for k in range(n):
+            i = (start + k) % n
+            if not self.candidate[i]:
+                continue
+            uncached = max(0, tokens - int(savings[i]))
+            key = (int(self.backlog[i]) + uncached, int(self.tokens[i]))
+            if best < 0 or key < best_key:
+                best, best_key, best_uncached = i, key, uncached
+        if best < 0:
+            raise UnavailableError(
+                "no DP rank can take the request: every active rank is unavailable or unhealthy "
+                "(see set_active/set_status, and `dpboard dump` for stale slots)"
+            )
+        if self.rotate:
+            self.next_start = (best + 1) % n
+        self.charge(best, best_uncached)
+        return best, best_uncached
+
     def pick_tokens(self, tokens: int) -> int:
         if tokens < 0:
             raise InvalidInputError(f"estimated tokens must be >= 0, got {tokens}")
@@ -250,8 +281,12 @@ class DPBudget:
         """Refresh from snapshots (SGLang's signature); each goes to the rank its ``dp_rank`` names."""
         self.update_from_array(snapshots_to_array(loads, self.num_workers))
 
-    def update_from_array(self, records: np.ndarray) -> None:
-        """Refresh from ``SNAPSHOT_DTYPE`` records, one per rank (``BoardReader.read_array()``)."""
+    def update_from_array(self, records: np.ndarray, queued_prefill: np.ndarray | None = None) -> None:
+        """Refresh from ``SNAPSHOT_DTYPE`` records, one per rank (``BoardReader.read_array()``).
+
+        ``queued_prefill``, when given, is the prefill work each rank's engine reports queued (-1:
+        not reported); the backlog takes it over ``num_total_tokens - num_used_tokens``, which counts
+        cached prefixes as work and misses the rest of a prompt whose chunked prefill is under way."""
         n = self.num_workers
         if records.dtype != SNAPSHOT_DTYPE or len(records) < n:
             raise InvalidInputError(
@@ -274,6 +309,10 @@ class DPBudget:
             self.snap_tokens[idx] = sel["num_total_tokens"]
             # seqlens of requests not yet holding KV: the prefill work still ahead on the rank
             self.snap_backlog[idx] = np.maximum(sel["num_total_tokens"] - sel["num_used_tokens"], 0)
+            if queued_prefill is not None:
+                reported = queued_prefill[idx]
+                known = reported >= 0
+                self.snap_backlog[idx[known]] = reported[known]
             self.snap_received[idx] = sel["num_received_reqs"]
             if not self.inflight_accounting:
                 # SGLang: a new snapshot overwrites the speculative charges of its rank

@@ -12,21 +12,24 @@ from typing import Any
 
 import msgpack
 
+from dpboard.controller.prefix_index import frame_block_hashes
 from dpboard.errors import InvalidInputError
 
 
 class Request:
     """What the Dispatcher reads of a decoded frame; ``raw`` is what is forwarded."""
 
-    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw")
+    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw", "block_hashes")
 
     def __init__(self, rid: Any, routed_dp_rank: int | None, bootstrap_room: int | None, num_tokens: int,
-                 raw: bytes):
+                 raw: bytes, block_hashes: list[int] | None = None):
         self.rid = rid
         self.routed_dp_rank = routed_dp_rank
         self.bootstrap_room = bootstrap_room
         self.num_tokens = num_tokens
         self.raw = raw
+        # the prompt's chained block hashes, read from ``raw`` by a controller whose method uses them
+        self.block_hashes = block_hashes
 
 
 class MalformedFrame(InvalidInputError):
@@ -40,8 +43,9 @@ def _optional_int(msg: dict, key: str) -> int | None:
     return value
 
 
-def decode_request(raw: bytes) -> Request:
-    """A frame -> Request, or ``MalformedFrame`` saying what is wrong with it."""
+def decode_request(raw: bytes, block_size: int | None = None) -> Request:
+    """A frame -> Request, or ``MalformedFrame`` saying what is wrong with it. With ``block_size``,
+    the request also gets its prompt's chained block hashes, read from the frame's bytes."""
     try:
         msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several types for bad bytes
@@ -64,7 +68,14 @@ def decode_request(raw: bytes) -> Request:
             raise MalformedFrame("needs input_ids (a list) or num_tokens (an int >= 0)")
     routed = _optional_int(msg, "routed_dp_rank")
     room = _optional_int(msg, "bootstrap_room")
-    return Request(rid, routed, room, num_tokens, raw)
+    hashes = None
+    if block_size is not None and ids is not None:
+        try:
+            found = frame_block_hashes(raw, block_size)
+        except ValueError as e:
+            raise MalformedFrame(str(e)) from None
+        hashes = [] if found is None else found[1]
+    return Request(rid, routed, room, num_tokens, raw, hashes)
 
 
 def encode_request(rid: Any, *, input_ids: Sequence[int] | None = None, num_tokens: int | None = None,

@@ -23,8 +23,14 @@ from dpboard.controller.budget import (
     snapshots_to_array,
 )
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.controller.prefix_index import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CAPACITY_BLOCKS,
+    PrefixIndex,
+    request_block_hashes,
+)
 from dpboard.errors import InvalidInputError, UnavailableError
-from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
+from dpboard.snapshot import DETAIL_PRESENT, DETAILED_DTYPE, SNAPSHOT_DTYPE, SlotStatus
 
 DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most once per 20 ms
 
@@ -42,6 +48,11 @@ class Dispatcher:
     - ``health_aware``: never pick a rank whose slot is STALE or TORN (besides inactive and
       unavailable ranks, which no load-aware method picks).
     - ``rotate_ties``: among equal loads, start from the rank after the last pick instead of rank 0.
+
+    ``inflight_cache`` keeps a ``PrefixIndex`` of the prompt blocks sent to each rank
+    (``prefix_block_size`` tokens per block; each rank's capacity from its ``max_total_num_tokens``,
+    ``prefix_capacity_blocks`` until the board reports one). A request's blocks are its
+    ``block_hashes`` when it carries them, else hashes of its ``input_ids``.
     """
 
     def __init__(
@@ -59,6 +70,8 @@ class Dispatcher:
         rotate_ties: bool | None = None,
         ledger_capacity: int = DEFAULT_LEDGER_CAPACITY,
         use_extension: bool = True,
+        prefix_block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
     ):
         self.method = resolve_load_balance_method(method, disaggregation_mode)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
@@ -83,14 +96,22 @@ class Dispatcher:
         self._active: tuple[int, ...] = ()
         self.reader = reader
         self.budget: DPBudget | None = None
+        self.prefix: PrefixIndex | None = None
         if self.method.is_load_aware:
             self._setup_load_aware(reader, ledger_capacity, use_extension)
+        if self.method.uses_prefix_index:
+            self.prefix = PrefixIndex(num_workers, prefix_block_size, prefix_capacity_blocks)
+            self._savings = np.zeros(num_workers, np.int64)
+            self._capacities = np.zeros(num_workers, np.int64)  # the KV capacities last given to the index
+            self._charged: list[list[int]] = [[] for _ in range(num_workers)]  # this call's charges, to retract
         self.set_active(range(num_workers) if active is None else active)
         # bind the method's fast path once, so a call does no branching on the method
         if self.method is LoadBalanceMethod.ROUND_ROBIN:
             self.dispatch = self._dispatch_round_robin  # type: ignore[method-assign]
         elif self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
             self.dispatch = self._dispatch_room  # type: ignore[method-assign]
+        elif self.prefix is not None:
+            self.dispatch = self._dispatch_cache  # type: ignore[method-assign]
         else:
             self.dispatch = self._dispatch_load  # type: ignore[method-assign]
 
@@ -136,6 +157,28 @@ class Dispatcher:
             raise InvalidInputError(
                 f"reader must be a BoardReader or have read_all() (or read_array()), got {type(reader).__name__}"
             )
+        self._read_queued = None
+        if self.method.by_backlog and hasattr(reader, "read_detailed_array"):
+            self._read_queued = self._queued_prefill_reader(reader)
+
+    def _queued_prefill_reader(self, reader: Any) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """For the backlog methods: the records and, per rank, the prefill work the engine itself
+        reports queued (``num_waiting_uncached_tokens`` of the slot's detail: the waiting prompts
+        less what its prefix cache holds of them, plus the rest of a prompt whose chunked prefill is
+        under way), -1 where the engine reports no detail. Read from one write per slot."""
+        n = self.num_workers
+        detailed = np.zeros(n, DETAILED_DTYPE)
+        queued = np.full(n, -1, np.int64)
+
+        def read() -> tuple[np.ndarray, np.ndarray]:
+            arr = reader.read_detailed_array(detailed)
+            detail = arr["detail"][:n]
+            present = (detail["flags"] & DETAIL_PRESENT) != 0
+            queued[:] = -1
+            queued[present] = detail["num_waiting_uncached_tokens"][present]
+            return arr["load"], queued
+
+        return read
 
     # -- the active set and availability ------------------------------------------------------------
 
@@ -192,9 +235,19 @@ class Dispatcher:
         self._refresh()
 
     def _refresh(self) -> None:
-        self.budget.update_from_array(self._read_records())
+        if self._read_queued is not None:
+            records, queued = self._read_queued()
+            self.budget.update_from_array(records, queued)
+        else:
+            records = self._read_records()
+            self.budget.update_from_array(records)
         if self.health_aware:
             self._update_candidates()
+        if self.prefix is not None:
+            capacities = records["max_total_num_tokens"][: self.num_workers]
+            if not np.array_equal(capacities, self._capacities):
+                self.prefix.set_capacity_tokens(capacities.tolist())
+                self._capacities[:] = capacities
         self.refresh_count += 1
 
     # -- dispatch -------------------------------------------------------------------------------------
@@ -203,6 +256,8 @@ class Dispatcher:
         """The rank for ``req``: ``routed_dp_rank`` first, then the method.
 
         ``__init__`` binds the method's own fast path over this name; this body is the same choice."""
+        if self.prefix is not None:
+            return self._dispatch_cache(req)
         if self.budget is not None:
             return self._dispatch_load(req)
         if self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
@@ -213,6 +268,8 @@ class Dispatcher:
         """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
         nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept."""
         method = self.method
+        if self.prefix is not None:
+            return self._dispatch_cache_batch(reqs)
         if self.budget is not None:
             self._refresh_if_due()
             return self._pick_batch(reqs)
@@ -235,7 +292,11 @@ class Dispatcher:
         """
         if self.budget is None:
             return
-        self.budget.retract(self._worker_rank(rank, "rank"), request_tokens(req))
+        rank = self._worker_rank(rank, "rank")
+        if self.prefix is not None and self._charged[rank]:
+            self.budget.retract(rank, self._charged[rank].pop())  # what the pick charged: its uncached part
+            return
+        self.budget.retract(rank, request_tokens(req))
 
     def _refresh_if_due(self) -> None:
         """The 20 ms throttle (SPEC 5.3): read the board only when ``refresh_interval`` has passed."""
@@ -247,6 +308,42 @@ class Dispatcher:
     def _dispatch_load(self, req: Any) -> int:
         self._refresh_if_due()
         return self._pick(req)
+
+    def _pick_cached(self, req: Any) -> int:
+        """One inflight_cache pick: the prompt's cached tokens on every rank from the prefix index,
+        the pick charged its uncached part, and the prompt recorded on the rank that got it."""
+        assert self.prefix is not None
+        hashes = request_block_hashes(req, self.prefix.block_size)
+        self.prefix.match(hashes, self._savings)
+        rank, charged = self.budget.core.pick_saving(req, self._savings)
+        self._charged[rank].append(charged)
+        self.prefix.record(rank, hashes)
+        return rank
+
+    def _dispatch_cache(self, req: Any) -> int:
+        for stack in self._charged:
+            stack.clear()
+        self._refresh_if_due()
+        return self._pick_cached(req)
+
+    def _dispatch_cache_batch(self, reqs: Sequence[Any]) -> list[int]:
+        # One refresh, then one pick per request in order, each seeing the prompts recorded before it.
+        # All or nothing for the budget; the index keeps what failed batches recorded (it is an estimate).
+        for stack in self._charged:
+            stack.clear()
+        self._refresh_if_due()
+        core = self.budget.core
+        saved_start = core.next_start
+        picks: list[int] = []
+        try:
+            for req in reqs:
+                picks.append(self._pick_cached(req))
+        except BaseException:
+            for rank in reversed(picks):
+                core.retract(rank, self._charged[rank].pop())
+            core.next_start = saved_start
+            raise
+        return picks
 
     def _dispatch_round_robin(self, req: Any) -> int:
         routed = getattr(req, "routed_dp_rank", None)

@@ -14,7 +14,8 @@ class LoadBalanceMethod(str, enum.Enum):
     The first four are SGLang's and behave exactly like it by default. The ``inflight_*`` methods are
     dpboard's, with exact in-flight accounting, health-aware candidates and rotating ties switched on:
     ``inflight_requests`` and ``inflight_tokens`` keep SGLang's keys; ``inflight_backlog`` keys on the
-    prefill work queued at the rank (docs/DISPATCH.md says when to use which).
+    prefill work queued at the rank; ``inflight_cache`` on that work plus the part of the prompt the
+    rank's prefix cache does not hold (docs/DISPATCH.md says when to use which).
     """
 
     ROUND_ROBIN = "round_robin"
@@ -24,6 +25,7 @@ class LoadBalanceMethod(str, enum.Enum):
     INFLIGHT_REQUESTS = "inflight_requests"
     INFLIGHT_TOKENS = "inflight_tokens"
     INFLIGHT_BACKLOG = "inflight_backlog"
+    INFLIGHT_CACHE = "inflight_cache"
 
     @property
     def is_load_aware(self) -> bool:
@@ -44,7 +46,17 @@ class LoadBalanceMethod(str, enum.Enum):
         equal queues (most often empty ones) the lighter decode batch (fewer KV tokens) wins, as its
         steps are shorter and its cache has more room to admit the prompt.
         """
-        return self is LoadBalanceMethod.INFLIGHT_BACKLOG
+        return self in (LoadBalanceMethod.INFLIGHT_BACKLOG, LoadBalanceMethod.INFLIGHT_CACHE)
+
+    @property
+    def uses_prefix_index(self) -> bool:
+        """True when the controller keeps a prefix index to estimate each rank's cached prompt tokens.
+
+        The request's first token comes after the prefill work queued at the rank and after its own
+        prompt's prefill, less what the rank's prefix cache already holds of it: the key is
+        ``backlog + max(0, prompt - cached)``, ties to the lighter KV.
+        """
+        return self is LoadBalanceMethod.INFLIGHT_CACHE
 
     @property
     def is_improved(self) -> bool:
@@ -53,6 +65,7 @@ class LoadBalanceMethod(str, enum.Enum):
             LoadBalanceMethod.INFLIGHT_REQUESTS,
             LoadBalanceMethod.INFLIGHT_TOKENS,
             LoadBalanceMethod.INFLIGHT_BACKLOG,
+            LoadBalanceMethod.INFLIGHT_CACHE,
         )
 
     def __str__(self) -> str:

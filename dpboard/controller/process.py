@@ -133,6 +133,13 @@ class DataParallelController:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
+    @property
+    def _block_size(self) -> int | None:
+        """Tokens per prompt block when the method keeps a prefix index (then each request's block
+        hashes are read from its frame), else None."""
+        prefix = self.dispatcher.prefix
+        return None if prefix is None else prefix.block_size
+
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
         self._stop.set()
@@ -180,7 +187,7 @@ class DataParallelController:
             try:
                 if len(frames) != 1:
                     raise MalformedFrame(f"{len(frames)} frames in one message, expected 1")
-                reqs.append(decode_request(frames[0]))
+                reqs.append(decode_request(frames[0], self._block_size))
             except MalformedFrame as e:
                 self.stats["malformed"] += 1
                 log.warning("dropped a malformed request frame: %s", e)

@@ -122,6 +122,7 @@ class SimRequest:
         "prefill_left",
         "held_blocks",
         "private_kv",
+        "queued_uncached",
     )
 
     def __init__(
@@ -155,6 +156,12 @@ class SimRequest:
         self.prefill_left = 0  # tokens still to compute in the current prefill
         self.held_blocks = 0  # leading block_ids pinned in the rank's cache
         self.private_kv = 0  # KV tokens reserved outside the prefix cache at admission (during prefill)
+        self.queued_uncached = 0  # its part of the rank's waiting_uncached while it waits
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        """The trace's block ids: what a cache-aware ``Dispatcher`` keys its prefix index on."""
+        return self.block_ids
 
     @property
     def seqlen(self) -> int:
@@ -179,6 +186,9 @@ class RankModel:
         self.cache = cache if cache is not None else PrefixCache()
         self.waiting: deque[SimRequest] = deque()
         self.waiting_tokens = 0  # sum of seqlens in the waiting queue (they hold no KV)
+        # SGLang's num_waiting_uncached_tokens: the waiting prompts less what the cache holds of them
+        # when they arrived in the queue (SGLang matches the waiting queue against its radix cache)
+        self.waiting_uncached = 0
         self.running: dict[int, SimRequest] = {}  # rid -> request in decode, in admission order
         self._finish_heap: list[tuple[int, int, int]] = []  # (finish_step, rid, epoch)
         self.private_tokens = 0  # KV held outside the prefix cache (running and prefilling requests)
@@ -254,7 +264,22 @@ class RankModel:
         req.received_s = now_s
         self.received += 1
         self.waiting.append(req)
+        self._queue_tokens(req)
+
+    def _queue_tokens(self, req: SimRequest) -> None:
+        """Count a request that joins the waiting queue (new, or retracted)."""
         self.waiting_tokens += req.seqlen
+        ids = req.block_ids
+        cached = prefix_tokens(req.prompt_len, len(ids), self.cache.match(ids)) if ids else 0
+        req.queued_uncached = max(0, req.seqlen - cached)
+        self.waiting_uncached += req.queued_uncached
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """What SGLang reports as ``num_waiting_uncached_tokens``: the waiting prompts' uncached
+        tokens plus the rest of the prompt whose chunked prefill is under way."""
+        chunked = self._chunked.prefill_left if self._chunked is not None else 0
+        return self.waiting_uncached + chunked
 
     def begin_step(self, now_s: float) -> float | None:
         """Choose the next step and return its duration, or None when there is nothing to do."""
@@ -322,6 +347,7 @@ class RankModel:
                     break
             waiting.popleft()
             self.waiting_tokens -= seqlen
+            self.waiting_uncached -= req.queued_uncached
             free -= need + 1
             slots -= 1
             self.private_tokens += need
@@ -413,7 +439,7 @@ class RankModel:
         req.retractions += 1
         self.retracted += 1
         self.waiting.appendleft(req)
-        self.waiting_tokens += req.seqlen
+        self._queue_tokens(req)
         return freed
 
     def _drop_kv(self, req: SimRequest) -> int:

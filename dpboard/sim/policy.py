@@ -21,9 +21,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from dpboard.controller.budget import snapshots_to_array
 from dpboard.errors import InvalidInputError
 from dpboard.sim.model import RankModel, SimRequest
-from dpboard.snapshot import LoadSnapshot
+from dpboard.snapshot import DETAIL_PRESENT, SNAPSHOT_DTYPE, LoadSnapshot
 
 
 class Policy:
@@ -60,35 +63,55 @@ class SimBoard:
 
     ``publish`` queues a snapshot that becomes visible ``delay_s`` later; ``read_all`` returns, per
     rank, the newest snapshot visible now (None before the first). The delay is the same for every
-    publish, so one FIFO keeps visibility order.
+    publish, so one FIFO keeps visibility order. A rank also reports its queued prefill work (SGLang's
+    ``num_waiting_uncached_tokens``), which a real board carries in the slot's detail:
+    ``read_detailed_array`` gives both, as ``BoardReader.read_detailed_array`` does.
     """
 
     def __init__(self, n_ranks: int, clock: Callable[[], float], delay_s: float = 0.0):
         if delay_s < 0:
             raise InvalidInputError(f"snapshot visibility delay must be >= 0 seconds, got {delay_s}")
         self._visible: list[LoadSnapshot | None] = [None] * n_ranks
-        self._pending: deque[tuple[float, int, LoadSnapshot]] = deque()
+        self._queued = np.full(n_ranks, -1, np.int64)  # the visible snapshots' queued prefill (-1: none)
+        self._pending: deque[tuple[float, int, LoadSnapshot, int]] = deque()
         self._clock = clock
         self.delay_s = delay_s
         self.publishes = 0
         self.reads = 0
+        self._records = np.zeros(n_ranks, SNAPSHOT_DTYPE)
 
-    def publish(self, rank: int, snapshot: LoadSnapshot, now_s: float) -> None:
+    def publish(self, rank: int, snapshot: LoadSnapshot, now_s: float, queued_prefill: int = -1) -> None:
         self.publishes += 1
         if self.delay_s == 0.0:
             self._visible[rank] = snapshot
+            self._queued[rank] = queued_prefill
         else:
-            self._pending.append((now_s + self.delay_s, rank, snapshot))
+            self._pending.append((now_s + self.delay_s, rank, snapshot, queued_prefill))
 
-    def read_all(self) -> list[LoadSnapshot | None]:
-        self.reads += 1
+    def _catch_up(self) -> None:
         pending = self._pending
         if pending:
             now = self._clock()
             while pending and pending[0][0] <= now:
-                _, rank, snap = pending.popleft()
+                _, rank, snap, queued = pending.popleft()
                 self._visible[rank] = snap
+                self._queued[rank] = queued
+
+    def read_all(self) -> list[LoadSnapshot | None]:
+        self.reads += 1
+        self._catch_up()
         return list(self._visible)
+
+    def read_detailed_array(self, out: np.ndarray) -> np.ndarray:
+        """The visible snapshots as DETAILED_DTYPE records; a detail holds the queued prefill only."""
+        self.reads += 1
+        self._catch_up()
+        snapshots_to_array(self._visible, len(self._visible), self._records)
+        out["load"] = self._records
+        detail = out["detail"]
+        detail["flags"] = np.where(self._queued >= 0, DETAIL_PRESENT, 0)
+        detail["num_waiting_uncached_tokens"] = np.maximum(self._queued, 0)
+        return out
 
 
 class DispatcherPolicy(Policy):

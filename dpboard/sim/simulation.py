@@ -261,7 +261,8 @@ class Simulation:
     def _publish(self, r: int) -> None:
         self._publish_seq[r] += 1
         self._decode_since_publish[r] = 0
-        self.board.publish(r, self.ranks[r].snapshot(self.now, self._publish_seq[r]), self.now)
+        rank = self.ranks[r]
+        self.board.publish(r, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens)
 
     def _kv_event(self, r: int, kind: int, ids: list[int]) -> None:
         """A rank's prefix cache stored or dropped blocks: the router hears of it after the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from dpboard.controller import (
     zmq_reader_owner,
 )
 from dpboard.controller.budget import PyArgminCore
-from tests.support.dispatch import ListReader, Req, TokReq, make
+from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 
 M = LoadBalanceMethod
 LOAD_AWARE = [M.TOTAL_REQUESTS, M.TOTAL_TOKENS, M.INFLIGHT_REQUESTS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG]
@@ -527,7 +528,11 @@ def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, key, ops, data)
                 return b.core.pick(TokReq(num_tokens=size, routed_dp_rank=routed))
             if kind == 1:
                 return b.core.pick_batch([Req(input_ids=[0] * size), Req(routed_dp_rank=routed)])
-            return b.core.pick_tokens(size)
+            if kind == 2:
+                return b.core.pick_tokens(size)
+            # inflight_cache: each rank holds a different share of the prompt
+            savings = np.array([(size * (r + 1)) % 60 for r in range(n)], np.int64)
+            return b.core.pick_saving(TokReq(num_tokens=size, routed_dp_rank=routed), savings)
         except (ValueError, RuntimeError) as e:
             return type(e).__name__, str(e)
 
@@ -545,3 +550,104 @@ def test_the_dispatch_bench_prints_both_columns(capsys):
     out = capsys.readouterr().out
     assert "| total_tokens | 4 | one decision |" in out
     assert "baseline p50" in out
+
+
+# -- inflight_cache: exact loads plus the controller's prefix index ------------------------------------
+
+
+def cache_dispatcher(n=4, capacity_tokens=100_000, **kw):
+    reader = ListReader(n)
+    for r in range(n):
+        reader.snaps[r] = LoadSnapshot(dp_rank=r, max_total_num_tokens=capacity_tokens, publish_seq=1, timestamp_ns=1)
+    return Dispatcher(M.INFLIGHT_CACHE, n, reader=reader, clock=FakeClock(), prefix_block_size=4, **kw), reader
+
+
+def test_inflight_cache_sends_a_follow_up_turn_to_the_rank_that_holds_its_prefix():
+    d, reader = cache_dispatcher()
+    first = d.dispatch(Req(input_ids=list(range(100))))
+    assert d.budget.backlog.tolist()[first] == 100
+    # the first turn's prefill is done: the rank reports it as KV in use, nothing queued
+    reader.snaps[first] = reader.snaps[first]._replace(num_used_tokens=100, num_total_tokens=100,
+                                                         num_received_reqs=1, publish_seq=2, timestamp_ns=2)
+    d._clock.now += 1  # past the refresh throttle
+    follow_up = d.dispatch(Req(input_ids=list(range(140))))
+    assert follow_up == first
+    assert d._savings[first] == 100  # its first 100 tokens were cached there
+    assert d.budget.backlog[first] == 40  # only the uncached 40 were charged as queued prefill
+
+
+def test_inflight_cache_weighs_the_queue_against_the_cache():
+    d, reader = cache_dispatcher(n=2)
+    prefix = list(range(400))
+    holder = d.dispatch(Req(input_ids=prefix))
+    other = 1 - holder
+    # the holder is now busy: 1000 queued prefill tokens; the other rank is idle
+    reader.snaps[holder] = reader.snaps[holder]._replace(num_used_tokens=400, num_total_tokens=1400,
+                                                           num_received_reqs=1, publish_seq=2, timestamp_ns=2)
+    d._clock.now += 1
+    # cost on the holder: 1000 queued + 20 uncached; on the other: 0 + 420 -> the other wins
+    assert d.dispatch(Req(input_ids=prefix + list(range(1000, 1020)))) == other
+
+
+def test_inflight_cache_without_reuse_is_inflight_backlog():
+    """No two prompts share a block: the cache never saves anything and the picks are inflight_backlog's."""
+    prompts = [[1000 * k + i for i in range(37 * (k % 5 + 1))] for k in range(60)]
+    cache, _ = cache_dispatcher(n=5)
+    backlog = Dispatcher(M.INFLIGHT_BACKLOG, 5, reader=cache.reader, clock=FakeClock())
+    assert [cache.dispatch(Req(input_ids=p)) for p in prompts] == [backlog.dispatch(Req(input_ids=p)) for p in prompts]
+
+
+def test_inflight_cache_routed_batches_retract_and_capacity():
+    d, reader = cache_dispatcher(n=3, capacity_tokens=40)  # 10 blocks of 4 tokens per rank
+    assert [d.prefix.capacity(r) for r in range(3)] == [4096] * 3  # until the first refresh
+    assert d.dispatch(Req(input_ids=list(range(80)), routed_dp_rank=2)) == 2
+    assert [d.prefix.capacity(r) for r in range(3)] == [10] * 3
+    assert d.prefix.held(2) == 10  # 20 blocks sent, 10 kept: the rank's KV capacity
+    # routed: charged the uncached part on the routed rank
+    assert d.dispatch(Req(input_ids=list(range(80)), routed_dp_rank=2)) == 2
+    assert d.budget.backlog[2] == 80 + 40
+    # retract takes back exactly what the pick charged
+    d.retract(2, Req(input_ids=list(range(80))))
+    assert d.budget.backlog[2] == 80
+    # a batch is all or nothing for the budget
+    before = d.budget.backlog.tolist()
+    with pytest.raises(ValueError, match="DP rank 7 is not active"):
+        d.dispatch_batch([Req(input_ids=list(range(500, 540))), Req(routed_dp_rank=7)])
+    assert d.budget.backlog.tolist() == before
+    assert len(d.dispatch_batch([Req(input_ids=list(range(600, 640))) for _ in range(3)])) == 3
+
+
+def test_inflight_cache_is_health_aware():
+    d, reader = cache_dispatcher(n=2)
+    holder = d.dispatch(Req(input_ids=list(range(100))))
+    d.set_status(holder, False)
+    assert d.dispatch(Req(input_ids=list(range(100)))) == 1 - holder
+    d.set_status(1 - holder, False)
+    with pytest.raises(RuntimeError, match="no DP rank can take the request"):
+        d.dispatch(Req(input_ids=list(range(100))))
+
+
+def test_the_backlog_methods_take_the_queued_prefill_an_engine_reports(board_name):
+    """A writer that publishes a detail with num_waiting_uncached_tokens (SGLang's figure: cached
+    prefixes out, a prompt in chunked prefill in) gives the backlog; without one, total - used."""
+    from dpboard.snapshot import LoadDetail
+
+    with Board.create(board_name, n_slots=3) as board:
+        w = [board.writer(r) for r in range(3)]
+        # rank 0 looks idle to total - used, but reports 9000 tokens of a chunked prompt still to prefill
+        w[0].publish_detailed(LoadSnapshot(dp_rank=0, num_used_tokens=500, num_total_tokens=500),
+                              LoadDetail(num_waiting_uncached_tokens=9000))
+        # rank 1 has 4000 seqlen waiting, of which the engine says 3000 are cached
+        w[1].publish_detailed(LoadSnapshot(dp_rank=1, num_used_tokens=500, num_total_tokens=4500),
+                              LoadDetail(num_waiting_uncached_tokens=1000))
+        # rank 2 publishes no detail: its backlog is total - used
+        w[2].publish(LoadSnapshot(dp_rank=2, num_used_tokens=500, num_total_tokens=2500))
+        for method in (M.INFLIGHT_BACKLOG, M.INFLIGHT_CACHE):
+            d = Dispatcher(method, 3, reader=board.reader())
+            d.refresh()
+            assert d.budget.backlog.tolist() == [9000, 1000, 2000]
+            assert d.dispatch(TokReq(num_tokens=10)) == 1
+        # the token methods keep reading the dispatch fields only
+        d = Dispatcher(M.INFLIGHT_TOKENS, 3, reader=board.reader())
+        d.refresh()
+        assert d.budget.total_tokens.tolist() == [500, 4500, 2500]

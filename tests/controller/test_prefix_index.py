@@ -147,3 +147,15 @@ def test_bad_index_arguments():
         PrefixIndex(2, block_size=0)
     with pytest.raises(ValueError, match="capacity of rank 1 must be an int >= 0"):
         PrefixIndex(2).set_capacity(1, -1)
+
+
+def test_the_controller_reads_block_hashes_from_the_frame():
+    from dpboard.controller.codec import MalformedFrame, decode_request, encode_request
+
+    ids = list(range(1000, 1100))
+    req = decode_request(encode_request("r1", input_ids=ids), block_size=8)
+    assert req.num_tokens == 100 and req.block_hashes == block_hashes(ids, 8)
+    assert decode_request(encode_request("r2", num_tokens=50), block_size=8).block_hashes is None
+    assert decode_request(encode_request("r3", input_ids=ids)).block_hashes is None  # no index: no hashing
+    with pytest.raises(MalformedFrame, match=r"input_ids\[1\] is not an integer"):
+        decode_request(encode_request("r4", input_ids=[1, "x"]), block_size=8)

@@ -118,3 +118,32 @@ def test_a_shared_prefix_is_stored_once_while_two_requests_use_it():
     sim.run()
     # after the shared prefill: 1536 cached tokens pinned, and the two first tokens private
     assert seen[-1] == (1536, 1536, 2)
+
+
+def test_a_rank_reports_its_queued_prefill_as_sglang_does():
+    """num_waiting_uncached_tokens: waiting prompts less their cached prefix, plus the rest of the
+    prompt whose chunked prefill is under way (the part a board's total - used does not show)."""
+    from dpboard.sim.model import RankModel, SimRequest
+
+    rank = RankModel(0, config(chunk=8192).rank)
+    rank.receive(SimRequest(0, 0.0, 20_000, 2), 0.0)
+    rank.receive(SimRequest(1, 0.0, 1_000, 2), 0.0)
+    assert rank.queued_prefill_tokens == 21_000
+    assert rank.begin_step(0.0) is not None  # the first chunk (8192) of the long prompt
+    rank.end_step(0.1)
+    snap = rank.snapshot(0.1, 1)
+    # the board's view: only the short prompt waits; the long one's remaining 11808 tokens are invisible
+    assert snap.num_total_tokens - snap.num_used_tokens == 1_000
+    assert rank.queued_prefill_tokens == 1_000 + 20_000 - 8192
+
+
+def test_a_cached_prefix_is_not_queued_work():
+    from dpboard.sim.model import RankModel, SimRequest
+
+    rank = RankModel(0, config(chunk=0).rank)
+    first = SimRequest(0, 0.0, 1024, 1, block_ids=(11, 12))
+    rank.receive(first, 0.0)
+    rank.begin_step(0.0)
+    rank.end_step(0.1)  # its two blocks are in the cache now
+    rank.receive(SimRequest(1, 0.2, 1536, 1, block_ids=(11, 12, 13)), 0.2)
+    assert rank.queued_prefill_tokens == 512
