@@ -98,12 +98,12 @@ def sglang_load(load: tuple, detail: tuple) -> dict[str, Any]:
         return out
     out = {}
     for key in CORE_KEYS:
-        if key in _D:
-            out[key] = detail[_D[key]]
-        elif key == "decode_moments":
+        if key == "decode_moments":
             count = detail[_D["decode_moments_count"]]
             moments = detail[_D["decode_moments"]]
             out[key] = [float(v) for v in moments[:count]] if flags & DETAIL_FLAG[key] else None
+        elif key in _D:
+            out[key] = detail[_D[key]]
         else:
             out[key] = load[_L[key]]
     for key, _, _ in SECTIONS:
