@@ -101,8 +101,9 @@ class _Plain:
         self.__dict__.update(kwargs)
 
 
-def _plain(name: str) -> type:
-    return type(name, (_Plain,), {})
+def _plain(name: str, module: str = __name__) -> type:
+    # __module__ names the stand-in module, so that pickle (SGLang's IPC) finds the class there
+    return type(name, (_Plain,), {"__module__": module})
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -137,7 +138,8 @@ def sock_recv(socket: Any, flags: int = 0) -> Any:
 # the names are those that module imports from it.
 STAND_INS: dict[str, str] = {
     "sglang.srt.layers.dp_attention": "compute_dp_attention_world_info (DP-attention launch only)",
-    "sglang.srt.managers.io_struct": "request classes (plain attribute holders), sock_send/sock_recv (SGLang's "
+    "sglang.srt.managers.io_struct": "request classes (attribute holders; the batch ones lists of requests), "
+                                     "sock_send/sock_recv (SGLang's "
                                      "pickle transport on a real zmq socket), wrap_as_pickle/unwrap_from_pickle",
     "sglang.srt.managers.schedule_batch": "Req (a type annotation)",
     "sglang.srt.managers.scheduler": "run_scheduler_process (a default argument); Scheduler: SGLang's own "
@@ -217,7 +219,11 @@ def install(dp_controller: bool = True) -> None:
     if not dp_controller:
         return
     _module("sglang.srt.layers.dp_attention", compute_dp_attention_world_info=_nothing)
-    io_struct = _module("sglang.srt.managers.io_struct", **{name: _plain(name) for name in REQUEST_TYPES},
+    io_name = "sglang.srt.managers.io_struct"
+    requests = {name: _plain(name, io_name) for name in REQUEST_TYPES}
+    for name in ("BatchTokenizedGenerateReqInput", "BatchTokenizedEmbeddingReqInput"):  # iterate their requests
+        requests[name] = type(name, (list,), {"__module__": io_name})
+    io_struct = _module(io_name, **requests,
             sock_send=sock_send, sock_recv=sock_recv, unwrap_from_pickle=lambda x: x, wrap_as_pickle=lambda x: x)
     _module("sglang.srt.managers.schedule_batch", Req=_plain("Req"))
     import sglang.srt.constants as constants  # real: no imports of its own
