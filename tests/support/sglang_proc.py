@@ -8,7 +8,7 @@ Extra context (zmq mode, node rank) comes as ``KEY=VALUE`` arguments for ``set_c
 
 It prints ``ready`` and then obeys one JSON command per stdin line, answering ``ok``:
 ``{"op": "publish", "k": K, "set": {...}}`` publishes ``full_snapshot(rank, K)`` with those fields
-replaced; ``{"op": "take", "n": N}`` takes in N generate requests; ``{"op": "tear"}`` (plugin only)
+replaced (``"varied": N``: the rank's snapshot of ``varied_snapshots(N, K)``); ``{"op": "take", "n": N}`` takes in N generate requests; ``{"op": "tear"}`` (plugin only)
 begins a publish and stays in its middle, for the test to kill it there.
 It exits when stdin closes, or after 300 s.
 """
@@ -73,7 +73,9 @@ def main() -> None:
             return
         cmd = json.loads(line)
         if cmd["op"] == "publish":
-            snap = msgspec.structs.replace(sgl.full_snapshot(rank, cmd["k"]), **cmd.get("set", {}))
+            varied = cmd.get("varied")  # the rank's snapshot of sglang.varied_snapshots(varied, k)
+            base = sgl.varied_snapshots(varied, cmd["k"])[rank] if varied else sgl.full_snapshot(rank, cmd["k"])
+            snap = msgspec.structs.replace(base, **cmd.get("set", {}))
             inquirer.snapshot = snap
             if scheduler.publish_load_snapshot(force=True) is None:
                 raise RuntimeError("publish_load_snapshot failed (see the warning above)")
@@ -114,8 +116,8 @@ class SchedulerProc:
         self.proc.stdin.flush()
         assert self._read_line(self.proc, 30).strip() == "ok"
 
-    def publish(self, k: int, **fields) -> None:
-        self.send(op="publish", k=k, set=fields)
+    def publish(self, k: int, varied: int | None = None, **fields) -> None:
+        self.send(op="publish", k=k, varied=varied, set=fields)
 
     def close(self) -> None:
         """Close stdin: the process exits cleanly."""

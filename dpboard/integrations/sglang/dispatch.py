@@ -2,7 +2,7 @@
 
 Hooks on ``DataParallelController``:
 
-- ``__init__`` (AFTER): one ``Dispatcher`` for the controller, over the instance's board, with
+- ``__init__`` (BEFORE): DPBOARD_METHOD checked; (AFTER): one ``Dispatcher`` for the controller, over the instance's board, with
   SGLang's worker slots (``len(self.workers)``, reserved elastic slots included) and active ranks.
 - ``total_tokens_scheduler`` / ``total_requests_scheduler`` (AROUND): SGLang's
   ``maybe_external_dp_rank_routing`` first (its check and its send, unchanged; the pick is then
@@ -14,8 +14,8 @@ Hooks on ``DataParallelController``:
   status, mirrored into the dispatcher.
 
 SGLang reaches the two load-aware methods only when its own ``--load-balance-method`` is
-``total_tokens`` or ``total_requests``; with another, the controller refuses to start rather than
-ignore DPBOARD_METHOD.
+``total_tokens`` or ``total_requests``; with another, the controller refuses to start (before it
+opens anything) rather than ignore DPBOARD_METHOD.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def register(registry: Any, hook_type: Any, module_name: str) -> None:
     global _module_name
     _module_name = module_name
     cls = f"{module_name}.DataParallelController"
+    registry.register(f"{cls}.__init__", check_settings, hook_type.BEFORE)
     registry.register(f"{cls}.__init__", attach_dispatcher, hook_type.AFTER)
     registry.register(f"{cls}.total_tokens_scheduler", dispatch_request, hook_type.AROUND)
     registry.register(f"{cls}.total_requests_scheduler", dispatch_request, hook_type.AROUND)
@@ -69,17 +70,26 @@ class _PaddedReader:
         return out
 
 
+def check_settings(controller: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``DataParallelController.__init__``: refuse a bad DPBOARD_METHOD, or one SGLang would never
+    call, before the controller opens a socket or starts a scheduler."""
+    settings = read_settings()
+    if settings.method is None:
+        return None
+    sglang_method = sys.modules[_module_name].get_parallel().load_balance_method.lower()
+    if sglang_method.upper() not in LOAD_AWARE:
+        raise InvalidInputError(
+            f"{ENV_METHOD}={settings.method} needs SGLang's --load-balance-method total_tokens or "
+            f"total_requests (SGLang calls its load-aware dispatch only then), got {sglang_method}: "
+            f"add --load-balance-method total_tokens, or unset {ENV_METHOD}")
+    return None
+
+
 def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``DataParallelController.__init__``: the controller's Dispatcher."""
     settings = read_settings()
     if settings.method is None:
         return None
-    sglang_method = controller.load_balance_method.name
-    if sglang_method not in LOAD_AWARE:
-        raise InvalidInputError(
-            f"{ENV_METHOD}={settings.method} needs SGLang's --load-balance-method total_tokens or "
-            f"total_requests (SGLang calls its load-aware dispatch only then), got {sglang_method.lower()}: "
-            f"add --load-balance-method total_tokens, or unset {ENV_METHOD}")
     module = sys.modules[_module_name]
     num_dp_ranks = module.get_parallel().num_dp_ranks
     board = instance_board(controller.port_args, num_dp_ranks)

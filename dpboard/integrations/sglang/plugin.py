@@ -111,6 +111,7 @@ def _collector(board: Board, endpoint: str) -> Collector:
     from sglang.srt.utils.network import restrict_zmq_peers
 
     context = zmq.Context()
+    domain = b""
     if endpoint.startswith("tcp://"):
         probe = context.socket(zmq.PULL)
         try:
@@ -120,7 +121,12 @@ def _collector(board: Board, endpoint: str) -> Collector:
             probe.close(linger=0)
         if domain:
             context.setsockopt(zmq.ZAP_DOMAIN, domain)
-    return Collector(board, endpoint, context=context)
+    try:
+        return Collector(board, endpoint, context=context)
+    except BaseException:
+        if not domain:  # an allowlist's authenticator lives on the context, as SGLang keeps its own
+            context.term()
+        raise
 
 
 # -- requests taken in ------------------------------------------------------------------------------------

@@ -5,4 +5,4 @@ from __future__ import annotations
 
 import os
 
-collect_ignore_glob = [] if os.environ.get("DPBOARD_SGLANG_SESSION") == "1" else ["real/*"]
+collect_ignore = [] if os.environ.get("DPBOARD_SGLANG_SESSION") == "1" else ["real"]
