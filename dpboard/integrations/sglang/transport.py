@@ -30,11 +30,9 @@ from dpboard.integrations.sglang.convert import sglang_module
 from dpboard.integrations.sglang.settings import read_settings
 from dpboard.multinode.collector import Collector
 from dpboard.multinode.relay import Relay
-from dpboard.snapshot import DETAILED_DTYPE, SNAPSHOT_DTYPE, SlotStatus
+from dpboard.snapshot import DETAILED_DTYPE, SlotStatus
 
 _LIVE = int(SlotStatus.LIVE)
-_STATUS = SNAPSHOT_DTYPE.names.index("status")
-_RANK = SNAPSHOT_DTYPE.names.index("dp_rank")
 
 
 # -- the board of an SGLang instance ---------------------------------------------------------------
@@ -125,6 +123,7 @@ class BoardLoadWriter:
         self.path = str(segment_path(board.name))
         self.num_received_reqs = 0
         self._writer = board.writer(dp_rank)
+        self._detail = bytearray(convert.DETAIL_STRUCT.size)
         self._relay: Relay | None = None
         if relay_to is not None:
             self._relay = Relay(board, relay_to, board.node_id, ranks=[dp_rank])
@@ -135,8 +134,8 @@ class BoardLoadWriter:
         if snapshot.dp_rank != self.dp_rank:
             raise ValueError(
                 f"snapshot dp_rank={snapshot.dp_rank} does not match writer dp_rank={self.dp_rank}")
-        fields, detail = convert.from_sglang(snapshot, self.num_received_reqs)
-        self._writer.publish_detailed(fields, detail)
+        convert.pack(snapshot, self._detail)
+        self._writer.publish(convert.dispatch_fields(snapshot, self.num_received_reqs), self._detail)
         if self._relay is not None:
             self._relay.tick()  # non-blocking: a full pipe drops the frame, the next write resends
 
@@ -168,6 +167,13 @@ class BoardLoadReader:
         self.path = str(segment_path(board.name))
         self._reader: BoardReader = board.reader(stale_after=stale_after)
         self._records = np.zeros(board.n_slots, DETAILED_DTYPE)
+        self._raw = memoryview(self._records.view(np.uint8))
+        self._unpacker = convert.Unpacker()
+        # The snapshot last handed out per rank and the write it came from: an unchanged slot is not
+        # decoded again (SGLang's callers only read what they get).
+        self._seen_seq = np.zeros(board.n_slots, np.int64)
+        self._seen_ts = np.zeros(board.n_slots, np.int64)
+        self._seen: list[Any] = [None] * board.n_slots
         self._collector = collector
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -176,17 +182,29 @@ class BoardLoadReader:
                                             name="dpboard-collector", daemon=True)
             self._thread.start()
 
+    def _snapshots(self, ranks: np.ndarray) -> list[Any]:
+        load = self._records["load"]
+        seq, ts = load["publish_seq"], load["timestamp_ns"]
+        out = []
+        for rank in ranks.tolist():
+            if seq[rank] != self._seen_seq[rank] or ts[rank] != self._seen_ts[rank] or self._seen[rank] is None:
+                self._seen[rank] = self._unpacker.unpack(self._records, self._raw, rank)
+                self._seen_seq[rank], self._seen_ts[rank] = seq[rank], ts[rank]
+            out.append(self._seen[rank])
+        return out
+
     def read(self, dp_rank: int) -> Any | None:
         if dp_rank < 0 or dp_rank >= self.dp_size:
             return None
         self._reader.read_detailed_array(self._records)
-        load, detail = self._records[dp_rank].tolist()
-        return convert.to_sglang(load, detail) if load[_STATUS] == _LIVE else None
+        if self._records["load"]["status"][dp_rank] != _LIVE:
+            return None
+        return self._snapshots(np.array([dp_rank]))[0]
 
     def read_all(self) -> list[Any]:
-        records = self._reader.read_detailed_array(self._records)
-        live = records[records["load"]["status"] == _LIVE]
-        return [convert.to_sglang(load, detail) for load, detail in live.tolist() if load[_RANK] < self.dp_size]
+        self._reader.read_detailed_array(self._records)
+        live = np.flatnonzero(self._records["load"]["status"][: self.dp_size] == _LIVE)
+        return self._snapshots(live)
 
     def fileno(self) -> int:
         """The PULL socket's edge-triggered descriptor (the zmq owner only, drained by ``poll``)."""
