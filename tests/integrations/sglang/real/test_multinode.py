@@ -87,3 +87,36 @@ def test_a_rank_of_another_node_reaches_node0_through_relay_and_collector(instan
         node1.kill()
         owner.close()
         local.close()
+
+
+def test_the_multi_tokenizer_router_drains_the_collector_in_its_event_loop(instance):
+    """With several tokenizer workers and a round-robin controller, SGLang names its
+    MultiTokenizerRouter the PULL owner: it registers the reader's ``fileno()`` with its event loop
+    and calls ``poll()``; node 1's frames reach node 0's board through those calls alone."""
+    from dpboard import Board, LoadSnapshot
+    from dpboard.multinode.relay import Relay
+    from tests.support.names import new_board_name
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sgl.set_context(dp_size=2, nnodes=2, attn_dp_enabled=True, load_balance_method="round_robin", node_rank=0,
+                    tokenizer_worker_num=2, role="tokenizer")
+    port_args = sgl.PortArgs(instance_id=instance.port_args.instance_id, load_collector_ipc_name=endpoint)
+    assert ls.zmq_reader_owner("MultiTokenizerRouter") and not ls.zmq_reader_owner("DataParallelController")
+    router = ls.create_load_snapshot_reader(port_args, caller="MultiTokenizerRouter")
+    tokenizer = ls.create_load_snapshot_reader(port_args, caller="TokenizerManager")
+    node1_board = Board.create(new_board_name(), 2, node_id=1)  # node 1's board, under another name here
+    relay = Relay(node1_board, endpoint, 1, ranks=[1], remote_board=instance.board)
+    try:
+        assert isinstance(router.fileno(), int)
+        node1_board.writer(1).publish(LoadSnapshot(dp_rank=1, num_total_tokens=4321, max_total_num_tokens=9000))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and tokenizer.read(1) is None:
+            relay.tick()
+            router.poll()  # what the router's event loop calls when the descriptor is readable
+            time.sleep(0.02)
+        assert tokenizer.read(1) is not None and tokenizer.read(1).num_total_tokens == 4321
+    finally:
+        relay.close()
+        router.close()
+        node1_board.close()
+        node1_board.unlink()
