@@ -20,6 +20,7 @@ registration: SGLang publishes it after ``load_plugins()``; the hooks read it wh
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -28,7 +29,7 @@ import zmq
 from dpboard.board import Board
 from dpboard.integrations.sglang import dispatch
 from dpboard.integrations.sglang.convert import sglang_module
-from dpboard.integrations.sglang.settings import read_settings
+from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
 from dpboard.integrations.sglang.transport import BoardLoadReader, BoardLoadWriter, instance_board
 from dpboard.multinode.collector import Collector
 
@@ -54,7 +55,9 @@ def register_hooks() -> None:
     if SCHEDULER in sys.modules:
         for method in INTAKE_METHODS:
             HookRegistry.register(f"{SCHEDULER}.Scheduler.{method}", count_received_request, HookType.AFTER)
-    if DP_CONTROLLER in sys.modules and read_settings().method is not None:
+    # Only whether DPBOARD_METHOD is set: its value is checked when a controller starts, where a
+    # bad one stops the server with a message (an error here would only be logged by SGLang).
+    if DP_CONTROLLER in sys.modules and os.environ.get(ENV_METHOD, "").strip():
         dispatch.register(HookRegistry, HookType, DP_CONTROLLER)
 
 
