@@ -225,7 +225,7 @@ def test_the_intake_hook_counts_what_the_scheduler_takes_in(instance):
 def test_staleness_reaches_sglang_as_an_unpublished_rank(instance, monkeypatch):
     """A rank that stops publishing is handed to SGLang's callers as SGLang hands a rank that never
     published: read() gives None and read_all() leaves it out."""
-    monkeypatch.setenv("DPBOARD_STALE_AFTER", "0.3")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", "0.5")
     writers = [ls.create_load_snapshot_writer(instance.port_args, 3, r) for r in range(3)]
     reader = ls.create_load_snapshot_reader(instance.port_args, caller="DataParallelController")
     deadline = time.monotonic() + 1.0
@@ -233,12 +233,14 @@ def test_staleness_reaches_sglang_as_an_unpublished_rank(instance, monkeypatch):
         for r in (0, 2):
             writers[r].write(sgl.full_snapshot(r))
         time.sleep(0.02)
+    for r in (0, 2):
+        writers[r].write(sgl.full_snapshot(r))
     assert reader.read(1) is None and [s.dp_rank for s in reader.read_all()] == [0, 2]
     from dpboard import Board
 
     board = Board.attach(instance.board)
     try:
-        assert board.reader(stale_after=0.3).status(1) == SlotStatus.STALE
+        assert board.reader(stale_after=0.5).status(1) == SlotStatus.STALE
     finally:
         board.close()
     writers[1].write(sgl.full_snapshot(1))  # it comes back with its next publish
