@@ -16,14 +16,15 @@ snapshots into node0's board.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from typing import Any
 
 import numpy as np
 import zmq
 
-from dpboard.board import Board, BoardReader, segment_path
-from dpboard.board.listing import clean_boards, list_boards
+from dpboard.board import Board, BoardReader, clean_boards, list_boards, segment_path
 from dpboard.errors import AlreadyExistsError, InvalidInputError, UnavailableError
 from dpboard.integrations.sglang import convert
 from dpboard.integrations.sglang.convert import sglang_module
@@ -42,8 +43,6 @@ def board_name_for(key: str) -> str:
     """The board of the SGLang instance identified by ``key`` (its ``instance_id``, or in zmq mode
     the collector address every node shares): ``sglang-<key>`` when the key is a short plain name,
     as SGLang's instance ids are, else a shortened safe form plus a digest of the whole key."""
-    import hashlib
-
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key) or "default"
     name = f"sglang-{safe}"
     if safe != key or len(name) > 64:
@@ -58,7 +57,7 @@ def open_instance_board(name: str, n_slots: int, node_id: int, *, replace_dead: 
     previous run under a fixed name) is removed and made anew; one whose creator lives is an error."""
     if replace_dead:
         for entry in list_boards():
-            if entry.name == name and entry.header is not None:
+            if entry.name == name and entry.header is not None and entry.header.creator_pid != os.getpid():
                 if entry.creator_alive:
                     raise AlreadyExistsError(
                         f"board {name!r} is in use by live process {entry.header.creator_pid}, not this SGLang "
@@ -114,7 +113,9 @@ class BoardLoadWriter:
         if dp_rank < 0 or dp_rank >= dp_size:
             raise ValueError(f"invalid dp_rank={dp_rank} for dp_size={dp_size}")
         if board.n_slots != dp_size:
-            raise InvalidInputError(f"board {board.name!r} has {board.n_slots} slots, SGLang has {dp_size} DP ranks")
+            raise InvalidInputError(
+                f"board {board.name!r} has {board.n_slots} slots but SGLang runs {dp_size} DP ranks: it belongs to "
+                f"another instance; give this one its own DPBOARD_BOARD (or leave it unset)")
         self.publish_interval = max(1, publish_interval)
         self.publish_counter = 0
         self.dp_size = dp_size
@@ -185,13 +186,13 @@ class BoardLoadReader:
     def _snapshots(self, ranks: np.ndarray) -> list[Any]:
         load = self._records["load"]
         seq, ts = load["publish_seq"], load["timestamp_ns"]
-        out = []
-        for rank in ranks.tolist():
-            if seq[rank] != self._seen_seq[rank] or ts[rank] != self._seen_ts[rank] or self._seen[rank] is None:
-                self._seen[rank] = self._unpacker.unpack(self._records, self._raw, rank)
-                self._seen_seq[rank], self._seen_ts[rank] = seq[rank], ts[rank]
-            out.append(self._seen[rank])
-        return out
+        # a LIVE slot has publish_seq >= 1, so a rank never handed out counts as changed
+        changed = ranks[(seq[ranks] != self._seen_seq[ranks]) | (ts[ranks] != self._seen_ts[ranks])]
+        for rank in changed.tolist():
+            self._seen[rank] = self._unpacker.unpack(self._records, self._raw, rank)
+        self._seen_seq[changed] = seq[changed]
+        self._seen_ts[changed] = ts[changed]
+        return [self._seen[rank] for rank in ranks.tolist()]
 
     def read(self, dp_rank: int) -> Any | None:
         if dp_rank < 0 or dp_rank >= self.dp_size:
@@ -199,7 +200,7 @@ class BoardLoadReader:
         self._reader.read_detailed_array(self._records)
         if self._records["load"]["status"][dp_rank] != _LIVE:
             return None
-        return self._snapshots(np.array([dp_rank]))[0]
+        return self._snapshots(np.array([dp_rank], np.intp))[0]
 
     def read_all(self) -> list[Any]:
         self._reader.read_detailed_array(self._records)
