@@ -202,6 +202,7 @@ def _measure(kind: str, quick: bool) -> dict[str, Any]:
                 plugin_reader.read_all()
                 changed[i] = time.perf_counter_ns() - start
             results["plugin_read_all_64_changed"] = changed
+            results["plugin_read_all_64_unchanged"] = per_call_ns(plugin_reader.read_all, len(changed))
         for n in (8, 64):
             r = impls[n].reader()
             pub = _Helper("publisher", kind, targets[n], n)
@@ -257,6 +258,8 @@ def report(quick: bool = False) -> tuple[str, dict[str, Any]]:
             row("plugin read_all(), 64 slots -> SGLang LoadSnapshots, live publisher", "plugin_read_all_64",
                 "read_all_64", "-"),
             row("plugin read_all(), 64 slots, every slot rewritten since the last read", "plugin_read_all_64_changed",
+                "read_all_64", "-"),
+            row("plugin read_all(), 64 slots, none rewritten since the last read", "plugin_read_all_64_unchanged",
                 "read_all_64", "-"),
         ]
     headers = ["measurement", "dpboard p50", "p99", "p99.9", "baseline p50", "p99", "p99.9",
