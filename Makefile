@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?= --duration 20
+# The SGLang release the plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
+SGLANG_VERSION ?= 0.5.23
 
 .PHONY: demo test lint bench clean-boards layout
 
@@ -11,6 +13,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_lay
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
 	touch $@
 
 demo: $(VENV)/.installed

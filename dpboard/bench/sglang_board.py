@@ -1,22 +1,30 @@
-"""Baseline for the board benchmark: a board that works the way SGLang 0.5.23's shared-memory load
-snapshots do, written from this description (not from its source):
+"""The board benchmark's baseline: SGLang's own shared-memory load snapshots.
 
-- one file in /dev/shm, a 16 KiB slot per rank, each slot a little-endian u32 length followed by a
-  msgpack-encoded dict of the snapshot's fields;
-- the writer encodes, takes an exclusive ``fcntl.flock`` on the whole file, copies length and
-  payload into its slot, and unlocks;
-- a reader takes the shared lock across a whole ``read_all`` and decodes every slot.
+When SGLang is installed, the baseline is its real code: ``ShmLoadSnapshotWriter`` and
+``ShmLoadSnapshotReader`` from ``sglang.srt.managers.load_snapshot`` (msgpack in 16 KiB slots under a
+whole-file ``flock``), publishing SGLang's real ``LoadSnapshot``. SGLang's package ``__init__``
+imports torch; where torch is absent (SGLang's wheel installed alone, as ``make test`` does) the
+module is loaded from the wheel without running that ``__init__``: nothing of SGLang's load path
+needs torch.
 
-It exists only to be measured beside dpboard in the same run (``dpboard bench board``).
+Without SGLang, ``FlockBoard`` below stands in: a board written from the description of SGLang
+0.5.23's format (a u32 length and a msgpack dict per 16 KiB slot, an exclusive flock around each
+write, a shared one across each ``read_all``), labelled as such in the report.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
+import importlib.metadata
+import importlib.util
 import mmap
 import os
 import struct
+import sys
 import time
+import types
+from typing import Any
 
 import msgpack
 
@@ -26,7 +34,43 @@ SLOT_BYTES = 16 * 1024
 _LEN = struct.Struct("<I")
 
 
+@functools.cache
+def load_sglang() -> tuple[Any | None, str]:
+    """(SGLang's ``load_snapshot`` module, what it is) or (None, why it cannot be had)."""
+    if "sglang" not in sys.modules and importlib.util.find_spec("sglang") is None:
+        return None, "SGLang is not installed"
+    version = importlib.metadata.version("sglang")
+    if "sglang" not in sys.modules and importlib.util.find_spec("torch") is None:
+        root = os.path.dirname(importlib.util.find_spec("sglang").origin)
+        for name, path in (("sglang", root), ("sglang.srt.utils", os.path.join(root, "srt", "utils"))):
+            shell = types.ModuleType(name)
+            shell.__path__ = [path]
+            sys.modules[name] = shell
+    try:
+        import sglang.srt.managers.load_snapshot as module
+    except ImportError as e:
+        return None, f"SGLang {version} is installed but its load_snapshot module does not import ({e})"
+    return module, f"SGLang {version}'s own ShmLoadSnapshotWriter / ShmLoadSnapshotReader"
+
+
+def sglang_snapshot(module: Any, rank: int, k: int) -> Any:
+    """A snapshot as an SGLang scheduler publishes one: every scalar, the decode moments, the memory
+    and queue sections (what a plain deployment carries)."""
+    return module.LoadSnapshot(
+        timestamp=time.time(), dp_rank=rank, num_running_reqs=k % 50, num_waiting_reqs=k % 7,
+        num_waiting_uncached_tokens=k % 300, num_used_tokens=1000 + k % 4096, num_total_tokens=2000 + k % 4096,
+        num_active_tokens=1900 + k % 4096, num_prealloc_ready_tokens=0, max_total_num_tokens=1 << 20,
+        max_running_requests=256, token_usage=0.25, gen_throughput=1500.0, cache_hit_rate=0.4, utilization=0.8,
+        total_prefill_uncached_tokens=10**9 + k, total_prefill_busy_us=10**8 + k,
+        decode_moments=[float(k), 2.0 * k, 3.0 * k, 4.0 * k, 5.0 * k, 6.0 * k],
+        memory=module.MemoryMetrics(14.2, 60.1, 1.3, 1 << 20),
+        queues=module.QueueMetrics(k % 7, 0, 0, 0, 0),
+    )
+
+
 class FlockBoard:
+    """Stand-in for SGLang's file when SGLang is not installed (see the module docstring)."""
+
     def __init__(self, path: str, n_slots: int, *, create: bool):
         self.path = path
         self.n_slots = n_slots

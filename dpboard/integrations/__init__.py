@@ -1,1 +1,2 @@
-"""Engines at the edge: one folder per engine, each a thin adapter that imports its engine lazily."""
+"""Engines at the edge: each subpackage adapts one engine to the board and imports that engine
+lazily, only inside itself (``sglang/``: the SGLang plugin; ``vllm/``: the vLLM stat logger)."""

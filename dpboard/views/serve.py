@@ -1,8 +1,9 @@
 """``dpboard serve NAME``: a board over HTTP.
 
-- ``GET /v1/loads`` — JSON shaped like SGLang's loads endpoint:
-  ``{"timestamp": ISO-8601 UTC, "version": ..., "loads": [one object per rank]}``;
-  ``?dp_rank=N`` keeps one rank, ``?format=prometheus`` answers in the Prometheus text format.
+- ``GET /v1/loads`` — SGLang 0.5.23's loads document, key for key (``dpboard.views.loads_document``):
+  ``{"timestamp", "version", "accelerator", "num_accelerators", "loads": [one object per live rank]}``
+  plus dpboard's own keys; ``?dp_rank=N``, ``?include=core,memory,spec,lora,disagg,queues,all`` and
+  ``?format=prometheus`` as SGLang reads them.
 - ``GET /metrics`` — the Prometheus text format (prometheus-client), every rank and the board summary,
   under names that follow Prometheus's rules, plus the series SGLang's model gateway reads when it
   falls back from ``/v1/loads`` (``dpboard.views.metrics``).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import threading
@@ -30,11 +32,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 import dpboard
 from dpboard.board import DEFAULT_STALE_AFTER
 from dpboard.errors import InvalidInputError, UnavailableError
-from dpboard.views.loads_document import loads_document
+from dpboard.views.loads_document import (
+    PROMETHEUS_CONTENT_TYPE,
+    IncludeError,
+    loads_document,
+    parse_include,
+    prometheus_loads,
+)
 from dpboard.views.metrics import prometheus_text
 from dpboard.views.watch import BoardWatch, Frame
 
-_LOADS_PARAMS = "dp_rank=N (a rank of the board) and format=json|prometheus"
+_LOADS_PARAMS = "dp_rank=N, include=core,memory,spec,lora,disagg,queues,all and format=json|prometheus"
+_INT = re.compile(r"[+-]?[0-9]+")
 
 
 class BadRequest(InvalidInputError):
@@ -47,9 +56,14 @@ class LoadsServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 8080, *,
-                 stale_after: float = DEFAULT_STALE_AFTER, wait: bool = False) -> None:
+                 stale_after: float = DEFAULT_STALE_AFTER, wait: bool = False,
+                 accelerator: str | None = None, num_accelerators: int = 1) -> None:
         if not 0 <= port <= 65535:
             raise InvalidInputError(f"--port must be in 0..65535 (0 picks a free port), got {port}")
+        if num_accelerators < 0:
+            raise InvalidInputError(f"--num-accelerators must be >= 0, got {num_accelerators}")
+        self.accelerator = accelerator
+        self.num_accelerators = num_accelerators
         self.watch = BoardWatch(name, stale_after=stale_after, wait=wait)
         self._lock = threading.Lock()
         try:
@@ -67,6 +81,15 @@ class LoadsServer(ThreadingHTTPServer):
     def sample(self) -> Frame:
         with self._lock:
             return self.watch.sample()
+
+    def loads_reply(self, render: Any) -> tuple[Any, str | None]:
+        """``render(records)`` of one detailed read of every slot, under the lock (the read's array
+        is shared); ``(None, why)`` while the board is gone."""
+        with self._lock:
+            records = self.watch.read_detailed()
+            if records is None:
+                return None, self.watch.gone
+            return render(records), None
 
     def server_close(self) -> None:
         super().server_close()
@@ -119,31 +142,50 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routes -------------------------------------------------------------------------------
 
     def _loads(self, query: dict[str, list[str]]) -> None:
-        unknown = sorted(set(query) - {"dp_rank", "format"})
+        """SGLang's /v1/loads: same keys, same ``include`` and ``dp_rank`` semantics (docs/INTEGRATIONS.md).
+
+        Where SGLang fails, this answers: a bad ``include`` is a 400 with SGLang's message (SGLang
+        itself lets the ValueError escape: a 500), a non-integer ``dp_rank`` a 422 as FastAPI's."""
+        unknown = sorted(set(query) - {"dp_rank", "format", "include"})
         if unknown:
             raise BadRequest(f"unknown query parameter {unknown[0]!r} for /v1/loads: it accepts {_LOADS_PARAMS}")
         fmt = _single(query, "format", "json")
         if fmt not in ("json", "prometheus"):
             raise BadRequest(f"format={fmt!r} is not supported: use format=json or format=prometheus")
         raw_rank = _single(query, "dp_rank", None)
-        frame = self.server.sample()
-        if frame.gone:
-            self._error(503, frame.gone)
-            return
         dp_rank = None
         if raw_rank is not None:
-            try:
-                dp_rank = int(raw_rank)
-            except ValueError:
-                raise BadRequest(f"dp_rank={raw_rank!r} is not an integer: use dp_rank=N with "
-                                 f"0 <= N < {frame.n_slots}") from None
-            if not 0 <= dp_rank < frame.n_slots:
-                raise BadRequest(f"dp_rank={dp_rank} is out of range: board {frame.board!r} has "
-                                 f"{frame.n_slots} ranks (0..{frame.n_slots - 1})")
+            if not _INT.fullmatch(raw_rank.strip()):
+                self._send_json(422, {"detail": [{
+                    "type": "int_parsing", "loc": ["query", "dp_rank"],
+                    "msg": "Input should be a valid integer, unable to parse string as an integer",
+                    "input": raw_rank}],
+                    "error": f"dp_rank={raw_rank!r} is not an integer: use dp_rank=N"})
+                return
+            dp_rank = int(raw_rank)
+        try:
+            include = parse_include(_single(query, "include", None))
+        except IncludeError as e:
+            self._send_json(400, {"detail": str(e), "error": str(e), "status": 400})
+            return
+        server = self.server
         if fmt == "prometheus":
-            self._send(200, prometheus_text(frame, dp_rank), CONTENT_TYPE_LATEST)
+            body, gone = server.loads_reply(lambda rec: prometheus_loads(rec, include=include, dp_rank=dp_rank))
         else:
-            self._send_json(200, loads_document(frame, dp_rank))
+            def render(rec: Any) -> bytes:
+                watch = server.watch
+                board = watch.board
+                doc = loads_document(
+                    rec, board=watch.name, generation=board.generation if board is not None else 0,
+                    version=dpboard.__version__, include=include, dp_rank=dp_rank,
+                    accelerator=server.accelerator, num_accelerators=server.num_accelerators)
+                return (json.dumps(doc) + "\n").encode()
+
+            body, gone = server.loads_reply(render)
+        if body is None:
+            self._error(503, gone or "the board is gone")
+            return
+        self._send(200, body, PROMETHEUS_CONTENT_TYPE if fmt == "prometheus" else "application/json")
 
     def _metrics(self, query: dict[str, list[str]]) -> None:
         if query:
@@ -181,10 +223,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER,
                    help="seconds without a publish before a rank is stale (default 1.0)")
     p.add_argument("--wait", action="store_true", help="serve (503) until the board is created")
+    p.add_argument("--accelerator", default=None,
+                   help="/v1/loads' accelerator name, as SGLang reports it (default: null, SGLang's CPU answer)")
+    p.add_argument("--num-accelerators", type=int, default=1,
+                   help="/v1/loads' num_accelerators: accelerators behind one DP rank (default 1)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    server = LoadsServer(args.name, args.host, args.port, stale_after=args.stale_after, wait=args.wait)
+    server = LoadsServer(args.name, args.host, args.port, stale_after=args.stale_after, wait=args.wait,
+                         accelerator=args.accelerator, num_accelerators=args.num_accelerators)
 
     def stop(signum: int, _frame: Any) -> None:
         # shutdown() waits for serve_forever to return, so it must not run on the serving thread.

@@ -14,9 +14,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from dpboard.board import Board, BoardError, BoardReader, segment_path, validate_name
 from dpboard.errors import InvalidInputError, NotFoundError
-from dpboard.snapshot import SlotStatus
+from dpboard.snapshot import DETAILED_DTYPE, SlotStatus
 from dpboard.views.rows import slot_rows, status_counts, status_of
 
 DEFAULT_HISTORY = 32
@@ -120,6 +122,7 @@ class BoardWatch:
         self._reader: BoardReader | None = None
         self._gone: str | None = None
         self._seen_board = False
+        self._detailed: np.ndarray | None = None
         self.history: list[deque[int]] = []
         self._prev_seq: list[int] | None = None
         self._prev_recv: list[int] | None = None
@@ -172,13 +175,32 @@ class BoardWatch:
 
     # -- sampling -----------------------------------------------------------------------------
 
-    def sample(self) -> Frame:
-        """Read every slot once and derive what the views show."""
+    def _follow(self) -> None:
+        """Notice a removed or replaced board, and attach again when one of this name is there."""
         if self._board is not None and not self._board.is_current():
             self._lose_board()
         if self._board is None:
             # Also right after a loss: a board of that name may already be back (a restarted creator).
             self._attach()
+
+    @property
+    def gone(self) -> str | None:
+        """Why the board cannot be read now (None while it is attached)."""
+        return self._gone
+
+    def read_detailed(self) -> np.ndarray | None:
+        """Every slot with its detail (``DETAILED_DTYPE``, one consistent read per slot), or None
+        while the board is gone (``gone`` says why). The array is this watch's own, reused."""
+        self._follow()
+        if self._board is None or self._reader is None:
+            return None
+        if self._detailed is None or len(self._detailed) != self._board.n_slots:
+            self._detailed = np.zeros(self._board.n_slots, DETAILED_DTYPE)
+        return self._reader.read_detailed_array(self._detailed)
+
+    def sample(self) -> Frame:
+        """Read every slot once and derive what the views show."""
+        self._follow()
         now_wall = time.time_ns()
         if self._board is None or self._reader is None:
             return Frame(board=self.name, wall_time_ns=now_wall, stale_after=self.stale_after, gone=self._gone)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import dpboard
 from dpboard import Board, LoadSnapshot
 from tests.support.mixed_board import (
+    CAPACITY,
     EMPTY_RANKS,
     LIVE_RANKS,
     PYTHON,
@@ -74,44 +75,97 @@ def served():
             stop(proc)
 
 
-def test_loads_json(served):
+SGLANG_CORE_KEYS = [
+    "timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens",
+    "num_used_tokens", "num_total_tokens", "num_active_tokens", "num_prealloc_ready_tokens",
+    "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+    "utilization", "total_prefill_uncached_tokens", "total_prefill_busy_us", "decode_moments",
+]
+
+
+def test_loads_json_is_sglangs_document(served):
+    """A board of dpboard's own publishers (no detail) as SGLang's /v1/loads shows ranks: the live
+    ones only, core keys from the dispatch fields, token usage derived, the rest 0 and no section.
+    (tests/integrations/sglang compares a board with details against SGLang's own code.)"""
     board, url = served
     status, ctype, body = get(f"{url}/v1/loads")
     assert status == 200 and ctype.startswith("application/json")
     doc = json.loads(body)
-    assert doc["version"] == dpboard.__version__
-    stamp = datetime.fromisoformat(doc["timestamp"].replace("Z", "+00:00"))
-    assert stamp.tzinfo is not None and stamp.utcoffset().total_seconds() == 0
+    assert list(doc)[:5] == ["timestamp", "version", "accelerator", "num_accelerators", "loads"]
+    assert doc["version"] == dpboard.__version__ and doc["accelerator"] is None and doc["num_accelerators"] == 1
+    stamp = datetime.fromisoformat(doc["timestamp"])  # SGLang's form: isoformat(), +00:00
+    assert doc["timestamp"].endswith("+00:00")
     assert abs((datetime.now(timezone.utc) - stamp).total_seconds()) < 60
-    assert [load["dp_rank"] for load in doc["loads"]] == list(range(8))
+    assert [load["dp_rank"] for load in doc["loads"]] == list(LIVE_RANKS)
     assert doc["imbalance"] == pytest.approx(expected_imbalance())
-    for r in LIVE_RANKS:
-        load = doc["loads"][r]
-        assert load["status"] == "live"
-        for field, value in load_of(r).items():
-            assert load[field] == value, field
-        assert load["writer_pid"] == board.publisher_pid
-        assert load["token_usage"] == pytest.approx(load_of(r)["num_used_tokens"] / load_of(r)["max_total_num_tokens"])
-        assert datetime.fromisoformat(load["timestamp"].replace("Z", "+00:00")).tzinfo is not None
-    assert doc["loads"][STALE_RANK]["status"] == "stale"
-    assert doc["loads"][TORN_RANK]["status"] == "torn"
-    assert doc["loads"][TORN_RANK]["timestamp"] is None
-    assert all(doc["loads"][r]["status"] == "empty" for r in EMPTY_RANKS)
+    for load in doc["loads"]:
+        r = load["dp_rank"]
+        assert list(load)[: len(SGLANG_CORE_KEYS)] == SGLANG_CORE_KEYS
+        for field in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
+                      "num_active_tokens", "max_total_num_tokens"):
+            assert load[field] == load_of(r)[field], field
+        assert load["token_usage"] == load_of(r)["num_used_tokens"] / load_of(r)["max_total_num_tokens"]
+        assert abs(load["timestamp"] - datetime.now(timezone.utc).timestamp()) < 60
+        assert load["decode_moments"] is None and load["max_running_requests"] == 0
+        assert isinstance(load["gen_throughput"], float) and load["gen_throughput"] == 0.0
+        assert not {"memory", "speculative", "lora", "disaggregation", "queues"} & set(load)
+        # dpboard's own keys, beside SGLang's
+        assert load["status"] == "live" and load["writer_pid"] == board.publisher_pid
+        assert load["num_received_reqs"] == load_of(r)["num_received_reqs"] and load["publish_seq"] >= 1
+        assert 0 <= load["age_s"] < 10 and load["timestamp_ns"] > 0
+    # Stale, torn and empty ranks are left out, as SGLang leaves out a rank that never published
+    assert doc["omitted_ranks"] == [
+        {"dp_rank": STALE_RANK, "status": "stale", "age_s": doc["omitted_ranks"][0]["age_s"]},
+        {"dp_rank": TORN_RANK, "status": "torn", "age_s": None},
+        *({"dp_rank": r, "status": "empty", "age_s": None} for r in EMPTY_RANKS),
+    ]
+    assert doc["omitted_ranks"][0]["age_s"] > STALE_AFTER
 
 
 def test_loads_one_rank(served):
     _, url = served
-    status, _, body = get(f"{url}/v1/loads?dp_rank=3")
-    assert status == 200
-    loads = json.loads(body)["loads"]
+    loads = json.loads(get(f"{url}/v1/loads?dp_rank=3")[2])["loads"]
     assert len(loads) == 1 and loads[0]["dp_rank"] == 3
     assert loads[0]["num_total_tokens"] == load_of(3)["num_total_tokens"]
+    # SGLang's answers for a rank it has no load of, or one out of range: 200, no load
+    for rank in (STALE_RANK, TORN_RANK, 8, -1):
+        status, _, body = get(f"{url}/v1/loads?dp_rank={rank}")
+        assert status == 200 and json.loads(body)["loads"] == [], rank
+    assert json.loads(get(f"{url}/v1/loads?dp_rank=%2B2")[2])["loads"][0]["dp_rank"] == 2  # "+2", as int() reads it
+    stale = json.loads(get(f"{url}/v1/loads?dp_rank={STALE_RANK}")[2])
+    assert [o["dp_rank"] for o in stale["omitted_ranks"]] == [STALE_RANK]
 
 
-def test_loads_prometheus(served):
-    # /metrics has tests/views/test_metrics.py
+def test_loads_include_keeps_the_core_keys(served):
+    _, url = served
+    for include in ("core", "memory,spec", "all", ""):
+        loads = json.loads(get(f"{url}/v1/loads?include={include}")[2])["loads"]
+        assert [list(load)[: len(SGLANG_CORE_KEYS)] for load in loads] == [SGLANG_CORE_KEYS] * len(LIVE_RANKS)
+
+
+def test_loads_prometheus_is_sglangs_text(served):
+    _, url = served
+    status, ctype, body = get(f"{url}/v1/loads?format=prometheus")
+    assert status == 200 and ctype == "text/plain; version=0.0.4; charset=utf-8"
+    lines = body.splitlines()
+    assert lines[0] == "# TYPE sglang_timestamp gauge"
+    m = metrics(body)
+    for r in LIVE_RANKS:
+        labels = (("dp_rank", str(r)),)
+        assert m[("sglang_num_total_tokens", labels)] == load_of(r)["num_total_tokens"]
+        assert m[("sglang_num_waiting_reqs", labels)] == load_of(r)["num_waiting_reqs"]
+        assert m[("sglang_token_usage", labels)] == pytest.approx(load_of(r)["num_used_tokens"] / CAPACITY)
+    assert f'sglang_num_total_tokens{{dp_rank="{LIVE_RANKS[1]}"}} {load_of(LIVE_RANKS[1])["num_total_tokens"]}' in lines
+    ranks = {dict(labels)["dp_rank"] for (_, labels) in m}
+    assert ranks == {str(r) for r in LIVE_RANKS}  # no sample of a stale, torn or empty rank
+    assert not any("decode_moments" in line for line in lines)
+    _, _, body = get(f"{url}/v1/loads?format=prometheus&dp_rank=2")
+    assert {dict(labels)["dp_rank"] for (_, labels) in metrics(body)} == {"2"}
+
+
+def test_metrics(served):
     board, url = served
-    status, ctype, body = get(url + "/v1/loads?format=prometheus")
+    status, ctype, body = get(url + "/metrics")
     assert status == 200 and ctype.startswith("text/plain")
     m = metrics(body)
     b = ("board", board.name)
@@ -120,24 +174,27 @@ def test_loads_prometheus(served):
         labels = (b, ("dp_rank", str(r)))
         assert m[("dpboard_total_tokens", labels)] == load_of(r)["num_total_tokens"]
         assert m[("dpboard_waiting_requests", labels)] == load_of(r)["num_waiting_reqs"]
-    _, _, body = get(f"{url}/v1/loads?format=prometheus&dp_rank=2")
-    ranks = {dict(labels).get("dp_rank") for (name, labels) in metrics(body) if name == "dpboard_total_tokens"}
-    assert ranks == {"2"}
+        assert m[("dpboard_received_requests_total", labels)] == load_of(r)["num_received_reqs"]
+        assert m[("dpboard_publishes_total", labels)] >= 1
+    assert m[("dpboard_slots", (b, ("status", "torn")))] == 1.0
+    assert m[("dpboard_slots", (b, ("status", "live")))] == 4.0
+    assert m[("dpboard_slot_status", (b, ("dp_rank", str(STALE_RANK)), ("status", "stale")))] == 1.0
+    assert ("dpboard_total_tokens", (b, ("dp_rank", str(TORN_RANK)))) not in m  # no data, no sample
+    assert m[("dpboard_imbalance_ratio", (b,))] == pytest.approx(expected_imbalance())
 
 
-@pytest.mark.parametrize(("query", "words"), [
-    ("/v1/loads?dp_rank=abc", ["dp_rank='abc'", "not an integer"]),
-    ("/v1/loads?dp_rank=8", ["out of range", "0..7"]),
-    ("/v1/loads?dp_rank=-1", ["out of range"]),
-    ("/v1/loads?format=xml", ["format='xml'", "prometheus"]),
-    ("/v1/loads?rank=1", ["unknown query parameter 'rank'", "dp_rank"]),
-    ("/v1/loads?dp_rank=1&dp_rank=2", ["given 2 times"]),
-    ("/metrics?dp_rank=1", ["/metrics takes no query parameters"]),
+@pytest.mark.parametrize(("query", "status", "words"), [
+    ("/v1/loads?dp_rank=abc", 422, ["dp_rank='abc'", "not an integer"]),
+    ("/v1/loads?format=xml", 400, ["format='xml'", "prometheus"]),
+    ("/v1/loads?rank=1", 400, ["unknown query parameter 'rank'", "dp_rank", "include"]),
+    ("/v1/loads?dp_rank=1&dp_rank=2", 400, ["given 2 times"]),
+    ("/v1/loads?include=bogus", 400, ["Invalid include sections: {'bogus'}. Valid options: ['all', 'core',"]),
+    ("/metrics?dp_rank=1", 400, ["/metrics takes no query parameters"]),
 ])
-def test_bad_queries_get_400(served, query, words):
+def test_bad_queries(served, query, status, words):
     _, url = served
-    status, ctype, body = get(url + query)
-    assert status == 400 and ctype.startswith("application/json")
+    got, ctype, body = get(url + query)
+    assert got == status and ctype.startswith("application/json")
     message = json.loads(body)["error"]
     for word in words:
         assert word in message

@@ -1,0 +1,203 @@
+"""SGLang's real DataParallelController with and without DPBOARD_METHOD.
+
+The controller is made by its own ``__init__`` and fed through its own request dispatcher; only
+its scheduler launch is replaced (through SGLang's HookRegistry) by one that binds a real zmq PUSH
+socket per rank, which this test reads back with a PULL socket per rank. Requests travel pickled,
+as with SGLANG_USE_PICKLE_IPC.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from dpboard.controller import Dispatcher
+from dpboard.errors import InvalidInputError
+from tests.integrations.sglang.real.conftest import dpc, ls
+from tests.support import sglang as sgl
+
+pytestmark = pytest.mark.timeout(120)
+
+io = sys.modules["sglang.srt.managers.io_struct"]
+LAUNCH = "sglang.srt.managers.data_parallel_controller.DataParallelController.launch_dp_schedulers"
+
+
+def bind_workers(self, server_args, port_args):
+    """Stand-in for the scheduler launch: a PUSH socket per rank, as SGLang binds for its schedulers."""
+    for rank, endpoint in enumerate(port_args.worker_endpoints):
+        sock = self.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        self.workers[rank] = sock
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launch_without_processes(loaded_plugins):
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(LAUNCH, bind_workers, HookType.REPLACE)
+    HookRegistry.apply_hooks()
+    assert LAUNCH in HookRegistry._patched
+
+
+@dataclass
+class Cluster:
+    controller: object
+    pulls: list
+    writers: list
+
+    def send(self, req) -> None:
+        self.controller._request_dispatcher(req)  # SGLang's own TypeBasedDispatcher
+
+    def received(self, count: int = 1) -> dict[int, list[str]]:
+        """rid per rank of the ``count`` requests the controller sent since the last call (and
+        of any more that arrive meanwhile)."""
+        out: dict[int, list[str]] = {}
+        poller = zmq.Poller()
+        for sock in self.pulls:
+            poller.register(sock, zmq.POLLIN)
+        got = 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            ready = dict(poller.poll(10 if got >= count else 100))
+            if not ready and got >= count:
+                break
+            for rank, sock in enumerate(self.pulls):
+                if sock in ready:
+                    out.setdefault(rank, []).append(sock.recv_pyobj().rid)
+                    got += 1
+        return out
+
+
+def req(rid: str, tokens: int = 10, routed: int | None = None):
+    return io.TokenizedGenerateReqInput(rid=rid, input_ids=list(range(tokens)), routed_dp_rank=routed,
+                                        bootstrap_room=None, time_stats=None)
+
+
+def make_cluster(instance, tmp_path, method: str = "total_tokens") -> Cluster:
+    sgl.set_context(dp_size=3, load_balance_method=method, role="dp_controller")
+    args = instance.port_args
+    args.scheduler_input_ipc_name = f"ipc://{tmp_path}/input"
+    args.worker_endpoints = [f"ipc://{tmp_path}/worker{r}" for r in range(3)]
+    writers = [ls.create_load_snapshot_writer(args, 3, r) for r in range(3)]
+    controller = dpc.DataParallelController(sgl._plain("ServerArgs")(), args, sgl._nothing)
+    context = zmq.Context.instance()
+    pulls = []
+    for endpoint in args.worker_endpoints:
+        sock = context.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        pulls.append(sock)
+    time.sleep(0.05)  # let the PULL sockets connect before the first send
+    return Cluster(controller, pulls, writers)
+
+
+def close(cluster: Cluster) -> None:
+    for sock in cluster.pulls:
+        sock.close(linger=0)
+    cluster.controller.context.destroy(linger=0)
+
+
+def publish(cluster: Cluster, totals: dict[int, int], k: int = 1) -> None:
+    import msgspec
+
+    for rank, total in totals.items():
+        snap = msgspec.structs.replace(sgl.full_snapshot(rank, k), num_total_tokens=total, num_used_tokens=total // 2,
+                                       num_running_reqs=1, num_waiting_reqs=0)
+        cluster.writers[rank].write(snap)
+
+
+def test_without_dpboard_method_sglangs_budget_dispatches(instance, tmp_path):
+    cluster = make_cluster(instance, tmp_path)
+    try:
+        assert not hasattr(cluster.controller, "_dpboard_dispatch")
+        publish(cluster, {0: 5000, 1: 900, 2: 3000})
+        cluster.send(req("a", 10))
+        assert cluster.received() == {1: ["a"]}
+        # SGLang's DPBudget, refreshed from the board through the plugin's reader
+        assert cluster.controller.dp_budget.total_tokens == [5000, 910, 3000]
+    finally:
+        close(cluster)
+
+
+def test_dpboard_method_routes_through_one_dispatcher(instance, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", "1.0")
+    cluster = make_cluster(instance, tmp_path)
+    c = cluster.controller
+    try:
+        dispatcher: Dispatcher = c._dpboard_dispatch
+        assert dispatcher.method.value == "inflight_tokens" and dispatcher.num_workers == 3
+        publish(cluster, {0: 5000, 1: 900, 2: 3000})
+        cluster.send(req("a", 1000))  # 900 -> 1900: still the lightest
+        cluster.send(req("b", 1000))  # 1900 -> 2900
+        cluster.send(req("c", 1000))  # rank 1 at 2900 < 3000
+        cluster.send(req("d", 500))  # now rank 2 (3000 < 3900)
+        assert cluster.received(4) == {1: ["a", "b", "c"], 2: ["d"]}
+        assert c.dp_budget.total_tokens == [0, 0, 0]  # SGLang's own budget is not read, nor charged
+        assert list(dispatcher.budget.in_flight()) == [0, 3, 1]
+        # SGLang's external routing is kept (its check and send), and charged to the dispatcher
+        cluster.send(req("routed", 100, routed=0))
+        assert cluster.received() == {0: ["routed"]}
+        assert list(dispatcher.budget.in_flight()) == [1, 3, 1]
+        with pytest.raises(ValueError, match="DP rank 7 is not active."):
+            cluster.send(req("bad", 1, routed=7))
+        # Health checks take SGLang's own round robin, outside the dispatcher's ledger
+        cluster.send(req("HEALTH_CHECK_1", 1))
+        assert sum(len(v) for v in cluster.received(1).values()) == 1
+        assert list(dispatcher.budget.in_flight()) == [1, 3, 1]
+        # The ranks report the requests they took in: nothing is in flight any more
+        for rank, n in ((0, 1), (1, 3), (2, 1)):
+            cluster.writers[rank].num_received_reqs += n
+        publish(cluster, {0: 5100, 1: 3900, 2: 3500}, k=2)
+        time.sleep(0.03)  # past the 20 ms throttle
+        cluster.send(req("e", 10))
+        assert cluster.received() == {2: ["e"]}
+        assert list(dispatcher.budget.in_flight()) == [0, 0, 1]
+        # SGLang marks rank 2 unavailable: the dispatcher follows
+        c.update_active_ranks(io.ActiveRanksOutput(status=[True, True, False]))
+        assert dispatcher.available == (True, True, False)
+        cluster.send(req("f", 10))
+        assert cluster.received() == {1: ["f"]}
+        c.update_active_ranks(io.ActiveRanksOutput(status=[True, True, True]))
+        # Rank 1's scheduler stops publishing: once stale it is no longer picked
+        deadline = time.monotonic() + 1.3
+        while time.monotonic() < deadline:
+            publish(cluster, {0: 9000, 2: 8000}, k=3)
+            time.sleep(0.05)
+        rids = [f"g{i}" for i in range(4)]
+        for rid in rids:
+            cluster.send(req(rid, 10))
+        got = cluster.received(4)
+        assert 1 not in got and sorted(sum(got.values(), [])) == rids
+    finally:
+        close(cluster)
+
+
+def test_batches_refresh_once_and_follow_the_same_rules(instance, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "total_tokens")
+    cluster = make_cluster(instance, tmp_path)
+    try:
+        publish(cluster, {0: 100, 1: 200, 2: 300})
+        batch = io.BatchTokenizedGenerateReqInput(req(f"b{i}", 150) for i in range(4))
+        cluster.send(batch)  # SGLang's dispatch_batch_generate: one refresh, then each request
+        # seed total_tokens: 100 -> 250 (rank 0), 200 -> 350 (rank 1), 250 -> 400 (rank 0), 300 -> 450 (rank 2)
+        assert cluster.received(4) == {0: ["b0", "b2"], 1: ["b1"], 2: ["b3"]}
+    finally:
+        close(cluster)
+
+
+def test_dpboard_method_needs_a_load_aware_sglang_method(instance, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_backlog")
+    with pytest.raises(InvalidInputError, match="--load-balance-method total_tokens"):
+        make_cluster(instance, tmp_path, method="round_robin")
+
+
+def test_a_bad_dpboard_method_is_a_clear_error(instance, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "fastest")
+    with pytest.raises(InvalidInputError, match="DPBOARD_METHOD='fastest'"):
+        make_cluster(instance, tmp_path)
