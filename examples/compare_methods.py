@@ -95,33 +95,39 @@ class TrueCaches:
 
 
 class IndexProbe:
-    """Counts, at every pick, the prompt tokens the method's index believed the picked rank held,
-    what that rank's cache held at that instant, and the most any rank's cache held."""
+    """Counts, at every pick, the prompt tokens the method's index believed the picked rank held, what
+    that rank's cache held at that instant, and how much more the fullest rank's cache held: reuse
+    left there although the index knew of it (the cost preferred another rank), or because it did not."""
+
+    KEYS = ("believed", "held", "over", "under", "left_known", "left_unknown")
 
     def __init__(self, sim: Simulation):
-        self.prompt = self.believed = self.held = self.over = self.under = self.anywhere = 0
+        self.prompt = 0
+        self.counts = dict.fromkeys(self.KEYS, 0)
         dispatcher = sim.policy.dispatcher
         pick = sim.policy.dispatch
+        c = self.counts
 
         def dispatch(req):
             ids, n = req.block_ids, req.prompt_len
-            believed = dispatcher.prefix.match(list(req.block_hashes))
+            # a whole-prompt match covers its last, partial block: count at most the prompt
+            believed = np.minimum(dispatcher.prefix.match(list(req.block_hashes)), n)
             rank = pick(req)
             held = [prefix_tokens(n, len(ids), r.cache.match(ids)) for r in sim.ranks]
-            est = min(int(believed[rank]), n)  # a whole-prompt match covers its last, partial block
+            fullest = int(np.argmax(held))
             self.prompt += n
-            self.believed += est
-            self.held += held[rank]
-            self.over += max(0, est - held[rank])
-            self.under += max(0, held[rank] - est)
-            self.anywhere += max(held)
+            c["believed"] += int(believed[rank])
+            c["held"] += held[rank]
+            c["over"] += max(0, int(believed[rank]) - held[rank])
+            c["under"] += max(0, held[rank] - int(believed[rank]))
+            left = held[fullest] - held[rank]
+            c["left_known" if believed[fullest] >= held[fullest] else "left_unknown"] += left
             return rank
 
         sim.policy.dispatch = dispatch
 
     def shares(self) -> dict[str, float]:
-        keys = ("believed", "held", "over", "under", "anywhere")
-        return {k: getattr(self, k) / self.prompt if self.prompt else 0.0 for k in keys}
+        return {k: v / self.prompt if self.prompt else 0.0 for k, v in self.counts.items()}
 
 
 def shared_prefix(trace: Trace) -> tuple[int, ...]:
@@ -229,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     if probes:
         print("\nprefix index against the ranks' caches at each pick, share of all prompt tokens, mean over seeds:\n")
         print("| method | the index believed the picked rank held | the picked rank's cache held | index over "
-              "| index under | the fullest rank's cache held |")
-        print("|---|---:|---:|---:|---:|---:|")
+              "| index under | more on the fullest rank, the index knew | more on the fullest rank, unknown to the index |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for label, runs in probes.items():
             shares = [run.shares() for run in runs]
-            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in ("believed", "held", "over", "under", "anywhere")]
+            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in IndexProbe.KEYS]
             print(f"| {label} | " + " | ".join(cells) + " |")
     return 0
 
