@@ -15,6 +15,20 @@ timestamps are spread within their buckets) and breaks the random ties of the ro
 them; the rank model is ``--profile`` (default ``llama3.1-8b-h100``, as ``dpboard sim``).
 Method specs are those of ``dpboard sim --methods`` (``NAME[:key=value;...]``, with ``cadence=`` to
 give one method its own publish cadence).
+
+``--index-check`` looks at the controller's prefix index (methods that keep one: ``inflight_cache``)
+against the ranks' true prefix caches, on the same traces:
+
+- at every pick, the prompt tokens the index believed the picked rank held, what that rank's cache
+  held at that instant, and what the cache of any rank held (the reuse on offer);
+- the method again with its index replaced by the ranks' true caches, read at the dispatch instant:
+  what an exact index fed by the engines' KV events, with no delay, would give (an upper bound);
+- the method again with its index told at start that every rank holds the blocks that all prompts
+  of the trace begin with (a shared system prompt): what a rank that has never been sent anything
+  loses to that prefix.
+
+    python examples/compare_methods.py --trace-file ../shared/traces/mooncake_conversation.jsonl \\
+        --load 0.9 --ranks 16 --seeds 3 --methods dynamo_kv,inflight_cache:cadence=step --index-check
 """
 
 from __future__ import annotations
@@ -25,10 +39,11 @@ import sys
 import numpy as np
 
 from dpboard.sim.cli import FILE_PROFILE, SCENARIO_PROFILE, split_methods
+from dpboard.sim.prefix_cache import prefix_tokens
 from dpboard.sim.profile import load_profile
 from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation
-from dpboard.sim.trace import SCENARIOS, generate_trace, scenario
+from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
 from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
 
 METRICS = (
@@ -40,9 +55,113 @@ METRICS = (
     ("cache hit", "cache_hit_rate", "{:.1%}"),
 )
 DEFAULT_METHODS = (
-    "total_requests,total_tokens,vllm,cache_aware,dynamo_kv,inflight_requests,inflight_tokens,inflight_backlog"
+    "total_requests,total_tokens,vllm,cache_aware,dynamo_kv,inflight_requests,inflight_tokens,inflight_backlog,"
+    "inflight_cache"
 )
 PEERS = ("total_tokens", "vllm", "cache_aware", "dynamo_kv")
+EXACT = " (exact caches)"
+SEEDED = " (index seeded with the shared prefix)"
+
+
+def keeps_prefix_index(spec: str) -> bool:
+    from dpboard.controller import LoadBalanceMethod
+
+    try:
+        return LoadBalanceMethod(spec.split(":")[0].strip()).uses_prefix_index
+    except ValueError:  # a peer's router
+        return False
+
+
+class TrueCaches:
+    """In place of the controller's PrefixIndex: every rank's prefix cache as it is at the dispatch
+    instant, which an index fed by the engines' KV events with no delay would know."""
+
+    def __init__(self, sim: Simulation, block_size: int):
+        self.ranks = sim.ranks
+        self.block_size = block_size
+
+    def match(self, hashes: list[int], out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.zeros(len(self.ranks), np.int64)
+        for r, rank in enumerate(self.ranks):
+            out[r] = rank.cache.match(hashes) * self.block_size
+        return out
+
+    def record(self, rank: int, hashes: list[int]) -> None:
+        pass  # the caches record what they hold themselves
+
+    def set_capacity_tokens(self, capacities: list[int]) -> None:
+        pass
+
+
+class IndexProbe:
+    """Counts, at every pick, the prompt tokens the method's index believed the picked rank held, what
+    that rank's cache held at that instant, and how much more the fullest rank's cache held: reuse
+    left there although the index knew of it (the cost preferred another rank), or because it did not."""
+
+    KEYS = ("believed", "held", "over", "under", "left_known", "left_unknown")
+
+    def __init__(self, sim: Simulation):
+        self.prompt = 0
+        self.counts = dict.fromkeys(self.KEYS, 0)
+        dispatcher = sim.policy.dispatcher
+        pick = sim.policy.dispatch
+        c = self.counts
+
+        def dispatch(req):
+            ids, n = req.block_ids, req.prompt_len
+            # a whole-prompt match covers its last, partial block: count at most the prompt
+            believed = np.minimum(dispatcher.prefix.match(list(req.block_hashes)), n)
+            rank = pick(req)
+            held = [prefix_tokens(n, len(ids), r.cache.match(ids)) for r in sim.ranks]
+            fullest = int(np.argmax(held))
+            self.prompt += n
+            c["believed"] += int(believed[rank])
+            c["held"] += held[rank]
+            c["over"] += max(0, int(believed[rank]) - held[rank])
+            c["under"] += max(0, held[rank] - int(believed[rank]))
+            left = held[fullest] - held[rank]
+            c["left_known" if believed[fullest] >= held[fullest] else "left_unknown"] += left
+            return rank
+
+        sim.policy.dispatch = dispatch
+
+    def shares(self) -> dict[str, float]:
+        return {k: v / self.prompt if self.prompt else 0.0 for k, v in self.counts.items()}
+
+
+def shared_prefix(trace: Trace) -> tuple[int, ...]:
+    """The leading block ids that every prompt of the trace begins with."""
+    rows = trace.block_rows()
+    if not rows:
+        return ()
+    common = rows[0]
+    for row in rows[1:]:
+        k = 0
+        while k < min(len(common), len(row)) and row[k] == common[k]:
+            k += 1
+        common = common[:k]
+        if not common:
+            break
+    return tuple(common)
+
+
+def runs_of(method: str, trace: Trace, config: SimConfig, index_check: bool):
+    """(label, simulation, probe or None) for the method, and with --index-check its two variants."""
+    sim = Simulation(trace, method, config)
+    if not (index_check and keeps_prefix_index(method)):
+        yield method, sim, None
+        return
+    yield method, sim, IndexProbe(sim)
+    exact = Simulation(trace, method, config)
+    index = exact.policy.dispatcher.prefix
+    exact.policy.dispatcher.prefix = TrueCaches(exact, index.block_size)
+    yield method + EXACT, exact, IndexProbe(exact)
+    seeded = Simulation(trace, method, config)
+    shared = list(shared_prefix(trace))
+    for rank in range(config.n_ranks):
+        seeded.policy.dispatcher.prefix.record(rank, shared)
+    yield method + SEEDED, seeded, IndexProbe(seeded)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,23 +176,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (default 5)")
     p.add_argument("--cadence", default="sglang", choices=("step", "sglang", "period"))
     p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--index-check", action="store_true",
+                   help="the prefix index against the ranks' true caches, and two variants of the method (see above)")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
 
     methods = split_methods(args.methods)
+    if args.index_check and not any(keeps_prefix_index(m) for m in methods):
+        p.error("--index-check needs a method that keeps a prefix index among --methods (inflight_cache)")
     profile = load_profile(args.profile or (FILE_PROFILE if args.trace_file else SCENARIO_PROFILE))
     config = SimConfig(n_ranks=args.ranks, rank=profile.rank, publish=PublishConfig(cadence=args.cadence))
     trace_file = read_trace_file(args.trace_file) if args.trace_file else None
     window = parse_window(args.window) if args.window else (None, None)
-    per_method: dict[str, list[dict]] = {m: [] for m in methods}
+    per_method: dict[str, list[dict]] = {}
+    probes: dict[str, list[IndexProbe]] = {}
     for seed in range(args.seeds):
         if trace_file is not None:
             trace = shape_trace(trace_file, n_ranks=args.ranks, seed=seed, rank=profile.rank, window=window, load=args.load)
         else:
             trace = generate_trace(scenario(args.trace or "bursty"), args.ranks, seed)
         for method in methods:
-            per_method[method].append(summarize(Simulation(trace, method, config).run()))
+            for label, sim, probe in runs_of(method, trace, config, args.index_check):
+                per_method.setdefault(label, []).append(summarize(sim.run()))
+                if probe is not None:
+                    probes.setdefault(label, []).append(probe)
 
     name = args.trace_file or args.trace or "bursty"
     load = f", load {args.load:g}" if args.load is not None else ""
@@ -105,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             d_ttft = means[best]["ttft_p99_ms"] / means[base]["ttft_p99_ms"] - 1
             d_imb = means[best]["imbalance_mean"] / means[base]["imbalance_mean"] - 1
             print(f"  vs {base}: p99 TTFT {d_ttft:+.1%}, imbalance {d_imb:+.1%}")
+    if probes:
+        print("\nprefix index against the ranks' caches at each pick, share of all prompt tokens, mean over seeds:\n")
+        print("| method | the index believed the picked rank held | the picked rank's cache held | index over "
+              "| index under | more on the fullest rank, the index knew | more on the fullest rank, unknown to the index |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for label, runs in probes.items():
+            shares = [run.shares() for run in runs]
+            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in IndexProbe.KEYS]
+            print(f"| {label} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -34,6 +34,7 @@ ALL_METHODS = [
     "inflight_requests",
     "inflight_tokens",
     "inflight_backlog",
+    "inflight_cache",
 ]
 
 
@@ -421,3 +422,65 @@ def test_compare_methods_example_runs():
     for name in ("total_tokens", "vllm", "inflight_backlog"):
         assert f"| {name} |" in proc.stdout
     assert "best dpboard method by p99 TTFT: inflight_backlog" in proc.stdout
+
+
+def conversation_trace_file(path: Path, conversations: int = 30, turns: int = 4) -> Path:
+    """A Mooncake-format file of multi-turn conversations: every prompt starts with one shared block
+    (a system prompt), and each turn's blocks extend the turn before it."""
+    rows = []
+    next_id = 1
+    for c in range(conversations):
+        ids = [0]
+        for turn in range(turns):
+            ids = ids + list(range(next_id, next_id + 2))
+            next_id += 2
+            rows.append({"timestamp": 200 * c + 2000 * turn, "input_length": 512 * len(ids) - 100,
+                         "output_length": 30 + 7 * (c % 5), "hash_ids": ids})
+    rows.sort(key=lambda r: r["timestamp"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def index_table(stdout: str) -> dict[str, list[float]]:
+    """The --index-check table: label -> its six shares, in percent."""
+    rows = {}
+    part = stdout.split("prefix index against the ranks' caches", 1)[1]
+    for line in part.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[1].endswith("%"):
+            rows[cells[0]] = [float(c.rstrip("%")) for c in cells[1:]]
+    return rows
+
+
+def test_compare_methods_index_check(tmp_path):
+    example = Path(__file__).resolve().parents[2] / "examples" / "compare_methods.py"
+    trace = conversation_trace_file(tmp_path / "conv.jsonl")
+    proc = subprocess.run(
+        [sys.executable, str(example), "--trace-file", str(trace), "--ranks", "4", "--load", "0.8", "--seeds", "1",
+         "--methods", "inflight_backlog,inflight_cache", "--index-check"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for label in ("inflight_cache", "inflight_cache (exact caches)", "inflight_cache (index seeded with the shared prefix)"):
+        assert f"| {label} |" in proc.stdout
+    rows = index_table(proc.stdout)
+    assert set(rows) == {"inflight_cache", "inflight_cache (exact caches)",
+                         "inflight_cache (index seeded with the shared prefix)"}  # fmt: skip
+    believed, held, over, under, left_known, left_unknown = rows["inflight_cache"]
+    assert held > 0  # follow-up turns found their conversation's blocks
+    assert believed - over + under == pytest.approx(held, abs=0.2)  # one decimal per printed share
+    assert min(over, under, left_known, left_unknown) >= 0.0
+    # the exact variant reads the caches themselves: it believes what they hold, and knows all reuse
+    believed, held, over, under, left_known, left_unknown = rows["inflight_cache (exact caches)"]
+    assert believed == held and over == under == left_unknown == 0.0
+
+
+def test_compare_methods_index_check_needs_an_index():
+    example = Path(__file__).resolve().parents[2] / "examples" / "compare_methods.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--trace", "steady", "--ranks", "2", "--seeds", "1",
+         "--methods", "inflight_backlog,dynamo_kv", "--index-check"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--index-check needs a method that keeps a prefix index" in proc.stderr

@@ -289,7 +289,7 @@ def test_real_trace_runs_are_deterministic(tmp_path, trace, window):
         out = tmp_path / f"run{i}.json"
         proc = run_cli(
             "--trace-file", str(trace), "--window", window, "--ranks", "8", "--load", "0.8",
-            "--methods", "total_tokens,vllm,cache_aware,dynamo_kv,inflight_backlog", "--json", str(out),
+            "--methods", "total_tokens,vllm,cache_aware,dynamo_kv,inflight_backlog,inflight_cache", "--json", str(out),
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         docs.append(without_wall_clock(json.loads(out.read_text())))
@@ -302,6 +302,7 @@ def test_real_trace_runs_are_deterministic(tmp_path, trace, window):
         # the prefix caches serve some prompt tokens, and the cache-aware routers find more of them
         assert 0 < hits["total_tokens"] < hits["cache_aware"]
         assert hits["total_tokens"] < hits["dynamo_kv"]
+        assert hits["total_tokens"] < hits["inflight_cache"]
     else:
         assert set(hits.values()) == {0.0}  # no block ids, no reuse
 
