@@ -9,7 +9,10 @@ for a new prompt, how many of its leading tokens each rank probably holds.
 
 It is an estimate: a rank evicts under its own pressure, and requests routed around the controller
 are unseen. It errs towards the rank that served a prefix last, which is where the prefix most
-probably still is.
+probably still is. A rank the controller has not sent any prompt yet is no evidence either way: it
+is taken to hold what every rank with a history holds, once two or more have one (a prefix all of
+them hold, such as a shared system prompt, is one it will hold after its first request), so that a
+fresh rank does not lose every comparison by that shared prefix and stay idle.
 
 Block hashes are chained (a block's hash covers the prompt up to its end: equal hashes mean equal
 prefixes) and come from ``dpboard.controller._prefix``: from a request frame's bytes or from a list
@@ -104,9 +107,10 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}  # block hash -> bitmask of the ranks holding it
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_ranks)]
         self._capacity = [0] * num_ranks
+        self._everyone = (1 << num_ranks) - 1
+        self._warm = 0  # bitmask of the ranks that were sent a prompt (and not forgotten since)
         for r in range(num_ranks):
             self.set_capacity(r, capacity_blocks)
-        self._everyone = (1 << num_ranks) - 1
 
     # -- capacity -----------------------------------------------------------------------------------
 
@@ -134,17 +138,25 @@ class PrefixIndex:
     # -- the per-request path -------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Tokens of the prompt's leading blocks that each rank holds: int64, one per rank."""
+        """Tokens of the prompt's leading blocks that each rank holds: int64, one per rank.
+
+        A rank with no history gets what every rank with one holds (their minimum), once there are
+        at least two of those: one rank's blocks say nothing of what is common."""
         if out is None:
             out = np.zeros(self.num_ranks, np.int64)
         else:
             out[:] = 0
         holders = self._holders
-        alive = self._everyone
+        alive = self._warm  # only ranks with a history are walked; the cold ones follow their minimum
+        common = -1  # blocks held by every warm rank, once one of them drops out
         depth = 0
         for h in hashes:
+            if not alive:
+                break
             held = holders.get(h, 0) & alive
             if held != alive:
+                if common < 0:
+                    common = depth
                 dropped = alive & ~held
                 if depth:
                     tokens = depth * self.block_size
@@ -153,14 +165,20 @@ class PrefixIndex:
                         out[low.bit_length() - 1] = tokens
                         dropped ^= low
                 alive = held
-                if not alive:
-                    return out
             depth += 1
-        tokens = depth * self.block_size
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = tokens
-            alive ^= low
+        if alive:
+            tokens = depth * self.block_size
+            while alive:
+                low = alive & -alive
+                out[low.bit_length() - 1] = tokens
+                alive ^= low
+        cold = self._everyone & ~self._warm
+        if cold and self._warm & (self._warm - 1):  # at least two warm ranks agree on what is common
+            tokens = (depth if common < 0 else common) * self.block_size
+            while cold:
+                low = cold & -cold
+                out[low.bit_length() - 1] = tokens
+                cold ^= low
         return out
 
     def record(self, rank: int, hashes: Sequence[int]) -> None:
@@ -168,6 +186,7 @@ class PrefixIndex:
         lru = self._lru[rank]
         bit = 1 << rank
         holders = self._holders
+        self._warm |= bit
         # Deepest block first: a prefix cache evicts leaves before their prefix, so the leading block
         # must be the most recently used of the prompt's blocks.
         for h in reversed(hashes):
@@ -184,6 +203,7 @@ class PrefixIndex:
         for h in self._lru[rank]:
             self._drop_holder(h, bit)
         self._lru[rank].clear()
+        self._warm &= ~bit
 
     def _evict(self, rank: int) -> None:
         lru = self._lru[rank]

@@ -159,3 +159,22 @@ def test_the_controller_reads_block_hashes_from_the_frame():
     assert decode_request(encode_request("r3", input_ids=ids)).block_hashes is None  # no index: no hashing
     with pytest.raises(MalformedFrame, match=r"input_ids\[1\] is not an integer"):
         decode_request(encode_request("r4", input_ids=[1, "x"]), block_size=8)
+
+
+def test_a_rank_with_no_history_is_taken_to_hold_what_every_other_rank_holds():
+    idx = PrefixIndex(4, block_size=4)
+    system = prompt(0, 2)  # a shared system prompt of two blocks
+    a, b = block_hashes(system + prompt(1, 3), 4), block_hashes(system + prompt(2, 3), 4)
+    idx.record(0, a)
+    # one rank's blocks say nothing of what is common: the fresh ranks hold nothing
+    assert idx.match(a).tolist() == [20, 0, 0, 0]
+    idx.record(1, b)
+    # two ranks agree on the system prompt: ranks 2 and 3 (no history) are taken to hold it too
+    assert idx.match(a).tolist() == [20, 8, 8, 8]
+    assert idx.match(block_hashes(system + prompt(3, 1), 4)).tolist() == [8, 8, 8, 8]
+    assert idx.match(block_hashes(prompt(4, 3), 4)).tolist() == [0, 0, 0, 0]
+    # once a rank has a history of its own, its own blocks count, as for any rank
+    idx.record(2, block_hashes(prompt(5, 2), 4))
+    assert idx.match(a).tolist() == [20, 8, 0, 0]  # rank 2 lacks the system prompt; rank 3 follows the minimum
+    idx.forget(0)
+    assert idx.match(a).tolist() == [0, 8, 0, 0]
