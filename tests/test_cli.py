@@ -31,7 +31,7 @@ def test_a_dpboard_error_is_one_line_and_status_2(args):
 
 def test_a_bad_argument_is_status_2():
     out = dpboard("info", new_board_name(), "--stale-after", "soon")
-    assert out.returncode == 2 and "invalid float value" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "argument --stale-after: 'soon' is not a number" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

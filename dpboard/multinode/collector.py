@@ -29,6 +29,7 @@ import argparse
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,8 +38,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dpboard.board import Board, BoardError, BoardWriter, process_start_ticks
-from dpboard.errors import InvalidInputError, NotFoundError
+from dpboard.board import MAX_SLOTS, Board, BoardError, BoardFollower, BoardWriter, process_start_ticks
+from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
 from dpboard.multinode.curve import load_certificate
 from dpboard.multinode.wire import (
     BAD_IDENTITY,
@@ -50,6 +51,7 @@ from dpboard.multinode.wire import (
     unpack_frame,
     validate_records,
 )
+from dpboard.options import count, seconds
 from dpboard.ownership import (
     LOCK_DIR,
     LOCK_PREFIX,
@@ -114,6 +116,7 @@ class Collector:
         self._own_board = False  # created here: unlinked on close
         self._opened_board = False  # attached or created here (not passed in): closed on close
         self._writers: dict[int, BoardWriter] = {}
+        self._follower: BoardFollower | None = None
         self._closed = False
         self.latencies_ns: list[np.ndarray] = []  # with record_latency: receive-side age of each snapshot
         self._record_latency = record_latency
@@ -132,6 +135,12 @@ class Collector:
             else:
                 self.board = self._open_board(board, n_slots)
                 self._opened_board = True
+            if self.board.read_only:
+                raise AccessDeniedError(f"board {board_name!r} is another user's and read-only here: run the "
+                                        f"collector as its owner")
+            self._initial_board = self.board
+            # node0's board may be recreated under the collector (its schedulers restarted): follow it
+            self._follower = BoardFollower(self.board, logger=log)
             self.n_slots = self.board.n_slots
             self._context = context or zmq.Context.instance()
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
@@ -253,8 +262,21 @@ class Collector:
         self._writers[rank] = writer
         return writer
 
+    def _follow_board(self) -> None:
+        """Write into whichever board has the name now: a recreated board gets new writers and the
+        collector's statistics (and the log says so)."""
+        if self._follower is None or not self._follower.poll():
+            return
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+        self.board = self._follower.board
+        self.n_slots = self.board.n_slots
+        self._init_stats()
+
     def drain(self, max_frames: int = 4096) -> int:
         """Handle every frame already queued (at most ``max_frames``) without waiting; returns the count."""
+        self._follow_board()
         sock = self.socket
         handled = 0
         while handled < max_frames:
@@ -297,12 +319,18 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        for writer in self._writers.values():
+            writer.close()
         self._writers.clear()
         self._stats_view = None
-        if self._opened_board:
-            self.board.close()
-        if self._own_board:
-            self.board.unlink()
+        board = getattr(self, "_initial_board", None)
+        if board is not None:
+            if self._opened_board:
+                board.close()
+            if self._own_board:
+                board.unlink()  # that incarnation only: a board recreated since then stays
+        if self._follower is not None:
+            self._follower.close()  # boards it attached in place of a replaced one
         for lock in reversed(self._locks):
             lock.release()
         self._locks = []
@@ -327,18 +355,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--board", required=True, help="node0's board (the name every node's relay uses)")
     p.add_argument("--bind", required=True,
                    help="explicit endpoint to bind, e.g. tcp://10.0.0.1:5757 (no wildcard by default)")
-    p.add_argument("--n-slots", type=int, default=None,
+    p.add_argument("--n-slots", type=count(1, MAX_SLOTS), default=None,
                    help="create the board with this many slots if it does not exist yet")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
                    help="this collector's CURVE certificate (.key_secret): encrypt and authenticate relays")
     p.add_argument("--curve-authorized-keys", metavar="DIR", default=None,
                    help="directory of the relays' public certificates allowed in (default: any relay that "
                         "knows the server key)")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
     with StopFlag(args.duration) as stop, Collector(
         args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys,

@@ -260,7 +260,7 @@ def test_bad_relay_arguments_are_clear_errors(board_name):
     assert out.returncode == 2 and "--to" in out.stderr and "--node-id" in out.stderr
     out = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9", "--node-id", "0"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "--node-id must be >= 1" in out.stderr
+    assert out.returncode == 2 and "--node-id: 0 is outside [1, " in out.stderr and "node 0 is node0" in out.stderr
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
