@@ -149,6 +149,15 @@ class PyArgminCore:
         return best
 
     def charge(self, rank: int, tokens: int) -> None:
+        self._check_rank_tokens("charge", rank, tokens)
+        self._charge(rank, tokens)
+
+    def _check_rank_tokens(self, name: str, rank: int, tokens: int) -> None:
+        if not 0 <= rank < self.n or not 0 <= tokens <= MAX_REQUEST_TOKENS:
+            raise InvalidInputError(
+                f"{name}(rank, tokens) needs 0 <= rank < {self.n} and 0 <= tokens <= {MAX_REQUEST_TOKENS}")
+
+    def _charge(self, rank: int, tokens: int) -> None:
         self.tokens[rank] = _sat(int(self.tokens[rank]) + tokens)
         self.requests[rank] = _sat(int(self.requests[rank]) + 1)
         if self.backlog is not None:
@@ -167,9 +176,7 @@ class PyArgminCore:
         self.sent_tokens[rank] -= tokens
 
     def retract(self, rank: int, tokens: int) -> None:
-        if not 0 <= rank < self.n or not 0 <= tokens <= MAX_REQUEST_TOKENS:
-            raise InvalidInputError(
-                f"retract(rank, tokens) needs 0 <= rank < {self.n} and 0 <= tokens <= {MAX_REQUEST_TOKENS}")
+        self._check_rank_tokens("retract", rank, tokens)
         if self.sent_reqs[rank] < 1 or self.sent_tokens[rank] < tokens:
             raise InvalidInputError(
                 f"retract({rank}, {tokens}): rank {rank} has no such send in its ledger "
@@ -182,7 +189,7 @@ class PyArgminCore:
         routed = self._routed(req)
         tokens = request_tokens(req)
         rank = self._argmin() if routed is None else routed
-        self.charge(rank, tokens)
+        self._charge(rank, tokens)
         return rank, tokens
 
     def pick(self, req: Any) -> int:
@@ -205,7 +212,7 @@ class PyArgminCore:
         if not 0 <= tokens <= MAX_REQUEST_TOKENS:
             raise InvalidInputError(f"estimated tokens must be in [0, {MAX_REQUEST_TOKENS}], got {tokens}")
         rank = self._argmin()
-        self.charge(rank, tokens)
+        self._charge(rank, tokens)
         return rank
 
 
