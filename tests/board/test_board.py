@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import stat
 import struct
@@ -35,6 +36,7 @@ from dpboard.snapshot import (
 )
 from tests.support.names import new_board_name
 from tests.support.other_user import as_nobody, error_as_nobody, need_root
+from tests.support.procutil import read_line
 from tests.support.raw import raw_segment
 
 PROCS = str(Path(__file__).parents[1] / "support" / "board_procs.py")
@@ -813,3 +815,134 @@ def test_a_closed_writer_frees_the_slot_for_another_process(board):
     finally:
         proc.stdin.close()
         proc.wait(timeout=10)
+
+
+# -- ls and clean: liveness that does not rest on a pid, and bad boards beside good ones -----------
+
+
+def _dpboard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpboard.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_one_bad_board_never_hides_the_others(board, tmp_path):
+    """A corrupt header with a pid >= 2**31 crashed ls, info and clean (OverflowError from os.kill), and
+    then ls failed for every board. Damaged, hostile and foreign entries are listed with what is wrong."""
+    victim = tmp_path / "victim"
+    victim.write_text("not a board\n")
+    huge_pid, huge_slots, truncated, link, folder = (new_board_name() for _ in range(5))
+    made = []
+    try:
+        for name, n in ((huge_pid, 2), (huge_slots, 2)):
+            result(start("create_and_vanish", name, n))
+            made.append(name)
+        with raw_segment(huge_pid) as raw:
+            struct.pack_into("<q", raw, 24, 2**40)  # creator_pid
+            struct.pack_into("<Q", raw, 128, 2**40)  # collector_pid
+        with raw_segment(huge_slots) as raw:
+            struct.pack_into("<I", raw, 16, 2**31)  # n_slots, far beyond the segment
+        Path("/dev/shm", f"dpboard.{truncated}").write_bytes(b"DPBOARD\x00" + b"\x01" * 40)
+        Path("/dev/shm", f"dpboard.{link}").symlink_to(victim)
+        Path("/dev/shm", f"dpboard.{folder}").mkdir()
+        made += [truncated, link, folder]
+
+        ls = _dpboard("ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        listed = {entry["name"]: entry for entry in json.loads(ls.stdout)}
+        assert listed[board.name]["alive"] is True and listed[board.name]["error"] is None
+        assert listed[huge_pid]["creator_pid"] == 2**40 and listed[huge_pid]["alive"] is False
+        assert listed[huge_slots]["n_slots"] == 2**31 and listed[huge_slots]["alive"] is False
+        assert listed[truncated]["error"] == "no dpboard header"
+        assert "symbolic link" in listed[link]["error"]
+        assert listed[folder]["error"] == "not a regular file"
+        text = _dpboard("ls")
+        assert text.returncode == 0 and board.name in text.stdout and huge_pid in text.stdout
+        info = _dpboard("info", huge_pid)
+        assert info.returncode == 0 and "pid 1099511627776 (dead)" in info.stdout, info.stderr
+        assert "collector    pid 1099511627776 (dead)" in info.stdout
+        info = _dpboard("info", huge_slots)
+        assert info.returncode == 2 and "too small for its 2147483648 slots" in info.stderr
+        clean = _dpboard("clean")
+        assert clean.returncode == 0, clean.stderr
+        assert f"removed /dev/shm/dpboard.{huge_pid}" in clean.stdout
+        assert f"removed /dev/shm/dpboard.{huge_slots}" in clean.stdout
+        assert Path("/dev/shm", f"dpboard.{board.name}").exists()  # alive: kept
+        assert Path("/dev/shm", f"dpboard.{link}").is_symlink()  # not a board, not named: kept
+        assert victim.read_text() == "not a board\n"
+        named = _dpboard("clean", link)  # named: the link itself goes, never what it points to
+        assert named.returncode == 0 and not Path("/dev/shm", f"dpboard.{link}").exists()
+        assert victim.read_text() == "not a board\n"
+    finally:
+        for name in made:
+            p = Path("/dev/shm", f"dpboard.{name}")
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+            else:
+                p.unlink(missing_ok=True)
+
+
+def test_a_board_published_within_stale_after_is_alive_whatever_its_creator_pid(board_name):
+    """Its creator is dead (or, in another PID namespace, only looks dead): while a slot is fresh the
+    board is alive, and clean without --force leaves it."""
+    result(start("create_and_vanish", board_name, 2))
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    try:
+        w = Board.attach(board_name).writer(1)
+        w.publish(LoadSnapshot(1))
+        listed = {e["name"]: e for e in json.loads(_dpboard("ls", "--json", "--stale-after", "30").stdout)}
+        assert listed[board_name]["creator_alive"] is False and listed[board_name]["alive"] is True
+        assert 0 <= listed[board_name]["last_publish_age_s"] < 30
+        assert _dpboard("clean", "--stale-after", "30").returncode == 0 and path.exists()
+        refused = _dpboard("clean", board_name, "--stale-after", "30")
+        assert refused.returncode == 2 and "is in use: a slot was published" in refused.stderr
+        assert "whatever its creator pid says" in refused.stderr and path.exists()
+        w.close()
+        time.sleep(0.3)
+        swept = _dpboard("clean", "--stale-after", "0.2")  # no publish for longer than that: dead
+        assert f"removed {path}" in swept.stdout and not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_clean_leaves_a_live_board_made_in_another_pid_namespace(board_name):
+    """`unshare --pid --fork --mount-proc`: the creator is pid 1 in its namespace, which from here is
+    another process (or none); `ls` said not alive and `clean` removed the board while its slot was
+    33 ms old."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a PID namespace")
+    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"this kernel refuses a new PID namespace: {probe.stderr.decode().strip()}")
+    code = f"""
+import os, sys, time
+from dpboard import Board, LoadSnapshot
+b = Board.create({board_name!r}, n_slots=2)
+w = b.writer(0)
+print(os.getpid(), flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and not os.path.exists({str(Path('/tmp') / (board_name + '.stop'))!r}):
+    w.publish(LoadSnapshot(0, num_running_reqs=1))
+    time.sleep(0.02)
+os._exit(0)  # as a crash would: no unlink
+"""
+    stop_file = Path("/tmp") / (board_name + ".stop")
+    proc = subprocess.Popen([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).parents[2]))
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    try:
+        assert read_line(proc, 30).strip() == "1"  # pid 1 in its own namespace
+        listed = {e["name"]: e for e in json.loads(_dpboard("ls", "--json").stdout)}
+        assert listed[board_name]["creator_pid"] == 1 and listed[board_name]["alive"] is True
+        assert _dpboard("clean").returncode == 0 and path.exists()
+        refused = _dpboard("clean", board_name)
+        assert refused.returncode == 2 and "is in use" in refused.stderr and path.exists()
+        stop_file.touch()
+        proc.wait(timeout=30)
+        time.sleep(0.3)
+        swept = _dpboard("clean", board_name, "--stale-after", "0.2")
+        assert swept.returncode == 0 and not path.exists(), swept.stderr
+    finally:
+        stop_file.unlink(missing_ok=True)
+        proc.kill()
+        proc.wait(timeout=10)
+        path.unlink(missing_ok=True)

@@ -272,3 +272,49 @@ def test_keygen_writes_a_certificate_pair(tmp_path):
     assert public.is_file() and secret.stat().st_mode & 0o777 == 0o600
     pub, sec = zmq.auth.load_certificate(secret)
     assert zmq.auth.load_certificate(public) == (pub, None) and len(sec) == 40
+
+
+def test_relay_and_collector_follow_boards_recreated_under_them(caplog):
+    """A node's board, then node0's board, is removed and created again (schedulers restarting): the
+    relay used to keep sending the old board's stale slots (then nothing), and the collector to write
+    into a segment nobody reads any more."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    name0, name1 = new_board_name(), new_board_name()
+    boards = {"0": Board.create(name0, n_slots=4), "1": Board.create(name1, n_slots=4, node_id=1)}
+    try:
+        with Collector(boards["0"], "tcp://127.0.0.1:*") as collector, \
+                Relay(boards["1"], collector.endpoint, 1, remote_board=name0) as relay:
+            value = [0]
+
+            def shows(expected_board: str) -> bool:
+                value[0] += 1
+                writer.publish(LoadSnapshot(1, num_running_reqs=value[0]))
+                relay.tick()
+                collector.poll(10)
+                snap = Board.attach(expected_board).reader().read(1)
+                return snap is not None and snap.num_running_reqs == value[0]
+
+            writer = boards["1"].writer(1)
+            assert wait_until(lambda: shows(name0), timeout=10)
+            # node 1's board is recreated: the relay reads the new one
+            writer.close()
+            boards["1"].close()
+            boards["1"].unlink()
+            boards["1"] = Board.create(name1, n_slots=4, node_id=1)
+            writer = boards["1"].writer(1)
+            assert wait_until(lambda: shows(name0), timeout=10)
+            # node0's board is recreated: the collector writes into the new one
+            boards["0"].close()
+            boards["0"].unlink()
+            boards["0"] = Board.create(name0, n_slots=4)
+            assert wait_until(lambda: shows(name0), timeout=10)
+            assert Board.attach(name0).generation == boards["0"].generation
+            assert Board.attach(name0).collector_stats()["collector_pid"] > 0
+        replaced = [r.getMessage() for r in caplog.records if "was replaced" in r.getMessage()]
+        assert any(name1 in m for m in replaced) and any(name0 in m for m in replaced)
+    finally:
+        for b in boards.values():
+            b.close()
+            b.unlink()
