@@ -27,6 +27,8 @@ import numpy as np
 import zmq
 
 from dpboard.board import Board
+from dpboard.multinode.relay import DEFAULT_TICK_MS
+from dpboard.options import count, milliseconds, positive, seconds
 
 SNAPSHOT_FIELDS = 13
 
@@ -265,21 +267,22 @@ def _table(args: argparse.Namespace, relay: dict[str, Any], naive: dict[str, Any
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpboard bench relay", description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=8, help="relay nodes (default 8)")
-    p.add_argument("--ranks", type=int, default=64, help="ranks per node (default 64)")
-    p.add_argument("--rate", type=float, default=1000.0, help="publishes per rank per second (default 1000)")
-    p.add_argument("--tick-ms", type=float, default=5.0, help="relay tick (default 5)")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds measured (default 5)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (default 1)")
+    p.add_argument("--nodes", type=count(1, 64), default=8, help="relay nodes (default 8)")
+    p.add_argument("--ranks", type=count(1, 4096), default=64, help="ranks per node (default 64)")
+    p.add_argument("--rate", type=positive(1e5), default=1000.0, help="publishes per rank per second (default 1000)")
+    p.add_argument("--tick-ms", type=milliseconds(1e4), default=DEFAULT_TICK_MS,
+                   help=f"relay tick (default {DEFAULT_TICK_MS:g})")
+    p.add_argument("--duration", type=seconds(3600), default=5.0, help="seconds measured (default 5)")
+    p.add_argument("--warmup", type=seconds(3600, zero=True), default=1.0, help="seconds before measuring (default 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unbatched baseline")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the table")
     p.add_argument("--quick", action="store_true", help="2 nodes x 16 ranks, 2 s: a smoke run")
     # The processes of a node (internal).
     p.add_argument("--_writer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_relay", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--node", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--node", type=count(1, 64), help=argparse.SUPPRESS)
     p.add_argument("--local-board", help=argparse.SUPPRESS)
-    p.add_argument("--n-slots", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--n-slots", type=count(1, 1 << 16), help=argparse.SUPPRESS)
     p.add_argument("--naive", help=argparse.SUPPRESS)
     p.add_argument("--to", help=argparse.SUPPRESS)
     p.add_argument("--board0", help=argparse.SUPPRESS)

@@ -300,3 +300,15 @@ def test_collect_refuses_a_lock_file_of_another_user(board_name):
             assert Board.attach(board_name).collector_stats()["collector_pid"] == 0
     finally:
         lock.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(("bind", "words"), [
+    ("tcp://127.0.0.1:99999", "port 99999 is outside 1..65535"),  # ZMQ would have bound another port
+    ("tcp://127.0.0.1:5757\n", "is not a ZMQ endpoint"),
+    ("ipc://", "is not a ZMQ endpoint"),
+])
+def test_collect_refuses_an_endpoint_zmq_would_misread(board_name, bind, words):
+    with Board.create(board_name, n_slots=2):
+        out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", bind, "--duration", "1"],
+                             capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr

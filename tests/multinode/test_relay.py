@@ -318,3 +318,51 @@ def test_relay_and_collector_follow_boards_recreated_under_them(caplog):
         for b in boards.values():
             b.close()
             b.unlink()
+
+
+def test_a_rank_range_beyond_the_board_is_refused_before_it_is_expanded(board_name):
+    """`relay --ranks 0-20000000` took 10 s and 1.7 GB before failing."""
+    with Board.create(board_name, n_slots=4, node_id=1):
+        out = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9", "--node-id", "1",
+                              "--ranks", "0-20000000"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "--ranks '0-20000000' names rank 20000000, but the board has 4 slots (ranks 0..3)" in out.stderr
+    with pytest.raises(ValueError, match="names rank 99999999999"):
+        parse_ranks("1-99999999999")  # the library's own bound (MAX_SLOTS) without a board
+    assert parse_ranks("2-3,0", n_slots=4) == [0, 2, 3]
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+def test_keygen_never_overwrites_keys_without_force(tmp_path):
+    keys = tmp_path / "keys"
+    first = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n1"], capture_output=True,
+                           text=True, timeout=30)
+    assert first.returncode == 0, first.stderr
+    secret = keys / "n1.key_secret"
+    before = secret.read_bytes()
+    again = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n1"], capture_output=True,
+                           text=True, timeout=30)
+    assert again.returncode == 2 and "already exist" in again.stderr and "--force" in again.stderr
+    assert secret.read_bytes() == before
+    forced = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n1", "--force"],
+                            capture_output=True, text=True, timeout=30)
+    assert forced.returncode == 0 and secret.read_bytes() != before
+    assert secret.stat().st_mode & 0o777 == 0o600 and (keys / "n1.key").stat().st_mode & 0o777 == 0o644
+    assert not list(keys.glob(".dpboard-keygen-*"))  # the private folder is gone
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+def test_keygen_never_writes_through_a_planted_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "n2.key_secret").symlink_to(victim)
+    refused = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n2"], capture_output=True,
+                             text=True, timeout=30)
+    assert refused.returncode == 2 and "already exist" in refused.stderr
+    forced = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n2", "--force"],
+                            capture_output=True, text=True, timeout=30)
+    assert forced.returncode == 0, forced.stderr
+    assert victim.read_text() == "precious\n" and not (keys / "n2.key_secret").is_symlink()
+    assert zmq.auth.load_certificate(keys / "n2.key_secret")[1] is not None
