@@ -17,7 +17,7 @@ import zmq
 from dpboard import Board
 from dpboard.controller.codec import encode_request
 from tests.support.names import ROOT
-from tests.support.procutil import kill, wait_for
+from tests.support.procutil import kill, stop, wait_for
 
 
 def _controller_cmd(*args: str) -> list[str]:
@@ -206,6 +206,8 @@ def test_a_second_controller_on_the_same_input_is_refused_and_the_first_keeps_se
         push.send(encode_request("still-mine", num_tokens=3))
         assert worker.poll(20_000), "the first controller no longer receives"
         assert msgpack.unpackb(worker.recv(), raw=False)["rid"] == "still-mine"
+        stop(first)
+        assert first.returncode == 0 and not endpoint_lock_path(in_ep).exists()  # a clean exit frees it
     finally:
         kill(first)
         ctx.destroy(linger=0)
