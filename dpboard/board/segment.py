@@ -116,8 +116,8 @@ def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
 def read_segment_header(seg: str) -> BoardHeader | None:
     """The header of the segment named ``seg`` now, or None (gone, unreadable, no board header)."""
     try:
-        shm = posix_ipc.SharedMemory(seg)
-    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        shm = posix_ipc.SharedMemory(seg, read_only=True)  # another user's readable board too
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, OSError):
         return None
     try:
         with mmap.mmap(shm.fd, min(shm.size, HEADER_SIZE), prot=mmap.PROT_READ) as mm:

@@ -333,3 +333,17 @@ def test_once_on_a_board_of_65536_ranks_prints_what_fits(board_name):
         assert "... 65472 more ranks below" in out.stdout and "--rows" in out.stdout
         out = dpboard("top", board_name, "--once", "--sort", "total", "--rows", "2", "--stale-after", "60")
         assert sorted(rank_lines(out.stdout)) == [5, 65535]  # the busiest, whole rank numbers (no "655…")
+
+
+def test_a_trusted_board_of_another_user_is_watched_read_only(board_name):
+    """`dpboard top --trust-uid 0` by another user on root's 0644 board: attached read-only, and
+    sampled again and again without taking it for a replaced board."""
+    with Board.create(board_name, n_slots=2, mode=0o644) as board:
+        board.writer(1).publish(LoadSnapshot(dp_rank=1, num_total_tokens=42, max_total_num_tokens=100))
+        out = subprocess.run(_as_nobody_cmd("top", board_name, "--once", "--trust-uid", "0", "--stale-after", "60"),
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0, out.stderr
+        assert "42" in rank_lines(out.stdout)[1] and "is gone" not in out.stdout
+        refused = subprocess.run(_as_nobody_cmd("top", board_name, "--once"), capture_output=True, text=True,
+                                 timeout=60, cwd="/")
+        assert refused.returncode == 2 and "--trust-uid 0" in refused.stderr
