@@ -36,14 +36,20 @@ _ENDPOINT = re.compile(r"(?P<transport>tcp|ipc|inproc|ws|wss|tipc|vmci|pgm|epgm)
 _TCP_ADDRESS = re.compile(r"(?:(?P<source>\S+);)?(?P<host>\S+):(?P<port>\*|[0-9]{1,5})")
 
 
-def describe_owner(uid: int) -> str:
-    """``uid 1000 (alice)``, or just the uid when it has no name here."""
+def user_name(uid: int) -> str | None:
+    """The login name of ``uid`` here, or None."""
     try:
         import pwd
 
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+        return pwd.getpwuid(uid).pw_name
     except (KeyError, ImportError):
-        return f"uid {uid}"
+        return None
+
+
+def describe_owner(uid: int) -> str:
+    """``uid 1000 (alice)``, or just the uid when it has no name here."""
+    name = user_name(uid)
+    return f"uid {uid}" if name is None else f"uid {uid} ({name})"
 
 
 def check_owned(st: os.stat_result, path: str | os.PathLike[str], what: str,

@@ -10,9 +10,9 @@ import json
 import time
 from typing import Any
 
-from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path
+from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path, validate_name
 from dpboard.options import count, seconds
-from dpboard.ownership import describe_owner
+from dpboard.ownership import user_name
 from dpboard.views.rows import fmt_age, slot_rows, status_counts, status_of
 
 
@@ -70,16 +70,25 @@ def run_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'NAME':<24} {'SLOTS':>5} {'CREATOR':>10} {'ALIVE':<5} {'PUBLISHED':>9} {'OWNER':<10} {'CREATED (UTC)':<19}")
     for entry in listings:
-        owner = "?" if entry.owner_uid is None else describe_owner(entry.owner_uid).split(" ", 1)[-1].strip("()")
+        owner = "?" if entry.owner_uid is None else (user_name(entry.owner_uid) or str(entry.owner_uid))
+        name = entry.name if _is_valid_name(entry.name) else repr(entry.name)  # never print a raw line break
         if entry.header is None:
-            print(f"{entry.name!r:<24} {'?':>5} {'?':>10} {'?':<5} {'?':>9} {owner:<10} {entry.error}")
+            print(f"{name:<24} {'?':>5} {'?':>10} {'?':<5} {'?':>9} {owner:<10} {entry.error}")
             continue
         h = entry.header
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.creation_time_ns / 1e9))
         alive = "yes" if entry.alive else "no"
         published = "never" if entry.last_publish_age is None else fmt_age(entry.last_publish_age)
-        print(f"{entry.name:<24} {h.n_slots:>5} {h.creator_pid:>10} {alive:<5} {published:>9} {owner:<10} {created:<19}")
+        print(f"{name:<24} {h.n_slots:>5} {h.creator_pid:>10} {alive:<5} {published:>9} {owner:<10} {created:<19}")
     return 0
+
+
+def _is_valid_name(name: str) -> bool:
+    try:
+        validate_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 def run_info(args: argparse.Namespace) -> int:

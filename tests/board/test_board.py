@@ -636,6 +636,18 @@ def test_a_name_with_a_line_break_is_refused_whole(name):
     assert not Path("/dev/shm", f"dpboard.{name}").exists()
 
 
+def test_ls_prints_a_leftover_name_with_a_line_break_on_one_line(board_name):
+    leftover = Path("/dev/shm", f"dpboard.{board_name}\n")  # what such a create used to leave
+    leftover.write_bytes(b"")
+    try:
+        out = _dpboard("ls")
+        assert out.returncode == 0
+        assert f"'{board_name}\\n'" in out.stdout  # shown escaped, on its own line
+        assert not any(line.strip() == "" for line in out.stdout.splitlines())
+    finally:
+        leftover.unlink()
+
+
 # -- attaching while the board is being created --------------------------------------------------
 
 
