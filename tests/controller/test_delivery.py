@@ -93,11 +93,15 @@ def test_a_scheduler_killed_mid_stream_loses_no_request(board_name, tmp_path, me
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(in_ep)
-            sent = [f"q{i}" for i in range(600)]
+            # the controller is up and every scheduler connected before the stream starts
+            for r in range(n):
+                push.send(encode_request(f"warm{r}", num_tokens=1, routed_dp_rank=r))
+            wait_for(lambda: all(f"warm{r}" in _read_rids(logs[r]) for r in range(n)), 30, "the controller to serve")
+            sent = [f"warm{r}" for r in range(n)] + [f"q{i}" for i in range(600)]
             done_sending = threading.Event()
 
             def stream() -> None:
-                for i, rid in enumerate(sent):
+                for i, rid in enumerate(sent[n:]):
                     push.send(encode_request(rid, num_tokens=10 + i % 50))
                     time.sleep(0.002)
                 done_sending.set()
