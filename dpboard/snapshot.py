@@ -376,6 +376,11 @@ class PageState(enum.IntEnum):
     EVICTABLE = 2  # cached prefix nobody references
 
 
+# The longest sequence a request row may hold, in tokens. A row of a request (not FREE) with a seqlen
+# outside [0, MAX_SEQLEN] is a bad table, counted by every backend in the same pass. With the number
+# of rows bounded too (dpboard.loads.tables), no int64 sum of the kernels can overflow.
+MAX_SEQLEN = 2**32
+
 # The raw counters every load backend produces, in this order (the CUDA source indexes them alike).
 RAW_FIELDS: tuple[str, ...] = (
     "running",  # #RUNNING
@@ -386,7 +391,7 @@ RAW_FIELDS: tuple[str, ...] = (
     "evictable_pages",
     "bad_req_states",  # codes outside ReqState
     "bad_page_states",  # codes outside PageState
-    "bad_seqlens",  # negative seqlens in rows that are not FREE
+    "bad_seqlens",  # seqlens outside [0, MAX_SEQLEN] in rows that are not FREE
 )
 NUM_RAW = len(RAW_FIELDS)
 RAW_INDEX: dict[str, int] = {name: i for i, name in enumerate(RAW_FIELDS)}

@@ -59,6 +59,7 @@
 #define DPB_PAGE_USED 1
 #define DPB_PAGE_EVICTABLE 2
 #define DPB_NUM_PAGE_STATES 3
+#define DPB_MAX_SEQLEN 4294967296LL
 
 /* The raw counters every load backend produces */
 #define DPB_RAW_RUNNING 0

@@ -20,33 +20,55 @@ typedef unsigned int u32;
 
 #define DPB_MAX_WARPS 32     // up to 1024 threads per block
 
+// The counting rules for one request row and one KV page. __host__ as well as __device__: the test
+// suite runs them on the host (nvcc, no GPU needed) against the NumPy reference.
+template <typename S, typename L>
+__host__ __device__ __forceinline__ void dpb_count_request(S state, L seqlen, i64 acc[DPB_NUM_RAW]) {
+    const i64 s = (i64)state;
+    const i64 len = (i64)seqlen;
+    // WAITING..RETRACTED are the queued states: one range of codes (snapshot.py asserts it).
+    const bool waiting = s >= DPB_REQ_WAITING && s <= DPB_REQ_RETRACTED;
+    // A seqlen outside [0, DPB_MAX_SEQLEN] marks the table bad (nothing is published). With the number
+    // of rows bounded too (checked on the host before the launch), no sum below can overflow.
+    const bool bad_len = (len < 0 || len > DPB_MAX_SEQLEN) && s != DPB_REQ_FREE;
+    const i64 counted = bad_len ? 0 : len;
+    acc[DPB_RAW_RUNNING] += s == DPB_REQ_RUNNING;
+    acc[DPB_RAW_WAITING] += waiting;
+    acc[DPB_RAW_SEQLEN_WITHOUT_KV] += (waiting && s != DPB_REQ_TRANSFER) ? counted : 0;
+    acc[DPB_RAW_SEQLEN_AWAITING_TRANSFER] += (s == DPB_REQ_PREALLOC || s == DPB_REQ_TRANSFER) ? counted : 0;
+    acc[DPB_RAW_BAD_REQ_STATES] += s < 0 || s >= DPB_NUM_REQ_STATES;
+    acc[DPB_RAW_BAD_SEQLENS] += bad_len;
+}
+
+template <typename P>
+__host__ __device__ __forceinline__ void dpb_count_page(P page, i64 acc[DPB_NUM_RAW]) {
+    const i64 p = (i64)page;
+    acc[DPB_RAW_FREE_PAGES] += p == DPB_PAGE_FREE;
+    acc[DPB_RAW_EVICTABLE_PAGES] += p == DPB_PAGE_EVICTABLE;
+    acc[DPB_RAW_BAD_PAGE_STATES] += p < 0 || p >= DPB_NUM_PAGE_STATES;
+}
+
+// Rows and pages first, first + stride, ... into acc (zeroed here): a thread's grid-stride share on
+// the device, the whole tables with (0, 1) on the host.
+template <typename S, typename L, typename P>
+__host__ __device__ __forceinline__ void dpb_count_range(const S *__restrict__ state, const L *__restrict__ seqlen,
+                                                         i64 num_requests, const P *__restrict__ pages,
+                                                         i64 num_pages, i64 first, i64 stride,
+                                                         i64 acc[DPB_NUM_RAW]) {
+    for (int k = 0; k < DPB_NUM_RAW; k++) acc[k] = 0;
+    const i64 n = num_requests > num_pages ? num_requests : num_pages;
+    for (i64 i = first; i < n; i += stride) {
+        if (i < num_requests) dpb_count_request(state[i], seqlen[i], acc);
+        if (i < num_pages) dpb_count_page(pages[i], acc);
+    }
+}
+
 template <typename S, typename L, typename P>
 __device__ __forceinline__ void dpb_accumulate(const S *__restrict__ state, const L *__restrict__ seqlen,
                                                i64 num_requests, const P *__restrict__ pages, i64 num_pages,
                                                i64 acc[DPB_NUM_RAW]) {
-    for (int k = 0; k < DPB_NUM_RAW; k++) acc[k] = 0;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    const i64 n = num_requests > num_pages ? num_requests : num_pages;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        if (i < num_requests) {
-            const i64 s = (i64)state[i];
-            const i64 len = (i64)seqlen[i];
-            // WAITING..RETRACTED are the queued states: one range of codes (snapshot.py asserts it).
-            const bool waiting = s >= DPB_REQ_WAITING && s <= DPB_REQ_RETRACTED;
-            acc[DPB_RAW_RUNNING] += s == DPB_REQ_RUNNING;
-            acc[DPB_RAW_WAITING] += waiting;
-            acc[DPB_RAW_SEQLEN_WITHOUT_KV] += (waiting && s != DPB_REQ_TRANSFER) ? len : 0;
-            acc[DPB_RAW_SEQLEN_AWAITING_TRANSFER] += (s == DPB_REQ_PREALLOC || s == DPB_REQ_TRANSFER) ? len : 0;
-            acc[DPB_RAW_BAD_REQ_STATES] += s < 0 || s >= DPB_NUM_REQ_STATES;
-            acc[DPB_RAW_BAD_SEQLENS] += len < 0 && s != DPB_REQ_FREE;
-        }
-        if (i < num_pages) {
-            const i64 p = (i64)pages[i];
-            acc[DPB_RAW_FREE_PAGES] += p == DPB_PAGE_FREE;
-            acc[DPB_RAW_EVICTABLE_PAGES] += p == DPB_PAGE_EVICTABLE;
-            acc[DPB_RAW_BAD_PAGE_STATES] += p < 0 || p >= DPB_NUM_PAGE_STATES;
-        }
-    }
+    dpb_count_range(state, seqlen, num_requests, pages, num_pages, (i64)blockIdx.x * blockDim.x + threadIdx.x,
+                    (i64)gridDim.x * blockDim.x, acc);
 }
 
 // Sums acc over the block into the global accumulators; returns true in the one thread (thread 0

@@ -31,7 +31,7 @@ def test_a_dpboard_error_is_one_line_and_status_2(args):
 
 def test_a_bad_argument_is_status_2():
     out = dpboard("info", new_board_name(), "--stale-after", "soon")
-    assert out.returncode == 2 and "invalid float value" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "argument --stale-after: 'soon' is not a number" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
@@ -55,3 +55,75 @@ def test_errors_the_commands_raise_are_dpboard_errors(monkeypatch, capsys):
     assert cli.main(["ls"]) == 2
     assert capsys.readouterr().err == "dpboard ls: --thing must be > 0, got -1\n"
     assert issubclass(InvalidInputError, DpboardError) and issubclass(InvalidInputError, ValueError)
+
+
+# -- every numeric option is range-checked by the parser ------------------------------------------
+
+COMMANDS_CHECKED = [c for c in cli.COMMANDS if c != "sim"]  # sim's options belong to the simulator
+
+
+def _numeric_actions(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _numeric_actions(sub)
+        elif action.option_strings and action.nargs != 0 and action.type is not None:
+            yield parser.prog, action
+
+
+def _parsers():
+    from dpboard.bench import dispatch as bench_dispatch
+    from dpboard.bench import relay as bench_relay
+
+    for command in COMMANDS_CHECKED:
+        yield command, cli.build_parser(command)
+    yield "bench dispatch", bench_dispatch.parser()
+    yield "bench relay", bench_relay._parser()
+
+
+def test_no_numeric_option_takes_an_unchecked_int_or_float():
+    """An option typed plain int or float takes inf, nan, 1e10 or -1 and crashes later."""
+    unchecked = [f"{prog} {action.option_strings[0]}" for _, parser in _parsers()
+                 for prog, action in _numeric_actions(parser) if action.type in (int, float)]
+    assert not unchecked, f"use dpboard.options types for: {unchecked}"
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400", "abc"])
+def test_every_numeric_option_refuses_what_is_not_a_finite_number(value, capsys):
+    checked = 0
+    for command, parser in _parsers():
+        for prog, action in _numeric_actions(parser):
+            option = action.option_strings[0]
+            argv = [*(command.split()[1:] if command.startswith("bench") else [command]), option, value]
+            with pytest.raises(SystemExit) as e:
+                parser.parse_args(argv)
+            assert e.value.code == 2, (prog, option)
+            assert f"argument {option}" in capsys.readouterr().err, (prog, option)
+            checked += 1
+    assert checked >= 30
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["info", "x", "--stale-after", "inf"], "argument --stale-after: 'inf' is not a finite number"),
+    (["dump", "x", "--stale-after", "1e10"], "argument --stale-after: 1e10 is outside (0, 1e+06] seconds"),
+    (["top", "x", "--stale-after", "1e10"], "argument --stale-after: 1e10 is outside"),
+    (["serve", "x", "--stale-after", "inf"], "argument --stale-after: 'inf' is not a finite number"),
+    (["serve", "x", "--port", "70000"], "argument --port: 70000 is outside [0, 65535]"),
+    (["controller", "--input", "ipc:///tmp/x", "--workers", "ipc:///tmp/y", "--stale-after", "inf"],
+     "argument --stale-after"),
+    (["relay", "--board", "x", "--to", "tcp://h:1", "--node-id", "1", "--stale-after", "1e10"],
+     "argument --stale-after: 1e10 is outside"),
+    (["relay", "--board", "x", "--to", "tcp://h:1", "--node-id", "1", "--sndhwm", "-1"],
+     "argument --sndhwm: -1 is outside [1, 1000000]"),
+    (["relay", "--board", "x", "--to", "tcp://h:1", "--node-id", "1", "--tick-ms", "0"], "argument --tick-ms"),
+    (["collect", "--board", "x", "--bind", "tcp://127.0.0.1:*", "--n-slots", "0"], "argument --n-slots"),
+    (["top", "x", "--iterations", "-1"], "argument --iterations/-n: -1 is outside"),
+    (["demo", "--long-share", "2"], "argument --long-share: 2 is outside [0, 1]"),
+    (["bench", "relay", "--tick-ms", "-5"], "argument --tick-ms: -5 is outside"),
+])
+def test_out_of_range_options_are_one_line_errors_not_tracebacks(args, words):
+    out = dpboard(*args)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

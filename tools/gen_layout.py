@@ -78,6 +78,7 @@ def render() -> str:
         f"#define DPB_NUM_REQ_STATES {len(s.ReqState)}",
         *(f"#define DPB_PAGE_{st.name} {st.value}" for st in s.PageState),
         f"#define DPB_NUM_PAGE_STATES {len(s.PageState)}",
+        f"#define DPB_MAX_SEQLEN {s.MAX_SEQLEN}LL",
         "",
         "/* The raw counters every load backend produces */",
         *(f"#define DPB_RAW_{_macro(name)} {i}" for i, name in enumerate(s.RAW_FIELDS)),

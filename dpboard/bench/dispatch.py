@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dpboard.bench.stats import fmt_ns, machine_line, markdown_table, pct
-from dpboard.board import Board
+from dpboard.board import MAX_SLOTS, Board
 from dpboard.controller import Dispatcher, LoadBalanceMethod
+from dpboard.options import count
 
 M = LoadBalanceMethod
 TARGET_SINGLE_NS = 600.0
@@ -123,12 +124,17 @@ def _time_batch(dispatch_batch: Callable, reqs: Sequence, blocks: int, refresh_b
     return samples
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpboard bench dispatch", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a short run (fewer blocks)")
-    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64], help="DP sizes to measure (default 8 64)")
-    p.add_argument("--batch", type=int, default=1024, help="requests per batch (default 1024)")
-    args = p.parse_args(argv)
+    p.add_argument("--ranks", type=count(1, MAX_SLOTS), nargs="+", default=[8, 64],
+                   help="DP sizes to measure (default 8 64)")
+    p.add_argument("--batch", type=count(1, 1_000_000), default=1024, help="requests per batch (default 1024)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     single_blocks, batch_blocks = (200, 40) if args.quick else (2000, 300)
     rng = random.Random(1)
     rows = []

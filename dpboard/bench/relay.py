@@ -5,6 +5,13 @@ a fixed rate (the schedulers), one runs the relay toward node0 over TCP loopback
 runs in this process and takes, for every snapshot it publishes, CLOCK_REALTIME now minus the
 snapshot's ``timestamp_ns`` (the writer's CLOCK_REALTIME at the write; one machine, one clock).
 
+That latency counts only the snapshots that travel (each rank's latest per tick), so it flatters: a
+controller reads node0's board at any moment, when its copy of a rank may be up to a tick older. A
+sampler process therefore reads node0's board at random instants (Poisson) and takes the age of
+every rank's copy there, beside the age of the same rank on its own local board at the same
+instant (what a reader on that node would see: the publish period alone). The first is what the
+controller actually gets; the difference is the relay's share.
+
 The baseline, measured in the same run with the same writers: no relay and no batching, every
 publish also sent at once as its own msgpack message on a PUSH socket (the straightforward design),
 received by a PULL loop here that writes each into node0's board.
@@ -27,6 +34,9 @@ import numpy as np
 import zmq
 
 from dpboard.board import Board
+from dpboard.multinode.relay import DEFAULT_TICK_MS
+from dpboard.options import count, milliseconds, positive, seconds
+from dpboard.snapshot import SlotStatus
 
 SNAPSHOT_FIELDS = 13
 
@@ -88,6 +98,64 @@ def _writer_main(args: argparse.Namespace) -> int:
     board.close()
     board.unlink()
     return 0
+
+
+def _sampler_main(args: argparse.Namespace) -> int:
+    """After ``--warmup`` seconds, for ``--duration`` seconds: at random instants (exponential gaps,
+    mean ``--sample-ms``) the age (CLOCK_REALTIME now minus the snapshot's timestamp_ns) of every
+    rank's snapshot on node0's board and on the rank's own local board. Prints both as JSON."""
+    board0 = Board.attach(args.board0)
+    locals_ = [Board.attach(name) for name in args.local_boards.split(",")]
+    reader0 = board0.reader(stale_after=3600)
+    local_readers = [b.reader(stale_after=3600) for b in locals_]
+    ranks_of = [np.arange((k - 1) * args.ranks, k * args.ranks) for k in range(1, len(locals_) + 1)]
+    with_data = (int(SlotStatus.LIVE), int(SlotStatus.STALE))
+    rng = np.random.default_rng(7)
+    print("ready", flush=True)
+    time.sleep(args.warmup)
+    end = time.monotonic() + args.duration
+    node0_ages: list[np.ndarray] = []
+    local_ages: list[np.ndarray] = []
+    instants = 0
+    while True:
+        gap = rng.exponential(args.sample_ms / 1e3)
+        if time.monotonic() + gap >= end:
+            break
+        time.sleep(gap)
+        arr0 = reader0.read_array()
+        now = time.time_ns()
+        ok = np.isin(arr0["status"], with_data)
+        node0_ages.append(now - arr0["timestamp_ns"][ok])
+        for reader, ranks in zip(local_readers, ranks_of, strict=True):
+            arr = reader.read_array()
+            now = time.time_ns()
+            sel = arr[ranks]
+            local_ages.append(now - sel["timestamp_ns"][np.isin(sel["status"], with_data)])
+        instants += 1
+    out = {"instants": instants,
+           "node0": _percentiles(np.concatenate(node0_ages) if node0_ages else np.zeros(0)),
+           "local": _percentiles(np.concatenate(local_ages) if local_ages else np.zeros(0))}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def _start_sampler(args: argparse.Namespace, board0: str, tag: str) -> subprocess.Popen:
+    local_boards = ",".join(f"{tag}-n{k}" for k in range(1, args.nodes + 1))
+    proc = _spawn(["--_sampler", "--board0", board0, "--local-boards", local_boards, "--ranks", str(args.ranks),
+                   "--warmup", str(args.warmup), "--duration", str(args.duration), "--sample-ms",
+                   str(args.sample_ms)])
+    return proc
+
+
+def _sampler_result(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    try:
+        return json.loads(_line(proc, timeout) or "{}")
+    except (RuntimeError, json.JSONDecodeError):
+        return {}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
 
 
 def _relay_main(args: argparse.Namespace) -> int:
@@ -159,6 +227,9 @@ def _measure_relay(args: argparse.Namespace, tag: str) -> dict[str, Any]:
                                      collector.endpoint, "--board0", name0, "--tick-ms", str(args.tick_ms)]))
             for p in procs[args.nodes :]:
                 _line(p, 30)
+            sampler = _start_sampler(args, name0, tag)
+            procs.append(sampler)
+            _line(sampler, 30)
             collector.serve(duration=args.warmup, poll_ms=10)
             collector.latencies_ns.clear()
             before = collector.stats()
@@ -167,10 +238,13 @@ def _measure_relay(args: argparse.Namespace, tag: str) -> dict[str, Any]:
             elapsed = time.monotonic() - started
             after = collector.stats()
             lat = np.concatenate(collector.latencies_ns) if collector.latencies_ns else np.zeros(0)
+            procs.remove(sampler)
+            sampled = _sampler_result(sampler, 30)
         finally:
             results = _stop_all(procs)
-    writer_stats, relay_stats = results[: args.nodes], results[args.nodes :]
+    writer_stats, relay_stats = results[: args.nodes], results[args.nodes : 2 * args.nodes]
     return {
+        "sampled": sampled,
         **_percentiles(lat),
         "frames_s": (after["frames_ok"] - before["frames_ok"]) / elapsed,
         "snapshots_s": (after["snapshots_ok"] - before["snapshots_ok"]) / elapsed,
@@ -201,6 +275,9 @@ def _measure_naive(args: argparse.Namespace, tag: str) -> dict[str, Any]:
                                      f"tcp://127.0.0.1:{port}"]))
             for p in procs:
                 _line(p, 30)
+            sampler = _start_sampler(args, name0, tag)
+            procs.append(sampler)
+            _line(sampler, 30)
             measure_from = time.monotonic() + args.warmup
             end = measure_from + args.duration
             measuring = False
@@ -224,11 +301,14 @@ def _measure_naive(args: argparse.Namespace, tag: str) -> dict[str, Any]:
                     lat.append(time.time_ns() - snap[8])
                     received += 1
             elapsed = time.monotonic() - started
+            procs.remove(sampler)
+            sampled = _sampler_result(sampler, 30)
         finally:
             results = _stop_all(procs)
             pull.close(0)
     arr = np.asarray(lat, dtype=np.int64)
     return {
+        "sampled": sampled,
         **_percentiles(arr),
         "frames_s": received / elapsed,
         "snapshots_s": received / elapsed,
@@ -259,27 +339,43 @@ def _table(args: argparse.Namespace, relay: dict[str, Any], naive: dict[str, Any
               "timestamp_ns in it (every snapshot that becomes visible; the relay sends each rank's latest "
               "per tick, so overwritten ones never travel)",
               f"target p99 <= 2000 us: {target} ({relay['p99']:.0f} us over {relay['samples']} snapshots; "
-              f"{relay['bad']} bad frames)"]
+              f"{relay['bad']} bad frames)", "",
+              "What a reader sees: the age of each rank's snapshot at random instants (Poisson, mean "
+              f"{args.sample_ms:g} ms), on node0's board and, at the same instants, on the rank's own local board",
+              "",
+              "| path | node0's copy p50 (us) | p99 (us) | p99.9 (us) | local board p50 (us) | p99 (us) | instants |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, r in rows:
+        s = r.get("sampled") or {}
+        n0, lo = s.get("node0", {}), s.get("local", {})
+        lines.append(f"| {label} | {n0.get('p50', float('nan')):.0f} | {n0.get('p99', float('nan')):.0f} | "
+                     f"{n0.get('p99.9', float('nan')):.0f} | {lo.get('p50', float('nan')):.0f} | "
+                     f"{lo.get('p99', float('nan')):.0f} | {s.get('instants', 0)} |")
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpboard bench relay", description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=8, help="relay nodes (default 8)")
-    p.add_argument("--ranks", type=int, default=64, help="ranks per node (default 64)")
-    p.add_argument("--rate", type=float, default=1000.0, help="publishes per rank per second (default 1000)")
-    p.add_argument("--tick-ms", type=float, default=5.0, help="relay tick (default 5)")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds measured (default 5)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (default 1)")
+    p.add_argument("--nodes", type=count(1, 64), default=8, help="relay nodes (default 8)")
+    p.add_argument("--ranks", type=count(1, 4096), default=64, help="ranks per node (default 64)")
+    p.add_argument("--rate", type=positive(1e5), default=1000.0, help="publishes per rank per second (default 1000)")
+    p.add_argument("--tick-ms", type=milliseconds(1e4), default=DEFAULT_TICK_MS,
+                   help=f"relay tick (default {DEFAULT_TICK_MS:g})")
+    p.add_argument("--duration", type=seconds(3600), default=5.0, help="seconds measured (default 5)")
+    p.add_argument("--warmup", type=seconds(3600, zero=True), default=1.0, help="seconds before measuring (default 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unbatched baseline")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the table")
     p.add_argument("--quick", action="store_true", help="2 nodes x 16 ranks, 2 s: a smoke run")
+    p.add_argument("--sample-ms", type=milliseconds(1e4), default=2.0,
+                   help="mean gap between the random instants node0's board is sampled at (default 2)")
     # The processes of a node (internal).
     p.add_argument("--_writer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_relay", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--node", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_sampler", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local-boards", help=argparse.SUPPRESS)
+    p.add_argument("--node", type=count(1, 64), help=argparse.SUPPRESS)
     p.add_argument("--local-board", help=argparse.SUPPRESS)
-    p.add_argument("--n-slots", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--n-slots", type=count(1, 1 << 16), help=argparse.SUPPRESS)
     p.add_argument("--naive", help=argparse.SUPPRESS)
     p.add_argument("--to", help=argparse.SUPPRESS)
     p.add_argument("--board0", help=argparse.SUPPRESS)
@@ -292,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return _writer_main(args)
     if args._relay:
         return _relay_main(args)
+    if args._sampler:
+        return _sampler_main(args)
     if args.quick:
         args.nodes, args.ranks, args.duration, args.warmup = 2, 16, 2.0, 0.5
     if args.nodes < 1 or args.ranks < 1 or args.rate <= 0 or args.duration <= 0:

@@ -163,6 +163,16 @@ static void writer_dealloc(SlotWriter *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A closed writer (BoardWriter.close(), or one replaced by a takeover in its own process) has no
+   slot: every write is refused, so that two writers of one slot never interleave their sequences. */
+static inline int writer_open(SlotWriter *self) {
+    if (self->slot != NULL) return 0;
+    PyErr_Format(PyExc_ValueError,
+                 "the writer of slot %lld is closed: take a new one with board.writer(%lld)",
+                 (long long)self->rank, (long long)self->rank);
+    return -1;
+}
+
 /* SlotWriter(mapping, offset, rank, node_id, pid) */
 static int writer_init(SlotWriter *self, PyObject *args, PyObject *kwds) {
     PyObject *mapping;
@@ -252,7 +262,7 @@ static PyObject *writer_publish(SlotWriter *self, PyObject *const *args, Py_ssiz
     int64_t values[NUM_FIELDS];
     uint64_t detail[DETAIL_WORDS];
     int has_detail;
-    if (publish_args("publish", args, nargs, detail, &has_detail) < 0) return NULL;
+    if (writer_open(self) < 0 || publish_args("publish", args, nargs, detail, &has_detail) < 0) return NULL;
     if (read_load_fields(args[0], values, self->rank) < 0) return NULL;
     stamp(self, values);
     seqlock_write(self, values, has_detail ? detail : NULL);
@@ -263,6 +273,7 @@ static PyObject *writer_publish(SlotWriter *self, PyObject *const *args, Py_ssiz
                   num_active_tokens, max_total_num_tokens, num_received_reqs) */
 static PyObject *writer_publish_values(SlotWriter *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t values[NUM_FIELDS];
+    if (writer_open(self) < 0) return NULL;
     if (nargs != F_NUM_LOAD_LAST) {
         PyErr_Format(PyExc_TypeError,
                      "publish_values() takes the 7 load fields (num_running_reqs .. num_received_reqs), "
@@ -284,7 +295,8 @@ static PyObject *writer_publish_relayed(SlotWriter *self, PyObject *const *args,
     int64_t values[NUM_FIELDS];
     uint64_t detail[DETAIL_WORDS];
     int has_detail;
-    if (publish_args("publish_relayed", args, nargs, detail, &has_detail) < 0) return NULL;
+    if (writer_open(self) < 0 || publish_args("publish_relayed", args, nargs, detail, &has_detail) < 0)
+        return NULL;
     PyObject *snap = args[0];
     if (read_load_fields(snap, values, self->rank) < 0) return NULL;
     for (int k = F_TIMESTAMP_NS; k < NUM_FIELDS; k++) {
@@ -309,7 +321,7 @@ static PyObject *writer_publish_paused(SlotWriter *self, PyObject *args) {
     PyObject *snap;
     double seconds;
     int64_t values[NUM_FIELDS];
-    if (!PyArg_ParseTuple(args, "Od", &snap, &seconds)) return NULL;
+    if (writer_open(self) < 0 || !PyArg_ParseTuple(args, "Od", &snap, &seconds)) return NULL;
     if (read_load_fields(snap, values, self->rank) < 0) return NULL;
     stamp(self, values);
     uint64_t *seq = (uint64_t *)self->slot;
@@ -329,11 +341,25 @@ static PyObject *writer_publish_paused(SlotWriter *self, PyObject *args) {
 }
 
 static PyObject *writer_get_slot_address(SlotWriter *self, void *closure) {
+    if (writer_open(self) < 0) return NULL;
     return PyLong_FromVoidPtr(self->slot);
 }
 
 static PyObject *writer_get_sequence(SlotWriter *self, void *closure) {
+    if (writer_open(self) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(__atomic_load_n((uint64_t *)self->slot, __ATOMIC_ACQUIRE));
+}
+
+static PyObject *writer_get_closed(SlotWriter *self, void *closure) { return PyBool_FromLong(self->slot == NULL); }
+
+/* _release(): no more writes through this writer; drops its hold on the board mapping. */
+static PyObject *writer_release(SlotWriter *self, PyObject *unused) {
+    self->slot = NULL;
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef writer_methods[] = {
@@ -347,6 +373,8 @@ static PyMethodDef writer_methods[] = {
      "publish_relayed(snapshot, detail=None): copy a snapshot from another node, stamping only monotonic_ns."},
     {"_publish_paused", (PyCFunction)writer_publish_paused, METH_VARARGS,
      "Test-only: publish with a pause (seconds) in the middle of the write."},
+    {"_release", (PyCFunction)writer_release, METH_NOARGS,
+     "_release(): refuse every later write and drop this writer's hold on the board mapping."},
     {NULL}};
 
 static PyMemberDef writer_members[] = {
@@ -361,6 +389,7 @@ static PyGetSetDef writer_getset[] = {
     {"slot_address", (getter)writer_get_slot_address, NULL,
      "address of the slot in this process (for GPU-direct publish)", NULL},
     {"sequence", (getter)writer_get_sequence, NULL, "the slot's current sequence word", NULL},
+    {"closed", (getter)writer_get_closed, NULL, "True once the writer was closed (it writes no more)", NULL},
     {NULL}};
 
 static PyTypeObject SlotWriterType = {

@@ -1,17 +1,34 @@
-"""The boards on this machine: ``list_boards`` (``dpboard ls``) and ``clean_boards`` (``dpboard clean``)."""
+"""The boards on this machine: ``list_boards`` (``dpboard ls``) and ``clean_boards`` (``dpboard clean``).
+
+A board is *alive* when its creator runs (pid and start time) **or** any of its slots was published
+within ``stale_after``: a pid alone says nothing about a creator in another PID namespace (a
+container, ``unshare --pid``), where it may be pid 1. ``clean`` without ``--force`` never removes a
+live board. Every segment is read on its own, so one damaged or hostile entry (a corrupt header, a
+symbolic link, another user's board) is listed with what is wrong and never hides the others.
+"""
 
 from __future__ import annotations
 
+import errno
+import mmap
+import os
+import stat
+import struct
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import posix_ipc
 
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
 from dpboard.board.names import SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.segment import unlink_if_generation
+from dpboard.board.segment import DEFAULT_STALE_AFTER, check_stale_after, unlink_if_generation
 from dpboard.errors import AccessDeniedError, NotFoundError
-from dpboard.snapshot import HEADER_SIZE, MAGIC
+from dpboard.snapshot import FIELD_INDEX, FIELDS_OFFSET, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE
+
+_SEQ_WORD = 0
+_MONOTONIC_WORD = FIELDS_OFFSET // 8 + FIELD_INDEX["monotonic_ns"]
 
 
 @dataclass(frozen=True)
@@ -20,38 +37,100 @@ class BoardListing:
     size: int
     header: BoardHeader | None
     error: str | None = None
+    owner_uid: int | None = None
+    mode: int | None = None
+    last_publish_age: float | None = None  # seconds since the latest publish into any slot (None: never)
+    stale_after: float = DEFAULT_STALE_AFTER
 
     @property
     def creator_alive(self) -> bool | None:
         return None if self.header is None else self.header.creator_alive
 
+    @property
+    def recently_published(self) -> bool:
+        return self.last_publish_age is not None and self.last_publish_age <= self.stale_after
 
-def list_boards() -> list[BoardListing]:
-    """Every ``/dev/shm/dpboard.*`` segment with its header (or why it could not be read)."""
-    listings = []
-    for path in sorted(SHM_DIR.glob(SEGMENT_PREFIX + "*")):
-        name = path.name[len(SEGMENT_PREFIX) :]
+    @property
+    def alive(self) -> bool | None:
+        """Its creator runs, or a slot was published within ``stale_after`` (None: not a readable board)."""
+        if self.header is None:
+            return None
+        return self.recently_published or bool(self.creator_alive)
+
+    def why_alive(self) -> str:
+        if self.recently_published:
+            return (f"a slot was published {self.last_publish_age:.3g} s ago (within {self.stale_after:g} s), "
+                    f"whatever its creator pid says")
+        assert self.header is not None
+        return f"its creator (pid {self.header.creator_pid}) is alive"
+
+
+def _last_publish_age(mm: mmap.mmap, header: BoardHeader, size: int) -> float | None:
+    """Seconds since the latest whole publish into any slot, from the slots' monotonic stamps."""
+    if (header.layout_version, header.header_size, header.slot_size) != (LAYOUT_VERSION, HEADER_SIZE, SLOT_SIZE):
+        return None  # not a layout this dpboard reads: no slot to look at
+    n = min(header.n_slots, max(0, (size - HEADER_SIZE) // SLOT_SIZE))
+    if n == 0:
+        return None
+    words = np.frombuffer(mm, dtype=np.int64, count=n * SLOT_SIZE // 8, offset=HEADER_SIZE).reshape(n, SLOT_SIZE // 8)
+    seq = words[:, _SEQ_WORD].copy()
+    stamps = words[:, _MONOTONIC_WORD].copy()
+    del words  # the mapping is closed by the caller: no export may outlive it
+    whole = (seq != 0) & (seq % 2 == 0)
+    if not whole.any():
+        return None
+    latest = int(stamps[whole].max())
+    return max(0.0, (time.monotonic_ns() - latest) / 1e9)
+
+
+def _read_listing(name: str, stale_after: float) -> BoardListing:
+    path = SHM_DIR / (SEGMENT_PREFIX + name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return BoardListing(name, 0, None, "a symbolic link, not a board (dpboard never follows one)")
+        owner = mode = None
         try:
-            with open(path, "rb") as f:
-                raw = f.read(HEADER_SIZE)
-            size = path.stat().st_size
-        except OSError as e:
-            listings.append(BoardListing(name, 0, None, f"cannot read: {e.strerror}"))
-            continue
-        if len(raw) < HEADER_STRUCT.size or raw[:8] != MAGIC:
-            listings.append(BoardListing(name, size, None, "no dpboard header"))
-            continue
-        _, header = unpack_header(raw)
-        listings.append(BoardListing(name, size, header))
-    return listings
+            st = os.lstat(path)
+            owner, mode = st.st_uid, stat.S_IMODE(st.st_mode)
+        except OSError:
+            pass
+        return BoardListing(name, 0, None, f"cannot read: {e.strerror}", owner, mode)
+    try:
+        st = os.fstat(fd)
+        owner, mode, size = st.st_uid, stat.S_IMODE(st.st_mode), st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            return BoardListing(name, 0, None, "not a regular file", owner, mode)
+        if size < HEADER_STRUCT.size:
+            return BoardListing(name, size, None, "no dpboard header", owner, mode)
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            if mm[:8] != MAGIC:
+                return BoardListing(name, size, None, "no dpboard header", owner, mode)
+            _, header = unpack_header(mm)
+            age = _last_publish_age(mm, header, size)
+        return BoardListing(name, size, header, None, owner, mode, age, stale_after)
+    except (OSError, ValueError, struct.error) as e:  # a damaged segment: say so, list the others
+        return BoardListing(name, 0, None, f"cannot read: {e}")
+    finally:
+        os.close(fd)
 
 
-def clean_boards(name: str | None = None, *, force: bool = False) -> list[str]:
-    """Unlink boards whose creator is dead (all of them, or just ``name``); ``force`` also removes a
-    board whose creator is alive. A segment without a board header is removed only when named or
-    with ``force``. Returns the names removed. A live board without ``force``, or a missing ``name``,
-    is an error."""
-    listings = list_boards()
+def list_boards(*, stale_after: float = DEFAULT_STALE_AFTER) -> list[BoardListing]:
+    """Every ``/dev/shm/dpboard.*`` segment with its header, owner, mode and latest publish (or why
+    it could not be read). ``stale_after`` decides which boards count as recently published."""
+    stale_after = check_stale_after(stale_after)
+    return [_read_listing(path.name[len(SEGMENT_PREFIX) :], stale_after)
+            for path in sorted(SHM_DIR.glob(SEGMENT_PREFIX + "*"))]
+
+
+def clean_boards(name: str | None = None, *, force: bool = False,
+                 stale_after: float = DEFAULT_STALE_AFTER) -> list[str]:
+    """Unlink boards that are not alive (all of them, or just ``name``): neither their creator runs
+    nor was any slot published within ``stale_after``. ``force`` also removes live ones. A segment
+    without a board header is removed only when named or with ``force``. Returns the names removed.
+    A live board without ``force``, or a missing ``name``, is an error."""
+    listings = list_boards(stale_after=stale_after)
     if name is not None:
         validate_name(name)
         listings = [entry for entry in listings if entry.name == name]
@@ -60,7 +139,7 @@ def clean_boards(name: str | None = None, *, force: bool = False) -> list[str]:
     removed = []
     for entry in listings:
         if entry.header is None:
-            # Not a readable board (another user's, or no header: being created, or not ours at all).
+            # Not a readable board (another user's, a link, or no header: being created, or not ours at all).
             if force or name is not None:
                 try:
                     posix_ipc.unlink_shared_memory("/" + SEGMENT_PREFIX + entry.name)
@@ -72,12 +151,9 @@ def clean_boards(name: str | None = None, *, force: bool = False) -> list[str]:
                     ) from None
                 removed.append(entry.name)
             continue
-        if entry.creator_alive and not force:
+        if entry.alive and not force:
             if name is not None:
-                raise BoardError(
-                    f"board {name!r} is in use: its creator (pid {entry.header.creator_pid}) is alive; "
-                    f"stop it first, or pass --force"
-                )
+                raise BoardError(f"board {name!r} is in use: {entry.why_alive()}; stop it first, or pass --force")
             continue
         # Only the incarnation that was listed: a board re-created since then under that name stays.
         if unlink_if_generation("/" + SEGMENT_PREFIX + entry.name, entry.header.generation):

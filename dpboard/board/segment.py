@@ -9,11 +9,16 @@ from ``board.writer(rank)`` and ``board.reader()``; each keeps the mapping alive
 from __future__ import annotations
 
 import atexit
+import errno
+import math
 import mmap
 import os
 import secrets
+import stat
 import struct
 import time
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -23,8 +28,17 @@ from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.header import NO_MAGIC, BoardHeader, check_layout, pack_header, unpack_header
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SHM_DIR, segment_name
-from dpboard.board.seqlock import BoardReader, BoardWriter, claim_slot, slot_owner
+from dpboard.board.seqlock import (
+    BoardReader,
+    BoardWriter,
+    claim_slot,
+    forget_writer,
+    live_writers,
+    live_writers_lock,
+    slot_owner,
+)
 from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
+from dpboard.ownership import check_owned, describe_owner
 from dpboard.snapshot import (
     COLLECTOR_STATS_DTYPE,
     COLLECTOR_STATS_FIELDS,
@@ -43,9 +57,53 @@ from dpboard.snapshot import (
 )
 
 DEFAULT_STALE_AFTER = 1.0
+MAX_STALE_AFTER = 1e6  # seconds; a threshold must fit the reader's int64 nanoseconds with room to spare
 DEFAULT_MAX_RETRIES = 256
 CLAIM_ATTEMPTS = 16  # compare-and-swap rounds on a slot's owner word before giving up
 _STATUSES = tuple(SlotStatus)
+
+
+def check_stale_after(stale_after: object) -> float:
+    """``stale_after`` as seconds in (0, MAX_STALE_AFTER], or an InvalidInputError naming it."""
+    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not (
+            math.isfinite(stale_after) and 0 < stale_after <= MAX_STALE_AFTER):
+        raise InvalidInputError(
+            f"stale_after must be a number of seconds in (0, {MAX_STALE_AFTER:g}], got {stale_after!r}"
+        )
+    return float(stale_after)
+
+
+def _unreadable(name: str, path: str) -> str:
+    """Why this process may not open the segment at ``path``, naming its owner and mode."""
+    try:
+        st = os.lstat(path)
+        whose = f"belongs to {describe_owner(st.st_uid)} and is mode {stat.S_IMODE(st.st_mode):#o}"
+    except OSError:
+        whose = "belongs to another user"
+    return (f"board {name!r} ({path}) {whose}: this process ({describe_owner(os.geteuid())}) may not open "
+            f"it; run as that user, or have its creator make it readable (mode 0o640 and a shared group, "
+            f"or 0o644) and trust that user (trust_uids, --trust-uid)")
+
+
+def _open_segment(name: str, seg: str, path: str) -> tuple[Any, bool]:
+    """(the opened segment, read_only): read-write when this process may, else read-only (another
+    user's board with read permission). shm_open adds O_NOFOLLOW: a symbolic link is refused."""
+    for read_only in (False, True):
+        try:
+            return posix_ipc.SharedMemory(seg, read_only=read_only), read_only
+        except posix_ipc.ExistentialError:
+            raise NotFoundError(
+                f"board {name!r} does not exist ({path}): create it with Board.create "
+                f"or check the name with `dpboard ls`"
+            ) from None
+        except posix_ipc.PermissionsError:
+            continue
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise AccessDeniedError(f"board {name!r} ({path}) is a symbolic link, not a board: dpboard "
+                                        f"never follows one; remove it") from None
+            raise BoardError(f"cannot open board {name!r} ({path}): {e.strerror}") from None
+    raise AccessDeniedError(_unreadable(name, path))
 
 
 def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
@@ -58,8 +116,8 @@ def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
 def read_segment_header(seg: str) -> BoardHeader | None:
     """The header of the segment named ``seg`` now, or None (gone, unreadable, no board header)."""
     try:
-        shm = posix_ipc.SharedMemory(seg)
-    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        shm = posix_ipc.SharedMemory(seg, read_only=True)  # another user's readable board too
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, OSError):
         return None
     try:
         with mmap.mmap(shm.fd, min(shm.size, HEADER_SIZE), prot=mmap.PROT_READ) as mm:
@@ -86,12 +144,15 @@ def unlink_if_generation(seg: str, generation: int) -> bool:
 class Board:
     """A dpboard shared-memory board. Use ``Board.create`` or ``Board.attach``."""
 
-    def __init__(self, name: str, shm_size: int, mapping: mmap.mmap, header: BoardHeader, *, owner: bool):
+    def __init__(self, name: str, shm_size: int, mapping: mmap.mmap, header: BoardHeader, *, owner: bool,
+                 identity: tuple[int, int] = (0, 0)):
         self._name = name
         self._size = shm_size
         self._mapping: mmap.mmap | None = mapping
         self._header = header
         self._owner = owner
+        self._identity = identity  # (st_dev, st_ino) of the segment: a recreated board is another file
+        self._read_only = False  # attached read-only: another user's board that this process may read
         self._unlinked = False
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -105,27 +166,38 @@ class Board:
         exist_ok: bool = False,
         mode: int = 0o600,
         node_id: int = 0,
+        trust_uids: Iterable[int] = (),
     ) -> Board:
         """Create the board ``/dpboard.<name>`` with ``n_slots`` slots; this process owns it.
 
-        With ``exist_ok=True`` an existing board of the same shape is attached instead (the caller
-        does not own it then); one of another shape is an error naming both.
+        ``mode`` is the segment's permission bits: 0600 (the default) or, to let other users read
+        it, 0640 / 0644; a board nobody but its owner may write. With ``exist_ok=True`` an existing
+        board of the same shape is attached instead (the caller does not own it then), with every
+        check ``attach`` makes (``trust_uids`` included); one of another shape is an error naming both.
         """
         seg = segment_name(name)
         if not isinstance(n_slots, int) or not 1 <= n_slots <= MAX_SLOTS:
             raise InvalidInputError(f"n_slots must be an integer in [1, {MAX_SLOTS}], got {n_slots!r}")
+        if not isinstance(mode, int) or mode & ~0o777 or mode & 0o022 or (mode & 0o600) != 0o600:
+            raise InvalidInputError(
+                f"mode must give the owner read and write and nobody else write (0o600, 0o640 or 0o644), "
+                f"got {mode!r}: a board that others may write cannot be trusted by its readers"
+            )
         size = segment_size(n_slots)
         try:
             shm = posix_ipc.SharedMemory(seg, posix_ipc.O_CREX, mode=mode, size=size)
         except posix_ipc.ExistentialError:
             if exist_ok:
-                return cls.attach(name, n_slots=n_slots)
+                return cls.attach(name, n_slots=n_slots, trust_uids=trust_uids)
             raise AlreadyExistsError(
                 f"board {name!r} already exists ({SHM_DIR}/{seg[1:]}): attach it with Board.attach({name!r}), "
                 f"or remove it with `dpboard clean {name}` if its creator is gone"
             ) from None
+        except posix_ipc.PermissionsError:
+            raise AccessDeniedError(f"cannot create board {name!r} in {SHM_DIR}: permission denied") from None
         try:
             os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
+            st = os.fstat(shm.fd)
             mapping = mmap.mmap(shm.fd, size)
         except BaseException:
             shm.unlink()  # not a board yet (no magic): leave no segment behind
@@ -149,38 +221,42 @@ class Board:
         pack_header(mapping, header, magic=NO_MAGIC)
         mapping[0:8] = MAGIC
         atexit.register(_unlink_at_exit, seg, header.generation, pid)
-        return cls(name, size, mapping, header, owner=True)
+        return cls(name, size, mapping, header, owner=True, identity=(st.st_dev, st.st_ino))
 
     @classmethod
-    def attach(cls, name: str, *, n_slots: int | None = None, timeout: float = 1.0) -> Board:
+    def attach(cls, name: str, *, n_slots: int | None = None, timeout: float = 1.0,
+               trust_uids: Iterable[int] = ()) -> Board:
         """Open an existing board. ``n_slots``, when given, must match the board's.
 
-        Waits at most ``timeout`` seconds for a board that is being created to get its header.
+        The segment must belong to this process's user (or to a uid in ``trust_uids``, e.g. ``(0,)``
+        to read boards that root created) and be writable by its owner only; anything else is an
+        ``AccessDeniedError`` naming its owner and mode. A board that is being created is waited for,
+        at most ``timeout`` seconds, until its size and header are there.
         """
         seg = segment_name(name)
+        path = f"{SHM_DIR}/{seg[1:]}"
+        trusted = tuple(int(u) for u in trust_uids)
+        shm, read_only = _open_segment(name, seg, path)
+        deadline = time.monotonic() + timeout
         try:
-            shm = posix_ipc.SharedMemory(seg)
-        except posix_ipc.ExistentialError:
-            raise NotFoundError(
-                f"board {name!r} does not exist ({SHM_DIR}/{seg[1:]}): create it with Board.create "
-                f"or check the name with `dpboard ls`"
-            ) from None
-        except posix_ipc.PermissionsError:
-            raise AccessDeniedError(
-                f"board {name!r} ({SHM_DIR}/{seg[1:]}) belongs to another user and is mode 0600: run as "
-                f"that user, or have its creator use Board.create(..., mode=0o660) and a shared group"
-            ) from None
-        try:
-            size = shm.size
-            if size < HEADER_SIZE:
-                raise BoardLayoutError(
-                    f"segment {SHM_DIR}/{seg[1:]} is {size} bytes, smaller than a board header: "
-                    f"it is not a dpboard board; remove it with `dpboard clean {name} --force`"
-                )
-            mapping = mmap.mmap(shm.fd, size)
+            st = os.fstat(shm.fd)
+            check_owned(st, path, f"board {name!r}", trusted,
+                        hint=f"attach only boards your own user created, or pass trust_uids=({st.st_uid},) "
+                             f"(--trust-uid {st.st_uid}) if you trust that user")
+            # A creator makes the segment, then sizes it: wait for the size as for the magic.
+            while st.st_size < HEADER_SIZE:
+                if time.monotonic() >= deadline:
+                    raise BoardLayoutError(
+                        f"segment {path} is {st.st_size} bytes, smaller than a board header, after "
+                        f"{timeout:g} s: it is not a dpboard board, or its creator died while creating it; "
+                        f"remove it with `dpboard clean {name} --force`"
+                    )
+                time.sleep(0.001)
+                st = os.fstat(shm.fd)
+            size = st.st_size
+            mapping = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
-        deadline = time.monotonic() + timeout
         while True:
             magic, header = unpack_header(mapping)
             if magic == MAGIC:
@@ -188,7 +264,7 @@ class Board:
             if magic != NO_MAGIC or time.monotonic() >= deadline:
                 mapping.close()
                 raise BoardLayoutError(
-                    f"segment {SHM_DIR}/{seg[1:]} has no dpboard header (magic {magic!r}): it is not a "
+                    f"segment {path} has no dpboard header (magic {magic!r}): it is not a "
                     f"board, or its creator died while creating it; remove it with `dpboard clean {name} --force`"
                 )
             time.sleep(0.001)
@@ -197,7 +273,9 @@ class Board:
         except BoardError:
             mapping.close()
             raise
-        return cls(name, size, mapping, header, owner=False)
+        board = cls(name, size, mapping, header, owner=False, identity=(st.st_dev, st.st_ino))
+        board._read_only = read_only
+        return board
 
     def close(self) -> None:
         """Drop this object's mapping. Readers and writers made from it keep theirs."""
@@ -216,7 +294,14 @@ class Board:
 
     def is_current(self) -> bool:
         """True while the segment of this name is still this board (not removed, not replaced by a
-        new board of the same name). Long-running readers call it to notice a recreated board."""
+        new board of the same name: another file, or another generation). Long-running readers and
+        writers call it to notice a recreated board."""
+        try:
+            st = os.stat(SHM_DIR / segment_name(self._name)[1:], follow_symlinks=False)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino) != self._identity:
+            return False
         header = read_segment_header(segment_name(self._name))
         return header is not None and header.generation == self._header.generation
 
@@ -256,34 +341,60 @@ class Board:
 
     def writer(self, rank: int, *, node_id: int | None = None, takeover: bool = False) -> BoardWriter:
         """The writer of slot ``rank``. A restarted writer re-attaches to its slot (and repairs it if
-        its predecessor died mid-write). A slot held by another live process is refused unless
-        ``takeover=True``: one writer per slot, claimed with a compare-and-swap on the slot's owner
-        word, so of two processes racing for a slot exactly one wins."""
+        its predecessor died mid-write).
+
+        One writer per slot, between processes and inside one. The slot is claimed with a
+        compare-and-swap on its owner word, so of two processes racing for it exactly one wins, and
+        a slot held by another live process is refused. A second writer of a slot whose writer in
+        this process is still open is refused too: ``close()`` (or drop) the first one before.
+
+        ``takeover=True`` takes the slot anyway. From a writer of this process, which is closed (its
+        later publishes raise). From another process, whose publishes would then interleave with
+        ours: use it only for a holder that is gone or hung, never for one that still publishes.
+        """
         rank = self._check_rank(rank)
         mapping = self._require_mapping()
+        if self._read_only:
+            raise AccessDeniedError(
+                f"board {self._name!r} is open read-only in this process (it belongs to another user): "
+                f"only its owner's processes write it"
+            )
         offset = slot_offset(rank)
         pid = os.getpid()
         mine = pack_owner(pid, process_start_ticks(pid))
-        for _ in range(CLAIM_ATTEMPTS):
-            current = slot_owner(mapping, offset)
-            holder, holder_ticks = unpack_owner(current)
-            if not takeover and current not in (0, mine) and process_alive(holder, holder_ticks):
+        key = (pid, self.generation, rank)
+        with live_writers_lock:
+            ref = live_writers.get(key)
+            previous = ref() if ref is not None else None
+            if previous is not None and not previous.closed and not takeover:
                 raise BoardError(
-                    f"slot {rank} of board {self._name!r} is held by the writer in live process {holder}: "
-                    f"one writer per slot; stop it, or pass takeover=True"
+                    f"slot {rank} of board {self._name!r} already has an open writer in this process: one "
+                    f"writer per slot; close it (writer.close()) or drop it first, or pass takeover=True"
                 )
-            if current == mine or claim_slot(mapping, offset, current, mine):
-                break
-        else:
-            raise BoardError(f"slot {rank} of board {self._name!r}: its owner word keeps changing; retry")
-        w = BoardWriter(mapping, offset, rank, self.node_id if node_id is None else node_id, pid)
-        w.board_name = self._name
+            for _ in range(CLAIM_ATTEMPTS):
+                current = slot_owner(mapping, offset)
+                holder, holder_ticks = unpack_owner(current)
+                if not takeover and current not in (0, mine) and process_alive(holder, holder_ticks):
+                    raise BoardError(
+                        f"slot {rank} of board {self._name!r} is held by the writer in live process {holder}: "
+                        f"one writer per slot; stop it, or pass takeover=True"
+                    )
+                if current == mine or claim_slot(mapping, offset, current, mine):
+                    break
+            else:
+                raise BoardError(f"slot {rank} of board {self._name!r}: its owner word keeps changing; retry")
+            if previous is not None:
+                previous._release()  # taken over inside this process: the old writer writes no more
+            w = BoardWriter(mapping, offset, rank, self.node_id if node_id is None else node_id, pid)
+            w.board_name = self._name
+            w._claim = (mapping, offset, mine, key)
+            live_writers[key] = weakref.ref(w, lambda ref, key=key: forget_writer(key, ref))
         return w
 
     def reader(self, *, stale_after: float = DEFAULT_STALE_AFTER, max_retries: int = DEFAULT_MAX_RETRIES) -> BoardReader:
-        """A reader of every slot. ``stale_after``: seconds without a publish before a slot is STALE."""
-        if not stale_after > 0:
-            raise InvalidInputError(f"stale_after must be > 0 seconds, got {stale_after!r}")
+        """A reader of every slot. ``stale_after``: seconds without a publish before a slot is STALE,
+        in (0, MAX_STALE_AFTER]."""
+        stale_after = check_stale_after(stale_after)
         out = np.zeros(self.n_slots, dtype=SNAPSHOT_DTYPE)
         r = BoardReader(
             self._require_mapping(), HEADER_SIZE, self.n_slots, LoadSnapshot, _STATUSES, out,
@@ -335,6 +446,11 @@ class Board:
     @property
     def is_owner(self) -> bool:
         return self._owner
+
+    @property
+    def read_only(self) -> bool:
+        """True when this process could open the segment for reading only (another user's board)."""
+        return self._read_only
 
     def __repr__(self) -> str:
         return f"Board({self._name!r}, n_slots={self.n_slots}, owner={self._owner})"

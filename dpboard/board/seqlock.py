@@ -8,6 +8,9 @@ built from another layout is an ImportError naming both values, never a silent m
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 
 from dpboard import snapshot
@@ -58,6 +61,27 @@ class BoardWriter(_seqlock.SlotWriter):
 
     board_name: str
     _detail_buffer: np.ndarray | None = None
+    _claim: tuple | None = None  # what close() releases (set by Board.writer)
+
+    def close(self) -> None:
+        """Stop writing into the slot: later publishes raise, and the slot is free at once for a new
+        writer, in this process or another. Dropping the writer frees it for this process too."""
+        with live_writers_lock:
+            if self._claim is not None:
+                mapping, offset, mine, key = self._claim
+                if not self.closed:
+                    claim_slot(mapping, offset, mine, 0)  # only while still ours: a takeover keeps its claim
+                ref = live_writers.get(key)
+                if ref is not None and ref() is self:
+                    del live_writers[key]
+                self._claim = None
+            self._release()
+
+    def __enter__(self) -> BoardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def publish_detailed(self, snapshot: LoadSnapshot, detail: LoadDetail | None) -> None:
         """Publish the fields and the detail as one write (None: no detail, as ``publish``)."""
@@ -91,3 +115,16 @@ class BoardReader(_seqlock.BoardView):
 
 slot_owner = _seqlock.slot_owner
 claim_slot = _seqlock.claim_slot
+
+# The open writers of this process, per (pid, board generation, rank): one writer per slot holds
+# inside a process too (two writers with their own sequence counters would move the slot backwards).
+# Weak references: a writer that is dropped frees its slot; the pid keeps a forked child's inherited
+# entries from counting as its own. Board.writer fills it.
+live_writers: dict[tuple[int, int, int], weakref.ref] = {}
+live_writers_lock = threading.Lock()
+
+
+def forget_writer(key: tuple[int, int, int], ref: weakref.ref) -> None:
+    with live_writers_lock:
+        if live_writers.get(key) is ref:
+            del live_writers[key]

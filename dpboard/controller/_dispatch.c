@@ -25,10 +25,16 @@
  *   - retract(rank, tokens) undoes the latest charge to a rank (its send failed): the budget and the
  *     ledger lose that request again. The ring slot it wrote is left as it is; the next charge
  *     overwrites it (see DPBudget.retract for the one case where that matters).
+ *   - no sum wraps: a request has at most MAX_REQUEST_TOKENS tokens (a larger one is an error), and
+ *     every addition saturates at INT64_MAX, so a rank published at 2**63-1 plus a charge stays the
+ *     most loaded, never negative (and so never the argmin by accident).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+
+/* The largest request, in tokens (dpboard.controller.budget.MAX_REQUEST_TOKENS, compared at import). */
+#define MAX_REQUEST_TOKENS (INT64_C(1) << 32)
 
 static PyObject *s_routed_dp_rank, *s_input_ids, *s_num_tokens;
 /* dpboard.errors.InvalidInputError (a ValueError) and UnavailableError (a RuntimeError): what a bad
@@ -126,6 +132,11 @@ static int64_t request_tokens(PyObject *req) {
             return -1;
         }
         Py_DECREF(ids);
+        if ((int64_t)len > MAX_REQUEST_TOKENS) {
+            PyErr_Format(InvalidInputError, "request of %zd tokens is larger than the %lld tokens a request may have",
+                         len, (long long)MAX_REQUEST_TOKENS);
+            return -1;
+        }
         return (int64_t)len;
     } else {
         Py_DECREF(ids);
@@ -149,8 +160,9 @@ static int64_t request_tokens(PyObject *req) {
     }
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(nt, &overflow);
-    if (overflow || v < 0) {
-        PyErr_Format(InvalidInputError, "request num_tokens must be an int >= 0 that fits 64 bits, got %R", nt);
+    if (overflow || v < 0 || v > MAX_REQUEST_TOKENS) {
+        PyErr_Format(InvalidInputError, "request num_tokens must be an int in [0, %lld], got %R",
+                     (long long)MAX_REQUEST_TOKENS, nt);
         Py_DECREF(nt);
         return -1;
     }
@@ -236,12 +248,18 @@ static Py_ssize_t argmin(Core *self) {
     return best;
 }
 
+/* a + b for a, b >= 0, at most INT64_MAX: a load at the top stays at the top instead of wrapping. */
+static inline int64_t sat_add(int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
 static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
-    self->tokens[r] += t;
-    self->requests[r] += 1;
-    if (self->backlog) self->backlog[r] += t;
-    int64_t k = ++self->sent_reqs[r];
-    int64_t cum = (self->sent_tokens[r] += t);
+    self->tokens[r] = sat_add(self->tokens[r], t);
+    self->requests[r] = sat_add(self->requests[r], 1);
+    if (self->backlog) self->backlog[r] = sat_add(self->backlog[r], t);
+    int64_t k = self->sent_reqs[r] = sat_add(self->sent_reqs[r], 1);
+    int64_t cum = self->sent_tokens[r] = sat_add(self->sent_tokens[r], t);
     if (self->ring) self->ring[r * self->ring_cap + (Py_ssize_t)(k % self->ring_cap)] = cum;
 }
 
@@ -381,8 +399,8 @@ static PyObject *core_pick_saving(Core *self, PyObject *const *args, Py_ssize_t 
 static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
     long long t = PyLong_AsLongLong(arg);
     if (t == -1 && PyErr_Occurred()) return NULL;
-    if (t < 0) {
-        PyErr_Format(InvalidInputError, "estimated tokens must be >= 0, got %lld", t);
+    if (t < 0 || t > MAX_REQUEST_TOKENS) {
+        PyErr_Format(InvalidInputError, "estimated tokens must be in [0, %lld], got %lld", (long long)MAX_REQUEST_TOKENS, t);
         return NULL;
     }
     Py_ssize_t rank = argmin(self);
@@ -402,8 +420,9 @@ static int rank_tokens_args(Core *self, const char *name, PyObject *const *args,
     if (r == -1 && PyErr_Occurred()) return -1;
     long long t = PyLong_AsLongLong(args[1]);
     if (t == -1 && PyErr_Occurred()) return -1;
-    if (r < 0 || r >= self->n || t < 0) {
-        PyErr_Format(PyExc_ValueError, "%s(rank, tokens) needs 0 <= rank < %zd and tokens >= 0", name, self->n);
+    if (r < 0 || r >= self->n || t < 0 || t > MAX_REQUEST_TOKENS) {
+        PyErr_Format(InvalidInputError, "%s(rank, tokens) needs 0 <= rank < %zd and 0 <= tokens <= %lld", name,
+                     self->n, (long long)MAX_REQUEST_TOKENS);
         return -1;
     }
     *rank = r;
@@ -425,7 +444,7 @@ static PyObject *core_retract(Core *self, PyObject *const *args, Py_ssize_t narg
     int64_t t;
     if (rank_tokens_args(self, "retract", args, nargs, &r, &t) < 0) return NULL;
     if (self->sent_reqs[r] < 1 || self->sent_tokens[r] < t) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(InvalidInputError,
                      "retract(%zd, %lld): rank %zd has no such send in its ledger (%lld sends, %lld tokens); "
                      "retract only a pick that was charged",
                      r, (long long)t, r, (long long)self->sent_reqs[r], (long long)self->sent_tokens[r]);
@@ -522,7 +541,8 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     PyObject *m = PyModule_Create(&dispatch_module);
     if (m == NULL) return NULL;
     Py_INCREF(&CoreType);
-    if (PyModule_AddObject(m, "ArgminCore", (PyObject *)&CoreType) < 0) {
+    if (PyModule_AddObject(m, "ArgminCore", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_REQUEST_TOKENS", (long)MAX_REQUEST_TOKENS) < 0) {
         Py_DECREF(&CoreType);
         Py_DECREF(m);
         return NULL;

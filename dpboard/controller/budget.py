@@ -29,12 +29,21 @@ from dpboard.controller.methods import LoadBalanceMethod
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
 
+DEFAULT_LEDGER_CAPACITY = 4096  # in-flight requests per rank tracked exactly (32 KiB per rank)
+# The largest request, in tokens: far beyond any context length, and small enough that no budget sum
+# of real requests comes near int64 (the sums saturate anyway; docs/DISPATCH.md, "Bounds").
+MAX_REQUEST_TOKENS = 2**32
+INT64_MAX = 2**63 - 1
+
 try:
+    from dpboard.controller import _dispatch
     from dpboard.controller._dispatch import ArgminCore
 except ImportError:  # a source tree without the built extension: the Python twin does the same work
     ArgminCore = None
-
-DEFAULT_LEDGER_CAPACITY = 4096  # in-flight requests per rank tracked exactly (32 KiB per rank)
+else:
+    if _dispatch.MAX_REQUEST_TOKENS != MAX_REQUEST_TOKENS:
+        raise ImportError(f"dpboard.controller._dispatch was built with MAX_REQUEST_TOKENS "
+                          f"{_dispatch.MAX_REQUEST_TOKENS}, budget.py says {MAX_REQUEST_TOKENS}: rebuild it")
 
 _LIVE = int(SlotStatus.LIVE)
 _STALE = int(SlotStatus.STALE)
@@ -46,17 +55,33 @@ def request_tokens(req: Any) -> int:
     ids = getattr(req, "input_ids", None)
     if ids is not None:
         try:
-            return len(ids)
+            n = len(ids)
         except TypeError:
             raise InvalidInputError(f"request input_ids must be a sequence of token ids, got {type(ids)!r}") from None
+        if n > MAX_REQUEST_TOKENS:
+            raise InvalidInputError(f"request of {n} tokens is larger than the {MAX_REQUEST_TOKENS} tokens a "
+                                    f"request may have")
+        return n
     nt = getattr(req, "num_tokens", None)
     if nt is None:
         raise InvalidInputError(
             "request has neither input_ids nor num_tokens: give it one of them (the token estimate)"
         )
-    if not isinstance(nt, int) or isinstance(nt, bool) or nt < 0 or nt >= 2**63:
-        raise InvalidInputError(f"request num_tokens must be an int >= 0 that fits 64 bits, got {nt!r}")
+    if not isinstance(nt, int) or isinstance(nt, bool) or not 0 <= nt <= MAX_REQUEST_TOKENS:
+        raise InvalidInputError(f"request num_tokens must be an int in [0, {MAX_REQUEST_TOKENS}], got {nt!r}")
     return nt
+
+
+def _sat(value: int) -> int:
+    """A sum of non-negative loads, at most INT64_MAX (what the C core's saturating adds give)."""
+    return value if value <= INT64_MAX else INT64_MAX
+
+
+def saturating_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b for non-negative int64 arrays, at most INT64_MAX instead of wrapping negative."""
+    total = a + b
+    np.putmask(total, total < 0, INT64_MAX)  # two non-negative int64 can only wrap below zero
+    return total
 
 
 def check_routed_rank(rank: Any, routable: np.ndarray) -> int:
@@ -124,12 +149,21 @@ class PyArgminCore:
         return best
 
     def charge(self, rank: int, tokens: int) -> None:
-        self.tokens[rank] += tokens
-        self.requests[rank] += 1
+        self._check_rank_tokens("charge", rank, tokens)
+        self._charge(rank, tokens)
+
+    def _check_rank_tokens(self, name: str, rank: int, tokens: int) -> None:
+        if not 0 <= rank < self.n or not 0 <= tokens <= MAX_REQUEST_TOKENS:
+            raise InvalidInputError(
+                f"{name}(rank, tokens) needs 0 <= rank < {self.n} and 0 <= tokens <= {MAX_REQUEST_TOKENS}")
+
+    def _charge(self, rank: int, tokens: int) -> None:
+        self.tokens[rank] = _sat(int(self.tokens[rank]) + tokens)
+        self.requests[rank] = _sat(int(self.requests[rank]) + 1)
         if self.backlog is not None:
-            self.backlog[rank] += tokens
-        self.sent_reqs[rank] += 1
-        self.sent_tokens[rank] += tokens
+            self.backlog[rank] = _sat(int(self.backlog[rank]) + tokens)
+        self.sent_reqs[rank] = _sat(int(self.sent_reqs[rank]) + 1)
+        self.sent_tokens[rank] = _sat(int(self.sent_tokens[rank]) + tokens)
         if self.ring is not None:
             self.ring[rank, int(self.sent_reqs[rank]) % self.ring.shape[1]] = self.sent_tokens[rank]
 
@@ -142,8 +176,7 @@ class PyArgminCore:
         self.sent_tokens[rank] -= tokens
 
     def retract(self, rank: int, tokens: int) -> None:
-        if not 0 <= rank < self.n or tokens < 0:
-            raise InvalidInputError(f"retract(rank, tokens) needs 0 <= rank < {self.n} and tokens >= 0")
+        self._check_rank_tokens("retract", rank, tokens)
         if self.sent_reqs[rank] < 1 or self.sent_tokens[rank] < tokens:
             raise InvalidInputError(
                 f"retract({rank}, {tokens}): rank {rank} has no such send in its ledger "
@@ -156,7 +189,7 @@ class PyArgminCore:
         routed = self._routed(req)
         tokens = request_tokens(req)
         rank = self._argmin() if routed is None else routed
-        self.charge(rank, tokens)
+        self._charge(rank, tokens)
         return rank, tokens
 
     def pick(self, req: Any) -> int:
@@ -207,10 +240,10 @@ class PyArgminCore:
         return best, best_uncached
 
     def pick_tokens(self, tokens: int) -> int:
-        if tokens < 0:
-            raise InvalidInputError(f"estimated tokens must be >= 0, got {tokens}")
+        if not 0 <= tokens <= MAX_REQUEST_TOKENS:
+            raise InvalidInputError(f"estimated tokens must be in [0, {MAX_REQUEST_TOKENS}], got {tokens}")
         rank = self._argmin()
-        self.charge(rank, tokens)
+        self._charge(rank, tokens)
         return rank
 
 
@@ -305,7 +338,7 @@ class DPBudget:
             sel = records[idx]
             self.last_seq[idx] = sel["publish_seq"]
             self.last_timestamp_ns[idx] = sel["timestamp_ns"]
-            self.snap_requests[idx] = sel["num_running_reqs"] + sel["num_waiting_reqs"]
+            self.snap_requests[idx] = saturating_add(sel["num_running_reqs"], sel["num_waiting_reqs"])
             self.snap_tokens[idx] = sel["num_total_tokens"]
             # seqlens of requests not yet holding KV: the prefill work still ahead on the rank
             self.snap_backlog[idx] = np.maximum(sel["num_total_tokens"] - sel["num_used_tokens"], 0)
@@ -341,13 +374,18 @@ class DPBudget:
             oldest = self.ring[self._ranks, (self.sent_reqs + 1) % cap]
             mean = (self.sent_tokens - oldest) / (cap - 1)
             in_flight_tokens[overflow] = (in_flight[overflow] * mean[overflow]).astype(np.int64)
-        self.total_requests[:] = self.snap_requests + in_flight
-        self.total_tokens[:] = self.snap_tokens + in_flight_tokens
-        self.backlog[:] = self.snap_backlog + in_flight_tokens
+        self.total_requests[:] = saturating_add(self.snap_requests, in_flight)
+        self.total_tokens[:] = saturating_add(self.snap_tokens, in_flight_tokens)
+        self.backlog[:] = saturating_add(self.snap_backlog, in_flight_tokens)
 
     def in_flight(self) -> np.ndarray:
         """Requests sent to each rank that its last snapshot had not yet counted as received."""
         return self.sent_reqs - self.acked
+
+    def forget_in_flight(self, rank: int) -> None:
+        """Take what ``rank`` last reported as all it will ever get of what was sent to it (its
+        connection broke: the rest was lost, and went elsewhere). Applied at the next refresh."""
+        self.received_base[rank] = self.snap_received[rank] - self.sent_reqs[rank]
 
     # -- picks --------------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 A frame is a map with ``rid`` and ``input_ids`` (a list) or ``num_tokens``, and optionally
 ``routed_dp_rank`` and ``bootstrap_room``; other keys pass through untouched, because the controller
-forwards the frame's original bytes (``Request.raw``).
+forwards the frame's original bytes (``Request.raw``). A request of more than ``MAX_REQUEST_TOKENS``
+tokens is refused (``RequestRefused``, answered with an error): no budget sum may overflow.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from dpboard.controller.budget import MAX_REQUEST_TOKENS
 from dpboard.controller.prefix_index import frame_block_hashes
 from dpboard.errors import InvalidInputError
 
@@ -34,6 +36,14 @@ class Request:
 
 class MalformedFrame(InvalidInputError):
     """A frame that is not a request map; the message says what is wrong with it."""
+
+
+class RequestRefused(InvalidInputError):
+    """A well-formed request that is refused (answered with an error naming ``rid``)."""
+
+    def __init__(self, rid: Any, message: str):
+        super().__init__(message)
+        self.rid = rid
 
 
 def _optional_int(msg: dict, key: str) -> int | None:
@@ -68,6 +78,9 @@ def decode_request(raw: bytes, block_size: int | None = None) -> Request:
             raise MalformedFrame("needs input_ids (a list) or num_tokens (an int >= 0)")
     routed = _optional_int(msg, "routed_dp_rank")
     room = _optional_int(msg, "bootstrap_room")
+    if num_tokens > MAX_REQUEST_TOKENS:
+        raise RequestRefused(rid, f"request of {num_tokens} tokens is larger than the {MAX_REQUEST_TOKENS} "
+                                  f"tokens a request may have")
     hashes = None
     if block_size is not None and ids is not None:
         try:

@@ -298,6 +298,14 @@ class Dispatcher:
             return
         self.budget.retract(rank, request_tokens(req))
 
+    def forget_in_flight(self, rank: int) -> None:
+        """What ``rank`` has reported is all it will get of what was sent to it: its connection broke
+        and the rest went elsewhere (the controller's delivery rule). In-flight accounting stops
+        counting the lost requests as load on it from the next refresh."""
+        rank = self._worker_rank(rank, "rank")
+        if self.budget is not None and self.inflight_accounting:
+            self.budget.forget_in_flight(rank)
+
     def _refresh_if_due(self) -> None:
         """The 20 ms throttle (SPEC 5.3): read the board only when ``refresh_interval`` has passed."""
         now = self._clock()

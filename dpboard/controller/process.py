@@ -30,8 +30,10 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from dpboard.controller.codec import MalformedFrame, Request, decode_request
+from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
+from dpboard.controller.delivery import DeliveryLedger
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, Dispatcher
 from dpboard.controller.methods import (
     DISAGGREGATION_MODES,
@@ -41,22 +43,44 @@ from dpboard.controller.methods import (
     zmq_reader_owner,
 )
 from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
+from dpboard.options import count, seconds
+from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, take_endpoint
+from dpboard.snapshot import SlotStatus
 from dpboard.stopping import StopFlag
 
 log = logging.getLogger("dpboard.controller")
 
 RESERVED = "-"  # a worker endpoint placeholder for a reserved (elastic EP) slot with no scheduler yet
 DEFAULT_SEND_HWM = 100_000
+MAX_SEND_HWM = 100_000_000
 DEFAULT_MAX_BATCH = 1024
+CONNECT_WAIT = 2.0  # seconds the controller gives its schedulers to connect before it serves
+# ZMQ reconnects a broken pipe after this long, more than the loop's longest poll: the controller
+# always sees a disconnect before the same rank can take requests again (docs/DISPATCH.md, Delivery).
+RECONNECT_IVL_MS = 250
+MAX_POLL_INTERVAL = 0.1
+ACK_INTERVAL = 0.01  # seconds between two reads of the board's received counts
+_LIVE, _STALE, _TORN = int(SlotStatus.LIVE), int(SlotStatus.STALE), int(SlotStatus.TORN)
+
+
+class ControllerBusyError(OwnerBusyError):
+    """Another process already binds the controller's input endpoint."""
 
 
 class DataParallelController:
     """Receives tokenized requests, picks a rank with the Dispatcher, forwards each frame.
 
     ``worker_endpoints[k]`` is where scheduler rank k's PULL socket is bound (``None`` for a reserved
-    slot); the controller connects a PUSH to each. ``input_endpoint`` is bound (PULL);
-    ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the controller
-    connects a PUSH there for ``{rid, error}`` answers.
+    slot); the controller connects a PUSH to each. ``input_endpoint`` is bound (PULL), and only one
+    process may bind it (a lock under /dev/shm; a second controller fails at start naming the
+    first). ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the
+    controller connects a PUSH there for ``{rid, error}`` answers.
+
+    ``acks``, when given, reads the schedulers' board (``read_array()``: SNAPSHOT_DTYPE records, one
+    per worker slot, e.g. a ``dpboard.board.FollowingReader``): its ``num_received_reqs`` acknowledge
+    deliveries and its staleness marks ranks that stopped taking requests (docs/DISPATCH.md,
+    "Delivery"). ``redeliver_after`` is how long a rank whose connection broke has to count what it
+    received before the rest is sent elsewhere (default: the reader's ``stale_after``, else 1 s).
 
     ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
@@ -75,61 +99,222 @@ class DataParallelController:
         poll_interval: float = 0.05,
         log_every: float = 10.0,
         collector: Any = None,
+        acks: Any = None,
+        redeliver_after: float | None = None,
     ):
-        if len(worker_endpoints) != dispatcher.num_workers:
+        n = dispatcher.num_workers
+        if len(worker_endpoints) != n:
             raise InvalidInputError(
-                f"{len(worker_endpoints)} worker endpoints for a dispatcher of {dispatcher.num_workers} "
+                f"{len(worker_endpoints)} worker endpoints for a dispatcher of {n} "
                 f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
             )
         absent = [r for r in dispatcher.active if worker_endpoints[r] is None]
         if absent:
             raise InvalidInputError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
-                             "out of the active set")
-        if max_batch < 1:
-            raise InvalidInputError(f"max_batch must be >= 1, got {max_batch}")
+                                    "out of the active set")
+        check_endpoint(input_endpoint, "the input endpoint", bind=True)
+        for rank, endpoint in enumerate(worker_endpoints):
+            if endpoint is not None:
+                check_endpoint(endpoint, f"the endpoint of worker {rank}", bind=False)
+        if error_endpoint is not None:
+            check_endpoint(error_endpoint, "the error endpoint", bind=False)
+        if isinstance(send_hwm, bool) or not isinstance(send_hwm, int) or not 1 <= send_hwm <= MAX_SEND_HWM:
+            raise InvalidInputError(f"send_hwm must be an int in 1..{MAX_SEND_HWM} (requests queued per "
+                                    f"scheduler), got {send_hwm!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidInputError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not 0 < poll_interval <= MAX_POLL_INTERVAL:
+            raise InvalidInputError(f"poll_interval must be in (0, {MAX_POLL_INTERVAL}] seconds, got {poll_interval!r}")
+        if acks is not None and redeliver_after is None:
+            redeliver_after = getattr(acks, "stale_after", 1.0)
         self.dispatcher = dispatcher
         self.worker_endpoints = list(worker_endpoints)
         self.input_endpoint = input_endpoint
         self.error_endpoint = error_endpoint
         self.collector = collector
+        self.acks = acks
+        self.redeliver_after = float(redeliver_after or 1.0)
+        self.ledger = DeliveryLedger(n) if acks is not None else None
         self.max_batch = max_batch
         self.poll_ms = max(1, int(poll_interval * 1000))
         self.log_every = log_every
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._stop = threading.Event()
+        self._ranks = [r for r, e in enumerate(self.worker_endpoints) if e is not None]
+        self._connected = [False] * n
+        self._stale = [False] * n
+        self._full: set[int] = set()  # ranks whose queue refused a send during this batch
+        self._draining: dict[int, float] = {}  # rank -> when its unacknowledged requests go elsewhere
+        self._status: list[bool | None] = [None] * n  # what the dispatcher was last told
+        self._next_ack = 0.0
         self.stats: dict[str, Any] = {
             "received": 0,
-            "dispatched": 0,
+            "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
+            "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
+            "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
             "malformed": 0,
-            "rejected": 0,  # answered with an error (invalid routed rank, no available rank, ...)
-            "send_dropped": 0,  # a scheduler's pipe was full: answered with an error
+            "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
+            "send_dropped": 0,  # a send refused (no connection, or a full queue): tried elsewhere or answered
             "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
             "retracted": 0,  # picks taken back out of a rank's load because their send failed
-            "per_rank": [0] * dispatcher.num_workers,
+            "disconnects": 0,
+            "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
+            "per_rank": [0] * n,
         }
-        self.input = self.context.socket(zmq.PULL)
-        self.input.setsockopt(zmq.LINGER, 0)
-        self.workers: list[zmq.Socket | None] = []
+        self._sockets: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket | None] = [None] * n
+        self.workers: list[zmq.Socket | None] = [None] * n
         self.errors: zmq.Socket | None = None
+        self._lock: OwnerLock | None = None
         try:
-            self.input.bind(input_endpoint)
-            for endpoint in self.worker_endpoints:
-                if endpoint is None:
-                    self.workers.append(None)
-                    continue
-                sock = self.context.socket(zmq.PUSH)
+            self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
+            self.input = self._socket(zmq.PULL)
+            self._bind_or_connect(self.input, input_endpoint, "bind", "the input")
+            for rank in self._ranks:
+                sock = self._socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, send_hwm)
-                sock.setsockopt(zmq.LINGER, 1000)  # give queued requests a second to leave on close
-                sock.connect(endpoint)
-                self.workers.append(sock)
+                # Queue only for a connected scheduler: a send with no connection fails at once and the
+                # request goes elsewhere, instead of waiting (and being lost) in a pipe nobody reads.
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+                sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+                self._monitors[rank] = sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+                self._bind_or_connect(sock, self.worker_endpoints[rank], "connect", f"worker {rank}")
+                self.workers[rank] = sock
             if error_endpoint is not None:
-                self.errors = self.context.socket(zmq.PUSH)
-                self.errors.setsockopt(zmq.LINGER, 1000)
-                self.errors.connect(error_endpoint)
+                self.errors = self._socket(zmq.PUSH)
+                self._bind_or_connect(self.errors, error_endpoint, "connect", "the error channel")
+        except BaseException:
+            self._abort()
+            raise
+        # A clean close gives queued requests and answers a second to leave (bounded).
+        for sock in [*self.workers, self.errors]:
+            if sock is not None:
+                sock.setsockopt(zmq.LINGER, 1000)
+        for rank in self._ranks:
+            self._update_status(rank)
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)  # until set up: an error path never waits for anything
+        self._sockets.append(sock)
+        return sock
+
+    @staticmethod
+    def _bind_or_connect(sock: zmq.Socket, endpoint: str, how: str, what: str) -> None:
+        try:
+            sock.bind(endpoint) if how == "bind" else sock.connect(endpoint)
         except zmq.ZMQError as e:
-            self.close()
-            raise UnavailableError(f"controller sockets: {e} (input {input_endpoint}, errors {error_endpoint})") from e
+            raise UnavailableError(f"cannot {how} {what} on {endpoint}: {e.strerror}") from None
+
+    def _abort(self) -> None:
+        """Close everything opened so far, at once (linger 0): an error path is bounded."""
+        for rank, mon in enumerate(self._monitors):
+            if mon is not None:
+                mon.close(linger=0)
+                self._monitors[rank] = None
+        for sock in self._sockets:
+            if not sock.closed:
+                sock.close(linger=0)
+        if self._own_context:
+            self.context.term()
+        if self._lock is not None:
+            self._lock.release()
+
+    # -- availability: connections, staleness, full queues ------------------------------------------
+
+    def _update_status(self, rank: int) -> None:
+        ok = (self._connected[rank] and not self._stale[rank] and rank not in self._draining
+              and rank not in self._full)
+        if ok != self._status[rank]:
+            self._status[rank] = ok
+            self.dispatcher.set_status(rank, ok)
+
+    def _on_monitor(self, rank: int, now: float) -> None:
+        mon = self._monitors[rank]
+        while mon is not None:
+            try:
+                event = recv_monitor_message(mon, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self._connected[rank]:
+                    log.info("worker %d (%s) connected", rank, self.worker_endpoints[rank])
+                self._connected[rank] = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected[rank]:
+                self._connected[rank] = False
+                self.stats["disconnects"] += 1
+                if self.ledger is not None:
+                    self._draining[rank] = now + self.redeliver_after
+                    log.warning("worker %d (%s) disconnected: no more requests go there; the %d it has not "
+                                "acknowledged go elsewhere in %.2g s unless it counts them first", rank,
+                                self.worker_endpoints[rank], self.ledger.unacknowledged(rank), self.redeliver_after)
+                else:
+                    log.warning("worker %d (%s) disconnected: no more requests go there (without a board the "
+                                "controller cannot tell which requests it had received: give --board to have "
+                                "deliveries acknowledged)", rank, self.worker_endpoints[rank])
+        self._update_status(rank)
+
+    def _wait_connected(self, stop: StopFlag) -> None:
+        """Give the schedulers up to CONNECT_WAIT seconds to connect before serving (bounded)."""
+        deadline = time.monotonic() + CONNECT_WAIT
+        poller = zmq.Poller()
+        for rank in self._ranks:
+            poller.register(self._monitors[rank], zmq.POLLIN)
+        while not all(self._connected[r] for r in self._ranks) and not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in self._ranks if not self._connected[r]]
+                log.warning("workers %s are not connected after %.0f s: requests go to the others until they "
+                            "are", missing, CONNECT_WAIT)
+                return
+            for sock, _ in poller.poll(int(1000 * min(left, 0.05))):
+                self._on_monitor(self._monitors.index(sock), time.monotonic())
+
+    # -- acknowledgements (with a board) ---------------------------------------------------------------
+
+    def _start_epochs(self) -> None:
+        records = self.acks.read_array()
+        for rank in self._ranks:
+            st = int(records["status"][rank])
+            self.ledger.start(rank, int(records["num_received_reqs"][rank]) if st in (_LIVE, _STALE) else 0)
+
+    def _read_acks(self, now: float) -> None:
+        records = self.acks.read_array()
+        status, received = records["status"], records["num_received_reqs"]
+        ledger = self.ledger
+        for rank in self._ranks:
+            st = int(status[rank])
+            if st == _LIVE or st == _STALE:
+                if ledger.pending[rank]:
+                    ledger.observe(rank, int(received[rank]))
+            stale = st == _STALE or st == _TORN
+            if stale != self._stale[rank]:
+                self._stale[rank] = stale
+                if stale:
+                    log.warning("worker %d's board slot is %s: no more requests go there until it publishes",
+                                rank, SlotStatus(st).label)
+                else:
+                    log.info("worker %d publishes again", rank)
+                self._update_status(rank)
+        for rank, when in list(self._draining.items()):
+            if now >= when:
+                st = int(status[rank])
+                self._close_epoch(rank, int(received[rank]) if st in (_LIVE, _STALE) else 0)
+        self.stats["delivered"] = ledger.delivered
+
+    def _close_epoch(self, rank: int, received_now: int) -> None:
+        del self._draining[rank]
+        lost = self.ledger.close_epoch(rank, received_now)
+        self.dispatcher.forget_in_flight(rank)  # nothing more of what was sent there will be counted
+        self._update_status(rank)
+        if lost:
+            log.warning("worker %d never acknowledged %d requests before its connection broke: sending them "
+                        "to other ranks", rank, len(lost))
+        for req in lost:
+            self.stats["redelivered"] += 1
+            self._redeliver(req, tried={rank})
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -147,11 +332,15 @@ class DataParallelController:
     def run(self, duration: float | None = None) -> dict[str, Any]:
         """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds."""
         stop = StopFlag(duration, event=self._stop)
-        log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s",
+        log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s, acknowledgements %s",
                  self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
-                 self.input_endpoint, self.error_endpoint)
+                 self.input_endpoint, self.error_endpoint, "from the board" if self.acks is not None else "none")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        monitor_rank = {}
+        for rank in self._ranks:
+            poller.register(self._monitors[rank], zmq.POLLIN)
+            monitor_rank[self._monitors[rank]] = rank
         loads = None
         if self.collector is not None:
             loads = self.collector.socket
@@ -160,17 +349,31 @@ class DataParallelController:
         next_log = time.monotonic() + self.log_every
         try:
             with stop:
+                self._wait_connected(stop)
+                if self.ledger is not None:
+                    self._start_epochs()
                 while not stop.is_set():
                     ready = dict(poller.poll(self.poll_ms))
+                    now = time.monotonic()
+                    for sock in ready:
+                        rank = monitor_rank.get(sock)
+                        if rank is not None:
+                            self._on_monitor(rank, now)
                     # loads first: a request batch then sees the freshest relayed snapshots
                     if loads is not None and loads in ready:
                         self.collector.drain()
+                    if self.ledger is not None and now >= self._next_ack:
+                        self._next_ack = now + ACK_INTERVAL
+                        self._read_acks(now)
                     if self.input in ready:
                         self._serve_ready()
-                    if time.monotonic() >= next_log:
-                        next_log = time.monotonic() + self.log_every
+                    if now >= next_log:
+                        next_log = now + self.log_every
                         self._log_counts()
         finally:
+            if self.ledger is not None:
+                self._read_acks(time.monotonic())
+                self.stats["unacknowledged"] = self.ledger.unacknowledged()
             self._log_counts()
             if self.collector is not None and hasattr(self.collector, "stats"):
                 self.stats["collector"] = self.collector.stats()
@@ -188,6 +391,8 @@ class DataParallelController:
                 if len(frames) != 1:
                     raise MalformedFrame(f"{len(frames)} frames in one message, expected 1")
                 reqs.append(decode_request(frames[0], self._block_size))
+            except RequestRefused as e:
+                self._reject(e.rid, str(e))
             except MalformedFrame as e:
                 self.stats["malformed"] += 1
                 log.warning("dropped a malformed request frame: %s", e)
@@ -198,58 +403,90 @@ class DataParallelController:
         except DpboardError:
             # the batch is all or nothing: take it one by one to answer only the requests that fail
             for req in reqs:
-                try:
-                    rank = self.dispatcher.dispatch(req)
-                except DpboardError as e:
-                    self._reject(req.rid, str(e))
-                    continue
-                if not self._send(rank, req):
-                    self.dispatcher.retract(rank, req)  # the latest pick of that rank: exact
-                    self.stats["retracted"] += 1
-            return
-        self._send_batch(ranks, reqs)
+                self._redeliver(req, tried=set())
+        else:
+            self._send_batch(ranks, reqs)
+        full, self._full = self._full, set()
+        for rank in full:  # a full queue refuses for this batch only: the next one tries it again
+            self._update_status(rank)
 
     def _send_batch(self, ranks: list[int], reqs: list[Request]) -> None:
-        """Send each request to its rank; take the ones that could not leave back out of the load.
+        """Send each request to its rank; a request whose send fails goes to another rank, or is
+        answered with an error.
 
-        Once a rank refuses a send (full queue, or no worker) the rest of the batch is not offered
-        to it either: it would refuse them too, and this way the refused picks are always that
-        rank's latest ones, which ``Dispatcher.retract`` undoes exactly (latest first)."""
+        Once a rank refuses a send (no connection, full queue) the rest of the batch is not offered
+        to it either: the refused picks are then always that rank's latest ones, which
+        ``Dispatcher.retract`` undoes exactly (latest first), before they are dispatched again."""
         refused: dict[int, list[Request]] = {}
         for rank, req in zip(ranks, reqs, strict=True):
             later = refused.get(rank)
             if later is not None:
                 later.append(req)
-                self._reject_unsent(rank, req)
-            elif not self._send(rank, req):
+            elif not self._try_send(rank, req):
                 refused[rank] = [req]
         for rank, failed in refused.items():
             for req in reversed(failed):
                 self.dispatcher.retract(rank, req)
             self.stats["retracted"] += len(failed)
+            self.stats["send_dropped"] += len(failed)
+            self._refusing(rank)
+        for rank, failed in refused.items():
+            for req in failed:
+                self._redeliver(req, tried={rank})
 
-    def _send(self, rank: int, req: Request) -> bool:
-        """True when the frame is on its way to ``rank``; False when it was answered with an error."""
-        sock = self.workers[rank]
-        if sock is not None:
+    def _redeliver(self, req: Request, tried: set[int]) -> None:
+        """Dispatch ``req`` again and send it; a rank that refuses is left out (and retracted) and the
+        next one is tried; a request pinned to a refusing rank (routed, or its room) is answered."""
+        for _ in range(len(self._ranks) + 1):
             try:
-                sock.send(req.raw, zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            else:
-                self.stats["dispatched"] += 1
-                self.stats["per_rank"][rank] += 1
-                return True
-        self._reject_unsent(rank, req)
-        return False
+                rank = self.dispatcher.dispatch(req)
+            except DpboardError as e:
+                self._reject(req.rid, str(e))
+                return
+            if rank in tried:  # pinned to a rank that does not take it now
+                self.dispatcher.retract(rank, req)
+                self._reject(req.rid, f"DP rank {rank} is not taking requests ({self._why_not(rank)})")
+                return
+            if self._try_send(rank, req):
+                return
+            self.dispatcher.retract(rank, req)
+            self.stats["retracted"] += 1
+            self.stats["send_dropped"] += 1
+            self._refusing(rank)
+            tried.add(rank)
+        self._reject(req.rid, "no DP rank took the request: every rank refused it")
 
-    def _reject_unsent(self, rank: int, req: Request) -> None:
-        """Answer a request that ``rank`` cannot take: it has no worker, or its queue is full."""
-        if self.workers[rank] is None:  # follow_bootstrap_room can map a room onto a reserved slot
-            self._reject(req.rid, f"DP rank {rank} has no worker (a reserved slot)")
-            return
-        self.stats["send_dropped"] += 1
-        self._reject(req.rid, f"DP rank {rank} is not taking requests (its queue is full)")
+    def _try_send(self, rank: int, req: Request) -> bool:
+        """True when ZMQ took the frame for ``rank``'s connected scheduler."""
+        sock = self.workers[rank]
+        if sock is None or not self._connected[rank] or rank in self._draining:
+            return False
+        try:
+            sock.send(req.raw, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self.stats["dispatched"] += 1
+        self.stats["per_rank"][rank] += 1
+        if self.ledger is not None:
+            self.ledger.sent(rank, req)
+        return True
+
+    def _refusing(self, rank: int) -> None:
+        """``rank`` refused a send: keep requests away from it (for this batch, when its queue is full)."""
+        if self.workers[rank] is not None and self._connected[rank] and rank not in self._draining:
+            self._full.add(rank)
+        self._update_status(rank)
+
+    def _why_not(self, rank: int) -> str:
+        if self.workers[rank] is None:
+            return "a reserved slot with no worker"
+        if not self._connected[rank]:
+            return "not connected"
+        if rank in self._draining:
+            return "its connection broke; waiting for its last count"
+        if self._stale[rank]:
+            return "its board slot is stale"
+        return "its queue is full"
 
     def _reject(self, rid: Any, error: str) -> None:
         self.stats["rejected"] += 1
@@ -264,19 +501,35 @@ class DataParallelController:
 
     def _log_counts(self) -> None:
         s = self.stats
-        log.info("controller: received %d, dispatched %d, malformed %d, rejected %d, retracted %d, per rank %s",
-                 s["received"], s["dispatched"], s["malformed"], s["rejected"], s["retracted"], s["per_rank"])
+        log.info("controller: received %d, dispatched %d, delivered %d, redelivered %d, malformed %d, rejected %d, "
+                 "retracted %d, per rank %s", s["received"], s["dispatched"], s["delivered"], s["redelivered"],
+                 s["malformed"], s["rejected"], s["retracted"], s["per_rank"])
         if self.collector is not None and hasattr(self.collector, "stats"):
             c = self.collector.stats()
             log.info("controller: load fan-in frames %d ok, %d bad; snapshots %d",
                      c["frames_ok"], c["frames_bad"], c["snapshots_ok"])
 
     def close(self) -> None:
-        for sock in [self.input, self.errors, *self.workers]:
-            if sock is not None and not sock.closed:
+        """Close every socket (queued requests get at most a second to leave) and release the input."""
+        for rank, mon in enumerate(self._monitors):
+            if mon is not None:
+                sock = self.workers[rank]
+                if sock is not None and not sock.closed:
+                    try:
+                        sock.disable_monitor()
+                    except zmq.ZMQError:
+                        pass
+                mon.close(linger=0)
+                self._monitors[rank] = None
+        for sock in self._sockets:
+            if not sock.closed:
                 sock.close()
-        if self._own_context:
+        self._sockets = []
+        if self._own_context and not self.context.closed:
             self.context.term()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> DataParallelController:
         return self
@@ -300,18 +553,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dispatch method (default auto); see docs/DISPATCH.md")
     p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
                    help="PD role of this server (null: no PD)")
-    p.add_argument("--board", help="board to read loads from (load-aware methods)")
-    p.add_argument("--stale-after", type=float, default=1.0, help="seconds before a slot is stale (default 1)")
-    p.add_argument("--refresh-interval", type=float, default=DEFAULT_REFRESH_INTERVAL,
-                   help="seconds between budget refreshes from the board (default 0.02)")
+    p.add_argument("--board", help="the schedulers' board: loads for load-aware methods, and with any method "
+                                   "the received counts that acknowledge deliveries (docs/DISPATCH.md, Delivery)")
+    p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
+                   help="also attach a --board that this user created (e.g. 0 for root); repeatable")
+    p.add_argument("--stale-after", type=seconds(), default=1.0,
+                   help="seconds before a slot is stale (default 1)")
+    p.add_argument("--refresh-interval", type=seconds(zero=True), default=DEFAULT_REFRESH_INTERVAL,
+                   help="seconds between budget refreshes from the board (default 0.02; 0: every dispatch)")
     p.add_argument("--inflight-accounting", action=argparse.BooleanOptionalAction, default=None,
                    help="add requests sent but not yet received to each rank's load (default: on for inflight_*)")
     p.add_argument("--health-aware", action=argparse.BooleanOptionalAction, default=None,
                    help="never pick a stale or torn slot (default: on for inflight_*)")
     p.add_argument("--rotate-ties", action=argparse.BooleanOptionalAction, default=None,
                    help="equal loads rotate instead of favouring rank 0 (default: on for inflight_*)")
-    p.add_argument("--send-hwm", type=int, default=DEFAULT_SEND_HWM,
-                   help=f"requests queued per scheduler before a send fails and is answered with an error "
+    p.add_argument("--send-hwm", type=count(1, MAX_SEND_HWM), default=DEFAULT_SEND_HWM,
+                   help=f"requests queued per scheduler before a send fails and the request goes elsewhere "
                         f"(default {DEFAULT_SEND_HWM})")
     p.add_argument("--collect-bind", metavar="ENDPOINT",
                    help="own node0's load fan-in PULL here (load-aware methods): relays' snapshots go into "
@@ -321,8 +578,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--curve-secret-key`")
     p.add_argument("--collect-curve-authorized-keys", metavar="DIR",
                    help="with --collect-bind: directory of the relays' public certificates allowed in")
-    p.add_argument("--duration", type=float, help="exit after this many seconds (default: until SIGTERM)")
-    p.add_argument("--log-every", type=float, default=10.0, help="seconds between count logs (default 10)")
+    p.add_argument("--duration", type=seconds(), help="exit after this many seconds (default: until SIGTERM)")
+    p.add_argument("--log-every", type=seconds(), default=10.0, help="seconds between count logs (default 10)")
     p.add_argument("--stats-json", action="store_true", help="print the final counts as one JSON line on stdout")
 
 
@@ -342,25 +599,38 @@ def run(args: argparse.Namespace) -> int:
             f"`dpboard collect --board NAME --bind {args.collect_bind}` instead (or let the tokenizer-side "
             f"process own it)"
         )
+    if method.is_load_aware and not args.board:
+        raise InvalidInputError(f"--method {method.value} reads loads: give --board NAME (the board the "
+                                "schedulers publish to)")
+    # Every check that needs no socket, before any is opened.
+    check_endpoint(args.input, "--input", bind=True)
+    for rank, endpoint in enumerate(endpoints):
+        if endpoint is not None:
+            check_endpoint(endpoint, f"--workers (rank {rank})", bind=False)
+    if args.errors is not None:
+        check_endpoint(args.errors, "--errors", bind=False)
+    follower = None
     reader = None
-    board = None
     collector = None
-    if method.is_load_aware:
-        if not args.board:
-            raise InvalidInputError(f"--method {method.value} reads loads: give --board NAME (the board the "
-                             "schedulers publish to)")
-        from dpboard.board import Board
+    if args.board:
+        from dpboard.board import BoardFollower, FollowingReader
 
-        board = Board.attach(args.board)
-        reader = board.reader(stale_after=args.stale_after)
+        follower = BoardFollower(args.board, min_slots=len(endpoints), trust_uids=args.trust_uid, logger=log)
+        if follower.board.n_slots < len(endpoints):
+            n_slots = follower.board.n_slots
+            follower.close()
+            raise InvalidInputError(f"board {args.board!r} has {n_slots} slots, fewer than the {len(endpoints)} "
+                                    f"--workers: give one board slot per worker slot")
+        reader = FollowingReader(follower, stale_after=args.stale_after, n_slots=len(endpoints))
         if args.collect_bind is not None:
             from dpboard.multinode.collector import Collector
 
             try:
-                collector = Collector(board, args.collect_bind, curve_secret_key=args.collect_curve_secret_key,
+                collector = Collector(follower.board, args.collect_bind,
+                                      curve_secret_key=args.collect_curve_secret_key,
                                       curve_authorized_keys=args.collect_curve_authorized_keys)
             except BaseException:
-                board.close()
+                follower.close()
                 raise
         elif owner is ReaderOwner.CONTROLLER:
             log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller "
@@ -370,15 +640,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if collector is not None:
             collector.close()  # removes its lock files
-        if board is not None:
-            board.close()
+        if follower is not None:
+            follower.close()
 
 
 def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any) -> int:
     dispatcher = Dispatcher(
         method,
         len(endpoints),
-        reader=reader,
+        reader=reader if method.is_load_aware else None,
         active=[r for r, e in enumerate(endpoints) if e is not None],
         refresh_interval=args.refresh_interval,
         inflight_accounting=args.inflight_accounting,
@@ -386,7 +656,7 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
         rotate_ties=args.rotate_ties,
     )
     controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
-                                        log_every=args.log_every, collector=collector)
+                                        log_every=args.log_every, collector=collector, acks=reader)
     try:
         stats = controller.run(duration=args.duration)
     finally:

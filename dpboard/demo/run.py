@@ -27,42 +27,46 @@ import numpy as np
 
 from dpboard.board import Board
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.options import count, fraction, milliseconds, positive, seconds
 from dpboard.stopping import StopFlag
 from dpboard.views.rows import status_of
 from dpboard.views.top import render, render_text
 from dpboard.views.watch import BoardWatch, Frame
 
+MAX_RANKS = 256
 SETTLE_TIMEOUT = 3.0  # seconds for in-flight requests to reach their schedulers at the end
 READY_TIMEOUT = 120.0  # seconds for every scheduler to publish its first snapshot (cold Numba cache)
 STOP_TIMEOUT = 5.0
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=8, help="DP ranks, one scheduler process each (default 8)")
+    p.add_argument("--ranks", type=count(1, MAX_RANKS), default=8,
+                   help=f"DP ranks, one scheduler process each (default 8, at most {MAX_RANKS})")
     p.add_argument("--method", default="total_tokens",
                    help="load-balance method of the controller (default total_tokens)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of load (default 30)")
-    p.add_argument("--rate", type=float, default=None,
+    p.add_argument("--duration", type=seconds(), default=30.0, help="seconds of load (default 30)")
+    p.add_argument("--rate", type=positive(1e6), default=None,
                    help="requests per second between bursts (default 8 per rank)")
-    p.add_argument("--burst-every", type=float, default=6.0, help="seconds between bursts (default 6)")
-    p.add_argument("--burst-seconds", type=float, default=1.0, help="length of a burst (default 1)")
-    p.add_argument("--burst-factor", type=float, default=4.0, help="rate multiplier in a burst (default 4)")
-    p.add_argument("--long-share", type=float, default=0.2, help="share of long prompts (default 0.2)")
-    p.add_argument("--step-ms", type=float, default=20.0, help="scheduler step, milliseconds (default 20)")
-    p.add_argument("--num-pages", type=int, default=4096, help="KV pages per rank (default 4096)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between board samples (default 0.5)")
-    p.add_argument("--print-every", type=float, default=3.0,
+    p.add_argument("--burst-every", type=seconds(), default=6.0, help="seconds between bursts (default 6)")
+    p.add_argument("--burst-seconds", type=seconds(zero=True), default=1.0, help="length of a burst (default 1)")
+    p.add_argument("--burst-factor", type=positive(1e3), default=4.0, help="rate multiplier in a burst (default 4)")
+    p.add_argument("--long-share", type=fraction(), default=0.2, help="share of long prompts (default 0.2)")
+    p.add_argument("--step-ms", type=milliseconds(1e5), default=20.0,
+                   help="scheduler step, milliseconds (default 20)")
+    p.add_argument("--num-pages", type=count(1, 1 << 24), default=4096, help="KV pages per rank (default 4096)")
+    p.add_argument("--page-size", type=count(1, 1 << 16), default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--interval", type=seconds(), default=0.5, help="seconds between board samples (default 0.5)")
+    p.add_argument("--print-every", type=seconds(), default=3.0,
                    help="without a terminal: seconds between plain-text frames (default 3)")
     p.add_argument("--board", default=None, help="board name (default demo-<pid>)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
 
 
 def _check(args: argparse.Namespace) -> None:
     from dpboard.demo.load import LoadShape
 
-    if not 1 <= args.ranks <= 256:
-        raise InvalidInputError(f"--ranks must be in 1..256, got {args.ranks}")
+    if not 1 <= args.ranks <= MAX_RANKS:
+        raise InvalidInputError(f"--ranks must be in 1..{MAX_RANKS}, got {args.ranks}")
     if not args.duration > 0:
         raise InvalidInputError(f"--duration must be > 0 seconds, got {args.duration}")
     if not args.interval > 0 or not args.step_ms > 0:

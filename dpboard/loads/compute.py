@@ -79,7 +79,7 @@ def compute_loads(
     row; ``page_state`` holds one ``PageState`` code per KV page; ``page_size`` is tokens per page.
     Host (NumPy) or device arrays (``__cuda_array_interface__``), any native integer dtype but uint64.
     ``backend``: "auto" (a CUDA backend for device arrays, "numba" otherwise), "numpy" (the
-    reference), "numba", "numba-cuda" or "cupy". Bad shapes, dtypes, codes, negative seqlens and
+    reference), "numba", "numba-cuda" or "cupy". Bad shapes, dtypes, codes, seqlens outside [0, 2**32] and
     ``page_size <= 0`` raise ValueError (InvalidInputError) naming the problem.
     """
     # Lists and other array-likes become NumPy arrays (no copy for arrays of any kind).

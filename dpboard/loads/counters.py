@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dpboard.snapshot import RAW_INDEX, PageState, ReqState
+from dpboard.snapshot import MAX_SEQLEN, RAW_INDEX, PageState, ReqState
 
 RUNNING = RAW_INDEX["running"]
 WAITING = RAW_INDEX["waiting"]
@@ -86,9 +86,10 @@ def describe_bad(raw: Any, req_state: Any, req_seqlen: Any, page_state: Any) -> 
         )
     if raw[BAD_SEQLENS]:
         seqlen = np.asarray(req_seqlen).astype(np.int64)
-        first = _first_bad(seqlen, (seqlen < 0) & (state != int(ReqState.FREE)), "req_seqlen")
+        first = _first_bad(seqlen, ((seqlen < 0) | (seqlen > MAX_SEQLEN)) & (state != int(ReqState.FREE)),
+                           "req_seqlen")
         problems.append(
-            f"req_seqlen has {int(raw[BAD_SEQLENS])} negative value(s) in rows that are not FREE; the first "
-            f"is {first}"
+            f"req_seqlen has {int(raw[BAD_SEQLENS])} value(s) outside [0, {MAX_SEQLEN}] (2**32 tokens) in rows "
+            f"that are not FREE; the first is {first}"
         )
     return "; ".join(problems) + ": fix the scheduler's tables (nothing was published)"

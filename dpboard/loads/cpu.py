@@ -25,7 +25,7 @@ from dpboard.loads.counters import (
     SEQLEN_WITHOUT_KV,
     WAITING,
 )
-from dpboard.snapshot import NUM_RAW, PageState, ReqState
+from dpboard.snapshot import MAX_SEQLEN, NUM_RAW, PageState, ReqState
 
 # The codes as plain ints (Numba freezes module globals into the compiled code).
 _R_FREE, _R_RUNNING, _R_PREALLOC, _R_TRANSFER = (int(s) for s in (ReqState.FREE, ReqState.RUNNING,
@@ -33,6 +33,7 @@ _R_FREE, _R_RUNNING, _R_PREALLOC, _R_TRANSFER = (int(s) for s in (ReqState.FREE,
 _R_FIRST_QUEUED, _R_LAST_QUEUED = int(ReqState.WAITING), int(ReqState.RETRACTED)
 _R_MAX = int(max(ReqState))
 _P_FREE, _P_EVICTABLE, _P_MAX = int(PageState.FREE), int(PageState.EVICTABLE), int(max(PageState))
+_MAX_SEQLEN = MAX_SEQLEN
 # The branch-free request pass counts WAITING..RETRACTED as one range of codes, and the SWAR page
 # pass tests bytes for zero (FREE) and for codes above 2: both rest on these code values.
 assert [int(s) for s in ReqState] == list(range(_R_MAX + 1)) and _R_LAST_QUEUED == _R_MAX
@@ -63,9 +64,12 @@ _U48 = np.uint64(48)
 @njit(cache=True, nogil=True, inline="always")
 def _req_terms(code, length):
     """One request row: (running, waiting, seqlen without KV, seqlen awaiting transfer, bad code,
-    bad seqlen), branch-free so that the loop vectorises."""
+    bad seqlen), branch-free so that the loop vectorises. A seqlen outside [0, MAX_SEQLEN] is bad
+    and adds nothing to the sums, which therefore cannot overflow (the rows are bounded too)."""
     s = np.int64(code)
     n = np.int64(length)
+    in_range = (n >= 0) & (n <= _MAX_SEQLEN)
+    n = n * np.int64(in_range)
     waiting = (s >= _R_FIRST_QUEUED) & (s <= _R_LAST_QUEUED)
     return (
         np.int64(s == _R_RUNNING),
@@ -73,7 +77,7 @@ def _req_terms(code, length):
         n * np.int64(waiting & (s != _R_TRANSFER)),
         n * np.int64((s == _R_PREALLOC) | (s == _R_TRANSFER)),
         np.int64((s < 0) | (s > _R_MAX)),
-        np.int64((n < 0) & (s != _R_FREE)),
+        np.int64((~in_range) & (s != _R_FREE)),
     )
 
 

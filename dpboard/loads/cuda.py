@@ -34,6 +34,7 @@ from dpboard.snapshot import (
     DIRECT_STATUS_INDEX,
     FIELD_INDEX,
     FIELDS_OFFSET,
+    MAX_SEQLEN,
     NUM_RAW,
     PageState,
     ReqState,
@@ -49,6 +50,7 @@ _R_FREE, _R_RUNNING, _R_PREALLOC, _R_TRANSFER = (int(s) for s in (ReqState.FREE,
                                                                  ReqState.PREALLOC, ReqState.TRANSFER))
 _R_FIRST_QUEUED, _R_LAST_QUEUED, _R_MAX = int(ReqState.WAITING), int(ReqState.RETRACTED), int(max(ReqState))
 _P_FREE, _P_USED, _P_EVICTABLE = int(PageState.FREE), int(PageState.USED), int(PageState.EVICTABLE)
+_MAX_SEQLEN = MAX_SEQLEN
 assert [int(s) for s in ReqState] == list(range(_R_MAX + 1)) and _R_LAST_QUEUED == _R_MAX
 # Word k of a slot viewed as int64: the sequence is word 0, field i is word _W0 + i.
 _W0 = FIELDS_OFFSET // 8
@@ -174,6 +176,10 @@ def _accumulate_device() -> Any:
             if i < num_requests:
                 s = int64(state[i])
                 length = int64(seqlen[i])
+                if length < 0 or length > _MAX_SEQLEN:  # a bad table; adds nothing to the sums
+                    if s != _R_FREE:
+                        acc[c.BAD_SEQLENS] += 1
+                    length = 0
                 waiting = s >= _R_FIRST_QUEUED and s <= _R_LAST_QUEUED
                 if s == _R_RUNNING:
                     acc[c.RUNNING] += 1
@@ -185,8 +191,6 @@ def _accumulate_device() -> Any:
                     acc[c.SEQLEN_AWAITING_TRANSFER] += length
                 if s < 0 or s > _R_MAX:
                     acc[c.BAD_REQ_STATES] += 1
-                if length < 0 and s != _R_FREE:
-                    acc[c.BAD_SEQLENS] += 1
             if i < num_pages:
                 p = int64(pages[i])
                 if p == _P_FREE:

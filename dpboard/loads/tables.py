@@ -1,7 +1,7 @@
 """The scheduler's tables as the load kernels take them: what is accepted, checked once per binding.
 
 Shapes, dtypes, byte order and ``page_size`` are checked here; the values (codes outside the enums,
-negative seqlens) are counted by the kernels as they go, so validation costs no extra pass.
+seqlens outside [0, MAX_SEQLEN]) are counted by the kernels as they go, so validation costs no extra pass.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.errors import InvalidInputError
-from dpboard.snapshot import MAX_INT64
+from dpboard.snapshot import MAX_INT64, MAX_SEQLEN
 
 
 def array_info(x: Any, what: str) -> tuple[np.dtype, tuple[int, ...], bool]:
@@ -72,5 +72,12 @@ def check_tables(req_state: Any, req_seqlen: Any, page_state: Any, page_size: An
     if num_pages * int(page_size) > MAX_INT64:
         raise InvalidInputError(
             f"{num_pages} pages of {page_size} tokens overflow int64: page_size is probably wrong"
+        )
+    # The bound that keeps every kernel sum exact: each row adds at most MAX_SEQLEN (a larger seqlen is
+    # a bad table), so the sums and num_total_tokens fit int64 while this holds.
+    if num_requests * MAX_SEQLEN + num_pages * int(page_size) > MAX_INT64:
+        raise InvalidInputError(
+            f"{num_requests} request rows of up to {MAX_SEQLEN} tokens and {num_pages} pages of {page_size} tokens "
+            f"could overflow int64 sums: the request table is far larger than any scheduler's"
         )
     return num_requests, num_pages, devices.pop()

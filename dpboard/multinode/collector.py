@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
-import hashlib
+import logging
 import os
-import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,8 +38,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dpboard.board import Board, BoardError, BoardWriter, process_start_ticks
-from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError, UnavailableError
+from dpboard.board import MAX_SLOTS, Board, BoardError, BoardFollower, BoardWriter, process_start_ticks
+from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
 from dpboard.multinode.curve import load_certificate
 from dpboard.multinode.wire import (
     BAD_IDENTITY,
@@ -52,102 +51,36 @@ from dpboard.multinode.wire import (
     unpack_frame,
     validate_records,
 )
+from dpboard.options import count, seconds
+from dpboard.ownership import (
+    LOCK_DIR,
+    LOCK_PREFIX,
+    OwnerBusyError,
+    OwnerLock,
+    check_endpoint,
+    endpoint_lock_path,
+    lock_path,
+    take_endpoint,
+)
 from dpboard.snapshot import COLLECTOR_STATS_FIELDS
 from dpboard.stopping import StopFlag
 
-LOCK_DIR = Path("/dev/shm")
-LOCK_PREFIX = "dpboard-collector."
+__all__ = ["LOCK_DIR", "LOCK_PREFIX", "Collector", "CollectorBusyError", "board_lock_path", "endpoint_lock_path"]
+
+log = logging.getLogger("dpboard.collector")
+
 DEFAULT_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never block
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-class CollectorBusyError(UnavailableError):
-    """Another live collector already owns the board or the endpoint."""
 
 
 # -- ownership ------------------------------------------------------------------------------------
 
 
-def endpoint_lock_key(endpoint: str) -> str:
-    """What two endpoints must not share. TCP: the port (binding one port on two interfaces clashes
-    anyway, and the lock can then name the owner); ipc: the absolute path; anything else: itself."""
-    if endpoint.startswith("tcp://"):
-        port = endpoint.rsplit(":", 1)[-1]
-        return f"tcp-port-{port}"
-    if endpoint.startswith("ipc://"):
-        return "ipc-" + os.path.abspath(endpoint[len("ipc://") :])
-    return endpoint
-
-
-def _lock_path(kind: str, key: str) -> Path:
-    readable = _SAFE.sub("_", key)[:80]
-    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-    return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
+class CollectorBusyError(OwnerBusyError):
+    """Another live collector (or controller) already owns the board or the endpoint."""
 
 
 def board_lock_path(board_name: str) -> Path:
-    return _lock_path("board", board_name)
-
-
-def endpoint_lock_path(endpoint: str) -> Path:
-    return _lock_path("endpoint", endpoint_lock_key(endpoint))
-
-
-class _OwnerLock:
-    """An exclusive flock on a file that holds the owner's pid; released when the process dies."""
-
-    def __init__(self, path: Path, what: str):
-        self.path = path
-        self._fd: int | None = None
-        # A file unlinked by its previous owner between our open and our flock would give us a lock
-        # nobody else can see: re-open until the locked file is the one the path names.
-        for _ in range(100):
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except PermissionError:
-                raise AccessDeniedError(
-                    f"cannot open the collector lock {path} for {what}: it belongs to another user, whose "
-                    f"collector may own it; run as that user, or remove the file if that collector is gone"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                owner = _read_pid(fd)
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                who = f"pid {owner}" if owner else "a process that is still starting"
-                raise CollectorBusyError(
-                    f"{what} already has a collector: {who} (lock {path}); only one process may own the "
-                    f"relay PULL socket: stop that one, or embed its Collector instead of starting another"
-                ) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                self._fd = fd
-                return
-            os.close(fd)
-        raise CollectorBusyError(f"could not take the lock {path}: it keeps being replaced by another process")
-
-    def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)  # still holding the lock: nobody can be inside it
-        finally:
-            os.close(fd)
-
-
-def _read_pid(fd: int) -> int:
-    try:
-        return int(os.pread(fd, 32, 0).split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+    return lock_path("collector.board", board_name)
 
 
 # -- the collector ----------------------------------------------------------------------------------
@@ -173,32 +106,41 @@ class Collector:
         context: zmq.Context | None = None,
         record_latency: bool = False,
     ):
-        if not isinstance(bind, str) or "://" not in bind:
-            raise InvalidInputError(f"bind must be a ZMQ endpoint such as tcp://10.0.0.1:5757, got {bind!r}")
+        check_endpoint(bind, "the collector's bind endpoint", bind=True)
         if curve_authorized_keys is not None and curve_secret_key is None:
             raise InvalidInputError("curve_authorized_keys needs curve_secret_key (the collector's own certificate)")
-        self._locks: list[_OwnerLock] = []
+        self._locks: list[OwnerLock] = []
         self._socket: zmq.Socket | None = None
         self._auth: Any = None
         self._stats_view: np.ndarray | None = None
         self._own_board = False  # created here: unlinked on close
         self._opened_board = False  # attached or created here (not passed in): closed on close
         self._writers: dict[int, BoardWriter] = {}
+        self._follower: BoardFollower | None = None
         self._closed = False
         self.latencies_ns: list[np.ndarray] = []  # with record_latency: receive-side age of each snapshot
         self._record_latency = record_latency
         board_name = board.name if isinstance(board, Board) else board
         try:
-            self._locks.append(_OwnerLock(board_lock_path(board_name), f"board {board_name!r}"))
-            # A TCP wildcard port is unique by construction; every other endpoint gets its lock.
-            wildcard_port = bind.startswith("tcp://") and bind.endswith((":*", ":0"))
-            if not wildcard_port:
-                self._locks.append(_OwnerLock(endpoint_lock_path(bind), f"endpoint {bind}"))
+            self._locks.append(OwnerLock(
+                board_lock_path(board_name), f"board {board_name!r}", busy=CollectorBusyError, role="a collector",
+                hint="only one process may own the relay PULL socket: stop that one, or embed its Collector "
+                     "instead of starting another"))
+            # A free TCP port is unique by construction; every other endpoint gets its lock.
+            endpoint_lock = take_endpoint(bind, busy=CollectorBusyError)
+            if endpoint_lock is not None:
+                self._locks.append(endpoint_lock)
             if isinstance(board, Board):
                 self.board = board
             else:
                 self.board = self._open_board(board, n_slots)
                 self._opened_board = True
+            if self.board.read_only:
+                raise AccessDeniedError(f"board {board_name!r} is another user's and read-only here: run the "
+                                        f"collector as its owner")
+            self._initial_board = self.board
+            # node0's board may be recreated under the collector (its schedulers restarted): follow it
+            self._follower = BoardFollower(self.board, logger=log)
             self.n_slots = self.board.n_slots
             self._context = context or zmq.Context.instance()
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
@@ -320,8 +262,21 @@ class Collector:
         self._writers[rank] = writer
         return writer
 
+    def _follow_board(self) -> None:
+        """Write into whichever board has the name now: a recreated board gets new writers and the
+        collector's statistics (and the log says so)."""
+        if self._follower is None or not self._follower.poll():
+            return
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+        self.board = self._follower.board
+        self.n_slots = self.board.n_slots
+        self._init_stats()
+
     def drain(self, max_frames: int = 4096) -> int:
         """Handle every frame already queued (at most ``max_frames``) without waiting; returns the count."""
+        self._follow_board()
         sock = self.socket
         handled = 0
         while handled < max_frames:
@@ -364,12 +319,18 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        for writer in self._writers.values():
+            writer.close()
         self._writers.clear()
         self._stats_view = None
-        if self._opened_board:
-            self.board.close()
-        if self._own_board:
-            self.board.unlink()
+        board = getattr(self, "_initial_board", None)
+        if board is not None:
+            if self._opened_board:
+                board.close()
+            if self._own_board:
+                board.unlink()  # that incarnation only: a board recreated since then stays
+        if self._follower is not None:
+            self._follower.close()  # boards it attached in place of a replaced one
         for lock in reversed(self._locks):
             lock.release()
         self._locks = []
@@ -394,18 +355,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--board", required=True, help="node0's board (the name every node's relay uses)")
     p.add_argument("--bind", required=True,
                    help="explicit endpoint to bind, e.g. tcp://10.0.0.1:5757 (no wildcard by default)")
-    p.add_argument("--n-slots", type=int, default=None,
+    p.add_argument("--n-slots", type=count(1, MAX_SLOTS), default=None,
                    help="create the board with this many slots if it does not exist yet")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
                    help="this collector's CURVE certificate (.key_secret): encrypt and authenticate relays")
     p.add_argument("--curve-authorized-keys", metavar="DIR", default=None,
                    help="directory of the relays' public certificates allowed in (default: any relay that "
                         "knows the server key)")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
     with StopFlag(args.duration) as stop, Collector(
         args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zmq
 
-from dpboard.errors import InvalidInputError, NotFoundError, UnavailableError
+from dpboard.errors import AlreadyExistsError, InvalidInputError, NotFoundError, UnavailableError
 
 _NO_CURVE = (
     "CURVE security was asked for, but this libzmq has no CURVE support: install a pyzmq wheel "
@@ -40,18 +40,41 @@ def load_certificate(path: str | os.PathLike[str], what: str) -> tuple[bytes, by
         raise InvalidInputError(f"{what} {p} is not a ZMQ certificate file: {e}") from None
 
 
-def generate_certificates(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write ``name.key`` (public) and ``name.key_secret`` (mode 0600) into ``directory``."""
+def generate_certificates(directory: str | os.PathLike[str], name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Write ``name.key`` (public, 0644) and ``name.key_secret`` (0600) into ``directory``.
+
+    An existing pair is kept unless ``force``: a key in use is never overwritten by mistake. The
+    files are made in a private folder inside ``directory`` and then moved into place: nothing is
+    written through a link planted in the directory, and no one can read the secret key meanwhile."""
+    import shutil
+    import tempfile
+
     import zmq.auth
 
     require_curve()
+    if not name or "/" in name or name in (".", ".."):
+        raise InvalidInputError(f"--key-name {name!r} must be a plain file name")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    old_umask = os.umask(0o077)  # the secret key is never readable by others, not even for a moment
+    public, secret = d / f"{name}.key", d / f"{name}.key_secret"
+    existing = [p for p in (public, secret) if os.path.lexists(p)]
+    if existing and not force:
+        raise AlreadyExistsError(
+            f"{', '.join(map(str, existing))} already exist: keys in use are not replaced; pick another "
+            f"--key-name, or pass --force to replace them"
+        )
+    private = Path(tempfile.mkdtemp(prefix=".dpboard-keygen-", dir=d))  # mode 0700, a fresh name
     try:
-        public, secret = zmq.auth.create_certificates(d, name)
+        made_public, made_secret = (Path(p) for p in zmq.auth.create_certificates(private, name))
+        os.chmod(made_secret, 0o600)
+        os.chmod(made_public, 0o644)  # public keys are meant to be shared
+        for made, final in ((made_secret, secret), (made_public, public)):
+            if force:
+                os.replace(made, final)  # replaces a link itself, never writes through it
+            else:
+                os.link(made, final)  # fails if the name appeared meanwhile: nothing is overwritten
+    except FileExistsError:
+        raise AlreadyExistsError(f"{public} or {secret} appeared while the keys were made; retry") from None
     finally:
-        os.umask(old_umask)
-    os.chmod(secret, 0o600)
-    os.chmod(public, 0o644)  # public keys are meant to be shared
-    return Path(public), Path(secret)
+        shutil.rmtree(private, ignore_errors=True)
+    return public, secret

@@ -1,6 +1,6 @@
 """``dpboard relay``: forward a non-node0 node's board to node0's collector.
 
-Every tick (default 5 ms) the relay reads the node's local board in one ``read_array()``, picks the
+Every tick (default 2 ms) the relay reads the node's local board in one ``read_array()``, picks the
 slots this node writes (``node_id`` equal to ``--node-id``, optionally limited to ``--ranks``) whose
 ``publish_seq`` moved since the last frame that left, and sends them as one frame (dpboard.multinode.wire) on a
 ZMQ PUSH socket. Sending never blocks: with no connected collector or a full pipe the frame is
@@ -15,6 +15,7 @@ their ranks must look stale on node0 too.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import threading
@@ -25,34 +26,48 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dpboard.board import DEFAULT_STALE_AFTER, Board
+from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS, Board, BoardFollower
 from dpboard.errors import InvalidInputError
 from dpboard.multinode.curve import generate_certificates, load_certificate
 from dpboard.multinode.wire import pack_frame
+from dpboard.options import count, milliseconds, seconds
+from dpboard.ownership import check_endpoint
 from dpboard.snapshot import SlotStatus
 from dpboard.stopping import StopFlag
 
-DEFAULT_TICK_MS = 5.0
-DEFAULT_SNDHWM = 16  # frames queued toward node0 before the relay drops; 80 ms at the default tick
+log = logging.getLogger("dpboard.relay")
+
+# Chosen from `dpboard bench relay`'s sampled age of node0's copy (docs/MULTINODE.md, "Choosing the
+# tick"): 2 ms keeps what the controller reads about 2 ms fresher at p99 than 5 ms, for 2.5x the frames.
+DEFAULT_TICK_MS = 2.0
+DEFAULT_SNDHWM = 16  # frames queued toward node0 before the relay drops; 32 ms at the default tick
+MAX_SNDHWM = 1_000_000
 
 
-def parse_ranks(text: str) -> list[int]:
-    """``"0-7"``, ``"3"``, ``"0-3,8-11"`` -> sorted rank list."""
-    ranks: set[int] = set()
+def parse_ranks(text: str, n_slots: int = MAX_SLOTS) -> list[int]:
+    """``"0-7"``, ``"3"``, ``"0-3,8-11"`` -> sorted rank list, every rank below ``n_slots``.
+
+    The bounds are checked before any range is expanded: ``0-20000000`` is refused at once."""
+    spans: list[tuple[int, int]] = []
     try:
         for part in text.split(","):
             part = part.strip()
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if lo > hi:
-                    raise ValueError
-                ranks.update(range(lo, hi + 1))
-            else:
-                ranks.add(int(part))
+            lo, sep, hi = part.partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first > last:
+                raise ValueError
+            spans.append((first, last))
     except ValueError:
         raise InvalidInputError(f"--ranks {text!r} is not a rank list: use forms like 8-15 or 8-11,16-19") from None
-    if not ranks or min(ranks) < 0:
+    if min(first for first, _ in spans) < 0:
         raise InvalidInputError(f"--ranks {text!r} must name ranks >= 0")
+    top = max(last for _, last in spans)
+    if top >= n_slots:
+        raise InvalidInputError(f"--ranks {text!r} names rank {top}, but the board has {n_slots} slots "
+                                f"(ranks 0..{n_slots - 1})")
+    ranks: set[int] = set()
+    for first, last in spans:
+        ranks.update(range(first, last + 1))
     return sorted(ranks)
 
 
@@ -79,16 +94,21 @@ class Relay:
         curve_server_key: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
     ):
-        if not isinstance(to, str) or "://" not in to:
-            raise InvalidInputError(f"--to must be node0's collector endpoint such as tcp://10.0.0.1:5757, got {to!r}")
+        check_endpoint(to, "--to (node0's collector endpoint)", bind=False)
         if not isinstance(node_id, int) or node_id < 0:
             raise InvalidInputError(f"node_id must be an integer >= 0, got {node_id!r}")
-        if not tick_ms > 0:
-            raise InvalidInputError(f"tick_ms must be > 0, got {tick_ms!r}")
+        if not 0 < tick_ms <= 1e6:
+            raise InvalidInputError(f"tick_ms must be in (0, 1e6], got {tick_ms!r}")
+        if isinstance(sndhwm, bool) or not isinstance(sndhwm, int) or not 1 <= sndhwm <= MAX_SNDHWM:
+            raise InvalidInputError(f"sndhwm must be an int in 1..{MAX_SNDHWM} (frames queued), got {sndhwm!r}")
         if curve_secret_key is not None and curve_server_key is None:
             raise InvalidInputError("a CURVE client key needs the collector's public key too (curve_server_key)")
         self._opened_board = not isinstance(board, Board)  # attached here: closed on close
         self.board = Board.attach(board) if self._opened_board else board
+        self._initial_board = self.board
+        # the node's board may be recreated under the relay (its schedulers restarted): follow it
+        self._follower = BoardFollower(self.board, min_slots=1, logger=log)
+        self._stale_after = stale_after
         self.node_id = node_id
         self.to = to
         self.tick_s = tick_ms / 1e3
@@ -155,10 +175,25 @@ class Relay:
                 self.connects += 1
                 self._resync = True
 
+    def _follow_board(self) -> None:
+        if not self._follower.poll():
+            return
+        board = self._follower.board
+        n = board.n_slots
+        if n != self.board.n_slots:
+            mask = np.zeros(n, dtype=bool)
+            mask[: min(n, len(self._mask))] = self._mask[:n]
+            self._mask = mask
+        self.board = board
+        self._reader = board.reader(stale_after=self._stale_after)
+        self._last_sent = np.full(n, -1, dtype=np.int64)
+        self._resync = True  # a new board: send every live slot of it
+
     def tick(self) -> int:
         """One round: send the changed slots in one frame. Returns the snapshots sent (0 when none
         changed or the frame was dropped)."""
         self.ticks += 1
+        self._follow_board()
         self._check_connects()
         arr = self._reader.read_array()
         status = arr["status"]
@@ -223,7 +258,8 @@ class Relay:
         if not self._socket.closed:
             self._socket.close(linger=0)
         if self._opened_board:
-            self.board.close()  # the reader keeps its own mapping
+            self._initial_board.close()  # the reader keeps its own mapping
+        self._follower.close()
 
     def __enter__(self) -> Relay:
         return self
@@ -238,42 +274,51 @@ class Relay:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--board", help="this node's local board")
     p.add_argument("--to", help="node0's collector, e.g. tcp://10.0.0.1:5757")
-    p.add_argument("--node-id", type=int, help="this node's id (> 0; the slots whose node_id it is are sent)")
-    p.add_argument("--tick-ms", type=float, default=DEFAULT_TICK_MS, help="batching period (default 5)")
+    p.add_argument("--node-id", type=count(1, 2**62, hint="node 0 is node0, whose board the collector writes"),
+                   help="this node's id (>= 1; the slots whose node_id it is are sent)")
+    p.add_argument("--tick-ms", type=milliseconds(), default=DEFAULT_TICK_MS,
+                   help=f"batching period (default {DEFAULT_TICK_MS:g})")
     p.add_argument("--ranks", default=None, help="only these ranks, e.g. 8-15 (default: every slot of this node)")
     p.add_argument("--remote-board", default=None,
                    help="name of node0's board, when it differs from the local one (default: the same)")
-    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
                    help="seconds after which a local slot counts as stale and is not resent on reconnect")
-    p.add_argument("--sndhwm", type=int, default=DEFAULT_SNDHWM, help="frames queued before dropping")
+    p.add_argument("--sndhwm", type=count(1, MAX_SNDHWM), default=DEFAULT_SNDHWM,
+                   help="frames queued before dropping")
     p.add_argument("--curve-server-key", metavar="FILE", default=None,
                    help="the collector's public certificate (.key): encrypt the relay with CURVE")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
                    help="this relay's certificate (.key_secret), when node0 admits only known relays")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
     p.add_argument("--keygen", metavar="DIR", default=None,
                    help="write a CURVE certificate pair NAME.key / NAME.key_secret into DIR and exit")
     p.add_argument("--key-name", default="relay", help="NAME for --keygen (default relay)")
+    p.add_argument("--force", action="store_true", help="with --keygen: replace an existing pair of that name")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.keygen:
-        public, secret = generate_certificates(args.keygen, args.key_name)
+        public, secret = generate_certificates(args.keygen, args.key_name, force=args.force)
         print(f"public key  {public}  (give it to the other side)\nsecret key  {secret}  (keep it here, mode 0600)")
         return 0
     missing = [flag for flag, value in (("--board", args.board), ("--to", args.to), ("--node-id", args.node_id))
                if value is None]
     if missing:
         raise InvalidInputError(f"dpboard relay needs {', '.join(missing)} (see dpboard relay --help)")
-    if args.node_id < 1:
-        raise InvalidInputError(f"--node-id must be >= 1, got {args.node_id}: node 0 is node0, whose board the collector writes")
-    ranks = parse_ranks(args.ranks) if args.ranks else None
-    with StopFlag(args.duration) as stop, Relay(
-        args.board, args.to, args.node_id, tick_ms=args.tick_ms, ranks=ranks, remote_board=args.remote_board,
-        stale_after=args.stale_after, sndhwm=args.sndhwm, curve_secret_key=args.curve_secret_key,
-        curve_server_key=args.curve_server_key,
-    ) as relay:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    check_endpoint(args.to, "--to", bind=False)
+    board = Board.attach(args.board)
+    try:
+        ranks = parse_ranks(args.ranks, board.n_slots) if args.ranks else None  # against the board, first
+        relay = Relay(board, args.to, args.node_id, tick_ms=args.tick_ms, ranks=ranks,
+                      remote_board=args.remote_board, stale_after=args.stale_after, sndhwm=args.sndhwm,
+                      curve_secret_key=args.curve_secret_key, curve_server_key=args.curve_server_key)
+    except BaseException:
+        board.close()
+        raise
+    with StopFlag(args.duration) as stop, relay:
         if relay.board.node_id != args.node_id:
             print(f"dpboard relay: warning: board {relay.board.name!r} was created for node "
                   f"{relay.board.node_id}; only slots whose writers stamp node {args.node_id} are sent",
@@ -286,4 +331,5 @@ def run(args: argparse.Namespace) -> int:
                 s = relay.stats()
                 print(f"frames {s['frames_sent']} sent, {s['frames_dropped']} dropped; snapshots "
                       f"{s['snapshots_sent']}; connects {s['connects']}", flush=True)
+    board.close()
     return 0

@@ -82,7 +82,7 @@ class DirectPublisherBase:
             raise InvalidInputError(
                 f"GPU-direct launch {st['launch_id']} found bad tables and published nothing: "
                 f"{st['bad_req_states']} req_state code(s) outside ReqState, {st['bad_page_states']} page_state "
-                f"code(s) outside PageState, {st['bad_seqlens']} negative seqlen(s); fix the scheduler's tables"
+                f"code(s) outside PageState, {st['bad_seqlens']} seqlen(s) outside [0, 2**32]; fix the scheduler's tables"
             )
 
 

@@ -49,7 +49,7 @@ class LoadPublisher:
       node_id, takeover: passed to ``board.writer`` (ignored when ``board`` is already a writer).
 
     ``step(num_received_reqs=n)`` computes and publishes, returns the ``KVLoads`` it published.
-    Bad tables (codes outside the enums, negative seqlens) raise ValueError and publish nothing.
+    Bad tables (codes outside the enums, seqlens outside [0, 2**32]) raise ValueError and publish nothing.
     The first step of the numba backend loads its compiled code (compiled once per machine).
     """
 

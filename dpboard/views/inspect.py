@@ -10,18 +10,32 @@ import json
 import time
 from typing import Any
 
-from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path
+from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path, validate_name
+from dpboard.options import count, seconds
+from dpboard.ownership import user_name
 from dpboard.views.rows import fmt_age, slot_rows, status_counts, status_of
+
+
+def _stale_after(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+                   help=f"seconds without a publish before {what} (default 1.0)")
+
+
+def _trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
+                   help="also read a board this user created (e.g. 0 for root); repeatable")
 
 
 def add_ls_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _stale_after(p, "a board whose creator is gone counts as dead")
 
 
 def add_info_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="board name (without the dpboard. prefix)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER, help="seconds (default 1.0)")
+    _stale_after(p, "a slot is stale")
+    _trust(p)
 
 
 def add_dump_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,41 +43,56 @@ def add_dump_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_clean_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", nargs="?", help="only this board (default: every board whose creator is dead)")
-    p.add_argument("--force", action="store_true", help="also remove a board whose creator is alive")
+    p.add_argument("name", nargs="?", help="only this board (default: every board that is not alive)")
+    p.add_argument("--force", action="store_true", help="also remove a live board")
+    _stale_after(p, "a board whose creator is gone counts as dead")
 
 
 # -- commands -----------------------------------------------------------------------------------
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    listings = list_boards()
+    listings = list_boards(stale_after=args.stale_after)
     if args.json:
         out = []
         for entry in listings:
-            item: dict[str, Any] = {"name": entry.name, "size": entry.size, "error": entry.error}
+            item: dict[str, Any] = {"name": entry.name, "size": entry.size, "error": entry.error,
+                                    "owner_uid": entry.owner_uid, "mode": entry.mode}
             if entry.header is not None:
                 item.update(entry.header.as_dict())
+                item["alive"] = entry.alive
+                item["last_publish_age_s"] = entry.last_publish_age
             out.append(item)
         print(json.dumps(out, indent=2))
         return 0
     if not listings:
         print("no boards on this machine")
         return 0
-    print(f"{'NAME':<24} {'SLOTS':>5} {'CREATOR':>8} {'ALIVE':<5} {'CREATED (UTC)':<19}")
+    print(f"{'NAME':<24} {'SLOTS':>5} {'CREATOR':>10} {'ALIVE':<5} {'PUBLISHED':>9} {'OWNER':<10} {'CREATED (UTC)':<19}")
     for entry in listings:
+        owner = "?" if entry.owner_uid is None else (user_name(entry.owner_uid) or str(entry.owner_uid))
+        name = entry.name if _is_valid_name(entry.name) else repr(entry.name)  # never print a raw line break
         if entry.header is None:
-            print(f"{entry.name:<24} {'?':>5} {'?':>8} {'?':<5} {entry.error}")
+            print(f"{name:<24} {'?':>5} {'?':>10} {'?':<5} {'?':>9} {owner:<10} {entry.error}")
             continue
         h = entry.header
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.creation_time_ns / 1e9))
-        alive = "yes" if h.creator_alive else "no"
-        print(f"{entry.name:<24} {h.n_slots:>5} {h.creator_pid:>8} {alive:<5} {created:<19}")
+        alive = "yes" if entry.alive else "no"
+        published = "never" if entry.last_publish_age is None else fmt_age(entry.last_publish_age)
+        print(f"{name:<24} {h.n_slots:>5} {h.creator_pid:>10} {alive:<5} {published:>9} {owner:<10} {created:<19}")
     return 0
 
 
+def _is_valid_name(name: str) -> bool:
+    try:
+        validate_name(name)
+    except ValueError:
+        return False
+    return True
+
+
 def run_info(args: argparse.Namespace) -> int:
-    board = Board.attach(args.name)
+    board = Board.attach(args.name, trust_uids=args.trust_uid)
     rows = slot_rows(board.reader(stale_after=args.stale_after))
     info = {
         "board": board.name,
@@ -96,7 +125,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_dump(args: argparse.Namespace) -> int:
-    board = Board.attach(args.name)
+    board = Board.attach(args.name, trust_uids=args.trust_uid)
     rows = slot_rows(board.reader(stale_after=args.stale_after))
     if args.json:
         print(json.dumps({"board": board.name, "n_slots": board.n_slots, "slots": rows}, indent=2))
@@ -117,11 +146,12 @@ def run_dump(args: argparse.Namespace) -> int:
 
 
 def run_clean(args: argparse.Namespace) -> int:
-    removed = clean_boards(args.name, force=args.force)
+    removed = clean_boards(args.name, force=args.force, stale_after=args.stale_after)
     if removed:
         for name in removed:
             print(f"removed {segment_path(name)}")
     else:
-        print("nothing to remove: every board's creator is alive (use --force to remove one anyway)")
+        print("nothing to remove: every board is alive (its creator runs, or a slot was published within "
+              f"{args.stale_after:g} s); use --force to remove one anyway")
     return 0
 

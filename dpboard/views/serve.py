@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -32,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 import dpboard
 from dpboard.board import DEFAULT_STALE_AFTER
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.options import count, seconds
 from dpboard.views.loads_document import (
     PROMETHEUS_CONTENT_TYPE,
     IncludeError,
@@ -57,14 +59,15 @@ class LoadsServer(ThreadingHTTPServer):
 
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 8080, *,
                  stale_after: float = DEFAULT_STALE_AFTER, wait: bool = False,
-                 accelerator: str | None = None, num_accelerators: int = 1) -> None:
+                 accelerator: str | None = None, num_accelerators: int = 1,
+                 trust_uids: Iterable[int] = ()) -> None:
         if not 0 <= port <= 65535:
             raise InvalidInputError(f"--port must be in 0..65535 (0 picks a free port), got {port}")
         if num_accelerators < 0:
             raise InvalidInputError(f"--num-accelerators must be >= 0, got {num_accelerators}")
         self.accelerator = accelerator
         self.num_accelerators = num_accelerators
-        self.watch = BoardWatch(name, stale_after=stale_after, wait=wait)
+        self.watch = BoardWatch(name, stale_after=stale_after, wait=wait, trust_uids=trust_uids)
         self._lock = threading.Lock()
         try:
             super().__init__((host, port), _Handler)
@@ -219,19 +222,22 @@ def _single(query: dict[str, list[str]], name: str, default: str | None) -> str 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="board name (without the dpboard. prefix)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER,
+    p.add_argument("--port", type=count(0, 65535), default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
                    help="seconds without a publish before a rank is stale (default 1.0)")
     p.add_argument("--wait", action="store_true", help="serve (503) until the board is created")
     p.add_argument("--accelerator", default=None,
                    help="/v1/loads' accelerator name, as SGLang reports it (default: null, SGLang's CPU answer)")
-    p.add_argument("--num-accelerators", type=int, default=1,
+    p.add_argument("--num-accelerators", type=count(0, 2**20), default=1,
                    help="/v1/loads' num_accelerators: accelerators behind one DP rank (default 1)")
+    p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
+                   help="also serve a board this user created (e.g. 0 for root); repeatable")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     server = LoadsServer(args.name, args.host, args.port, stale_after=args.stale_after, wait=args.wait,
-                         accelerator=args.accelerator, num_accelerators=args.num_accelerators)
+                         accelerator=args.accelerator, num_accelerators=args.num_accelerators,
+                         trust_uids=args.trust_uid)
 
     def stop(signum: int, _frame: Any) -> None:
         # shutdown() waits for serve_forever to return, so it must not run on the serving thread.

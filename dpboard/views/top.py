@@ -24,8 +24,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dpboard.board import DEFAULT_STALE_AFTER
+from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS
 from dpboard.errors import InvalidInputError
+from dpboard.options import count, seconds
 from dpboard.snapshot import SlotStatus
 from dpboard.views.rows import fmt_age, status_of
 from dpboard.views.watch import SORT_KEYS, BoardWatch, Frame
@@ -38,6 +39,7 @@ BAR_WIDTH = 12
 PLAIN_WIDTH = 132  # a plain-text frame fits its widest row in this many columns
 HISTORY_WIDTH = 24  # samples shown in the sparkline column
 HEADER_LINES = 6  # header, table heading and footer: what remains of the screen is for rows
+DEFAULT_PLAIN_ROWS = 64  # rows of a plain-text frame (no terminal to measure): --rows 0 shows them all
 
 
 # -- formatting (fixed widths, so that rows do not jump between refreshes) ----------------------
@@ -125,7 +127,7 @@ def render_header(frame: Frame) -> Text:
 def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = HISTORY_WIDTH) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False, padding=(0, 1))
     for title, width, justify in (
-        ("RANK", 4, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"),
+        ("RANK", 5, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"),
         ("TOTAL TOK", 9, "right"), ("ACTIVE TOK", 10, "right"), ("KV USAGE", BAR_WIDTH + 5, "left"),
         ("AGE", 7, "right"), ("PUB/S", 6, "right"), ("PID", 7, "right"),
         ("HISTORY (total tokens)", history_width, "left"),
@@ -166,7 +168,8 @@ def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hin
         rows = rows[: max(max_rows, 1)]
     footer = Text(style="dim")
     if hidden:
-        footer.append(f"... {hidden} more ranks below (sorted by {sort}; --sort total shows the busiest first)\n")
+        footer.append(f"... {hidden} more ranks below (sorted by {sort}; --sort total shows the busiest first, "
+                      f"--rows more of them)\n")
     footer.append(hint)
     parts: list[RenderableType] = [render_header(frame), render_table(frame, rows)]
     if footer.plain:
@@ -174,12 +177,14 @@ def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hin
     return Group(*parts)
 
 
-def render_text(frame: Frame, *, sort: str = "rank", width: int = PLAIN_WIDTH, color: bool = False) -> str:
-    """One frame as text (no escape codes unless ``color``): for pipes, logs and tests."""
+def render_text(frame: Frame, *, sort: str = "rank", width: int = PLAIN_WIDTH, color: bool = False,
+                max_rows: int | None = None) -> str:
+    """One frame as text (no escape codes unless ``color``): for pipes, logs and tests. The cost is
+    that of the rows shown: ``max_rows`` keeps a 65,536-rank board's frame to what is read."""
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
                       color_system="standard" if color else None, highlight=False, soft_wrap=False)
-    console.print(render(frame, sort=sort))
+    console.print(render(frame, sort=sort, max_rows=max_rows))
     return buf.getvalue()
 
 
@@ -188,16 +193,21 @@ def render_text(frame: Frame, *, sort: str = "rank", width: int = PLAIN_WIDTH, c
 
 def add_top_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="board name (without the dpboard. prefix)")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
+    p.add_argument("--interval", type=seconds(), default=0.5, help="seconds between refreshes (default 0.5)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
     p.add_argument("--sort", choices=sorted(SORT_KEYS), default="rank",
                    help="row order (default rank; load keys sort busiest first)")
-    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
                    help="seconds without a publish before a rank is stale (default 1.0)")
-    p.add_argument("--iterations", "-n", type=int, default=0,
+    p.add_argument("--iterations", "-n", type=count(0), default=0,
                    help="stop after this many refreshes (default 0: until Ctrl-C)")
+    p.add_argument("--rows", type=count(0, MAX_SLOTS), default=None,
+                   help=f"rows of a frame printed as text (--once, or no terminal): default what fits the "
+                        f"terminal, else {DEFAULT_PLAIN_ROWS}; 0 shows every rank")
     p.add_argument("--wait", action="store_true", help="wait for the board to be created instead of failing")
+    p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
+                   help="also show a board this user created (e.g. 0 for root); repeatable")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -205,6 +215,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--interval must be > 0 seconds, got {args.interval}")
     if args.iterations < 0:
         raise InvalidInputError(f"--iterations must be >= 0 (0: run until Ctrl-C), got {args.iterations}")
+
+
+def text_rows(rows: int | None, stream: Any) -> int | None:
+    """How many rows a text frame shows: ``--rows`` (0: all), else what fits a terminal, else 64."""
+    if rows is not None:
+        return rows or None
+    if stream.isatty():
+        import shutil
+
+        return max(shutil.get_terminal_size().lines - HEADER_LINES - 1, 1)
+    return DEFAULT_PLAIN_ROWS
 
 
 def one_frame(watch: BoardWatch, interval: float) -> Frame:
@@ -216,7 +237,8 @@ def one_frame(watch: BoardWatch, interval: float) -> Frame:
 
 def run_top(args: argparse.Namespace) -> int:
     _check_args(args)
-    watch = BoardWatch(args.name, stale_after=args.stale_after, wait=args.wait)
+    watch = BoardWatch(args.name, stale_after=args.stale_after, wait=args.wait, trust_uids=args.trust_uid)
+    rows = getattr(args, "rows", None)
     try:
         if args.json:
             frame = one_frame(watch, args.interval)
@@ -224,13 +246,15 @@ def run_top(args: argparse.Namespace) -> int:
             return 0 if frame.gone is None else 1
         if args.once:
             frame = one_frame(watch, args.interval)
-            sys.stdout.write(render_text(frame, sort=args.sort, color=sys.stdout.isatty()))
+            sys.stdout.write(render_text(frame, sort=args.sort, color=sys.stdout.isatty(),
+                                         max_rows=text_rows(rows, sys.stdout)))
             return 0 if frame.gone is None else 1
         console = Console()
         if console.is_terminal:
             live_view(watch, console, interval=args.interval, sort=args.sort, iterations=args.iterations)
         else:
-            plain_frames(watch, interval=args.interval, sort=args.sort, iterations=args.iterations)
+            plain_frames(watch, interval=args.interval, sort=args.sort, iterations=args.iterations,
+                         max_rows=text_rows(rows, sys.stdout))
         return 0
     except KeyboardInterrupt:
         return 0
@@ -250,11 +274,11 @@ def live_view(watch: BoardWatch, console: Console, *, interval: float, sort: str
 
 
 def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iterations: int = 0,
-                 should_stop: Any = None, out: Any = None) -> None:
+                 should_stop: Any = None, out: Any = None, max_rows: int | None = None) -> None:
     """Without a terminal: a plain-text frame every ``interval`` seconds, separated by a blank line."""
     out = out or sys.stdout
     for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
-        out.write(render_text(frame, sort=sort) + "\n")
+        out.write(render_text(frame, sort=sort, max_rows=max_rows) + "\n")
         out.flush()
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dpboard.board import Board, BoardError, BoardReader, segment_path, validate_name
-from dpboard.errors import InvalidInputError, NotFoundError
+from dpboard.board import Board, BoardError, BoardReader, check_stale_after, segment_path, validate_name
+from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.snapshot import DETAILED_DTYPE, SlotStatus
 from dpboard.views.rows import slot_rows, status_counts, status_of
 
@@ -109,10 +110,10 @@ class BoardWatch:
     """
 
     def __init__(self, name: str, *, stale_after: float = 1.0, history: int = DEFAULT_HISTORY,
-                 wait: bool = False) -> None:
+                 wait: bool = False, trust_uids: Iterable[int] = ()) -> None:
         self.name = validate_name(name)
-        if not stale_after > 0:
-            raise InvalidInputError(f"--stale-after must be > 0 seconds, got {stale_after!r}")
+        check_stale_after(stale_after)
+        self.trust_uids = tuple(trust_uids)
         if history < 1:
             raise InvalidInputError(f"history must be at least 1 sample, got {history!r}")
         self.stale_after = stale_after
@@ -127,7 +128,10 @@ class BoardWatch:
         self._prev_seq: list[int] | None = None
         self._prev_recv: list[int] | None = None
         self._prev_time = 0.0
+        self._error: DpboardError | None = None
         if not self._attach() and not wait:
+            if self._error is not None:
+                raise self._error  # what is wrong with the board, as `dpboard info` says it
             raise NotFoundError(
                 f"board {name!r} does not exist ({self._path}): check the name with `dpboard ls`, "
                 f"or pass --wait to wait for it to be created"
@@ -136,8 +140,9 @@ class BoardWatch:
     # -- attach / vanish ----------------------------------------------------------------------
 
     def _attach(self) -> bool:
+        self._error = None
         try:
-            board = Board.attach(self.name, timeout=0.2)
+            board = Board.attach(self.name, timeout=0.2, trust_uids=self.trust_uids)
         except FileNotFoundError:
             if self._seen_board:
                 self._gone = (f"board {self.name!r} is gone (its segment {self._path} was removed); "
@@ -147,6 +152,7 @@ class BoardWatch:
             return False
         except (BoardError, PermissionError, OSError) as e:
             self._gone = f"board {self.name!r} cannot be read: {e}"
+            self._error = e if isinstance(e, DpboardError) else BoardError(self._gone)
             return False
         reader = board.reader(stale_after=self.stale_after)
         # A new incarnation starts a new history: the old one described other writers.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import stat
 import struct
@@ -34,6 +35,8 @@ from dpboard.snapshot import (
     unpack_detail,
 )
 from tests.support.names import new_board_name
+from tests.support.other_user import as_nobody, error_as_nobody, need_root
+from tests.support.procutil import read_line
 from tests.support.raw import raw_segment
 
 PROCS = str(Path(__file__).parents[1] / "support" / "board_procs.py")
@@ -169,9 +172,11 @@ def test_bad_slot_counts_are_refused(board_name):
             Board.create(board_name, n_slots=n)
 
 
-def test_bad_stale_after_is_refused(board):
-    with pytest.raises(ValueError, match="stale_after must be > 0"):
-        board.reader(stale_after=0)
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), 1e10, "1"])
+def test_bad_stale_after_is_refused(board, value):
+    # inf and 1e10 used to overflow the reader's int64 nanoseconds (an OverflowError traceback)
+    with pytest.raises(ValueError, match=r"stale_after must be a number of seconds in \(0, 1e\+06\]"):
+        board.reader(stale_after=value)
 
 
 # -- creating and attaching -----------------------------------------------------------------------
@@ -255,31 +260,9 @@ def test_segment_is_0600(board):
 
 
 def test_another_user_cannot_open_the_board(board):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to switch a process to another user (uid 65534)")
-    # A forked child drops to another user and tries to open the board (the interpreter under /root
-    # may not be executable by that user, so no exec).
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                Board.attach(board.name)
-                os.write(write_end, b"opened")
-            except PermissionError as e:
-                os.write(write_end, str(e).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    _, status = os.waitpid(pid, 0)
-    message = os.read(read_end, 4096).decode()
-    os.close(read_end)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert "belongs to another user and is mode 0600" in message, message
+    kind, message = error_as_nobody(lambda: Board.attach(board.name))
+    assert kind == "AccessDeniedError"
+    assert "belongs to uid 0 (root) and is mode 0o600" in message and "uid 65534" in message, message
 
 
 # -- one writer per slot --------------------------------------------------------------------------
@@ -530,8 +513,7 @@ def test_clean_leaves_a_headerless_segment_unless_named(board_name):
 
 
 def test_a_recycled_owner_pid_does_not_hold_the_slot(board):
-    w = board.writer(6)
-    w.publish(LoadSnapshot(6))
+    board.writer(6).publish(LoadSnapshot(6))  # the writer is dropped at once: this process holds no writer
     # Same pid as a live process (ours), but another start time: the holder is gone, the pid recycled.
     with raw_segment(board.name) as raw:
         struct.pack_into("<Q", raw, slot_offset(6) + OWNER_OFFSET, pack_owner(os.getppid(), 1))
@@ -551,3 +533,428 @@ def test_read_array_fills_the_array_given_as_out(board):
         reader.read_array(into=mine)
     with pytest.raises(ValueError, match="at least 8 SNAPSHOT_DTYPE records"):
         reader.read_array(out=np.zeros(2, dtype=SNAPSHOT_DTYPE))
+
+
+# -- who may be trusted: owner, mode, links (a hostile local user) ----------------------------------
+
+
+def _make_segment_as_nobody(name: str, mode: int, n_slots: int = 2) -> None:
+    """As uid 65534: a segment named like a board, with a whole header and the given mode, made with
+    posix_ipc directly, as a hostile user would (dpboard itself refuses such a mode)."""
+    from dpboard.board.header import BoardHeader, pack_header
+    from dpboard.snapshot import segment_size
+
+    def make() -> None:
+        import mmap
+
+        import posix_ipc
+
+        shm = posix_ipc.SharedMemory(f"/dpboard.{name}", posix_ipc.O_CREX, mode=mode, size=segment_size(n_slots))
+        os.fchmod(shm.fd, mode)
+        with mmap.mmap(shm.fd, segment_size(n_slots)) as mm:
+            pack_header(mm, BoardHeader(name, LAYOUT_VERSION, HEADER_SIZE, n_slots, SLOT_SIZE, os.getpid(), 1, 7, 0, 0))
+        shm.close_fd()
+
+    as_nobody(make)
+
+
+def test_a_board_another_user_made_writable_is_not_adopted(board_name):
+    """Root's create(exist_ok=True) used to adopt a mode-0666 segment of another user, whose writes it
+    would then have trusted."""
+    need_root()
+    _make_segment_as_nobody(board_name, 0o666)
+    try:
+        with pytest.raises(PermissionError, match=r"belongs to uid 65534 \(nobody\) \(mode 0o666\)"):
+            Board.create(board_name, n_slots=2, exist_ok=True)
+        with pytest.raises(PermissionError, match=r"--trust-uid 65534"):
+            Board.attach(board_name)
+        # Trusting the user is not enough while others may write it.
+        with pytest.raises(PermissionError, match=r"mode 0o666: other users may write it"):
+            Board.attach(board_name, trust_uids=(65534,))
+    finally:
+        Path("/dev/shm", f"dpboard.{board_name}").unlink()
+
+
+def test_a_board_of_a_trusted_user_is_attached_and_read_only_when_not_writable(board_name):
+    need_root()
+    _make_segment_as_nobody(board_name, 0o644)
+    try:
+        with pytest.raises(PermissionError, match="uid 65534"):
+            Board.attach(board_name)
+        b = Board.attach(board_name, trust_uids=[65534])
+        assert b.n_slots == 2 and not b.read_only  # root may write anything it opens
+        assert b.reader().read_all() == [None, None]
+    finally:
+        Path("/dev/shm", f"dpboard.{board_name}").unlink()
+    # The other way round: another user reads root's 0644 board, read-only, once it trusts root.
+    with Board.create(board_name, n_slots=2, mode=0o644) as mine:
+        mine.writer(1).publish(LoadSnapshot(1, num_running_reqs=5))
+
+        def read_as_nobody() -> list:
+            with pytest.raises(PermissionError, match=r"belongs to uid 0 \(root\)"):
+                Board.attach(board_name)
+            b = Board.attach(board_name, trust_uids=(0,))
+            with pytest.raises(PermissionError, match="open read-only"):
+                b.writer(0)
+            return [b.read_only, b.reader().read(1).num_running_reqs]
+
+        assert as_nobody(read_as_nobody) == [True, 5]
+
+
+def test_boards_others_could_write_are_neither_made_nor_attached(board_name):
+    for mode in (0o666, 0o660, 0o602, 0o400, 0o1600):
+        with pytest.raises(ValueError, match="mode must give the owner read and write and nobody else write"):
+            Board.create(board_name, n_slots=2, mode=mode)
+    assert not Path("/dev/shm", f"dpboard.{board_name}").exists()
+    with Board.create(board_name, n_slots=2):
+        os.chmod(f"/dev/shm/dpboard.{board_name}", 0o620)  # made group-writable behind the creator's back
+        with pytest.raises(PermissionError, match="mode 0o620: other users may write it"):
+            Board.attach(board_name)
+
+
+def test_a_board_name_that_is_a_symbolic_link_is_refused(board_name, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\x00" * 4096)
+    link = Path("/dev/shm", f"dpboard.{board_name}")
+    link.symlink_to(victim)
+    try:
+        with pytest.raises(PermissionError, match="is a symbolic link, not a board"):
+            Board.attach(board_name)
+        with pytest.raises(PermissionError, match="is a symbolic link"):
+            Board.create(board_name, n_slots=2, exist_ok=True)
+    finally:
+        link.unlink()
+    assert victim.read_bytes() == b"\x00" * 4096
+
+
+@pytest.mark.parametrize("name", ["rel\n", "rel\r", "\nrel", "rel\n\n", "rel "])
+def test_a_name_with_a_line_break_is_refused_whole(name):
+    """The name check once ended in `$`, which also matches before a final newline: `rel\\n` made
+    /dev/shm/dpboard.rel\\n and broke `dpboard ls`."""
+    with pytest.raises(ValueError, match="board name .* is invalid"):
+        Board.create(name, n_slots=1)
+    assert not Path("/dev/shm", f"dpboard.{name}").exists()
+
+
+def test_ls_prints_a_leftover_name_with_a_line_break_on_one_line(board_name):
+    leftover = Path("/dev/shm", f"dpboard.{board_name}\n")  # what such a create used to leave
+    leftover.write_bytes(b"")
+    try:
+        out = _dpboard("ls")
+        assert out.returncode == 0
+        assert f"'{board_name}\\n'" in out.stdout  # shown escaped, on its own line
+        assert not any(line.strip() == "" for line in out.stdout.splitlines())
+    finally:
+        leftover.unlink()
+
+
+# -- attaching while the board is being created --------------------------------------------------
+
+
+def test_attach_waits_for_a_board_whose_creator_has_not_sized_it_yet(board_name):
+    """A creator makes the segment (0 bytes), then sizes it, then writes the header: an attacher in
+    between used to fail at once ("is 0 bytes ... dpboard clean --force"); it must wait, bounded."""
+    from dpboard.board.header import BoardHeader, pack_header
+    from dpboard.snapshot import MAGIC, segment_size
+
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # what shm_open(O_CREAT) leaves first
+    proc = start("attach_wait", board_name, 10)
+    try:
+        assert first_line(proc)["started"]
+        time.sleep(0.3)  # the attacher is inside attach, looking at a 0-byte segment
+        assert proc.poll() is None, proc.communicate()
+        os.ftruncate(fd, segment_size(3))
+        with open(path, "r+b") as f:
+            import mmap
+
+            with mmap.mmap(f.fileno(), segment_size(3)) as mm:
+                pack_header(mm, BoardHeader(board_name, LAYOUT_VERSION, HEADER_SIZE, 3, SLOT_SIZE, os.getpid(),
+                                            1, 5, 0, 0), magic=b"\x00" * 8)
+                time.sleep(0.1)
+                mm[0:8] = MAGIC
+        assert result(proc) == {"role": "attach_wait", "error": None, "n_slots": 3}
+    finally:
+        os.close(fd)
+        proc.kill()
+        proc.wait(timeout=10)
+        path.unlink(missing_ok=True)
+
+
+def test_attach_gives_up_on_a_segment_that_stays_empty(board_name):
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    path.write_bytes(b"")
+    try:
+        started = time.monotonic()
+        with pytest.raises(BoardLayoutError, match=r"is 0 bytes, smaller than a board header, after 0.2 s"):
+            Board.attach(board_name, timeout=0.2)
+        assert time.monotonic() - started < 5
+    finally:
+        path.unlink()
+
+
+def _create_race_worker(names, barrier, results, rank):
+    import contextlib
+
+    for name in names:
+        barrier.wait(timeout=30)
+        try:
+            b = Board.create(name, n_slots=4, exist_ok=True)
+            results.put((name, rank, "owner" if b.is_owner else "attached", ""))
+        except Exception as e:
+            results.put((name, rank, "error", f"{type(e).__name__}: {e}"))
+        barrier.wait(timeout=30)  # nobody unlinks before every process has its board
+        with contextlib.suppress(Exception):
+            if b.is_owner:
+                b.unlink()
+        b = None
+
+
+def test_processes_racing_to_create_one_board_all_get_it():
+    """Four processes race Board.create(name, exist_ok=True), round after round: exactly one creates
+    it, the others attach it, none fails."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    names = [new_board_name() for _ in range(30)]
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_create_race_worker, args=(names, barrier, results, k)) for k in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=60) for _ in range(4 * len(names))]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [g for g in got if g[2] == "error"]
+    assert not errors, errors[:3]
+    for name in names:
+        roles = sorted(g[2] for g in got if g[0] == name)
+        assert roles == ["attached", "attached", "attached", "owner"], (name, roles)
+        assert not Path("/dev/shm", f"dpboard.{name}").exists()
+
+
+# -- one writer per slot, under a race and inside one process --------------------------------------
+
+
+def _claim_race_worker(name, barrier, results, rank, rounds):
+    board = Board.attach(name)
+    for k in range(rounds):
+        barrier.wait(timeout=30)
+        try:
+            w = board.writer(k % board.n_slots)
+            w.publish(LoadSnapshot(k % board.n_slots, num_running_reqs=rank))
+            results.put((k, rank, True))
+        except BoardError:
+            w = None
+            results.put((k, rank, False))
+        barrier.wait(timeout=30)  # the winner holds its writer (and lives) until both have tried
+
+
+def test_two_processes_claiming_one_slot_at_once_never_both_win(board_name):
+    import multiprocessing
+
+    rounds = 400  # each round a fresh slot
+    ctx = multiprocessing.get_context("fork")
+    with Board.create(board_name, n_slots=rounds) as board:
+        barrier = ctx.Barrier(2)
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_claim_race_worker, args=(board_name, barrier, results, r, rounds))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            got = [results.get(timeout=60) for _ in range(2 * rounds)]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        winners = {k: [rank for kk, rank, won in got if kk == k and won] for k in range(rounds)}
+        assert all(len(w) == 1 for w in winners.values()), {k: w for k, w in winners.items() if len(w) != 1}
+        r = board.reader()
+        assert all(r.read(k).num_running_reqs == winners[k][0] for k in range(rounds))
+
+
+def test_a_second_writer_in_the_same_process_is_refused_until_the_first_is_closed(board):
+    w1 = board.writer(2)
+    for k in range(3):
+        w1.publish(LoadSnapshot(2, num_running_reqs=k))
+    with pytest.raises(BoardError, match="already has an open writer in this process"):
+        board.writer(2)
+    with pytest.raises(BoardError, match="already has an open writer in this process"):
+        Board.attach(board.name).writer(2)  # another Board object of the same board: same slot
+    w1.close()
+    with pytest.raises(ValueError, match="writer of slot 2 is closed"):
+        w1.publish(LoadSnapshot(2))
+    assert board.owner(2) == (0, 0)  # close() frees the slot for any process
+    w2 = board.writer(2)
+    w2.publish(LoadSnapshot(2, num_running_reqs=9))
+    snap = board.reader().read(2)
+    assert (snap.num_running_reqs, snap.publish_seq) == (9, 4)  # the sequence went on, never back
+    del w2
+    gc.collect()
+    with board.writer(2) as w3:  # a dropped writer frees the slot too; a writer is a context manager
+        w3.publish(LoadSnapshot(2))
+    assert board.reader().read(2).publish_seq == 5
+
+
+def test_takeover_in_the_same_process_closes_the_old_writer(board):
+    old = board.writer(4)
+    old.publish(LoadSnapshot(4, num_running_reqs=1))
+    old.publish(LoadSnapshot(4, num_running_reqs=2))
+    new = board.writer(4, takeover=True)
+    new.publish(LoadSnapshot(4, num_running_reqs=3))
+    seq_after_takeover = new.sequence
+    with pytest.raises(ValueError, match="is closed"):
+        old.publish(LoadSnapshot(4, num_running_reqs=99))  # used to move the sequence backwards (6 -> 2)
+    assert new.sequence == seq_after_takeover
+    snap = board.reader().read(4)
+    assert (snap.num_running_reqs, snap.publish_seq) == (3, 3)
+
+
+def test_a_closed_writer_frees_the_slot_for_another_process(board):
+    w = board.writer(5)
+    w.publish(LoadSnapshot(5))
+    w.close()
+    proc = start("hold_writer", board.name, 5, stdin=subprocess.PIPE)
+    try:
+        holder = first_line(proc)["pid"]  # not refused, though this process is alive
+        assert board.owner_pid(5) == holder
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+# -- ls and clean: liveness that does not rest on a pid, and bad boards beside good ones -----------
+
+
+def _dpboard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpboard.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_one_bad_board_never_hides_the_others(board, tmp_path):
+    """A corrupt header with a pid >= 2**31 crashed ls, info and clean (OverflowError from os.kill), and
+    then ls failed for every board. Damaged, hostile and foreign entries are listed with what is wrong."""
+    victim = tmp_path / "victim"
+    victim.write_text("not a board\n")
+    huge_pid, huge_slots, truncated, link, folder = (new_board_name() for _ in range(5))
+    made = []
+    try:
+        for name, n in ((huge_pid, 2), (huge_slots, 2)):
+            result(start("create_and_vanish", name, n))
+            made.append(name)
+        with raw_segment(huge_pid) as raw:
+            struct.pack_into("<q", raw, 24, 2**40)  # creator_pid
+            struct.pack_into("<Q", raw, 128, 2**40)  # collector_pid
+        with raw_segment(huge_slots) as raw:
+            struct.pack_into("<I", raw, 16, 2**31)  # n_slots, far beyond the segment
+        Path("/dev/shm", f"dpboard.{truncated}").write_bytes(b"DPBOARD\x00" + b"\x01" * 40)
+        Path("/dev/shm", f"dpboard.{link}").symlink_to(victim)
+        Path("/dev/shm", f"dpboard.{folder}").mkdir()
+        made += [truncated, link, folder]
+
+        ls = _dpboard("ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        listed = {entry["name"]: entry for entry in json.loads(ls.stdout)}
+        assert listed[board.name]["alive"] is True and listed[board.name]["error"] is None
+        assert listed[huge_pid]["creator_pid"] == 2**40 and listed[huge_pid]["alive"] is False
+        assert listed[huge_slots]["n_slots"] == 2**31 and listed[huge_slots]["alive"] is False
+        assert listed[truncated]["error"] == "no dpboard header"
+        assert "symbolic link" in listed[link]["error"]
+        assert listed[folder]["error"] == "not a regular file"
+        text = _dpboard("ls")
+        assert text.returncode == 0 and board.name in text.stdout and huge_pid in text.stdout
+        info = _dpboard("info", huge_pid)
+        assert info.returncode == 0 and "pid 1099511627776 (dead)" in info.stdout, info.stderr
+        assert "collector    pid 1099511627776 (dead)" in info.stdout
+        info = _dpboard("info", huge_slots)
+        assert info.returncode == 2 and "too small for its 2147483648 slots" in info.stderr
+        clean = _dpboard("clean")
+        assert clean.returncode == 0, clean.stderr
+        assert f"removed /dev/shm/dpboard.{huge_pid}" in clean.stdout
+        assert f"removed /dev/shm/dpboard.{huge_slots}" in clean.stdout
+        assert Path("/dev/shm", f"dpboard.{board.name}").exists()  # alive: kept
+        assert Path("/dev/shm", f"dpboard.{link}").is_symlink()  # not a board, not named: kept
+        assert victim.read_text() == "not a board\n"
+        named = _dpboard("clean", link)  # named: the link itself goes, never what it points to
+        assert named.returncode == 0 and not Path("/dev/shm", f"dpboard.{link}").exists()
+        assert victim.read_text() == "not a board\n"
+    finally:
+        for name in made:
+            p = Path("/dev/shm", f"dpboard.{name}")
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+            else:
+                p.unlink(missing_ok=True)
+
+
+def test_a_board_published_within_stale_after_is_alive_whatever_its_creator_pid(board_name):
+    """Its creator is dead (or, in another PID namespace, only looks dead): while a slot is fresh the
+    board is alive, and clean without --force leaves it."""
+    result(start("create_and_vanish", board_name, 2))
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    try:
+        w = Board.attach(board_name).writer(1)
+        w.publish(LoadSnapshot(1))
+        listed = {e["name"]: e for e in json.loads(_dpboard("ls", "--json", "--stale-after", "30").stdout)}
+        assert listed[board_name]["creator_alive"] is False and listed[board_name]["alive"] is True
+        assert 0 <= listed[board_name]["last_publish_age_s"] < 30
+        assert _dpboard("clean", "--stale-after", "30").returncode == 0 and path.exists()
+        refused = _dpboard("clean", board_name, "--stale-after", "30")
+        assert refused.returncode == 2 and "is in use: a slot was published" in refused.stderr
+        assert "whatever its creator pid says" in refused.stderr and path.exists()
+        w.close()
+        time.sleep(0.3)
+        swept = _dpboard("clean", "--stale-after", "0.2")  # no publish for longer than that: dead
+        assert f"removed {path}" in swept.stdout and not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_clean_leaves_a_live_board_made_in_another_pid_namespace(board_name):
+    """`unshare --pid --fork --mount-proc`: the creator is pid 1 in its namespace, which from here is
+    another process (or none); `ls` said not alive and `clean` removed the board while its slot was
+    33 ms old."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a PID namespace")
+    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"this kernel refuses a new PID namespace: {probe.stderr.decode().strip()}")
+    code = f"""
+import os, sys, time
+from dpboard import Board, LoadSnapshot
+b = Board.create({board_name!r}, n_slots=2)
+w = b.writer(0)
+print(os.getpid(), flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and not os.path.exists({str(Path('/tmp') / (board_name + '.stop'))!r}):
+    w.publish(LoadSnapshot(0, num_running_reqs=1))
+    time.sleep(0.02)
+os._exit(0)  # as a crash would: no unlink
+"""
+    stop_file = Path("/tmp") / (board_name + ".stop")
+    proc = subprocess.Popen([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).parents[2]))
+    path = Path("/dev/shm", f"dpboard.{board_name}")
+    try:
+        assert read_line(proc, 30).strip() == "1"  # pid 1 in its own namespace
+        listed = {e["name"]: e for e in json.loads(_dpboard("ls", "--json").stdout)}
+        assert listed[board_name]["creator_pid"] == 1 and listed[board_name]["alive"] is True
+        assert _dpboard("clean").returncode == 0 and path.exists()
+        refused = _dpboard("clean", board_name)
+        assert refused.returncode == 2 and "is in use" in refused.stderr and path.exists()
+        stop_file.touch()
+        proc.wait(timeout=30)
+        time.sleep(0.3)
+        swept = _dpboard("clean", board_name, "--stale-after", "0.2")
+        assert swept.returncode == 0 and not path.exists(), swept.stderr
+    finally:
+        stop_file.unlink(missing_ok=True)
+        proc.kill()
+        proc.wait(timeout=10)
+        path.unlink(missing_ok=True)

@@ -296,3 +296,59 @@ def test_retract_is_a_no_op_for_methods_without_load():
     first = d.dispatch(Req())
     d.retract(first, Req())
     assert [d.dispatch(Req()) for _ in range(2)] == [1, 2]
+
+
+# -- bounds: no budget sum wraps ------------------------------------------------------------------
+
+MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("method", [M.TOTAL_TOKENS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG, M.TOTAL_REQUESTS])
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_a_request_larger_than_the_bound_is_refused_and_charges_nothing(method, use_extension):
+    """num_tokens=2**63-1 used to be accepted and wrap the rank's budget to -2, so that rank kept
+    being picked."""
+    d, reader, _ = make(method, n=2, use_extension=use_extension)
+    for bad in (2**63 - 1, 2**32 + 1):
+        with pytest.raises(ValueError, match=r"num_tokens must be an int in \[0, 4294967296\]"):
+            d.dispatch(TokReq(num_tokens=bad))
+        with pytest.raises(ValueError, match=r"\[0, 4294967296\]"):
+            d.dispatch_batch([TokReq(num_tokens=5), TokReq(num_tokens=bad)])
+    assert d.budget.total_tokens.tolist() == [0, 0] and d.budget.sent_reqs.tolist() == [0, 0]
+    assert d.dispatch(TokReq(num_tokens=2**32)) in (0, 1)  # the bound itself is a request
+
+
+@pytest.mark.parametrize("method", [M.TOTAL_TOKENS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG])
+def test_budget_sums_saturate_alike_in_c_and_python(method):
+    """A rank published at 2**63-1 plus a routed charge used to go negative and win every argmin."""
+    results = []
+    for use in (True, False):
+        d, reader, clock = make(method, n=3, use_extension=use)
+        reader.set(0, running=MAX, waiting=MAX, tokens=MAX, used=0, received=0)
+        reader.set(1, tokens=10, used=10)
+        reader.set(2, tokens=20, used=20)
+        picks = [d.dispatch(TokReq(num_tokens=2**32, routed_dp_rank=0)) for _ in range(3)]
+        picks += [d.dispatch(TokReq(num_tokens=100)) for _ in range(4)]
+        clock.now += 1
+        picks += d.dispatch_batch([TokReq(num_tokens=2**32) for _ in range(4)])
+        b = d.budget
+        assert (b.total_tokens >= 0).all() and (b.total_requests >= 0).all() and (b.backlog >= 0).all()
+        assert b.total_tokens[0] == MAX and b.total_requests[0] == MAX
+        assert 0 not in picks[3:]  # the saturated rank stays the most loaded
+        results.append((picks, b.total_tokens.tolist(), b.total_requests.tolist(), b.backlog.tolist(),
+                        b.sent_tokens.tolist()))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_charges_saturate_at_the_top(use_extension):
+    budget = DPBudget(2, use_extension=use_extension, inflight_accounting=True)
+    budget.total_tokens[0] = MAX - 5
+    budget.total_requests[0] = MAX
+    budget.sent_tokens[0] = MAX - 1
+    budget.charge(0, 2**32)
+    assert budget.total_tokens[0] == MAX and budget.total_requests[0] == MAX and budget.sent_tokens[0] == MAX
+    with pytest.raises(ValueError, match=r"0 <= tokens <= 4294967296"):
+        budget.charge(1, 2**32 + 1)
+    with pytest.raises(ValueError, match=r"estimated tokens must be in \[0, 4294967296\]"):
+        budget.dispatch(M.TOTAL_TOKENS, 2**40)

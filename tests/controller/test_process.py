@@ -7,6 +7,8 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import msgpack
 import pytest
@@ -15,7 +17,7 @@ import zmq
 from dpboard import Board
 from dpboard.controller.codec import encode_request
 from tests.support.names import ROOT
-from tests.support.procutil import kill, wait_for
+from tests.support.procutil import kill, stop, wait_for
 
 
 def _controller_cmd(*args: str) -> list[str]:
@@ -131,3 +133,204 @@ def test_controller_refuses_an_active_rank_without_endpoint(tmp_path):
     d = Dispatcher("round_robin", 2)
     with pytest.raises(ValueError, match=r"active ranks \[1\] have no worker endpoint"):
         DataParallelController(d, [f"ipc://{tmp_path}/w0", None], f"ipc://{tmp_path}/in")
+
+
+# -- bad endpoints and options: a clear error, every socket closed, no hang ---------------------
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--workers", "bogus"], "--workers (rank 0) 'bogus' is not a ZMQ endpoint"),
+    (["--workers", "tcp://127.0.0.1:99999"], "port 99999 is outside 1..65535"),
+    (["--workers", "tcp://-:5"], "cannot connect worker 0 on tcp://-:5: Invalid argument"),  # ZMQ refuses it
+    (["--workers", "ipc:///tmp/w", "--errors", "tcp://-:5"], "cannot connect the error channel on tcp://-:5"),
+    (["--workers", "ipc:///tmp/w", "--send-hwm", "-5"], "argument --send-hwm: -5 is outside [1, 100000000]"),
+    (["--workers", "ipc:///tmp/w", "--stale-after", "inf"], "argument --stale-after: 'inf' is not a finite number"),
+    (["--workers", "ipc:///tmp/w", "--stale-after", "1e10"], "argument --stale-after: 1e10 is outside"),
+    (["--workers", "ipc:///tmp/w", "--duration", "0"], "argument --duration: 0 is outside (0, 1e+06] seconds"),
+])
+def test_a_bad_endpoint_or_option_fails_at_once_and_leaves_nothing_open(tmp_path, args, words):
+    """`--workers bogus` (and `--send-hwm -5`) used to hang forever: the socket that failed was never
+    closed, so Context.term() blocked."""
+    in_ep = f"ipc://{tmp_path}/in"
+    res = subprocess.run(_controller_cmd("--input", in_ep, *args, "--duration", "0.5"), capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2, res.stderr
+    assert words in res.stderr and "Traceback" not in res.stderr
+    from dpboard.ownership import endpoint_lock_path
+
+    assert not endpoint_lock_path(in_ep).exists()  # the input's lock went with it
+
+
+def test_a_controller_that_fails_to_start_closes_its_sockets_and_can_be_started_again(tmp_path):
+    from dpboard.controller import DataParallelController, Dispatcher
+    from dpboard.errors import UnavailableError
+
+    in_ep = f"ipc://{tmp_path}/in"
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(UnavailableError, match=r"cannot connect worker 1 on tcp://-:5"):
+            DataParallelController(Dispatcher("round_robin", 2), [f"ipc://{tmp_path}/w0", "tcp://-:5"], in_ep,
+                                   context=ctx)
+        # nothing was left bound or locked, and the shared context terminates at once
+        with DataParallelController(Dispatcher("round_robin", 1), [f"ipc://{tmp_path}/w0"], in_ep, context=ctx):
+            pass
+    finally:
+        ctx.term()
+
+
+# -- one owner of an ipc:// input ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_second_controller_on_the_same_input_is_refused_and_the_first_keeps_serving(tmp_path):
+    """ZMQ lets a second ipc:// bind take the path over silently: the first controller then received
+    nothing. The second must fail at start, naming the first."""
+    in_ep, w_ep = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/w0"
+    ctx = zmq.Context()
+    worker = ctx.socket(zmq.PULL)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.bind(w_ep)
+    first = subprocess.Popen(_controller_cmd("--input", in_ep, "--workers", w_ep, "--log-every", "60"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        from dpboard.ownership import endpoint_lock_path
+
+        wait_for(lambda: endpoint_lock_path(in_ep).exists() or first.poll() is not None, 20, "the first to start")
+        second = subprocess.run(_controller_cmd("--input", in_ep, "--workers", w_ep, "--duration", "5"),
+                                capture_output=True, text=True, timeout=30)
+        assert second.returncode == 2
+        assert f"endpoint {in_ep} already has an owner: pid {first.pid}" in second.stderr
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(in_ep)
+        push.send(encode_request("still-mine", num_tokens=3))
+        assert worker.poll(20_000), "the first controller no longer receives"
+        assert msgpack.unpackb(worker.recv(), raw=False)["rid"] == "still-mine"
+        stop(first)
+        assert first.returncode == 0 and not endpoint_lock_path(in_ep).exists()  # a clean exit frees it
+    finally:
+        kill(first)
+        ctx.destroy(linger=0)
+
+
+# -- a request too large for the budget ------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["inflight_tokens", "round_robin"])
+def test_a_request_above_the_size_bound_is_answered_with_an_error(board_name, tmp_path, method):
+    in_ep, err_ep, w_ep = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/err", f"ipc://{tmp_path}/w0"
+    ctx = zmq.Context()
+    with Board.create(board_name, n_slots=2) as board:
+        board.writer(0).publish_values(0, 0, 0, 0, 0, 100, 0)
+        board.writer(1).publish_values(0, 0, 0, 0, 0, 100, 0)
+        workers = []
+        for ep in (w_ep, f"ipc://{tmp_path}/w1"):
+            sock = ctx.socket(zmq.PULL)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(ep)
+            workers.append(sock)
+        errors = ctx.socket(zmq.PULL)
+        errors.setsockopt(zmq.LINGER, 0)
+        errors.bind(err_ep)
+        controller = subprocess.Popen(
+            _controller_cmd("--input", in_ep, "--workers", w_ep, f"ipc://{tmp_path}/w1", "--errors", err_ep,
+                            "--method", method, "--board", board_name, "--stale-after", "60", "--stats-json"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(in_ep)
+            push.send(encode_request("huge", num_tokens=2**63 - 1))
+            push.send(encode_request("fine", num_tokens=10))
+            assert errors.poll(20_000)
+            assert msgpack.unpackb(errors.recv(), raw=False) == {
+                "rid": "huge", "error": f"request of {2**63 - 1} tokens is larger than the 4294967296 tokens a "
+                                        f"request may have"}
+            wait_for(lambda: any(w.poll(0) for w in workers), 20, "the good request to be dispatched")
+            controller.send_signal(signal.SIGTERM)
+            out, err = controller.communicate(timeout=20)
+            stats = json.loads(out.strip().splitlines()[-1])
+            assert stats["rejected"] == 1 and stats["dispatched"] == 1 and stats["malformed"] == 0
+        finally:
+            kill(controller)
+            ctx.destroy(linger=0)
+
+
+# -- a board recreated under the controller --------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_controller_follows_a_recreated_board(board_name, tmp_path):
+    """Unlink and recreate the board while the schedulers publish: the controller used to keep the old
+    mapping, whose slots went stale a second later, and then rejected every request ("no DP rank can
+    take the request")."""
+    n = 2
+    eps = [f"ipc://{tmp_path}/w{r}" for r in range(n)]
+    in_ep, err_ep = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/err"
+    ctx = zmq.Context()
+    current = {"board": Board.create(board_name, n_slots=n)}
+    current["writers"] = [current["board"].writer(r) for r in range(n)]
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.wait(0.02):
+            for w in current["writers"]:
+                w.publish_values(0, 0, 0, 0, 0, 1000, 0)
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    workers = []
+    for ep in eps:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(ep)
+        workers.append(sock)
+    errors = ctx.socket(zmq.PULL)
+    errors.setsockopt(zmq.LINGER, 0)
+    errors.bind(err_ep)
+    controller = subprocess.Popen(
+        _controller_cmd("--input", in_ep, "--workers", *eps, "--errors", err_ep, "--method", "inflight_tokens",
+                        "--board", board_name, "--stale-after", "0.3", "--stats-json"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(in_ep)
+
+        def send_and_count(prefix: str, count: int) -> None:
+            for i in range(count):
+                push.send(encode_request(f"{prefix}{i}", num_tokens=5))
+            got = []
+
+            def arrived() -> bool:
+                for w in workers:
+                    while w.poll(0):
+                        got.append(w.recv())
+                return len(got) == count
+
+            wait_for(arrived, 20, f"the {prefix} requests to reach the schedulers")
+
+        send_and_count("before", 10)
+        old = current["board"]
+        old.close()
+        old.unlink()
+        new = Board.create(board_name, n_slots=n)
+        current["writers"] = [new.writer(r) for r in range(n)]
+        current["board"] = new
+        time.sleep(1.0)  # the old board's slots are stale by now
+        send_and_count("after", 20)
+        assert not errors.poll(0), msgpack.unpackb(errors.recv(), raw=False)
+        controller.send_signal(signal.SIGTERM)
+        out, err = controller.communicate(timeout=20)
+        assert controller.returncode == 0, err
+        assert f"board '{board_name}' was replaced" in err and "attached the new one" in err
+        stats = json.loads(out.strip().splitlines()[-1])
+        assert stats["dispatched"] == 30 and stats["rejected"] == 0
+    finally:
+        stop.set()
+        publisher.join(5)
+        kill(controller)
+        ctx.destroy(linger=0)
+        current["board"].close()
+        current["board"].unlink()

@@ -101,9 +101,10 @@ def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--ranks", "0"], "--ranks must be in 1..256"),
+    (["--ranks", "0"], "argument --ranks: 0 is outside [1, 256]"),
     (["--method", "fastest"], "fastest"),
-    (["--duration", "-1"], "--duration must be > 0"),
+    (["--duration", "-1"], "argument --duration: -1 is outside (0, 1e+06] seconds"),
+    (["--rate", "inf"], "argument --rate: 'inf' is not a finite number"),
     (["--num-pages", "10"], "raise --num-pages"),
 ])
 def test_bad_arguments_fail_before_starting_anything(args, words):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +60,97 @@ def test_numba_cuda_kernels_in_the_simulator():
     tail = result.stdout[-3000:] + result.stderr[-2000:]
     assert result.returncode == 0, tail
     assert " passed" in result.stdout and "failed" not in result.stdout and "skipped" not in result.stdout, tail
+
+
+HOST_PROGRAM = r"""
+// The counting rules of kernels/loads.cu, run on the host (they are __host__ __device__).
+#include "loads.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+template <typename T> std::vector<T> load(const char *path, long long n) {
+    std::vector<T> v(n > 0 ? n : 1);
+    FILE *f = fopen(path, "rb");
+    if (!f || (n > 0 && fread(v.data(), sizeof(T), n, f) != (size_t)n)) exit(3);
+    fclose(f);
+    return v;
+}
+
+template <typename S, typename L, typename P> int run(char **argv) {
+    long long n_req = atoll(argv[2]), n_pages = atoll(argv[3]);
+    std::vector<S> state = load<S>(argv[4], n_req);
+    std::vector<L> seqlen = load<L>(argv[5], n_req);
+    std::vector<P> pages = load<P>(argv[6], n_pages);
+    i64 acc[DPB_NUM_RAW];
+    dpb_count_range(state.data(), seqlen.data(), n_req, pages.data(), n_pages, 0, 1, acc);
+    for (int k = 0; k < DPB_NUM_RAW; k++) printf("%lld\n", acc[k]);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 7) return 2;
+    switch (atoi(argv[1])) {
+        case 0: return run<signed char, long long, signed char>(argv);
+        case 1: return run<int, int, int>(argv);
+        case 2: return run<unsigned char, unsigned int, unsigned char>(argv);
+    }
+    return 2;
+}
+"""
+HOST_DTYPES = [(np.int8, np.int64, np.int8), (np.int32, np.int32, np.int32), (np.uint8, np.uint32, np.uint8)]
+
+
+@pytest.fixture(scope="module")
+def host_counter(tmp_path_factory):
+    """kernels/loads.cu's counting rules compiled by nvcc for the host: no GPU needed to run them."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here (the CUDA toolkit is needed for this check)")
+    d = tmp_path_factory.mktemp("host_counter")
+    (d / "main.cu").write_text(HOST_PROGRAM)
+    binary = d / "count"
+    result = subprocess.run([nvcc, "-std=c++17", "-I", str(ROOT / "kernels"), "-o", str(binary), str(d / "main.cu")],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    return binary, d
+
+
+def host_raw(host_counter, kind, state, seqlen, pages) -> list[int]:
+    binary, d = host_counter
+    paths = []
+    for name, arr in (("state", state), ("seqlen", seqlen), ("pages", pages)):
+        path = d / f"{name}.bin"
+        path.write_bytes(np.ascontiguousarray(arr).tobytes())
+        paths.append(str(path))
+    out = subprocess.run([str(binary), str(kind), str(len(state)), str(len(pages)), *paths], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [int(x) for x in out.stdout.split()]
+
+
+@pytest.mark.parametrize("kind", range(len(HOST_DTYPES)))
+def test_cuda_c_counts_like_the_reference_seqlen_bounds_included(host_counter, kind):
+    """The same tables through the CUDA C counting rules and the NumPy reference: equal raw counters,
+    out-of-range seqlens (the overflow guard) and bad codes included."""
+    from dpboard.loads.reference import raw_counts_numpy
+    from dpboard.snapshot import MAX_SEQLEN
+
+    s_dt, l_dt, p_dt = HOST_DTYPES[kind]
+    rng = np.random.default_rng(kind)
+    n = 3000
+    state = rng.integers(-1, 8, n).astype(s_dt) if np.dtype(s_dt).kind == "i" else rng.integers(0, 8, n).astype(s_dt)
+    info = np.iinfo(l_dt)
+    seqlen = rng.integers(0, 5000, n).astype(l_dt)
+    edges = [v for v in (-1, MAX_SEQLEN, MAX_SEQLEN + 1, 2**62, info.max, info.min) if info.min <= v <= info.max]
+    seqlen[: len(edges)] = edges
+    pages = rng.integers(0, 4, 5000).astype(p_dt)
+    expected = raw_counts_numpy(state, seqlen, pages).tolist()
+    assert host_raw(host_counter, kind, state, seqlen, pages) == expected
+    # every state with a seqlen past the bound: counted bad, summed nowhere
+    if info.max > MAX_SEQLEN:
+        state = np.arange(7).astype(s_dt)
+        seqlen = np.full(7, 2**62, l_dt)
+        got = host_raw(host_counter, kind, state, seqlen, np.zeros(1, p_dt))
+        assert got == raw_counts_numpy(state, seqlen, np.zeros(1, p_dt)).tolist()
+        assert got[8] == 6 and got[2] == got[3] == 0

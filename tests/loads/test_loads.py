@@ -200,8 +200,72 @@ def test_unknown_page_state(backend, dtype, code):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_negative_seqlen(backend):
     state, _, pages = good()
-    with pytest.raises(ValueError, match=r"negative value.* req_seqlen\[1\] = -3"):
+    with pytest.raises(ValueError, match=r"outside \[0, 4294967296\].* req_seqlen\[1\] = -3"):
         compute_loads(state, np.array([5, -3], np.int32), pages, page_size=1, backend=backend)
+
+
+# -- int64 sums that would overflow ----------------------------------------------------------------
+
+
+OVERFLOWING = [
+    # four WAITING rows of 2**62 tokens: their sum wraps to 0, and num_total_tokens used to be
+    # published as the used tokens alone (32)
+    ([ReqState.WAITING] * 4, [2**62] * 4),
+    ([ReqState.PREALLOC, ReqState.TRANSFER], [2**63 - 1, 2**63 - 1]),  # seqlen awaiting transfer
+    ([ReqState.RUNNING, ReqState.WAITING], [2**40, 10]),  # a running row is not summed, but is still wrong
+    ([ReqState.WAITING], [2**32 + 1]),  # the first value past the bound
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("states", "seqlens"), OVERFLOWING)
+def test_seqlens_that_would_overflow_the_sums_are_refused(backend, states, seqlens):
+    from dpboard.loads import cpu
+
+    state = np.array(states, np.int8)
+    seqlen = np.array(seqlens, np.int64)
+    pages = np.array([PageState.USED, PageState.USED], np.int8)
+    with pytest.raises(ValueError, match=r"outside \[0, 4294967296\] \(2\*\*32 tokens\) in rows that are not FREE"):
+        compute_loads(state, seqlen, pages, page_size=16, backend=backend)
+    # the parallel passes count it alike
+    raw = cpu.raw_counts(state, seqlen, pages, req_parallel_min=0, page_parallel_min=0)
+    assert raw.tolist() == raw_counts_numpy(state, seqlen, pages).tolist()
+    assert raw[8] >= 1
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_the_largest_seqlens_sum_exactly(backend):
+    n = 1000
+    state = np.full(n, ReqState.WAITING, np.int8)
+    state[::2] = ReqState.PREALLOC
+    state[0] = ReqState.FREE
+    seqlen = np.full(n, 2**32, np.int64)
+    seqlen[0] = 2**62  # a FREE row's seqlen is ignored, whatever it is
+    pages = np.zeros(10, np.uint8)
+    loads = compute_loads(state, seqlen, pages, page_size=2**40, backend=backend)
+    assert loads.num_total_tokens == (n - 1) * 2**32
+    assert loads.num_active_tokens == (n - 1) * 2**32 - (n // 2 - 1) * 2**32
+
+
+def test_a_request_table_whose_sums_could_overflow_is_refused():
+    # shape without memory: a real array of 2**33 rows, every one the same int32 element
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.int32), shape=(2**33,), strides=(0,))
+    with pytest.raises(ValueError, match="could overflow int64 sums"):
+        compute_loads(huge, huge, np.zeros(1, np.int8),
+                      page_size=1, backend="numpy")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba", "auto", "numba-cuda", "cupy"])
+@pytest.mark.parametrize("which", ["req_state", "req_seqlen", "page_state"])
+def test_another_byte_order_is_refused_by_every_backend(backend, which):
+    """'>i4' tables passed the checks, then the Numba backend raised a TypingError traceback."""
+    tables = {"req_state": np.array([1, 2], np.int32), "req_seqlen": np.array([5, 7], np.int32),
+              "page_state": np.array([0, 1, 2], np.int32)}
+    tables[which] = tables[which].astype(">i4")
+    with pytest.raises(ValueError, match=rf"{which} has dtype >i4, which is not this machine's byte order.*"
+                                         rf"astype\(int32\)"):
+        compute_loads(tables["req_state"], tables["req_seqlen"], tables["page_state"], page_size=1,
+                      backend=backend)
 
 
 def test_unknown_backend():

@@ -252,3 +252,63 @@ def test_curve_admits_known_relays_only(tmp_path):
             assert b0.reader().read(1).num_running_reqs == 11
             assert b0.reader().read(2) is None
             assert unknown.frames_sent == 0
+
+
+# -- lock files a hostile local user planted ----------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["board", "endpoint"])
+def test_collect_refuses_a_lock_file_planted_as_a_symbolic_link(board_name, tmp_path, which):
+    """As another user: `ln -s VICTIM /dev/shm/<the collector's lock>`; then root runs `dpboard collect`.
+    The collector used to follow the link and write its pid over the root-owned 0600 victim."""
+    from tests.support.other_user import as_nobody
+
+    victim = tmp_path / "victim"
+    victim.write_text("root's secret\n")
+    victim.chmod(0o600)
+    ipc = f"ipc:///tmp/{board_name}.sock"
+    lock = board_lock_path(board_name) if which == "board" else endpoint_lock_path(ipc)
+    as_nobody(lambda: os.symlink(victim, lock))
+    try:
+        out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", ipc, "--n-slots", "2",
+                              "--duration", "1"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"{lock} is a symbolic link" in out.stderr and "Traceback" not in out.stderr
+        assert victim.read_text() == "root's secret\n"
+        assert lock.is_symlink()  # refused, neither followed nor removed
+        assert not Path("/dev/shm", f"dpboard.{board_name}").exists()  # nothing was started
+    finally:
+        lock.unlink(missing_ok=True)
+        Path(f"/tmp/{board_name}.sock").unlink(missing_ok=True)
+
+
+def test_collect_refuses_a_lock_file_of_another_user(board_name):
+    from tests.support.other_user import as_nobody
+
+    lock = board_lock_path(board_name)
+
+    def plant() -> None:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.write(fd, b"1\n")
+        os.close(fd)
+
+    as_nobody(plant)
+    try:
+        with Board.create(board_name, n_slots=2):
+            with pytest.raises(PermissionError, match=r"belongs to uid 65534 \(nobody\)"):
+                Collector(board_name, "tcp://127.0.0.1:*")
+            assert Board.attach(board_name).collector_stats()["collector_pid"] == 0
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(("bind", "words"), [
+    ("tcp://127.0.0.1:99999", "port 99999 is outside 1..65535"),  # ZMQ would have bound another port
+    ("tcp://127.0.0.1:5757\n", "is not a ZMQ endpoint"),
+    ("ipc://", "is not a ZMQ endpoint"),
+])
+def test_collect_refuses_an_endpoint_zmq_would_misread(board_name, bind, words):
+    with Board.create(board_name, n_slots=2):
+        out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", bind, "--duration", "1"],
+                             capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr

@@ -260,7 +260,7 @@ def test_bad_relay_arguments_are_clear_errors(board_name):
     assert out.returncode == 2 and "--to" in out.stderr and "--node-id" in out.stderr
     out = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9", "--node-id", "0"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "--node-id must be >= 1" in out.stderr
+    assert out.returncode == 2 and "--node-id: 0 is outside [1, " in out.stderr and "node 0 is node0" in out.stderr
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
@@ -272,3 +272,97 @@ def test_keygen_writes_a_certificate_pair(tmp_path):
     assert public.is_file() and secret.stat().st_mode & 0o777 == 0o600
     pub, sec = zmq.auth.load_certificate(secret)
     assert zmq.auth.load_certificate(public) == (pub, None) and len(sec) == 40
+
+
+def test_relay_and_collector_follow_boards_recreated_under_them(caplog):
+    """A node's board, then node0's board, is removed and created again (schedulers restarting): the
+    relay used to keep sending the old board's stale slots (then nothing), and the collector to write
+    into a segment nobody reads any more."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    name0, name1 = new_board_name(), new_board_name()
+    boards = {"0": Board.create(name0, n_slots=4), "1": Board.create(name1, n_slots=4, node_id=1)}
+    try:
+        with Collector(boards["0"], "tcp://127.0.0.1:*") as collector, \
+                Relay(boards["1"], collector.endpoint, 1, remote_board=name0) as relay:
+            value = [0]
+
+            def shows(expected_board: str) -> bool:
+                value[0] += 1
+                writer.publish(LoadSnapshot(1, num_running_reqs=value[0]))
+                relay.tick()
+                collector.poll(10)
+                snap = Board.attach(expected_board).reader().read(1)
+                return snap is not None and snap.num_running_reqs == value[0]
+
+            writer = boards["1"].writer(1)
+            assert wait_until(lambda: shows(name0), timeout=10)
+            # node 1's board is recreated: the relay reads the new one
+            writer.close()
+            boards["1"].close()
+            boards["1"].unlink()
+            boards["1"] = Board.create(name1, n_slots=4, node_id=1)
+            writer = boards["1"].writer(1)
+            assert wait_until(lambda: shows(name0), timeout=10)
+            # node0's board is recreated: the collector writes into the new one
+            boards["0"].close()
+            boards["0"].unlink()
+            boards["0"] = Board.create(name0, n_slots=4)
+            assert wait_until(lambda: shows(name0), timeout=10)
+            assert Board.attach(name0).generation == boards["0"].generation
+            assert Board.attach(name0).collector_stats()["collector_pid"] > 0
+        replaced = [r.getMessage() for r in caplog.records if "was replaced" in r.getMessage()]
+        assert any(name1 in m for m in replaced) and any(name0 in m for m in replaced)
+    finally:
+        for b in boards.values():
+            b.close()
+            b.unlink()
+
+
+def test_a_rank_range_beyond_the_board_is_refused_before_it_is_expanded(board_name):
+    """`relay --ranks 0-20000000` took 10 s and 1.7 GB before failing."""
+    with Board.create(board_name, n_slots=4, node_id=1):
+        out = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9", "--node-id", "1",
+                              "--ranks", "0-20000000"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "--ranks '0-20000000' names rank 20000000, but the board has 4 slots (ranks 0..3)" in out.stderr
+    with pytest.raises(ValueError, match="names rank 99999999999"):
+        parse_ranks("1-99999999999")  # the library's own bound (MAX_SLOTS) without a board
+    assert parse_ranks("2-3,0", n_slots=4) == [0, 2, 3]
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+def test_keygen_never_overwrites_keys_without_force(tmp_path):
+    keys = tmp_path / "keys"
+    first = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n1"], capture_output=True,
+                           text=True, timeout=30)
+    assert first.returncode == 0, first.stderr
+    secret = keys / "n1.key_secret"
+    before = secret.read_bytes()
+    again = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n1"], capture_output=True,
+                           text=True, timeout=30)
+    assert again.returncode == 2 and "already exist" in again.stderr and "--force" in again.stderr
+    assert secret.read_bytes() == before
+    forced = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n1", "--force"],
+                            capture_output=True, text=True, timeout=30)
+    assert forced.returncode == 0 and secret.read_bytes() != before
+    assert secret.stat().st_mode & 0o777 == 0o600 and (keys / "n1.key").stat().st_mode & 0o777 == 0o644
+    assert not list(keys.glob(".dpboard-keygen-*"))  # the private folder is gone
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+def test_keygen_never_writes_through_a_planted_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "n2.key_secret").symlink_to(victim)
+    refused = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n2"], capture_output=True,
+                             text=True, timeout=30)
+    assert refused.returncode == 2 and "already exist" in refused.stderr
+    forced = subprocess.run([*CLI, "relay", "--keygen", str(keys), "--key-name", "n2", "--force"],
+                            capture_output=True, text=True, timeout=30)
+    assert forced.returncode == 0, forced.stderr
+    assert victim.read_text() == "precious\n" and not (keys / "n2.key_secret").is_symlink()
+    assert zmq.auth.load_certificate(keys / "n2.key_secret")[1] is not None

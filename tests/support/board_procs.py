@@ -171,6 +171,17 @@ def create_and_vanish(board_name: str, n_slots: int) -> None:
     os._exit(0)
 
 
+def attach_wait(board_name: str, timeout: float) -> None:
+    """Says it started, then attaches with ``timeout`` (a board still being created is waited for)."""
+    print(json.dumps({"role": "attach_wait", "started": True}), flush=True)
+    try:
+        board = Board.attach(board_name, timeout=timeout)
+    except Exception as e:
+        print(json.dumps({"role": "attach_wait", "error": type(e).__name__, "message": str(e)}), flush=True)
+        return
+    print(json.dumps({"role": "attach_wait", "error": None, "n_slots": board.n_slots}), flush=True)
+
+
 def attach(board_name: str) -> None:
     try:
         Board.attach(board_name)
@@ -198,5 +209,7 @@ if __name__ == "__main__":
         create_and_vanish(name, int(rest[0]))
     elif role == "attach":
         attach(name)
+    elif role == "attach_wait":
+        attach_wait(name, float(rest[0]))
     else:
         raise SystemExit(f"unknown role {role!r}")

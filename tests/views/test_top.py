@@ -125,7 +125,7 @@ def test_missing_board_is_a_clear_error():
 def test_bad_interval_is_refused(board_name):
     with Board.create(board_name, n_slots=1):
         proc = dpboard("top", board_name, "--interval", "0")
-    assert proc.returncode == 2 and "--interval must be > 0" in proc.stderr
+    assert proc.returncode == 2 and "argument --interval: 0 is outside (0, 1e+06] seconds" in proc.stderr
 
 
 def test_top_does_not_import_numba(mixed):
@@ -268,3 +268,82 @@ def test_live_view_in_a_real_terminal(mixed):
         assert "Traceback" not in capture()
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+
+
+# -- boards top cannot read, a board replaced at once, a board of 65,536 ranks ----------------------
+
+
+def _as_nobody_cmd(*args: str) -> list[str]:
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run a command as another user (uid 65534)")
+    return [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", PYTHON, "-m", "dpboard.cli", *args]
+
+
+@pytest.mark.parametrize("command", [["top", "--once"], ["top", "--json"], ["serve", "--port", "0"], ["info"]])
+def test_a_board_that_cannot_be_read_is_named_for_what_is_wrong(board_name, command):
+    """top and serve used to say "does not exist" for a board they could not read; they say what is
+    wrong, as info does."""
+    path = f"/dev/shm/dpboard.{board_name}"
+    with open(path, "wb") as f:
+        f.write(b"garbage!" * 100)  # a segment of that name with no board header
+    try:
+        out = dpboard(command[0], board_name, *command[1:])
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "has no dpboard header" in out.stderr and "does not exist" not in out.stderr
+        assert "Traceback" not in out.stderr
+    finally:
+        os.unlink(path)
+    with Board.create(board_name, n_slots=2):  # root's, mode 0600
+        out = subprocess.run(_as_nobody_cmd(command[0], board_name, *command[1:]), capture_output=True, text=True,
+                             timeout=60, cwd="/")
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "belongs to uid 0 (root) and is mode 0o600" in out.stderr and "does not exist" not in out.stderr
+
+
+def test_a_board_replaced_between_two_samples_is_followed(board_name):
+    board = Board.create(board_name, n_slots=2)
+    watch = BoardWatch(board_name)
+    try:
+        board.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=7))
+        assert watch.sample().rows[0]["num_total_tokens"] == 7
+        board.close()
+        board.unlink()
+        board = Board.create(board_name, n_slots=2)  # no gap: removed and created before the next sample
+        board.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=8))
+        frame = watch.sample()
+        assert frame.gone is None and frame.generation == board.generation
+        assert frame.rows[0]["num_total_tokens"] == 8
+    finally:
+        watch.close()
+        board.close()
+        board.unlink()
+
+
+def test_once_on_a_board_of_65536_ranks_prints_what_fits(board_name):
+    """`top --once` on a 65,536-slot board used to render every rank (94 s); a text frame shows the
+    rows that fit (64 without a terminal, or --rows) and says how many are below."""
+    with Board.create(board_name, n_slots=65536) as board:
+        for r in (0, 5, 65535):
+            board.writer(r).publish(LoadSnapshot(dp_rank=r, num_total_tokens=r + 1, max_total_num_tokens=10**6))
+        out = dpboard("top", board_name, "--once", "--stale-after", "60")
+        assert out.returncode == 0, out.stderr
+        rows = rank_lines(out.stdout)
+        assert sorted(rows) == list(range(64))
+        assert "... 65472 more ranks below" in out.stdout and "--rows" in out.stdout
+        out = dpboard("top", board_name, "--once", "--sort", "total", "--rows", "2", "--stale-after", "60")
+        assert sorted(rank_lines(out.stdout)) == [5, 65535]  # the busiest, whole rank numbers (no "655…")
+
+
+def test_a_trusted_board_of_another_user_is_watched_read_only(board_name):
+    """`dpboard top --trust-uid 0` by another user on root's 0644 board: attached read-only, and
+    sampled again and again without taking it for a replaced board."""
+    with Board.create(board_name, n_slots=2, mode=0o644) as board:
+        board.writer(1).publish(LoadSnapshot(dp_rank=1, num_total_tokens=42, max_total_num_tokens=100))
+        out = subprocess.run(_as_nobody_cmd("top", board_name, "--once", "--trust-uid", "0", "--stale-after", "60"),
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0, out.stderr
+        assert "42" in rank_lines(out.stdout)[1] and "is gone" not in out.stdout
+        refused = subprocess.run(_as_nobody_cmd("top", board_name, "--once"), capture_output=True, text=True,
+                                 timeout=60, cwd="/")
+        assert refused.returncode == 2 and "--trust-uid 0" in refused.stderr

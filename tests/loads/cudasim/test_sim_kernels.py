@@ -142,3 +142,31 @@ def test_gpu_direct_publish_with_a_concurrent_reader(board_name):
     assert counts["max_k"] == steps  # it saw the last publish
     assert counts["whole"] > 0
     assert counts["inconsistent"] == 0 and counts["seq_backwards"] == 0, counts
+
+
+@pytest.mark.parametrize(("states", "seqlens"), [
+    ([ReqState.WAITING] * 4, [2**62] * 4),  # their sum used to wrap, and num_total_tokens to be wrong
+    ([ReqState.PREALLOC, ReqState.TRANSFER], [2**63 - 1, 2**63 - 1]),
+    ([ReqState.RUNNING, ReqState.WAITING], [-1, 10]),
+    ([ReqState.WAITING], [2**32 + 1]),
+])
+def test_seqlens_that_would_overflow_are_refused_as_on_the_cpu(states, seqlens):
+    from dpboard.loads.reference import raw_counts_numpy
+
+    state = np.array(states, np.int8)
+    seqlen = np.array(seqlens, np.int64)
+    pages = np.array([1, 1], np.int8)
+    with pytest.raises(ValueError, match=r"outside \[0, 4294967296\]"):
+        compute_loads(state, seqlen, pages, page_size=16, backend="numba-cuda")
+    raw = kc.runner("numba-cuda").raw_counts(state, seqlen, pages)
+    assert raw.tolist() == raw_counts_numpy(state, seqlen, pages).tolist()
+
+
+def test_gpu_direct_publishes_nothing_for_seqlens_that_would_overflow(board_name):
+    with Board.create(board_name, n_slots=1) as board:
+        writer = board.writer(0)
+        pub = gpu_direct.NumbaDirectPublisher(writer, page_size=16)
+        pub.publish(np.full(4, ReqState.WAITING, np.int8), np.full(4, 2**62, np.int64), np.ones(2, np.int8), 0)
+        with pytest.raises(ValueError, match=r"4 seqlen\(s\) outside \[0, 2\*\*32\]"):
+            pub.synchronize()
+        assert board.reader().read(0) is None  # nothing was published

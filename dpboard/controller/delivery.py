@@ -1,0 +1,78 @@
+"""``DeliveryLedger``: which requests each rank has acknowledged. The pure part of the delivery rule.
+
+docs/DISPATCH.md ("Delivery") states the rule; the controller process applies it. In short: a
+request that ZMQ took for a connected scheduler is *dispatched*; it is *delivered* once that
+scheduler counts it in the ``num_received_reqs`` it publishes in its board slot. Requests reach a
+rank through one PUSH -> PULL pipe, in order, and the scheduler counts them in that order, so the
+count acknowledges a prefix of what was sent: the ledger keeps, per rank, the requests sent and not
+yet acknowledged, in order, and drops them from the front as the count grows.
+
+When a rank's connection breaks, the requests it has not acknowledged are not thrown away: once the
+scheduler has had the time to publish its last count (the board's staleness threshold), the
+controller *closes the epoch*: the ones still unacknowledged are handed back, to be sent to another
+rank or answered with an error, and a new epoch starts from the count the rank has then.
+
+Assumes this controller is the rank's only sender (as SGLang's DP controller is): a count that
+grows beyond what was sent is taken as the rank's own business and re-based.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+
+class DeliveryLedger:
+    """Per rank: the requests sent and not yet acknowledged, oldest first, and the count they follow."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.pending: list[deque[Any]] = [deque() for _ in range(num_workers)]
+        self._base = [0] * num_workers  # the rank's count when the epoch started
+        self._acked = [0] * num_workers  # acknowledged in this epoch
+        self._peak = [0] * num_workers  # the highest count seen in this epoch
+        self._started = [False] * num_workers
+        self.delivered = 0  # acknowledged, all ranks, all epochs
+
+    def start(self, rank: int, received: int) -> None:
+        """A new epoch from the rank's count now (0 for a slot that was never written)."""
+        self._base[rank] = self._peak[rank] = received
+        self._acked[rank] = 0
+        self._started[rank] = True
+
+    def sent(self, rank: int, item: Any) -> None:
+        self.pending[rank].append(item)
+
+    def observe(self, rank: int, received: int) -> int:
+        """The rank published ``received``: drop what it acknowledges; returns how many."""
+        if not self._started[rank]:
+            self.start(rank, received)  # sends before the first count are acknowledged only by a larger one
+        if received > self._peak[rank]:
+            self._peak[rank] = received
+        new = received - self._base[rank] - self._acked[rank]
+        if new <= 0:
+            return 0  # nothing new, or a count that went back (a restarted scheduler: its epoch closes)
+        pending = self.pending[rank]
+        k = min(new, len(pending))
+        for _ in range(k):
+            pending.popleft()
+        self._acked[rank] += k
+        self.delivered += k
+        if new > k:  # counted more than was sent: not ours to account for
+            self._base[rank] += new - k
+        return k
+
+    def close_epoch(self, rank: int, received_now: int) -> list[Any]:
+        """End the rank's epoch: what its highest count acknowledged is delivered, the rest is
+        returned (never acknowledged: to be sent elsewhere or answered); a new epoch starts from
+        ``received_now``."""
+        self.observe(rank, self._peak[rank])
+        lost = list(self.pending[rank])
+        self.pending[rank].clear()
+        self.start(rank, received_now)
+        return lost
+
+    def unacknowledged(self, rank: int | None = None) -> int:
+        if rank is not None:
+            return len(self.pending[rank])
+        return sum(len(p) for p in self.pending)

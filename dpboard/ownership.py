@@ -1,0 +1,277 @@
+"""Files in shared directories, single-owner locks, and the endpoints they guard.
+
+Everything dpboard keeps in a directory that other users can write (``/dev/shm``, ``/tmp``) follows
+one rule (docs/SECURITY.md): a file is opened with ``O_NOFOLLOW`` (a symbolic link is refused, never
+followed), created with ``O_EXCL`` (never an existing file of someone else), and checked after
+opening: a regular file with one link, owned by this process's effective uid, that nobody else may
+write. Anything else is refused with an ``AccessDeniedError`` naming the path, its owner and mode.
+
+``OwnerLock`` is the single-owner lock built on it: an exclusive ``flock`` on such a file, which
+holds the owner's pid. The kernel drops the lock when its process dies, so a killed owner never
+blocks its restart. The collector (one per board and per endpoint) and the controller (one per
+``ipc://`` input) take it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import stat
+from pathlib import Path
+
+from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, UnavailableError
+
+LOCK_DIR = Path("/dev/shm")
+LOCK_PREFIX = "dpboard-"
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_OPEN_ATTEMPTS = 100  # a file replaced between our open and our lock: open again, a bounded number of times
+IPC_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+# transport://address; ZMQ's own parser is lenient (a port of 99999 wraps to another port), so every
+# endpoint dpboard binds or connects is checked here first, as a whole string (fullmatch).
+_ENDPOINT = re.compile(r"(?P<transport>tcp|ipc|inproc|ws|wss|tipc|vmci|pgm|epgm)://(?P<address>\S+)")
+_TCP_ADDRESS = re.compile(r"(?:(?P<source>\S+);)?(?P<host>\S+):(?P<port>\*|[0-9]{1,5})")
+
+
+def user_name(uid: int) -> str | None:
+    """The login name of ``uid`` here, or None."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return None
+
+
+def describe_owner(uid: int) -> str:
+    """``uid 1000 (alice)``, or just the uid when it has no name here."""
+    name = user_name(uid)
+    return f"uid {uid}" if name is None else f"uid {uid} ({name})"
+
+
+def check_owned(st: os.stat_result, path: str | os.PathLike[str], what: str,
+                trust_uids: tuple[int, ...] = (), *, hint: str | None = None) -> None:
+    """Refuse (AccessDeniedError) a file that is not a regular file of ours (or of a trusted uid) that
+    only its owner may write. ``hint`` replaces the advice given for a file of another user."""
+    me = os.geteuid()
+    if not stat.S_ISREG(st.st_mode):
+        raise AccessDeniedError(f"{what} {path} is not a regular file (mode {stat.filemode(st.st_mode)}): "
+                                f"remove it; dpboard does not use it")
+    if st.st_uid != me and st.st_uid not in trust_uids:
+        raise AccessDeniedError(
+            f"{what} {path} belongs to {describe_owner(st.st_uid)} (mode {stat.S_IMODE(st.st_mode):#o}), "
+            f"not to this process ({describe_owner(me)}): "
+            + (hint or "dpboard uses only its own files in shared directories; run as that user, or remove "
+                       "the file if nobody uses it")
+        )
+    if st.st_mode & 0o022:
+        raise AccessDeniedError(
+            f"{what} {path} is mode {stat.S_IMODE(st.st_mode):#o}: other users may write it, so its content "
+            f"cannot be trusted; remove it (dpboard makes its files 0600)"
+        )
+    if st.st_nlink != 1:
+        raise AccessDeniedError(f"{what} {path} has {st.st_nlink} hard links: it may be another file's "
+                                f"alias; remove it")
+
+
+def _refuse_link(path: str | os.PathLike[str], what: str) -> DpboardError:
+    return AccessDeniedError(f"{what} {path} is a symbolic link: dpboard never follows links in shared "
+                             f"directories; remove it")
+
+
+def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, mode: int = 0o600) -> int:
+    """A read-write descriptor of ``path``: our own existing file, or a new one made with O_EXCL.
+
+    Never follows a symbolic link; refuses a file that ``check_owned`` refuses."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(_OPEN_ATTEMPTS):
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+            except FileExistsError:
+                continue  # someone created it in between: open that one (and check it)
+            os.fchmod(fd, mode)  # exact, whatever the umask
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _refuse_link(path, what) from None
+            if e.errno == errno.EACCES:
+                try:
+                    owner = describe_owner(os.lstat(path).st_uid)
+                except OSError:
+                    owner = "another user"
+                raise AccessDeniedError(f"cannot open {what} {path}: it belongs to {owner}; run as that user, "
+                                        f"or remove the file if nobody uses it") from None
+            raise
+        try:
+            check_owned(os.fstat(fd), path, what)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise UnavailableError(f"{what} {path} keeps being replaced by another process; retry")
+
+
+def write_new_file(path: str | os.PathLike[str], data: bytes, what: str, *, mode: int = 0o600) -> None:
+    """Create ``path`` with O_EXCL | O_NOFOLLOW and write ``data``: never an existing file or a link."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        raise AccessDeniedError(f"{what} {path} exists already") from None
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+# -- single-owner locks ----------------------------------------------------------------------------
+
+
+def lock_path(kind: str, key: str) -> Path:
+    """``/dev/shm/dpboard-<kind>.<readable key>.<hash>.lock``: one file per thing that has one owner."""
+    readable = _SAFE.sub("_", key)[:80]
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
+
+
+class OwnerBusyError(UnavailableError):
+    """Another live process owns what the lock guards."""
+
+
+class OwnerLock:
+    """An exclusive ``flock`` on a lock file that holds the owner's pid; released when the process dies.
+
+    ``what`` names the guarded thing in errors ("board 'x'", "endpoint ipc:///tmp/in"); ``busy``
+    is the error class raised when another process holds it, ``hint`` what to do then."""
+
+    def __init__(self, path: Path, what: str, *, busy: type[OwnerBusyError] = OwnerBusyError,
+                 role: str = "owner", hint: str = "stop it first"):
+        self.path = path
+        self._fd: int | None = None
+        # A file unlinked by its previous owner between our open and our flock would give us a lock
+        # nobody else can see: open again until the locked file is the one the path names.
+        for _ in range(_OPEN_ATTEMPTS):
+            fd = open_owned(path, f"the lock file of {what}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_pid(fd)
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                who = f"pid {holder}" if holder else "a process that is still starting"
+                raise busy(f"{what} already has {role}: {who} (lock {path}); {hint}") from None
+            if _same_file(fd, path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._fd = fd
+                return
+            os.close(fd)
+        raise busy(f"could not take the lock {path}: it keeps being replaced by another process")
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)  # still holding the lock: nobody can be inside it
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> OwnerLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
+
+
+def _read_pid(fd: int) -> int:
+    try:
+        return int(os.pread(fd, 32, 0).split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# -- endpoints ---------------------------------------------------------------------------------
+
+
+def check_endpoint(endpoint: object, what: str, *, bind: bool) -> str:
+    """``endpoint`` if it is a whole, well-formed ZMQ endpoint, else an InvalidInputError naming it.
+
+    TCP ports must be in 1..65535 (``*`` or 0, a free port, only where ``bind``); an ipc path must fit
+    a Unix socket address."""
+    m = _ENDPOINT.fullmatch(endpoint) if isinstance(endpoint, str) else None
+    if m is None:
+        raise InvalidInputError(
+            f"{what} {endpoint!r} is not a ZMQ endpoint: write transport://address, e.g. "
+            f"tcp://10.0.0.1:5757 or ipc:///tmp/dpboard-in"
+        )
+    transport, address = m["transport"], m["address"]
+    if transport == "tcp":
+        t = _TCP_ADDRESS.fullmatch(address)
+        if t is None:
+            raise InvalidInputError(f"{what} {endpoint!r} needs a host and a port: tcp://HOST:PORT")
+        port = t["port"]
+        if port == "*" or int(port) == 0:
+            if not bind:
+                raise InvalidInputError(f"{what} {endpoint!r}: a free port (* or 0) can only be bound, "
+                                        f"not connected to; give the port")
+        elif not 1 <= int(port) <= 65535:
+            raise InvalidInputError(f"{what} {endpoint!r}: port {int(port)} is outside 1..65535")
+    elif transport == "ipc":
+        if len(os.fsencode(address)) > IPC_PATH_MAX:
+            raise InvalidInputError(f"{what} {endpoint!r}: an ipc path is at most {IPC_PATH_MAX} bytes; "
+                                    f"use a shorter path")
+    return endpoint
+
+
+def endpoint_lock_key(endpoint: str) -> str | None:
+    """What two owners of an endpoint must not share: a TCP port (binding one port on two interfaces
+    clashes anyway, and the lock can then name the owner), the absolute path of an ipc endpoint, or
+    the endpoint itself; None for a free TCP port (unique by construction)."""
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rsplit(":", 1)[-1]
+        if port in ("*", "0"):
+            return None
+        return f"tcp-port-{int(port)}"
+    if endpoint.startswith("ipc://"):
+        return "ipc-" + os.path.abspath(endpoint[len("ipc://") :])
+    return endpoint
+
+
+def endpoint_lock_path(endpoint: str) -> Path | None:
+    """The lock of a bound endpoint, shared by every dpboard process that binds one (the collector,
+    the controller's input); None for a free TCP port."""
+    key = endpoint_lock_key(endpoint)
+    return None if key is None else lock_path("endpoint", key)
+
+
+def take_endpoint(endpoint: str, *, busy: type[OwnerBusyError] = OwnerBusyError) -> OwnerLock | None:
+    """The single-owner lock of an endpoint about to be bound (None for a free TCP port): ZMQ lets a
+    second ``ipc://`` bind silently take the path over from the first, so dpboard refuses it first."""
+    path = endpoint_lock_path(endpoint)
+    if path is None:
+        return None
+    return OwnerLock(path, f"endpoint {endpoint}", busy=busy, role="an owner",
+                     hint="a second bind would silently take an ipc path over, or fail on a tcp port: stop "
+                          "that process, or pick another endpoint")

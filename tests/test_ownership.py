@@ -1,0 +1,165 @@
+"""Files in shared directories and single-owner locks, against what a hostile local user (a real
+uid 65534 process) or a careless one leaves there: links, other users' files, loose modes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpboard.errors import AccessDeniedError, InvalidInputError
+from dpboard.ownership import (
+    LOCK_DIR,
+    OwnerBusyError,
+    OwnerLock,
+    check_endpoint,
+    endpoint_lock_path,
+    lock_path,
+    open_owned,
+    write_new_file,
+)
+from tests.support.names import new_board_name
+from tests.support.other_user import as_nobody
+
+
+@pytest.fixture
+def shared_path():
+    """A fresh path in /dev/shm (the shared directory locks live in), removed afterwards."""
+    path = LOCK_DIR / f"dpboard-test.{new_board_name()}.lock"
+    yield path
+    path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A root-owned 0600 file that must never change."""
+    v = tmp_path / "victim"
+    v.write_text("root's secret\n")
+    v.chmod(0o600)
+    return v
+
+
+def test_a_new_file_is_ours_and_0600_whatever_the_umask(shared_path):
+    old = os.umask(0)
+    try:
+        fd = open_owned(shared_path, "test file")
+    finally:
+        os.umask(old)
+    os.close(fd)
+    st = shared_path.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    os.close(open_owned(shared_path, "test file"))  # and it opens again
+
+
+def test_a_link_planted_by_another_user_is_never_followed(shared_path, victim):
+    as_nobody(lambda: os.symlink(victim, shared_path))
+    with pytest.raises(AccessDeniedError, match=f"{shared_path} is a symbolic link"):
+        open_owned(shared_path, "test file")
+    with pytest.raises(AccessDeniedError, match="is a symbolic link"):
+        OwnerLock(shared_path, "thing")
+    assert victim.read_text() == "root's secret\n" and shared_path.is_symlink()
+
+
+def test_a_file_of_another_user_is_refused_naming_owner_and_mode(shared_path):
+    def plant() -> None:
+        fd = os.open(shared_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.fchmod(fd, 0o666)
+        os.write(fd, b"4242\n")
+        os.close(fd)
+
+    as_nobody(plant)
+    with pytest.raises(AccessDeniedError, match=r"belongs to uid 65534 \(nobody\) \(mode 0o666\), not to this "
+                                                r"process \(uid 0 \(root\)\)"):
+        OwnerLock(shared_path, "board 'x'")
+
+
+def test_loose_modes_hard_links_and_non_files_are_refused(shared_path, tmp_path):
+    fd = os.open(shared_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    shared_path.chmod(0o620)
+    with pytest.raises(AccessDeniedError, match="is mode 0o620: other users may write it"):
+        open_owned(shared_path, "test file")
+    shared_path.chmod(0o600)
+    alias = shared_path.with_name(shared_path.name + ".alias")
+    os.link(shared_path, alias)
+    try:
+        with pytest.raises(AccessDeniedError, match="has 2 hard links"):
+            open_owned(shared_path, "test file")
+    finally:
+        alias.unlink()
+    shared_path.unlink()
+    os.mkfifo(shared_path, 0o600)
+    with pytest.raises(AccessDeniedError, match="is not a regular file"):
+        open_owned(os.fspath(shared_path), "test file")  # a FIFO opened O_RDWR does not block
+
+
+def test_write_new_file_never_replaces_anything(tmp_path, victim):
+    target = tmp_path / "key"
+    target.symlink_to(victim)
+    with pytest.raises(AccessDeniedError, match="exists already"):
+        write_new_file(target, b"x", "key")
+    assert victim.read_text() == "root's secret\n"
+    fresh = tmp_path / "fresh"
+    write_new_file(fresh, b"data", "key", mode=0o644)
+    assert fresh.read_bytes() == b"data" and stat.S_IMODE(fresh.stat().st_mode) == 0o644
+
+
+def test_an_owner_lock_names_its_holder_and_dies_with_it(shared_path):
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+from pathlib import Path
+from dpboard.ownership import OwnerLock
+lock = OwnerLock(Path({str(shared_path)!r}), "thing")
+print("held", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OwnerBusyError, match=rf"thing already has owner: pid {holder.pid} \(lock {shared_path}\)"):
+            OwnerLock(shared_path, "thing")
+    finally:
+        holder.kill()  # no clean exit: the kernel drops the lock, the file stays
+        holder.wait(10)
+    with OwnerLock(shared_path, "thing") as lock:
+        assert lock.held and shared_path.read_text() == f"{os.getpid()}\n"
+    assert not shared_path.exists()
+
+
+@pytest.mark.parametrize("endpoint", [
+    "tcp://127.0.0.1:5757", "tcp://*:5757", "tcp://[::1]:80", "tcp://eth0:1", "ipc:///tmp/dp-in", "inproc://x",
+])
+def test_good_endpoints(endpoint):
+    assert check_endpoint(endpoint, "--x", bind=True) == endpoint
+
+
+@pytest.mark.parametrize(("endpoint", "words"), [
+    ("tcp://127.0.0.1:99999", "port 99999 is outside 1..65535"),  # ZMQ would bind another port
+    ("tcp://127.0.0.1:5757\n", "is not a ZMQ endpoint"),
+    ("tcp://127.0.0.1", "needs a host and a port"),
+    ("bogus", "is not a ZMQ endpoint"),
+    ("ipc://", "is not a ZMQ endpoint"),
+    ("ipc:///" + "x" * 200, "at most 107 bytes"),
+    ("", "is not a ZMQ endpoint"),
+])
+def test_bad_endpoints_are_refused_whole(endpoint, words):
+    with pytest.raises(InvalidInputError, match=words):
+        check_endpoint(endpoint, "--x", bind=True)
+
+
+def test_a_free_port_is_bound_not_connected():
+    assert check_endpoint("tcp://127.0.0.1:*", "--bind", bind=True)
+    with pytest.raises(InvalidInputError, match="can only be bound"):
+        check_endpoint("tcp://127.0.0.1:0", "--to", bind=False)
+    assert endpoint_lock_path("tcp://127.0.0.1:*") is None
+    assert endpoint_lock_path("ipc://rel/path") == lock_path("endpoint", "ipc-" + os.path.abspath("rel/path"))
+    assert endpoint_lock_path("tcp://10.0.0.1:5757") == endpoint_lock_path("tcp://127.0.0.1:5757")
+
+
+def test_lock_paths_stay_in_the_lock_directory():
+    p = lock_path("endpoint", "ipc-/tmp/../../etc/passwd\n")
+    assert p.parent == LOCK_DIR and "/" not in p.name and "\n" not in p.name
+    assert Path(p).name.startswith("dpboard-endpoint.")
