@@ -314,7 +314,12 @@ class Dispatcher:
             self._refresh()
 
     def _dispatch_load(self, req: Any) -> int:
-        self._refresh_if_due()
+        # _refresh_if_due written out: on this path a method call is ~20 ns of a ~130 ns decision
+        # (docs/BENCHMARKS.md); the batch and cache paths call it.
+        now = self._clock()
+        if now - self._last_refresh >= self.refresh_interval:
+            self._last_refresh = now
+            self._refresh()
         return self._pick(req)
 
     def _pick_cached(self, req: Any) -> int:
