@@ -10,9 +10,9 @@ name, and logs it; its user rebuilds its readers or writers when ``poll()`` says
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,7 +20,10 @@ from dpboard.board.segment import DEFAULT_STALE_AFTER, Board
 from dpboard.errors import DpboardError, NotFoundError
 from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot
 
-log = logging.getLogger("dpboard.board")
+LOGGER_NAME = "dpboard.board"
+
+if TYPE_CHECKING:
+    import logging
 
 DEFAULT_CHECK_INTERVAL = 0.25  # seconds between two looks at the segment's name (a stat and a header read)
 
@@ -43,7 +46,7 @@ class BoardFollower:
         self.check_interval = check_interval
         self._clock = clock
         self._next_check = clock() + check_interval
-        self._log = logger or log
+        self._logger = logger
         self._said: str | None = None  # the last problem logged, so that a lasting one is said once
         self.reattached = 0
 
@@ -74,7 +77,7 @@ class BoardFollower:
                       f"{self.min_slots} this process needs; still reading the last one")
             new.close()
             return False
-        self._log.warning("board %r was replaced (generation %#x -> %#x, %d slots): attached the new one",
+        self._log().warning("board %r was replaced (generation %#x -> %#x, %d slots): attached the new one",
                           self.name, self.board.generation, new.generation, new.n_slots)
         old, self.board = self.board, new
         if self._opened:
@@ -84,9 +87,18 @@ class BoardFollower:
         self.reattached += 1
         return True
 
+    def _log(self) -> Any:
+        # logging is imported on the first line logged: the read-only tools that import the board
+        # never pay for it
+        if self._logger is None:
+            import logging
+
+            self._logger = logging.getLogger(LOGGER_NAME)
+        return self._logger
+
     def _say(self, message: str) -> None:
         if message != self._said:
-            self._log.warning("%s", message)
+            self._log().warning("%s", message)
             self._said = message
 
     def close(self) -> None:
