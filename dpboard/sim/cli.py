@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--methods",
         default=None,
         help="comma-separated NAME[:key=value;...] specs. NAME: a controller method (round_robin, "
-        "total_requests, total_tokens, inflight_requests, inflight_tokens, inflight_backlog) or a peer's "
+        "total_requests, total_tokens, inflight_requests, inflight_tokens, inflight_backlog, inflight_cache) or a peer's "
         "router (vllm, cache_aware, dynamo_kv). Options after ':' are separated by ';' here: "
         "Dispatcher keywords (refresh_interval=0, rotate_ties=false, ...), the peer's parameters, or "
         "cadence=step|sglang|period and publish_every=N for that method alone. Default: the seed "
