@@ -345,6 +345,36 @@ def unpack_detail(rec: np.void | np.ndarray) -> LoadDetail | None:
     return LoadDetail(**values)
 
 
+_PRESENT_BIT = np.uint64(DETAIL_PRESENT)
+_UNKNOWN_BITS = ~np.uint64(DETAIL_PRESENT | sum(DETAIL_FLAG.values()))
+_MOMENTS_BIT = np.uint64(DETAIL_FLAG["decode_moments"])
+_DISAGGREGATION_BIT = np.uint64(DETAIL_FLAG["disaggregation"])
+
+
+def detail_problem(details: np.ndarray) -> str | None:
+    """What makes any of these DETAIL_DTYPE records one ``unpack_detail`` cannot read back as the
+    engine wrote it (a detail that came from elsewhere: a relay frame), or None when all are sound."""
+    flags = details["flags"]
+    if not len(flags):
+        return None
+    if (flags & _UNKNOWN_BITS).any():
+        return "has flag bits this version does not know: run the same dpboard version everywhere"
+    if ((flags != 0) & ((flags & _PRESENT_BIT) == 0)).any():
+        return "has section flags without its present bit"
+    counts = details["decode_moments_count"]
+    if (counts.astype(np.uint64) > MAX_DECODE_MOMENTS).any():  # a negative count wraps to a huge one
+        if ((flags & _MOMENTS_BIT) != 0)[(counts < 0) | (counts > MAX_DECODE_MOMENTS)].any():
+            return f"declares a decode_moments count outside 0..{MAX_DECODE_MOMENTS}"
+    modes = details["disaggregation_mode"]
+    if modes.astype(f"S{DETAIL_MODE_BYTES}").view(np.uint8).max() >= 0x80:  # ASCII is UTF-8
+        for mode in modes[(flags & _DISAGGREGATION_BIT) != 0].tolist():
+            try:
+                mode.decode()
+            except UnicodeDecodeError:
+                return f"has a disaggregation mode {mode!r} that is not UTF-8"
+    return None
+
+
 def segment_size(n_slots: int) -> int:
     return HEADER_SIZE + n_slots * SLOT_SIZE
 

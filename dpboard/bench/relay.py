@@ -12,6 +12,11 @@ every rank's copy there, beside the age of the same rank on its own local board 
 instant (what a reader on that node would see: the publish period alone). The first is what the
 controller actually gets; the difference is the relay's share.
 
+With ``--detail`` the relay path runs a second time with every publish carrying an engine's whole
+snapshot (the SGLang plugin's case), so that frames hold 440-byte records instead of 104. The writers
+then publish a ``LoadSnapshot`` object in every run, with the detail or without it, so that the
+runs differ only in what the relay carries.
+
 The baseline, measured in the same run with the same writers: no relay and no batching, every
 publish also sent at once as its own msgpack message on a PUSH socket (the straightforward design),
 received by a PULL loop here that writes each into node0's board.
@@ -36,9 +41,27 @@ import zmq
 from dpboard.board import Board
 from dpboard.multinode.relay import DEFAULT_TICK_MS
 from dpboard.options import count, milliseconds, positive, seconds
-from dpboard.snapshot import SlotStatus
+from dpboard.snapshot import (
+    DisaggregationDetail,
+    LoadDetail,
+    LoadSnapshot,
+    LoraDetail,
+    MemoryDetail,
+    QueueDetail,
+    SlotStatus,
+    SpeculativeDetail,
+    pack_detail,
+)
 
 SNAPSHOT_FIELDS = 13
+# What an SGLang scheduler reports beside the dispatch fields, every section present.
+BENCH_DETAIL = LoadDetail(
+    timestamp=1.0, num_waiting_uncached_tokens=4096, max_running_requests=256, token_usage=0.5,
+    gen_throughput=1500.0, cache_hit_rate=0.25, utilization=0.75, decode_moments=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0),
+    memory=MemoryDetail(14.0, 60.0, 1.5, 200_000), speculative=SpeculativeDetail(2.5, 0.8),
+    lora=LoraDetail(1, 8, 0.125), disaggregation=DisaggregationDetail("decode", 1, 2, 3, 4, 5, 10.0, 0.5),
+    queues=QueueDetail(3, 0, 0, 0, 1),
+)
 
 
 def _percentiles(lat_ns: np.ndarray) -> dict[str, float]:
@@ -74,10 +97,18 @@ def _writer_main(args: argparse.Namespace) -> int:
     published = dropped = 0
     started = next_at = time.monotonic()
     reader = board.reader() if push is not None else None
+    # --publish: "values" is the cheapest call; "snapshot" and "detailed" are what an engine plugin
+    # makes (a LoadSnapshot, and with "detailed" its whole snapshot beside it: every SGLang section)
+    detail = pack_detail(BENCH_DETAIL) if args.publish == "detailed" else None
     while not stop.is_set():
-        for w in writers:
-            w.publish_values(published % 64, 1, published % 100000, published % 100000, published % 100000,
-                             100000, published)
+        if args.publish == "values":
+            for w in writers:
+                w.publish_values(published % 64, 1, published % 100000, published % 100000, published % 100000,
+                                 100000, published)
+        else:
+            for rank, w in enumerate(writers, first):
+                w.publish(LoadSnapshot(rank, published % 64, 1, published % 100000, published % 100000,
+                                       published % 100000, 100000, published), detail)
         published += 1
         if push is not None:
             for snap in reader.read_all()[first:first + args.ranks]:
@@ -203,15 +234,17 @@ def _stop_all(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
     return results
 
 
-def _node_args(args: argparse.Namespace, tag: str, node: int, n_slots: int) -> list[str]:
+def _node_args(args: argparse.Namespace, tag: str, node: int, n_slots: int, detail: bool = False) -> list[str]:
+    publish = "detailed" if detail else "snapshot" if args.detail else "values"
     return ["--node", str(node), "--local-board", f"{tag}-n{node}", "--n-slots", str(n_slots),
-            "--ranks", str(args.ranks), "--rate", str(args.rate)]
+            "--ranks", str(args.ranks), "--rate", str(args.rate), "--publish", publish]
 
 
-def _measure_relay(args: argparse.Namespace, tag: str) -> dict[str, Any]:
+def _measure_relay(args: argparse.Namespace, tag: str, *, detail: bool = False) -> dict[str, Any]:
     from dpboard.multinode.collector import Collector
 
     n_slots = args.nodes * args.ranks
+    tag = f"{tag}-d" if detail else tag
     name0 = f"{tag}-r0"
     procs: list[subprocess.Popen] = []
     with Board.create(name0, n_slots=n_slots) as board0, \
@@ -219,7 +252,7 @@ def _measure_relay(args: argparse.Namespace, tag: str) -> dict[str, Any]:
         try:
             # each process joins procs as soon as it exists, so that a failed start stops the others
             for k in range(1, args.nodes + 1):
-                procs.append(_spawn(["--_writer", *_node_args(args, tag, k, n_slots)]))
+                procs.append(_spawn(["--_writer", *_node_args(args, tag, k, n_slots, detail)]))
             for p in procs:
                 _line(p, 30)
             for k in range(1, args.nodes + 1):
@@ -319,13 +352,17 @@ def _measure_naive(args: argparse.Namespace, tag: str) -> dict[str, Any]:
     }
 
 
-def _table(args: argparse.Namespace, relay: dict[str, Any], naive: dict[str, Any] | None) -> str:
+def _table(args: argparse.Namespace, relay: dict[str, Any], naive: dict[str, Any] | None,
+           detailed: dict[str, Any] | None = None) -> str:
     rows = [("dpboard relay (batched frame per tick)", relay)]
+    if detailed is not None:
+        rows.append(("dpboard relay, every slot with a detail (440-byte records)", detailed))
     if naive is not None:
         rows.append(("baseline: one msgpack message per publish", naive))
     lines = [
         f"relay: {args.nodes} nodes x {args.ranks} ranks at {args.rate:g} Hz, tick {args.tick_ms:g} ms, "
-        f"{args.duration:g} s measured after {args.warmup:g} s warm-up, TCP loopback, {os.cpu_count()} CPUs",
+        f"{args.duration:g} s measured after {args.warmup:g} s warm-up, TCP loopback, {os.cpu_count()} CPUs"
+        + ("; writers publish LoadSnapshot objects, with or without a detail" if args.detail else ""),
         "",
         "| path | write->visible p50 (us) | p99 (us) | p99.9 (us) | frames/s | snapshots/s visible "
         "| snapshots/s written | drops |",
@@ -364,12 +401,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=seconds(3600), default=5.0, help="seconds measured (default 5)")
     p.add_argument("--warmup", type=seconds(3600, zero=True), default=1.0, help="seconds before measuring (default 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unbatched baseline")
+    p.add_argument("--detail", action="store_true",
+                   help="also run the relay with every slot holding a detail (an SGLang plugin's publish)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the table")
     p.add_argument("--quick", action="store_true", help="2 nodes x 16 ranks, 2 s: a smoke run")
     p.add_argument("--sample-ms", type=milliseconds(1e4), default=2.0,
                    help="mean gap between the random instants node0's board is sampled at (default 2)")
     # The processes of a node (internal).
     p.add_argument("--_writer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--publish", choices=("values", "snapshot", "detailed"), default="values", help=argparse.SUPPRESS)
     p.add_argument("--_relay", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_sampler", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local-boards", help=argparse.SUPPRESS)
@@ -396,10 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--nodes, --ranks, --rate and --duration must be positive")
     tag = f"bench-relay-{os.getpid()}"
     relay = _measure_relay(args, tag)
+    detailed = _measure_relay(args, tag, detail=True) if args.detail else None
     naive = None if args.no_baseline else _measure_naive(args, tag)
-    print(_table(args, relay, naive))
+    print(_table(args, relay, naive, detailed))
     if args.json:
-        print(json.dumps({"relay": relay, "baseline": naive}, indent=2))
+        print(json.dumps({"relay": relay, "detailed": detailed, "baseline": naive}, indent=2))
     return 0
 
 

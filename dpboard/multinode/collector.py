@@ -1,7 +1,8 @@
 """``dpboard collect``: node0's single owner of the relay PULL socket.
 
 The collector receives the relays' frames (dpboard.multinode.wire), validates every one, and writes the
-snapshots they carry into node0's board with ``publish_relayed``: the snapshot keeps the writer's
+snapshots they carry (with their detail, when the frame has one) into node0's board with
+``publish_relayed``: the snapshot keeps the writer's
 wall-clock time, publish counter, pid and node id, and gets node0's own monotonic receive time, so
 that staleness on node0 means "time since node0 last heard of this rank" whatever the other nodes'
 clocks say.
@@ -48,6 +49,7 @@ from dpboard.multinode.wire import (
     BAD_REASONS,
     MAX_FRAME_SIZE,
     FrameError,
+    detail_buffers,
     unpack_frame,
     validate_records,
 )
@@ -242,8 +244,12 @@ class Collector:
             stats[e.reason] += 1
             stats["frames_bad"] += 1
             return 0
-        for writer, row in zip(writers, rows, strict=True):
-            writer.publish_relayed(row)
+        if frame.details is None:
+            for writer, row in zip(writers, rows, strict=True):
+                writer.publish_relayed(row)
+        else:
+            for writer, row, detail in zip(writers, rows, detail_buffers(data, frame), strict=True):
+                writer.publish_relayed(row, detail)
         now = time.monotonic_ns()
         if self._record_latency and rows:
             self.latencies_ns.append(time.time_ns() - frame.records["timestamp_ns"])

@@ -1,9 +1,10 @@
 """``dpboard relay``: forward a non-node0 node's board to node0's collector.
 
-Every tick (default 2 ms) the relay reads the node's local board in one ``read_array()``, picks the
+Every tick (default 2 ms) the relay reads the node's local board in one ``read_detailed_array()``
+(fields and detail of each slot, one consistent read), picks the
 slots this node writes (``node_id`` equal to ``--node-id``, optionally limited to ``--ranks``) whose
 ``publish_seq`` moved since the last frame that left, and sends them as one frame (dpboard.multinode.wire) on a
-ZMQ PUSH socket. Sending never blocks: with no connected collector or a full pipe the frame is
+ZMQ PUSH socket; the frame carries the slots' detail when any of them holds one. Sending never blocks: with no connected collector or a full pipe the frame is
 dropped and counted, and its slots stay "changed" so that the next tick carries them again.
 
 ZMQ reconnects by itself when node0's collector restarts; the relay watches its socket's connect
@@ -29,10 +30,10 @@ from zmq.utils.monitor import recv_monitor_message
 from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS, Board, BoardFollower
 from dpboard.errors import InvalidInputError
 from dpboard.multinode.curve import generate_certificates, load_certificate
-from dpboard.multinode.wire import pack_frame
+from dpboard.multinode.wire import pack_board_rows
 from dpboard.options import count, milliseconds, seconds
 from dpboard.ownership import check_endpoint
-from dpboard.snapshot import SlotStatus
+from dpboard.snapshot import DETAILED_DTYPE, SlotStatus
 from dpboard.stopping import StopFlag
 
 log = logging.getLogger("dpboard.relay")
@@ -115,6 +116,7 @@ class Relay:
         self.remote_board = remote_board or self.board.name
         n = self.board.n_slots
         self._reader = self.board.reader(stale_after=stale_after)
+        self._new_rows(n)
         self._mask = np.ones(n, dtype=bool)
         if ranks is not None:
             ranks = list(ranks)
@@ -163,6 +165,11 @@ class Relay:
             self.close()
             raise
 
+    def _new_rows(self, n_slots: int) -> None:
+        """The array each tick reads the board into, and a view of its detail flags."""
+        self._detailed = np.zeros(n_slots, DETAILED_DTYPE)
+        self._detail_flags = self._detailed["detail"]["flags"]
+
     def _check_connects(self) -> None:
         mon = self._monitor
         while mon is not None:
@@ -186,6 +193,7 @@ class Relay:
             self._mask = mask
         self.board = board
         self._reader = board.reader(stale_after=self._stale_after)
+        self._new_rows(n)
         self._last_sent = np.full(n, -1, dtype=np.int64)
         self._resync = True  # a new board: send every live slot of it
 
@@ -195,7 +203,7 @@ class Relay:
         self.ticks += 1
         self._follow_board()
         self._check_connects()
-        arr = self._reader.read_array()
+        arr = self._reader.read_detailed_array(self._detailed)["load"]
         status = arr["status"]
         seq = arr["publish_seq"]
         ours = self._mask & (arr["node_id"] == self.node_id)
@@ -211,7 +219,8 @@ class Relay:
         idx = np.flatnonzero(pick)
         if idx.size == 0:
             return 0
-        frame = pack_frame(arr[idx], node_id=self.node_id, board=self.remote_board, frame_seq=self._frame_seq)
+        frame = pack_board_rows(self._detailed, idx, with_detail=bool(self._detail_flags[idx].any()),
+                                node_id=self.node_id, board=self.remote_board, frame_seq=self._frame_seq)
         try:
             self._socket.send(frame, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

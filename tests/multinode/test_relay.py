@@ -16,6 +16,7 @@ import zmq.auth
 from dpboard import Board, LoadSnapshot, SlotStatus
 from dpboard.multinode.collector import LOCK_DIR, LOCK_PREFIX, Collector
 from dpboard.multinode.relay import Relay, parse_ranks
+from tests.support.board_procs import consistent_detail
 from tests.support.names import new_board_name
 from tests.support.procutil import read_line, stop, wait_until
 
@@ -229,6 +230,31 @@ def test_sends_only_changed_slots_of_its_own_node():
         assert col.stats()["frames_bad"] == 0
         assert reader0.read(0).num_running_reqs == reader0.read(2).num_running_reqs == 1
         assert reader0.status(3) == reader0.status(7) == SlotStatus.EMPTY
+
+
+def test_a_slots_detail_reaches_node0_with_its_fields():
+    """An engine's whole snapshot (SGLang's sections) crosses the relay: node0 reads the remote rank's
+    detail as its own node does, and a later plain publish clears it there too."""
+    name0, name1 = new_board_name(), new_board_name()
+    with Board.create(name0, n_slots=4) as b0, Board.create(name1, n_slots=4, node_id=1) as b1, \
+            Collector(b0, "tcp://127.0.0.1:*") as col, Relay(b1, col.endpoint, 1, remote_board=name0) as relay:
+        w = b1.writer(2)
+        reader0 = b0.reader()
+
+        def lands(expected_running: int) -> bool:
+            relay.tick()
+            col.poll(5)
+            snap = reader0.read(2)
+            return snap is not None and snap.num_running_reqs == expected_running
+
+        for k in (1, 2, 4, 5):  # consistent_detail(5) is None: the plain publish of a detail-less slot
+            detail = consistent_detail(k)
+            w.publish_detailed(LoadSnapshot(dp_rank=2, num_running_reqs=k, max_total_num_tokens=100), detail)
+            assert wait_until(lambda k=k: lands(k), timeout=10), col.stats()
+            status, snap, got = reader0.read_detail(2)
+            assert status is SlotStatus.LIVE and got == detail, k
+            assert snap.publish_seq == b1.reader().read(2).publish_seq  # the writer's own counter
+        assert col.stats()["frames_bad"] == 0
 
 
 def test_no_collector_means_counted_drops_never_a_stall():

@@ -3,7 +3,7 @@
 A slot holds the dispatch fields (``dpboard.snapshot.LoadSnapshot``) and the detail
 (``DETAIL_DTYPE``: SGLang's other scalars, ``decode_moments`` and the five sections, under SGLang's
 names); what ``pack`` writes, ``unpack`` gives back with an equal ``to_dict(include={"all"})``. A slot
-written without a detail (dpboard's own publishers, a rank relayed from another node) reads back as
+written without a detail (dpboard's own publishers) reads back as
 ``dpboard.views.loads_document.sglang_load`` describes.
 
 Both directions go through one ``struct`` layout derived from ``DETAILED_DTYPE`` (so that it is the

@@ -71,13 +71,10 @@ def test_a_rank_of_another_node_reaches_node0_through_relay_and_collector(instan
             time.sleep(0.05)
         else:
             pytest.fail("node 1's rank never reached node 0's board")
-        got, sent = loads[1].to_dict(), sgl.full_snapshot(1, k).to_dict()
-        for key in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
-                    "num_active_tokens", "max_total_num_tokens"):
-            assert got[key] == sent[key], key
-        # What the relay does not carry (wire version 1: the dispatch fields): the detail
-        assert "memory" not in got and got["decode_moments"] is None
-        assert abs(got["timestamp"] - time.time()) < 60  # node 1's write time
+        # Nothing SGLang shows is lost on the way: every field and section of node 1's snapshot
+        got, sent = loads[1].to_dict(include={"all"}), sgl.full_snapshot(1, k).to_dict(include={"all"})
+        assert got == sent
+        assert "memory" in got and got["decode_moments"] is not None
         # node 0's own rank keeps everything
         assert loads[0].to_dict(include={"all"}) == sgl.full_snapshot(0, 1).to_dict(include={"all"})
         assert [s.dp_rank for s in owner.read_all()] == [0, 1]
