@@ -104,11 +104,14 @@ def two_sources(loaded_plugins, tmp_path_factory):
             procs[r].publish(5, varied=DP_SIZE - 1)
         import os
 
-        os.environ["DPBOARD_BOARD"] = board_name
+        # The snapshots are written once; the comparisons take longer than the default 5 s on a busy
+        # machine, after which the ranks would be handed to SGLang as unpublished. Both dpboard
+        # readers get the same 300 s (dpboard serve below too).
+        os.environ.update(DPBOARD_BOARD=board_name, DPBOARD_STALE_AFTER="300")
         try:
             board_reader = ls.create_load_snapshot_reader(sgl.PortArgs(instance_id="v1loads"), "TokenizerManager")
         finally:
-            del os.environ["DPBOARD_BOARD"]
+            del os.environ["DPBOARD_BOARD"], os.environ["DPBOARD_STALE_AFTER"]
         server = subprocess.Popen([sys.executable, "-m", "dpboard.cli", "serve", board_name, "--port", "0",
                                    "--stale-after", "300", "--num-accelerators", "2"],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
