@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import dpboard
 from dpboard import Board, LoadSnapshot
+from tests.support import serving
 from tests.support.mixed_board import (
     CAPACITY,
     EMPTY_RANKS,
@@ -27,42 +25,14 @@ from tests.support.mixed_board import (
     mixed_board,
 )
 from tests.support.names import new_board_name
-from tests.support.procutil import kill, read_line, stop
+from tests.support.procutil import kill, stop
+from tests.support.serving import get, samples
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def start_server(name: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "dpboard.cli", "serve", name, "--port", "0", "--stale-after", str(STALE_AFTER), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        line = read_line(proc, 30)
-    except AssertionError:
-        kill(proc)
-        raise
-    url = line.split(" on ")[1].split()[0]
-    assert url.startswith("http://127.0.0.1:")
-    return proc, url
-
-
-def get(url: str) -> tuple[int, str, str]:
-    """(status, content type, body) of a GET; error statuses are returned, not raised."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.headers["Content-Type"], resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers["Content-Type"], e.read().decode()
-
-
-def metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a Prometheus text page, by name and labels."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return serving.start_server(name, "--stale-after", str(STALE_AFTER), *extra)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +119,7 @@ def test_loads_prometheus_is_sglangs_text(served):
     assert status == 200 and ctype == "text/plain; version=0.0.4; charset=utf-8"
     lines = body.splitlines()
     assert lines[0] == "# TYPE sglang_timestamp gauge"
-    m = metrics(body)
+    m = samples(body)
     for r in LIVE_RANKS:
         labels = (("dp_rank", str(r)),)
         assert m[("sglang_num_total_tokens", labels)] == load_of(r)["num_total_tokens"]
@@ -160,14 +130,14 @@ def test_loads_prometheus_is_sglangs_text(served):
     assert ranks == {str(r) for r in LIVE_RANKS}  # no sample of a stale, torn or empty rank
     assert not any("decode_moments" in line for line in lines)
     _, _, body = get(f"{url}/v1/loads?format=prometheus&dp_rank=2")
-    assert {dict(labels)["dp_rank"] for (_, labels) in metrics(body)} == {"2"}
+    assert {dict(labels)["dp_rank"] for (_, labels) in samples(body)} == {"2"}
 
 
 def test_metrics(served):
     board, url = served
     status, ctype, body = get(url + "/metrics")
     assert status == 200 and ctype.startswith("text/plain")
-    m = metrics(body)
+    m = samples(body)
     b = ("board", board.name)
     assert m[("dpboard_up", (b,))] == 1.0
     for r in LIVE_RANKS:
@@ -219,7 +189,7 @@ def test_healthz_follows_the_board(board_name):
         assert status == 503 and "is gone" in json.loads(body)["error"]
         status, _, body = get(f"{url}/v1/loads")
         assert status == 503
-        assert metrics(get(f"{url}/metrics")[2])[("dpboard_up", (("board", board_name),))] == 0.0
+        assert samples(get(f"{url}/metrics")[2])[("dpboard_up", (("board", board_name),))] == 0.0
         with Board.create(board_name, n_slots=2) as again:
             again.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=9))
             status, _, body = get(f"{url}/v1/loads")
