@@ -199,6 +199,19 @@ static int request_routed(Core *self, PyObject *req, Py_ssize_t *rank) {
     return 1;
 }
 
+/* The end of every scan: no candidate is an error; with rotating ties, the next scan starts after
+   this pick. Returns best, or -1 with the exception set. */
+static inline Py_ssize_t settle_pick(Core *self, Py_ssize_t best) {
+    if (best < 0) {
+        PyErr_SetString(UnavailableError,
+                        "no DP rank can take the request: every active rank is unavailable or unhealthy "
+                        "(see set_active/set_status, and `dpboard dump` for stale slots)");
+        return -1;
+    }
+    if (self->rotate) self->next_start = (best + 1 == self->n) ? 0 : best + 1;
+    return best;
+}
+
 static Py_ssize_t argmin(Core *self) {
     const Py_ssize_t n = self->n;
     const int64_t *tok = self->tokens, *rq = self->requests;
@@ -237,15 +250,7 @@ static Py_ssize_t argmin(Core *self) {
             }
         }
     }
-    if (best < 0) {
-        PyErr_SetString(UnavailableError,
-                        "no DP rank can take the request: every active rank is unavailable or unhealthy "
-                        "(see set_active/set_status, and `dpboard dump` for stale slots)");
-        return -1;
-    }
-    /* with rotating ties, the next scan starts after this pick */
-    if (self->rotate) self->next_start = (best + 1 == n) ? 0 : best + 1;
-    return best;
+    return settle_pick(self, best);
 }
 
 /* a + b for a, b >= 0, at most INT64_MAX: a load at the top stays at the top instead of wrapping. */
@@ -351,15 +356,8 @@ static Py_ssize_t argmin_saving(Core *self, int64_t t, const int64_t *sav, int64
             bu = u;
         }
     }
-    if (best < 0) {
-        PyErr_SetString(UnavailableError,
-                        "no DP rank can take the request: every active rank is unavailable or unhealthy "
-                        "(see set_active/set_status, and `dpboard dump` for stale slots)");
-        return -1;
-    }
-    if (self->rotate) self->next_start = (best + 1 == n) ? 0 : best + 1;
-    *uncached_out = bu;
-    return best;
+    if (best >= 0) *uncached_out = bu;
+    return settle_pick(self, best);
 }
 
 /* pick_saving(req, savings) -> (rank, charged): routed_dp_rank first, else argmin_saving; the rank
