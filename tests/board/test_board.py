@@ -58,6 +58,16 @@ def result(proc: subprocess.Popen, timeout: float = 60) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def results(writers: list[subprocess.Popen], readers: list[subprocess.Popen]) -> tuple[list[dict], list[dict]]:
+    """Every writer's and reader's result; none is left running, whatever fails."""
+    try:
+        return [result(p) for p in writers], [result(p) for p in readers]
+    finally:
+        for p in writers + readers:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def first_line(proc: subprocess.Popen) -> dict:
     return json.loads(proc.stdout.readline())
 
@@ -335,13 +345,7 @@ def test_no_torn_reads_under_concurrent_writers_and_readers(board):
     seconds = 3.0
     writers = [start("writer", board.name, rank, seconds) for rank in (0, 2, 5, 7)]
     readers = [start("reader", board.name, seconds) for _ in range(2)]
-    try:
-        w_results = [result(p) for p in writers]
-        r_results = [result(p) for p in readers]
-    finally:
-        for p in writers + readers:
-            p.kill()
-            p.wait(timeout=10)
+    w_results, r_results = results(writers, readers)
     total_reads = sum(r["reads"] for r in r_results)
     print(f"torn-read stress: {sum(w['publishes'] for w in w_results)} publishes, {total_reads} reads, "
           f"{sum(r['torn'] for r in r_results)} slots reported busy")
@@ -360,13 +364,7 @@ def test_details_and_fields_come_from_one_write_under_concurrency(board):
     seconds = 2.0
     writers = [start("detailed_writer", board.name, rank, seconds) for rank in (1, 4)]
     readers = [start("detailed_reader", board.name, seconds) for _ in range(2)]
-    try:
-        w_results = [result(p) for p in writers]
-        r_results = [result(p) for p in readers]
-    finally:
-        for p in writers + readers:
-            p.kill()
-            p.wait(timeout=10)
+    w_results, r_results = results(writers, readers)
     assert all(w["publishes"] > 200 for w in w_results)
     assert sum(r["reads"] for r in r_results) > 1000
     assert [r["bad"] for r in r_results] == [0, 0], r_results
