@@ -22,6 +22,7 @@ from dpboard.controller.codec import encode_request
 from dpboard.controller.delivery import DeliveryLedger
 from tests.support.names import ROOT
 from tests.support.procutil import kill, read_line, wait_for
+from tests.support.sockets import bound_pull, connected_push
 
 CLI = [sys.executable, "-m", "dpboard.cli"]
 
@@ -82,17 +83,13 @@ def test_a_scheduler_killed_mid_stream_loses_no_request(board_name, tmp_path, me
                     text=True))
             for p in procs:
                 read_line(p, 30)
-            errors = ctx.socket(zmq.PULL)
-            errors.setsockopt(zmq.LINGER, 0)
-            errors.bind(err_ep)
+            errors = bound_pull(ctx, err_ep)
             controller = subprocess.Popen(
                 [*CLI, "controller", "--input", in_ep, "--workers", *eps, "--errors", err_ep, "--method", method,
                  "--board", board_name, "--stale-after", "0.5", "--stats-json", "--log-every", "60"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(controller)
-            push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(in_ep)
+            push = connected_push(ctx, in_ep)
             # the controller is up and every scheduler connected before the stream starts
             for r in range(n):
                 push.send(encode_request(f"warm{r}", num_tokens=1, routed_dp_rank=r))
@@ -152,23 +149,15 @@ class Harness:
                  stale_after: float = 0.3):
         self.ctx = zmq.Context()
         self.eps = [f"ipc://{tmp_path}/w{r}" for r in range(n)]
-        self.workers = [self._pull(ep) for ep in self.eps]
-        self.errors = self._pull(f"ipc://{tmp_path}/err")
+        self.workers = [bound_pull(self.ctx, ep) for ep in self.eps]
+        self.errors = bound_pull(self.ctx, f"ipc://{tmp_path}/err")
         reader = board.reader(stale_after=stale_after) if board is not None else None
         dispatcher = Dispatcher(method, n, reader=reader if method != "round_robin" else None)
         self.controller = DataParallelController(dispatcher, self.eps, f"ipc://{tmp_path}/in",
                                                  f"ipc://{tmp_path}/err", acks=reader)
         self.thread = threading.Thread(target=self.controller.run, kwargs={"duration": 60}, daemon=True)
         self.thread.start()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(f"ipc://{tmp_path}/in")
-
-    def _pull(self, ep: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(ep)
-        return sock
+        self.push = connected_push(self.ctx, f"ipc://{tmp_path}/in")
 
     def drain(self, rank: int) -> list[str]:
         got = []

@@ -18,6 +18,7 @@ from dpboard import Board
 from dpboard.controller.codec import encode_request
 from tests.support.names import ROOT
 from tests.support.procutil import kill, stop, wait_for
+from tests.support.sockets import bound_pull, connected_push
 
 
 def _controller_cmd(*args: str) -> list[str]:
@@ -37,9 +38,7 @@ def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(bo
             for r in range(n):
                 procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.fake_scheduler", board_name, str(r), ep[r],
                                                str(tmp_path / f"out-{r}.json")], cwd=ROOT))
-            errors = ctx.socket(zmq.PULL)
-            errors.setsockopt(zmq.LINGER, 0)
-            errors.bind(err_ep)
+            errors = bound_pull(ctx, err_ep)
             reader = board.reader()
             wait_for(lambda: all(s is not None for s in reader.read_all()), 20, "the schedulers' first publish")
             controller = subprocess.Popen(
@@ -48,9 +47,7 @@ def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(bo
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
             procs.append(controller)
-            push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(in_ep)
+            push = connected_push(ctx, in_ep)
 
             valid = []
             for i in range(30):
@@ -187,9 +184,7 @@ def test_a_second_controller_on_the_same_input_is_refused_and_the_first_keeps_se
     nothing. The second must fail at start, naming the first."""
     in_ep, w_ep = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/w0"
     ctx = zmq.Context()
-    worker = ctx.socket(zmq.PULL)
-    worker.setsockopt(zmq.LINGER, 0)
-    worker.bind(w_ep)
+    worker = bound_pull(ctx, w_ep)
     first = subprocess.Popen(_controller_cmd("--input", in_ep, "--workers", w_ep, "--log-every", "60"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -200,9 +195,7 @@ def test_a_second_controller_on_the_same_input_is_refused_and_the_first_keeps_se
                                 capture_output=True, text=True, timeout=30)
         assert second.returncode == 2
         assert f"endpoint {in_ep} already has an owner: pid {first.pid}" in second.stderr
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(in_ep)
+        push = connected_push(ctx, in_ep)
         push.send(encode_request("still-mine", num_tokens=3))
         assert worker.poll(20_000), "the first controller no longer receives"
         assert msgpack.unpackb(worker.recv(), raw=False)["rid"] == "still-mine"
@@ -224,23 +217,14 @@ def test_a_request_above_the_size_bound_is_answered_with_an_error(board_name, tm
     with Board.create(board_name, n_slots=2) as board:
         board.writer(0).publish_values(0, 0, 0, 0, 0, 100, 0)
         board.writer(1).publish_values(0, 0, 0, 0, 0, 100, 0)
-        workers = []
-        for ep in (w_ep, f"ipc://{tmp_path}/w1"):
-            sock = ctx.socket(zmq.PULL)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(ep)
-            workers.append(sock)
-        errors = ctx.socket(zmq.PULL)
-        errors.setsockopt(zmq.LINGER, 0)
-        errors.bind(err_ep)
+        workers = [bound_pull(ctx, ep) for ep in (w_ep, f"ipc://{tmp_path}/w1")]
+        errors = bound_pull(ctx, err_ep)
         controller = subprocess.Popen(
             _controller_cmd("--input", in_ep, "--workers", w_ep, f"ipc://{tmp_path}/w1", "--errors", err_ep,
                             "--method", method, "--board", board_name, "--stale-after", "60", "--stats-json"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(in_ep)
+            push = connected_push(ctx, in_ep)
             push.send(encode_request("huge", num_tokens=2**63 - 1))
             push.send(encode_request("fine", num_tokens=10))
             assert errors.poll(20_000)
@@ -280,23 +264,14 @@ def test_the_controller_follows_a_recreated_board(board_name, tmp_path):
 
     publisher = threading.Thread(target=publish, daemon=True)
     publisher.start()
-    workers = []
-    for ep in eps:
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(ep)
-        workers.append(sock)
-    errors = ctx.socket(zmq.PULL)
-    errors.setsockopt(zmq.LINGER, 0)
-    errors.bind(err_ep)
+    workers = [bound_pull(ctx, ep) for ep in eps]
+    errors = bound_pull(ctx, err_ep)
     controller = subprocess.Popen(
         _controller_cmd("--input", in_ep, "--workers", *eps, "--errors", err_ep, "--method", "inflight_tokens",
                         "--board", board_name, "--stale-after", "0.3", "--stats-json"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(in_ep)
+        push = connected_push(ctx, in_ep)
 
         def send_and_count(prefix: str, count: int) -> None:
             for i in range(count):

@@ -20,17 +20,9 @@ from dpboard.controller.codec import encode_request
 from dpboard.multinode.collector import Collector, CollectorBusyError, board_lock_path, endpoint_lock_path
 from tests.support.names import new_board_name
 from tests.support.procutil import kill, wait_for
+from tests.support.sockets import bound_pull, connected_push
 
 CLI = [sys.executable, "-m", "dpboard.cli"]
-
-
-def _pull(ctx: zmq.Context, endpoint: str, rcvhwm: int | None = None) -> zmq.Socket:
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    if rcvhwm is not None:
-        sock.setsockopt(zmq.RCVHWM, rcvhwm)
-    sock.bind(endpoint)
-    return sock
 
 
 def _drain(sock: zmq.Socket, quiet: float = 0.3, bound: float = 10.0) -> list[dict]:
@@ -66,7 +58,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
             board1.writer(1).publish(LoadSnapshot(dp_rank=1, num_running_reqs=50, num_total_tokens=900_000,
                                                   num_used_tokens=900_000, max_total_num_tokens=10**6))
             board1.writer(2).publish(LoadSnapshot(dp_rank=2, max_total_num_tokens=10**6))
-            workers = [_pull(ctx, ep) for ep in worker_eps]
+            workers = [bound_pull(ctx, ep) for ep in worker_eps]
             controller = subprocess.Popen(
                 [*CLI, "controller", "--input", in_ep, "--workers", *worker_eps, "--method", "total_tokens",
                  "--board", name0, "--collect-bind", loads_ep, "--stats-json", "--log-every", "60"],
@@ -98,9 +90,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
             with Board.create(other_board, n_slots=n), pytest.raises(CollectorBusyError, match="endpoint"):
                 Collector(other_board, loads_ep)
 
-            push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(in_ep)
+            push = connected_push(ctx, in_ep)
             count = 20
             for i in range(count):
                 push.send(encode_request(f"r{i}", input_ids=list(range(10))))
@@ -164,17 +154,15 @@ def test_a_request_whose_send_fails_leaves_no_trace_in_the_ranks_load(board_name
     eps = [f"ipc://{tmp_path}/w{r}" for r in range(2)]
     in_ep, err_ep = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/err"
     with Board.create(board_name, n_slots=2) as board:
-        stuck = _pull(ctx, eps[0], rcvhwm=1)
-        healthy = _pull(ctx, eps[1])
-        errors = _pull(ctx, err_ep)
+        stuck = bound_pull(ctx, eps[0], rcvhwm=1)
+        healthy = bound_pull(ctx, eps[1])
+        errors = bound_pull(ctx, err_ep)
         dispatcher = Dispatcher(method, 2, reader=board.reader())
         controller = DataParallelController(dispatcher, eps, in_ep, err_ep, send_hwm=1,
                                             max_batch=count if batched else 1)
         thread = threading.Thread(target=controller.run, kwargs={"duration": 30}, daemon=True)
         try:
-            push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(in_ep)
+            push = connected_push(ctx, in_ep)
             frames = [encode_request(f"r{i}", num_tokens=per_request_tokens, routed_dp_rank=0, pad=PAD)
                       for i in range(count)]
             if batched:  # everything queued before the loop starts: it takes them as one batch
