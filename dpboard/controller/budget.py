@@ -139,13 +139,18 @@ class PyArgminCore:
                 key = int(self.requests[i])
             if best < 0 or key < best_key:
                 best, best_key = i, key
+        return self._settle_pick(best)
+
+    def _settle_pick(self, best: int) -> int:
+        """The end of every scan, as the C core's settle_pick: no candidate is an error; with rotating
+        ties, the next scan starts after this pick."""
         if best < 0:
             raise UnavailableError(
                 "no DP rank can take the request: every active rank is unavailable or unhealthy "
                 "(see set_active/set_status, and `dpboard dump` for stale slots)"
             )
         if self.rotate:
-            self.next_start = (best + 1) % n
+            self.next_start = (best + 1) % self.n
         return best
 
     def charge(self, rank: int, tokens: int) -> None:
@@ -229,14 +234,7 @@ class PyArgminCore:
             key = (int(self.backlog[i]) + uncached, int(self.tokens[i]))
             if best < 0 or key < best_key:
                 best, best_key, best_uncached = i, key, uncached
-        if best < 0:
-            raise UnavailableError(
-                "no DP rank can take the request: every active rank is unavailable or unhealthy "
-                "(see set_active/set_status, and `dpboard dump` for stale slots)"
-            )
-        if self.rotate:
-            self.next_start = (best + 1) % n
-        self.charge(best, best_uncached)
+        self.charge(self._settle_pick(best), best_uncached)
         return best, best_uncached
 
     def pick_tokens(self, tokens: int) -> int:
