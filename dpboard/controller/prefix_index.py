@@ -49,6 +49,14 @@ def _finish(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def _set_ranks(out: np.ndarray, ranks: int, tokens: int) -> None:
+    """``out[r] = tokens`` for every rank r whose bit is set in ``ranks``."""
+    while ranks:
+        low = ranks & -ranks
+        out[low.bit_length() - 1] = tokens
+        ranks ^= low
+
+
 def block_hashes_py(ids: Sequence[int], block_size: int) -> list[int]:
     """The chained hash of every whole block of ``block_size`` tokens (a trailing partial block has
     none): the same values as ``_prefix.hash_token_blocks``, in plain Python."""
@@ -157,28 +165,14 @@ class PrefixIndex:
             if held != alive:
                 if common < 0:
                     common = depth
-                dropped = alive & ~held
                 if depth:
-                    tokens = depth * self.block_size
-                    while dropped:
-                        low = dropped & -dropped
-                        out[low.bit_length() - 1] = tokens
-                        dropped ^= low
+                    _set_ranks(out, alive & ~held, depth * self.block_size)
                 alive = held
             depth += 1
-        if alive:
-            tokens = depth * self.block_size
-            while alive:
-                low = alive & -alive
-                out[low.bit_length() - 1] = tokens
-                alive ^= low
+        _set_ranks(out, alive, depth * self.block_size)
         cold = self._everyone & ~self._warm
         if cold and self._warm & (self._warm - 1):  # at least two warm ranks agree on what is common
-            tokens = (depth if common < 0 else common) * self.block_size
-            while cold:
-                low = cold & -cold
-                out[low.bit_length() - 1] = tokens
-                cold ^= low
+            _set_ranks(out, cold, (depth if common < 0 else common) * self.block_size)
         return out
 
     def record(self, rank: int, hashes: Sequence[int]) -> None:
