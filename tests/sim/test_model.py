@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from dpboard.sim.model import RankConfig
 from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation, simulate
-from dpboard.sim.trace import BlockTable, Trace
+from tests.support.traces import hand_trace
 
 BASE = 0.005
 PER_TOKEN = 1e-5
-
-
-def trace_of(arrivals, prompts, outputs, blocks=None, ranks=1) -> Trace:
-    table = None
-    if blocks is not None:
-        offsets = np.cumsum([0] + [len(b) for b in blocks])
-        table = BlockTable(offsets=offsets.astype(np.int64), ids=np.asarray([i for b in blocks for i in b], dtype=np.int64))
-    return Trace(
-        name="hand",
-        n_ranks=ranks,
-        seed=0,
-        arrival_s=np.asarray(arrivals, dtype=np.float64),
-        prompt_len=np.asarray(prompts, dtype=np.int64),
-        output_len=np.asarray(outputs, dtype=np.int64),
-        is_burst=np.zeros(len(arrivals), dtype=bool),
-        blocks=table,
-    )
 
 
 def config(chunk: int, kv: int = 100_000, ranks: int = 1) -> SimConfig:
@@ -44,7 +26,7 @@ def config(chunk: int, kv: int = 100_000, ranks: int = 1) -> SimConfig:
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_fills_the_last_chunk():
-    trace = trace_of([0.0, 0.001], [20_000, 1_000], [2, 2])
+    trace = hand_trace([0.0, 0.001], [20_000, 1_000], [2, 2])
     (result,) = simulate(trace, ["round_robin"], config(chunk=8192))
     long, short = result.requests
     # three steps: 8192, 8192, then the last 3616 with the short prompt's 1000 (4616 tokens)
@@ -55,7 +37,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_fills_the_last_chunk():
 
 
 def test_without_chunking_a_long_prompt_is_one_step_and_the_next_waits():
-    trace = trace_of([0.0, 0.001], [20_000, 1_000], [2, 2])
+    trace = hand_trace([0.0, 0.001], [20_000, 1_000], [2, 2])
     (result,) = simulate(trace, ["round_robin"], config(chunk=0))
     long, short = result.requests
     assert long.first_token_s == pytest.approx(BASE + 20_000 * PER_TOKEN)
@@ -65,7 +47,7 @@ def test_without_chunking_a_long_prompt_is_one_step_and_the_next_waits():
 def test_a_cached_prefix_is_not_computed_again():
     # three requests one after another on one rank: the second repeats the first prompt (1100
     # tokens, blocks 1 2 3), the third shares its first two blocks (1024 tokens) and adds 476.
-    trace = trace_of(
+    trace = hand_trace(
         [0.0, 1.0, 2.0],
         [1100, 1100, 1500],
         [2, 2, 2],
@@ -87,7 +69,7 @@ def test_a_cached_prefix_is_not_computed_again():
 
 
 def test_without_block_ids_nothing_is_shared():
-    trace = trace_of([0.0, 1.0], [1100, 1100], [2, 2])
+    trace = hand_trace([0.0, 1.0], [1100, 1100], [2, 2])
     (result,) = simulate(trace, ["round_robin"], config(chunk=8192))
     assert [r.cached_tokens for r in result.requests] == [0, 0]
     assert summarize(result)["cache_hit_rate"] == 0.0
@@ -97,7 +79,7 @@ def test_cached_blocks_give_way_when_running_requests_need_the_kv():
     # 30 distinct 1024-token prompts, 2 at a time on a 5000-token pool: the cache must evict.
     n = 30
     blocks = [(2 * i, 2 * i + 1) for i in range(n)]
-    trace = trace_of([0.05 * i for i in range(n)], [1024] * n, [50] * n, blocks=blocks)
+    trace = hand_trace([0.05 * i for i in range(n)], [1024] * n, [50] * n, blocks=blocks)
     sim = Simulation(trace, "round_robin", config(chunk=8192, kv=5000))
     result = sim.run()
     rank = sim.ranks[0]
@@ -110,7 +92,7 @@ def test_cached_blocks_give_way_when_running_requests_need_the_kv():
 def test_a_shared_prefix_is_stored_once_while_two_requests_use_it():
     # two requests with the same prompt in one prefill batch: both compute it (neither is cached
     # yet), the cache keeps one copy, pinned by both
-    trace = trace_of([0.0, 0.0], [1536, 1536], [200, 200], blocks=[(1, 2, 3), (1, 2, 3)])
+    trace = hand_trace([0.0, 0.0], [1536, 1536], [200, 200], blocks=[(1, 2, 3), (1, 2, 3)])
     sim = Simulation(trace, "round_robin", config(chunk=8192))
     rank = sim.ranks[0]
     seen = []

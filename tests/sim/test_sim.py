@@ -23,6 +23,7 @@ from dpboard.sim.policy import SimBoard
 from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation, simulate
 from dpboard.sim.trace import Trace, TraceSpec, generate_trace, scenario
+from tests.support import traces
 
 ALL_METHODS = [
     "round_robin",
@@ -44,16 +45,7 @@ def small_trace(name: str = "bursty", ranks: int = 4, seed: int = 7, duration: f
 
 
 def hand_trace(arrivals: list[float], prompts: list[int], outputs: list[int], ranks: int) -> Trace:
-    return Trace(
-        name="hand",
-        spec=TraceSpec(name="hand"),
-        n_ranks=ranks,
-        seed=0,
-        arrival_s=np.asarray(arrivals, dtype=np.float64),
-        prompt_len=np.asarray(prompts, dtype=np.int64),
-        output_len=np.asarray(outputs, dtype=np.int64),
-        is_burst=np.zeros(len(arrivals), dtype=bool),
-    )
+    return traces.hand_trace(arrivals, prompts, outputs, ranks=ranks, spec=TraceSpec(name="hand"))
 
 
 def outcome(result) -> list[tuple[int, float, float, float]]:
