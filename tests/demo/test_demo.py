@@ -16,7 +16,7 @@ from dpboard.demo.scheduler import SchedulerModel
 from dpboard.loads import PageState, ReqState, compute_loads
 from tests.support.mixed_board import PYTHON
 from tests.support.names import new_board_name
-from tests.support.procutil import read_line
+from tests.support.procutil import kill, read_line
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,9 +93,7 @@ def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
         assert processes_mentioning(name) == []  # the schedulers and the controller are gone
         assert set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) <= workdirs_before
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        kill(proc)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
 

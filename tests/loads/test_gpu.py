@@ -18,6 +18,7 @@ import pytest
 
 from dpboard import Board, LoadPublisher, compute_loads
 from dpboard.loads import PageState, ReqState
+from tests.support.procutil import kill
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,9 +107,7 @@ def test_gpu_direct_publish_with_a_concurrent_reader(backend, board_name):
             proc.terminate()
             out, _ = proc.communicate(timeout=60)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+            kill(proc)
         final = board.reader().read(1)
         publisher.close()
     assert final.publish_seq == steps and final.num_running_reqs == last_k

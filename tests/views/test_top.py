@@ -27,7 +27,7 @@ from tests.support.mixed_board import (
     mixed_board,
 )
 from tests.support.names import new_board_name
-from tests.support.procutil import read_line
+from tests.support.procutil import kill, read_line
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -177,9 +177,7 @@ def test_plain_frames_survive_the_board_vanishing(board_name):
         out, err = proc.communicate(timeout=60)
         out = first_frame + out
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        kill(proc)
         board.close()
         board.unlink()
     assert proc.returncode == 0, err

@@ -17,6 +17,7 @@ from dpboard import Board, LoadSnapshot, PageState, ReqState, compute_loads
 from dpboard.loads import cuda as kc
 from dpboard.publish import gpu_direct
 from dpboard.snapshot import LoadDetail
+from tests.support.procutil import kill
 
 assert kc.simulator_enabled(), "run with NUMBA_ENABLE_CUDASIM=1"
 
@@ -132,9 +133,7 @@ def test_gpu_direct_publish_with_a_concurrent_reader(board_name):
             out, _ = proc.communicate(timeout=120)
             out = first + out
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+            kill(proc)
         pub.close()
     lines = out.splitlines()
     assert lines[0] == "ready", out
