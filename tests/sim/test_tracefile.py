@@ -117,26 +117,14 @@ def test_rows_out_of_time_order_are_sorted_with_their_blocks(tmp_path):
         (AZURE_TEXT + "2023-11-16 18:16:02.5,12\n", 5, "column 3 (GeneratedTokens)", "missing"),
         (AZURE_TEXT + "2023-11-16 18:16:02.5,0,3\n", 5, "column 2 (ContextTokens)", "must be >= 1"),
         (AZURE_TEXT + "2023-11-16 18:16:02.5,5,-3\n", 5, "column 3 (GeneratedTokens)", "not a whole number"),
-    ],
-)
-def test_bad_azure_rows_name_line_and_column(tmp_path, text, line, column, words):
-    path = write(tmp_path, "bad.csv", text)
-    with pytest.raises(InvalidInputError) as err:
-        read_trace_file(path)
-    message = str(err.value)
-    assert str(path) in message and f"line {line}" in message and column in message and words in message
-
-
-@pytest.mark.parametrize(
-    "text, line, column, words",
-    [
         (BURSTGPT_TEXT + "soon,ChatGPT,1,2,3,API log\n", 5, "column 1 (Timestamp)", "not a time in seconds"),
         (BURSTGPT_TEXT + "200,ChatGPT,1.5,2,3,API log\n", 5, "column 3 (Request tokens)", "not a whole number"),
         (BURSTGPT_TEXT + "200,ChatGPT,10,two,12,API log\n", 5, "column 4 (Response tokens)", "not a whole number"),
         (BURSTGPT_TEXT + "200,ChatGPT,10,2,12,API log,extra\n", 5, "column 7", "unexpected extra value"),
     ],
 )
-def test_bad_burstgpt_rows_name_line_and_column(tmp_path, text, line, column, words):
+def test_bad_csv_rows_name_line_and_column(tmp_path, text, line, column, words):
+    """Azure's and BurstGPT's CSV alike."""
     path = write(tmp_path, "bad.csv", text)
     with pytest.raises(InvalidInputError) as err:
         read_trace_file(path)
