@@ -63,42 +63,55 @@ def test_numba_cuda_kernels_in_the_simulator():
 
 
 HOST_PROGRAM = r"""
-// The counting rules of kernels/loads.cu, run on the host (they are __host__ __device__).
+// The counting rules of kernels/loads.cu, run on the host (they are __host__ __device__): the whole
+// tables split over `stride` threads as a launch splits them, each thread's 16-byte chunks and
+// left-over entries, with the tables placed `offset` entries past an aligned address (offset 0:
+// the vector path; otherwise the entry-by-entry one for every table it misaligns).
 #include "loads.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
-template <typename T> std::vector<T> load(const char *path, long long n) {
-    std::vector<T> v(n > 0 ? n : 1);
+template <typename T> std::vector<T> load(const char *path, long long n, int offset) {
+    std::vector<T> v(n + offset + 1);
     FILE *f = fopen(path, "rb");
-    if (!f || (n > 0 && fread(v.data(), sizeof(T), n, f) != (size_t)n)) exit(3);
+    if (!f || (n > 0 && fread(v.data() + offset, sizeof(T), n, f) != (size_t)n)) exit(3);
     fclose(f);
     return v;
 }
 
 template <typename S, typename L, typename P> int run(char **argv) {
-    long long n_req = atoll(argv[2]), n_pages = atoll(argv[3]);
-    std::vector<S> state = load<S>(argv[4], n_req);
-    std::vector<L> seqlen = load<L>(argv[5], n_req);
-    std::vector<P> pages = load<P>(argv[6], n_pages);
-    i64 acc[DPB_NUM_RAW];
-    dpb_count_range(state.data(), seqlen.data(), n_req, pages.data(), n_pages, 0, 1, acc);
-    for (int k = 0; k < DPB_NUM_RAW; k++) printf("%lld\n", acc[k]);
+    long long n_req = atoll(argv[2]), n_pages = atoll(argv[3]), stride = atoll(argv[7]);
+    int offset = atoi(argv[8]);
+    std::vector<S> state = load<S>(argv[4], n_req, offset);
+    std::vector<L> seqlen = load<L>(argv[5], n_req, offset);
+    std::vector<P> pages = load<P>(argv[6], n_pages, offset);
+    i64 total[DPB_NUM_RAW] = {0};
+    for (long long first = 0; first < stride; first++) {
+        DpbAcc acc;
+        i64 raw[DPB_NUM_RAW];
+        dpb_count_range(state.data() + offset, seqlen.data() + offset, n_req, pages.data() + offset, n_pages,
+                        first, stride, acc);
+        dpb_acc_raw(acc, raw);
+        for (int k = 0; k < DPB_NUM_RAW; k++) total[k] += raw[k];
+    }
+    for (int k = 0; k < DPB_NUM_RAW; k++) printf("%lld\n", total[k]);
     return 0;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7) return 2;
+    if (argc != 9) return 2;
     switch (atoi(argv[1])) {
         case 0: return run<signed char, long long, signed char>(argv);
         case 1: return run<int, int, int>(argv);
         case 2: return run<unsigned char, unsigned int, unsigned char>(argv);
+        case 3: return run<long long, short, unsigned short>(argv);
     }
     return 2;
 }
 """
-HOST_DTYPES = [(np.int8, np.int64, np.int8), (np.int32, np.int32, np.int32), (np.uint8, np.uint32, np.uint8)]
+HOST_DTYPES = [(np.int8, np.int64, np.int8), (np.int32, np.int32, np.int32), (np.uint8, np.uint32, np.uint8),
+               (np.int64, np.int16, np.uint16)]
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +129,15 @@ def host_counter(tmp_path_factory):
     return binary, d
 
 
-def host_raw(host_counter, kind, state, seqlen, pages) -> list[int]:
+def host_raw(host_counter, kind, state, seqlen, pages, stride=1, offset=0) -> list[int]:
     binary, d = host_counter
     paths = []
     for name, arr in (("state", state), ("seqlen", seqlen), ("pages", pages)):
         path = d / f"{name}.bin"
         path.write_bytes(np.ascontiguousarray(arr).tobytes())
         paths.append(str(path))
-    out = subprocess.run([str(binary), str(kind), str(len(state)), str(len(pages)), *paths], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([str(binary), str(kind), str(len(state)), str(len(pages)), *paths, str(stride), str(offset)],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [int(x) for x in out.stdout.split()]
 
@@ -147,6 +160,9 @@ def test_cuda_c_counts_like_the_reference_seqlen_bounds_included(host_counter, k
     pages = rng.integers(0, 4, 5000).astype(p_dt)
     expected = raw_counts_numpy(state, seqlen, pages).tolist()
     assert host_raw(host_counter, kind, state, seqlen, pages) == expected
+    # split over threads as a launch splits it; aligned (16-byte chunks) and misaligned (entry by entry)
+    for stride, offset in ((7, 0), (64, 0), (5, 1), (33, 3)):
+        assert host_raw(host_counter, kind, state, seqlen, pages, stride, offset) == expected, (stride, offset)
     # every state with a seqlen past the bound: counted bad, summed nowhere
     if info.max > MAX_SEQLEN:
         state = np.arange(7).astype(s_dt)
