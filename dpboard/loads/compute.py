@@ -7,6 +7,7 @@ never load Numba.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,12 @@ def raw_counts(req_state: Any, req_seqlen: Any, page_state: Any, backend: str) -
         return cpu.raw_counts(req_state, req_seqlen, page_state)
     from dpboard.loads import cuda
 
-    return cuda.raw_counts(req_state, req_seqlen, page_state, backend=backend)
+    return cuda.runner(backend).raw_counts(req_state, req_seqlen, page_state)
+
+
+# compute_loads' last device tables, per thread: called again with the same table objects, it
+# skips the checks and the binding (no __cuda_array_interface__ read) and only launches.
+_last_call = threading.local()
 
 
 def compute_loads(
@@ -82,6 +88,14 @@ def compute_loads(
     reference), "numba", "numba-cuda" or "cupy". Bad shapes, dtypes, codes, seqlens outside [0, 2**32] and
     ``page_size <= 0`` raise ValueError (InvalidInputError) naming the problem.
     """
+    last = getattr(_last_call, "v", None)
+    if (last is not None and req_state is last[0] and req_seqlen is last[1] and page_state is last[2]
+            and page_size == last[3] and backend == last[4]):
+        binding = last[5]
+        raw = binding.raw_counts()
+        if raw_has_errors(raw):
+            check_raw(raw.copy(), req_state, req_seqlen, page_state, on_device=True)
+        return finish_raw(raw, last[6], int(page_size))
     # Lists and other array-likes become NumPy arrays (no copy for arrays of any kind).
     req_state, req_seqlen, page_state = (
         x if hasattr(x, "__cuda_array_interface__") or hasattr(x, "dtype") else np.asarray(x)
@@ -89,6 +103,13 @@ def compute_loads(
     )
     _, num_pages, on_device = check_tables(req_state, req_seqlen, page_state, page_size)
     chosen = resolve_backend(backend, on_device)
-    raw = raw_counts(req_state, req_seqlen, page_state, chosen)
+    if on_device and chosen in CUDA_BACKENDS:
+        from dpboard.loads import cuda
+
+        binding = cuda.runner(chosen).bound(req_state, req_seqlen, page_state)
+        _last_call.v = (req_state, req_seqlen, page_state, page_size, backend, binding, num_pages)
+        raw = binding.raw_counts().copy()
+    else:
+        raw = raw_counts(req_state, req_seqlen, page_state, chosen)
     check_raw(raw, req_state, req_seqlen, page_state, on_device=on_device)
     return finish_raw(raw, num_pages, int(page_size))

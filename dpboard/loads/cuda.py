@@ -18,6 +18,7 @@ Nothing here is imported until a CUDA backend is asked for; CuPy and a GPU are o
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from importlib import resources
@@ -26,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
 from dpboard.loads import counters as c
-from dpboard.loads.tables import array_info
 from dpboard.snapshot import (
     DETAIL_OFFSET,
     DIRECT_STATUS_INDEX,
@@ -40,9 +40,8 @@ from dpboard.snapshot import (
     ReqState,
 )
 
-BLOCK = 256  # threads per block on a GPU (a multiple of 32, a power of two)
+BLOCK = 256  # threads per block on a GPU (a multiple of 32, a power of two); the grid comes from the SM count
 SIM_BLOCK = 32  # in the simulator every thread is a Python thread: keep blocks small
-MAX_BLOCKS = 1024  # grid-stride beyond this; enough to fill an H200 (132 SMs) several times
 SIM_MAX_BLOCKS = 4
 
 # Plain ints for the kernels (Numba freezes module globals into the compiled code).
@@ -260,9 +259,10 @@ def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
     from numba import int64
 
     @cuda.jit
-    def publish_kernel(state, seqlen, pages, page_size, accum, ticket, slot, host_fields, status, launch_id):
-        # slot: int64 view of the board slot from its start (DIRECT_SLOT_WORDS words).
-        # host_fields: int64[6] = dp_rank, num_received_reqs, timestamp_ns, monotonic_ns, writer_pid, node_id.
+    def publish_kernel(state, seqlen, pages, page_size, accum, ticket, slot, dp_rank, num_received_reqs,
+                       timestamp_ns, monotonic_ns, writer_pid, node_id, status, launch_id):
+        # slot: int64 view of the board slot from its start (DIRECT_SLOT_WORDS words). The host values
+        # are scalar arguments: copied at launch, so the next step's values never reach this launch.
         acc = cuda.local.array(NUM_RAW, int64)
         accumulate(state, seqlen, pages, acc)
         if not reduce_block(acc, accum, ticket):
@@ -285,19 +285,19 @@ def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
         publish_seq = max(int64(0), slot[_W_PUBLISH_SEQ]) + 1
         cuda.atomic.exch(slot, 0, s + 1)  # odd: a write is in progress
         cuda.threadfence_system()
-        slot[_W_DP_RANK] = host_fields[0]
+        slot[_W_DP_RANK] = dp_rank
         slot[_W_RUNNING] = acc[c.RUNNING]
         slot[_W_WAITING] = acc[c.WAITING]
         slot[_W_USED] = used
         slot[_W_TOTAL] = total
         slot[_W_ACTIVE] = active
         slot[_W_CAPACITY] = num_pages * page_size
-        slot[_W_RECEIVED] = host_fields[1]
-        slot[_W_TIMESTAMP] = host_fields[2]
-        slot[_W_MONOTONIC] = host_fields[3]
+        slot[_W_RECEIVED] = num_received_reqs
+        slot[_W_TIMESTAMP] = timestamp_ns
+        slot[_W_MONOTONIC] = monotonic_ns
         slot[_W_PUBLISH_SEQ] = publish_seq
-        slot[_W_PID] = host_fields[4]
-        slot[_W_NODE] = host_fields[5]
+        slot[_W_PID] = writer_pid
+        slot[_W_NODE] = node_id
         slot[_W_DETAIL_FLAGS] = 0
         cuda.threadfence_system()
         cuda.atomic.exch(slot, 0, s + 2)  # even: the snapshot is whole
@@ -313,47 +313,121 @@ def grid_size(n: int, block: int, max_blocks: int) -> int:
     return max(1, min(max_blocks, -(-n // block)))
 
 
+def _compile_failure(error: BaseException) -> str:
+    import numpy
+
+    try:
+        from importlib.metadata import version
+
+        numba_cuda = f"numba-cuda {version('numba-cuda')}"
+    except Exception:  # the numba.cuda built into numba, or no metadata
+        numba_cuda = "numba-cuda"
+    return (
+        f"{numba_cuda} cannot compile dpboard's kernels with numpy {numpy.__version__} "
+        f"({type(error).__name__}: {error}): numba-cuda 0.30 and older fail on numpy 2.5 (np.row_stack is gone); "
+        f"install numpy<2.5 beside them (pip install 'numpy<2.5') or a numba-cuda that supports this numpy, or "
+        f"use backend='cupy' (pip install 'dpboard[cuda13]' or 'dpboard[cuda12]')"
+    )
+
+
+def specialize(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """``kernel`` compiled now for the types of ``args``: its launches skip numba's type dispatch.
+    A numba-cuda that cannot compile here raises UnavailableError naming the fix."""
+    try:
+        return kernel.specialize(*args)
+    except (DpboardError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # numba-cuda's own failure (an import inside it, a numpy it does not know)
+        raise UnavailableError(_compile_failure(e)) from e
+
+
 class NumbaCudaRunner:
-    """Device buffers and launches of the numba-cuda raw-counts kernel (one per user: not shared
-    between concurrent streams)."""
+    """The numba-cuda kernels, compiled once per process, and the launch geometry of this device."""
 
     def __init__(self) -> None:
         self.cuda = _numba_cuda()
-        sim = simulator_enabled()
-        self.block = SIM_BLOCK if sim else BLOCK
-        self.max_blocks = SIM_MAX_BLOCKS if sim else MAX_BLOCKS
-        self.kernel, self.publish_kernel = numba_kernels(self.block)
-        self.accum = self.cuda.to_device(np.zeros(NUM_RAW, dtype=np.int64))
-        self.ticket = self.cuda.to_device(np.zeros(1, dtype=np.uint32))
-        self.raw_dev = self.cuda.device_array(NUM_RAW, dtype=np.int64)
-        self.raw_host = self.cuda.pinned_array(NUM_RAW, dtype=np.int64) if not sim else np.zeros(NUM_RAW, np.int64)
+        self.sim = simulator_enabled()
+        self.block = SIM_BLOCK if self.sim else BLOCK
+        try:
+            self.kernel, self.publish_kernel = numba_kernels(self.block)
+        except (DpboardError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            raise UnavailableError(_compile_failure(e)) from e
+        if self.sim:
+            self.max_blocks = SIM_MAX_BLOCKS
+        else:
+            from dpboard.loads.launch import BLOCKS_PER_SM
+
+            self.max_blocks = self.cuda.get_current_device().MULTIPROCESSOR_COUNT * BLOCKS_PER_SM
+        self._last: NumbaRawCounts | None = None
 
     def device(self, x: Any) -> Any:
-        if simulator_enabled():
-            return x  # the simulator runs kernels on host arrays
+        """A device view of a table (once per binding)."""
+        if self.sim:
+            return np.asarray(x) if not hasattr(x, "__cuda_array_interface__") else x
         if hasattr(x, "__cuda_array_interface__"):
             return self.cuda.as_cuda_array(x)
         return self.cuda.to_device(np.ascontiguousarray(x))
 
+    def stream(self) -> Any:
+        return 0 if self.sim else self.cuda.stream()
+
+    def accumulators(self) -> tuple[Any, Any]:
+        """Zeroed accumulators and ticket of one binding (the last block resets them)."""
+        return self.cuda.to_device(np.zeros(NUM_RAW, dtype=np.int64)), self.cuda.to_device(np.zeros(1, np.uint32))
+
+    def prepare(self, req_state: Any, req_seqlen: Any, page_state: Any) -> NumbaRawCounts:
+        return NumbaRawCounts(self, (req_state, req_seqlen, page_state))
+
+    def bound(self, req_state: Any, req_seqlen: Any, page_state: Any) -> NumbaRawCounts:
+        """The binding of the last tables if these are they, else a new one (compute_loads' cache)."""
+        last = self._last
+        if last is None or not last.same_tables(req_state, req_seqlen, page_state):
+            last = self._last = self.prepare(req_state, req_seqlen, page_state)
+        return last
+
     def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
-        state, seqlen, pages = (self.device(x) for x in (req_state, req_seqlen, page_state))
-        grid = grid_size(max(state.shape[0], pages.shape[0]), self.block, self.max_blocks)
-        self.kernel[grid, self.block](state, seqlen, pages, self.accum, self.ticket, self.raw_dev)
-        self.raw_dev.copy_to_host(self.raw_host)  # nine integers; waits for the kernel
-        return np.array(self.raw_host)
+        return self.bound(req_state, req_seqlen, page_state).raw_counts().copy()
+
+
+class NumbaRawCounts:
+    """numba-cuda's raw counters of one set of tables: device views, the kernel specialised for
+    their types, the launch configuration, a pinned result buffer and a stream, all made once."""
+
+    def __init__(self, runner: NumbaCudaRunner, tables: tuple[Any, Any, Any]) -> None:
+        cuda = runner.cuda
+        self.tables = tables
+        state, seqlen, pages = (runner.device(x) for x in tables)
+        self.stream = runner.stream()
+        accum, ticket = runner.accumulators()
+        self._raw_dev = cuda.device_array(NUM_RAW, dtype=np.int64)
+        self.raw = np.zeros(NUM_RAW, np.int64) if runner.sim else cuda.pinned_array(NUM_RAW, dtype=np.int64)
+        self._args = (state, seqlen, pages, accum, ticket, self._raw_dev)
+        grid = grid_size(max(state.shape[0], pages.shape[0]), runner.block, runner.max_blocks)
+        kernel = specialize(runner.kernel, self._args)
+        self._config = (grid, runner.block, self.stream)
+        self._kernel = kernel
+        self._launch = kernel[self._config]
+        self._sim = runner.sim
+
+    def same_tables(self, state: Any, seqlen: Any, pages: Any) -> bool:
+        t = self.tables
+        return state is t[0] and seqlen is t[1] and pages is t[2]
+
+    def raw_counts(self) -> np.ndarray:
+        """The nine raw counters (this binding's buffer, valid until its next call)."""
+        if self._sim:  # the simulator keeps one launch configuration per kernel: set it each time
+            self._kernel[self._config](*self._args)
+            self._raw_dev.copy_to_host(self.raw)
+            return self.raw
+        self._launch(*self._args)
+        self._raw_dev.copy_to_host(self.raw, stream=self.stream)  # nine integers into pinned memory
+        self.stream.synchronize()
+        return self.raw
 
 
 # -- cupy ------------------------------------------------------------------------------------------
-
-_C_TYPES = {
-    np.dtype(np.int8): "signed char",
-    np.dtype(np.uint8): "unsigned char",
-    np.dtype(np.int16): "short",
-    np.dtype(np.uint16): "unsigned short",
-    np.dtype(np.int32): "int",
-    np.dtype(np.uint32): "unsigned int",
-    np.dtype(np.int64): "long long",
-}
 
 
 def cuda_sources_dir() -> Path:
@@ -365,68 +439,52 @@ def cuda_sources_dir() -> Path:
         return Path(__file__).resolve().parents[2] / "kernels"
 
 
+@functools.lru_cache(maxsize=1)
 def cuda_source() -> str:
     """The CUDA C of kernels/loads.cu (it includes dpboard_layout.h from the same folder)."""
     return (cuda_sources_dir() / "loads.cu").read_text()
 
 
-_cupy_functions: dict[tuple[str, ...], Any] = {}
-
-
-def cupy_function(kind: str, state_dtype: np.dtype, seqlen_dtype: np.dtype, page_dtype: np.dtype) -> Any:
-    """The compiled ``dpb_raw_counts`` or ``dpb_publish`` for these dtypes (NVRTC; cached)."""
-    cupy = _cupy()
-    types = [_C_TYPES[np.dtype(d).newbyteorder("=")] for d in (state_dtype, seqlen_dtype, page_dtype)]
-    name = f"dpb_{kind}<{', '.join(types)}>"
-    key = (name,)
-    fn = _cupy_functions.get(key)
-    if fn is None:
-        options = ("-std=c++17", f"-I{cuda_sources_dir()}")  # for #include "dpboard_layout.h"
-        module = cupy.RawModule(code=cuda_source(), options=options, name_expressions=[name])
-        fn = _cupy_functions[key] = module.get_function(name)
-    return fn
-
-
-def _pointer(x: Any) -> np.uint64:
-    return np.uint64(x.__cuda_array_interface__["data"][0])
-
-
 class CupyRunner:
-    """Device buffers and launches of the CuPy raw-counts kernel."""
+    """The CUDA C kernels through CuPy on ``device`` (a ``launch.CupyDevice``; ``launch.NullDevice``
+    to measure the host side alone)."""
 
-    def __init__(self) -> None:
-        self.cupy = _cupy()
-        self.accum = self.cupy.zeros(NUM_RAW, dtype=np.uint64)
-        self.ticket = self.cupy.zeros(1, dtype=np.uint32)
-        self.raw_dev = self.cupy.zeros(NUM_RAW, dtype=np.int64)
-        self.raw_host = np.zeros(NUM_RAW, dtype=np.int64)
+    def __init__(self, device: Any = None) -> None:
+        from dpboard.loads.launch import CupyDevice
 
-    def device(self, x: Any) -> Any:
+        self.device = device if device is not None else CupyDevice(_cupy())
+        self._last: Any = None
+
+    def sources(self) -> tuple[str, str]:
+        return cuda_source(), str(cuda_sources_dir())
+
+    def on_device(self, x: Any) -> Any:
         if hasattr(x, "__cuda_array_interface__"):
-            cai = x.__cuda_array_interface__
-            if cai.get("strides") not in (None, (np.dtype(cai["typestr"]).itemsize,)):
-                raise InvalidInputError(
-                    "device tables must be contiguous: pass x.contiguous() / cupy.ascontiguousarray(x)")
             return x
-        return self.cupy.asarray(np.ascontiguousarray(x))
+        return self.device.cupy.asarray(np.ascontiguousarray(x))  # host tables given to backend="cupy"
 
-    def launch(self, fn: Any, state: Any, seqlen: Any, pages: Any, *extra: Any) -> None:
-        num_requests, num_pages = array_info(state, "req_state")[1][0], array_info(pages, "page_state")[1][0]
-        grid = grid_size(max(num_requests, num_pages), BLOCK, MAX_BLOCKS)
-        fn((grid,), (BLOCK,), (_pointer(state), _pointer(seqlen), np.int64(num_requests), _pointer(pages),
-                               np.int64(num_pages), *extra))
+    def prepare(self, req_state: Any, req_seqlen: Any, page_state: Any) -> Any:
+        from dpboard.loads.launch import CupyRawCounts
+
+        tables = tuple(self.on_device(x) for x in (req_state, req_seqlen, page_state))
+        return CupyRawCounts(self.device, tables, *self.sources())  # type: ignore[arg-type]
+
+    def bound(self, req_state: Any, req_seqlen: Any, page_state: Any) -> Any:
+        """The binding of the last tables if these are they, else a new one (compute_loads' cache)."""
+        last = self._last
+        if last is None or not last.same_tables(req_state, req_seqlen, page_state):
+            last = self._last = self.prepare(req_state, req_seqlen, page_state)
+        return last
 
     def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
-        state, seqlen, pages = (self.device(x) for x in (req_state, req_seqlen, page_state))
-        fn = cupy_function("raw_counts", *(array_info(x, "table")[0] for x in (state, seqlen, pages)))
-        self.launch(fn, state, seqlen, pages, self.accum, self.ticket, self.raw_dev)
-        return self.raw_dev.get()  # nine integers; waits for the kernel
+        return self.bound(req_state, req_seqlen, page_state).raw_counts().copy()
 
 
 _runners: dict[str, Any] = {}
 
 
 def runner(backend: str) -> Any:
+    """The process's runner of a CUDA backend (made on first use; UnavailableError without one)."""
     r = _runners.get(backend)
     if r is None:
         r = _runners[backend] = NumbaCudaRunner() if backend == "numba-cuda" else CupyRunner()

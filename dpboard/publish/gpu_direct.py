@@ -5,22 +5,30 @@ The slot's page is registered with CUDA as mapped host memory (``cudaHostRegiste
 so a scheduler publishes with no device-to-host synchronisation at all. The kernels are built in
 ``dpboard.loads.cuda`` (the numba-cuda ``publish_kernel``, the CUDA C ``dpb_publish``); this module
 is their host side: registration, launch, the status words and their check.
+
+A step costs a launch: ``bind`` resolves the tables' pointers, the grid and the packed arguments
+once; ``launch`` stores the step's few host values (clocks, ``num_received_reqs``, the launch id)
+into them and launches. A construction that fails part-way undoes what it did (the page's
+registration above all: a later board mapped at the same address could not register it again),
+and publishers still open at exit are closed before CUDA's own teardown, so nothing prints then.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import mmap
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
 from dpboard.errors import InvalidInputError
-from dpboard.loads.cuda import CupyRunner, NumbaCudaRunner, cupy_function, grid_size, simulator_enabled
-from dpboard.loads.tables import array_info
+from dpboard.loads import cuda as loads_cuda
+from dpboard.loads.cuda import grid_size, simulator_enabled
 from dpboard.snapshot import DIRECT_SLOT_WORDS, DIRECT_STATUS_INDEX, DIRECT_STATUS_WORDS
 
 ST_LAUNCH_ID, ST_PUBLISHED, ST_BAD_REQ, ST_BAD_PAGE, ST_BAD_SEQLEN, ST_PUBLISH_SEQ = (
@@ -29,8 +37,29 @@ ST_LAUNCH_ID, ST_PUBLISHED, ST_BAD_REQ, ST_BAD_PAGE, ST_BAD_SEQLEN, ST_PUBLISH_S
 STATUS_WORDS = DIRECT_STATUS_WORDS
 
 PAGE = mmap.PAGESIZE
-_registered: dict[int, list[Any]] = {}  # page address -> [refcount, handle]
+_registered: dict[int, list[Any]] = {}  # page address -> [refcount]
 _registered_lock = threading.Lock()
+_open: weakref.WeakSet[Any] = weakref.WeakSet()  # publishers not closed yet
+_atexit_registered = False
+
+
+def _close_open_publishers() -> None:
+    """At exit, before CUDA's teardown (registered after CuPy / numba were imported, so it runs
+    first): a registration or a pin released later would print an error at exit."""
+    for pub in list(_open):
+        try:
+            pub.close()
+        except Exception:  # a GPU already gone: exit quietly
+            pass
+
+
+def _track(pub: Any) -> None:
+    global _atexit_registered
+    with _registered_lock:
+        if not _atexit_registered:
+            atexit.register(_close_open_publishers)
+            _atexit_registered = True
+    _open.add(pub)
 
 
 def slot_view(slot_address: int) -> np.ndarray:
@@ -54,10 +83,23 @@ class DirectPublisherBase:
         self.pid = os.getpid()
         self.node_id = int(node_id)
         self.launch_id = 0
+        self._tables: tuple[Any, Any, Any] | None = None
 
-    def host_fields(self, num_received_reqs: int) -> tuple[int, ...]:
-        # The kernel cannot read the host clocks: they are taken now, at launch.
-        return (self.rank, int(num_received_reqs), time.time_ns(), time.monotonic_ns(), self.pid, self.node_id)
+    def bind(self, req_state: Any, req_seqlen: Any, page_state: Any) -> None:
+        """Resolve the launch for these tables (once per set of tables)."""
+        raise NotImplementedError
+
+    def launch(self, num_received_reqs: int) -> int:
+        """Launch the compute-and-publish kernel on the bound tables; returns at once (the launch id)."""
+        raise NotImplementedError
+
+    def publish(self, req_state: Any, req_seqlen: Any, page_state: Any, num_received_reqs: int) -> int:
+        """Bind these tables if they are not the bound ones, then launch; returns at once."""
+        t = self._tables
+        if t is None or req_state is not t[0] or req_seqlen is not t[1] or page_state is not t[2]:
+            self.bind(req_state, req_seqlen, page_state)
+            self._tables = (req_state, req_seqlen, page_state)
+        return self.launch(num_received_reqs)
 
     def poll(self) -> dict[str, int] | None:
         """What the last finished launch did (None before any finished); never waits for the GPU."""
@@ -90,117 +132,172 @@ class NumbaDirectPublisher(DirectPublisherBase):
     """GPU-direct publish with the numba-cuda kernel. In the simulator the kernel works on the slot's
     host memory itself (wrapped so that the simulator does not copy it to a device array and back,
     which would rewrite the slot outside the seqlock); on a GPU the slot's page is pinned and mapped
-    (``mempin(mapped=True)``)."""
+    (``mempin(mapped=True)``). The step's host values travel as scalar arguments, copied at launch."""
 
     def __init__(self, writer: Any, page_size: int, node_id: int = 0) -> None:
         super().__init__(writer, page_size, node_id)
-        self.runner = NumbaCudaRunner()
+        self.runner = loads_cuda.runner("numba-cuda")
         cuda = self.runner.cuda
-        host_slot = slot_view(self.slot_address)
-        if simulator_enabled():
-            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        self._pins: list[Any] = []
+        try:
+            host_slot = slot_view(self.slot_address)
+            if simulator_enabled():
+                from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-            # The simulator's stand-in for mapped memory: the kernel's stores land in the board.
-            self.slot = FakeCUDAArray(host_slot)
-            self.status_host = np.zeros(STATUS_WORDS, dtype=np.int64)
-            self.status = FakeCUDAArray(self.status_host)
-            self._pins: list[Any] = []
-        else:
-            page_base = self.slot_address & ~(PAGE - 1)
-            page = np.frombuffer((ctypes.c_char * PAGE).from_address(page_base), dtype=np.uint8)
-            pin = cuda.current_context().mempin(page, page_base, PAGE, mapped=True)
-            offset = self.slot_address - page_base
-            device_page = cuda.devicearray.from_array_like(page, gpu_data=pin)
-            self.slot = device_page[offset : offset + 8 * DIRECT_SLOT_WORDS].view(np.int64)
-            self.status = cuda.mapped_array(STATUS_WORDS, dtype=np.int64)
-            self.status_host = self.status
-            self._pins = [pin]
-        self.host_fields_dev = np.zeros(6, dtype=np.int64)
+                # The simulator's stand-in for mapped memory: the kernel's stores land in the board.
+                self.slot = FakeCUDAArray(host_slot)
+                self.status_host = np.zeros(STATUS_WORDS, dtype=np.int64)
+                self.status = FakeCUDAArray(self.status_host)
+            else:
+                page_base = self.slot_address & ~(PAGE - 1)
+                page = np.frombuffer((ctypes.c_char * PAGE).from_address(page_base), dtype=np.uint8)
+                pin = cuda.current_context().mempin(page, page_base, PAGE, mapped=True)
+                self._pins.append(pin)
+                offset = self.slot_address - page_base
+                device_page = cuda.devicearray.from_array_like(page, gpu_data=pin)
+                self.slot = device_page[offset : offset + 8 * DIRECT_SLOT_WORDS].view(np.int64)
+                self.status = cuda.mapped_array(STATUS_WORDS, dtype=np.int64)
+                self.status_host = self.status
+            self.stream = self.runner.stream()
+        except BaseException:
+            self._release()
+            raise
+        _track(self)
 
-    def publish(self, req_state: Any, req_seqlen: Any, page_state: Any, num_received_reqs: int) -> int:
-        """Launch the compute-and-publish kernel; returns at once (the launch id)."""
-        self.launch_id += 1
+    def bind(self, req_state: Any, req_seqlen: Any, page_state: Any) -> None:
         r = self.runner
         state, seqlen, pages = (r.device(x) for x in (req_state, req_seqlen, page_state))
-        fields = np.array(self.host_fields(num_received_reqs), dtype=np.int64)
+        accum, ticket = r.accumulators()
+        self._head = (state, seqlen, pages, self.page_size, accum, ticket, self.slot, self.rank)
+        self._tail = (self.pid, self.node_id, self.status)
+        sample = (*self._head, 0, 0, 0, *self._tail, 0)
+        kernel = loads_cuda.specialize(r.publish_kernel, sample)
         grid = grid_size(max(state.shape[0], pages.shape[0]), r.block, r.max_blocks)
-        r.publish_kernel[grid, r.block](state, seqlen, pages, self.page_size, r.accum, r.ticket, self.slot,
-                                        fields, self.status, self.launch_id)
+        self._config = (grid, r.block, self.stream)
+        self._kernel = kernel
+        self._launch = kernel[self._config]
+        self._tables = (req_state, req_seqlen, page_state)
+
+    def launch(self, num_received_reqs: int) -> int:
+        self.launch_id += 1
+        # The kernel cannot read the host clocks: they are taken now, at launch.
+        args = (*self._head, num_received_reqs, time.time_ns(), time.monotonic_ns(), *self._tail, self.launch_id)
+        if simulator_enabled():  # the simulator keeps one launch configuration per kernel
+            self._kernel[self._config](*args)
+        else:
+            self._launch(*args)
         return self.launch_id
 
     def synchronize(self) -> None:
         if not simulator_enabled():
-            self.runner.cuda.synchronize()
+            self.stream.synchronize()
         self.check()
 
-    def close(self) -> None:
-        self.synchronize()
-        for pin in self._pins:
+    def _release(self) -> None:
+        pins, self._pins = self._pins, []
+        for pin in pins:
             pin.free()
-        self._pins = []
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        try:
+            if not simulator_enabled():
+                self.stream.synchronize()
+        finally:
+            self._release()
+            _open.discard(self)
 
 
 class CupyDirectPublisher(DirectPublisherBase):
     """GPU-direct publish with the CUDA C kernel ``dpb_publish`` of kernels/loads.cu.
 
     The page holding the slot is registered with ``cudaHostRegister(Mapped | Portable)`` and the
-    kernel gets its device address from ``cudaHostGetDevicePointer``; the status words live in
-    mapped pinned memory (``cudaHostAlloc(Mapped | Portable)``), so the host reads them without a sync.
+    kernel gets its device address from ``cudaPointerGetAttributes``; the status words live in
+    mapped pinned memory (``cudaHostAlloc(Mapped | Portable)``), so the host reads them without a
+    sync. ``device``: a ``dpboard.loads.launch`` device (CuPy's by default).
     """
 
-    def __init__(self, writer: Any, page_size: int, node_id: int = 0) -> None:
+    def __init__(self, writer: Any, page_size: int, node_id: int = 0, device: Any = None) -> None:
         super().__init__(writer, page_size, node_id)
-        self.runner = CupyRunner()
-        cupy = self.runner.cupy
-        rt = cupy.cuda.runtime
-        page_base = self.slot_address & ~(PAGE - 1)
-        with _registered_lock:
-            entry = _registered.get(page_base)
-            if entry is None:
-                rt.hostRegister(page_base, PAGE, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable)
-                entry = _registered[page_base] = [0]
-            entry[0] += 1
-        self._page_base = page_base
-        self.slot_device = rt.hostGetDevicePointer(page_base, 0) + (self.slot_address - page_base)
-        status_bytes = 8 * STATUS_WORDS
-        self._status_ptr = rt.hostAlloc(status_bytes, rt.cudaHostAllocMapped | rt.cudaHostAllocPortable)
-        ctypes.memset(self._status_ptr, 0, status_bytes)
-        self.status_host = np.frombuffer((ctypes.c_int64 * STATUS_WORDS).from_address(self._status_ptr), np.int64)
-        self.status_device = rt.hostGetDevicePointer(self._status_ptr, 0)
-        self._fn: dict[tuple[np.dtype, ...], Any] = {}
+        runner = loads_cuda.runner("cupy") if device is None else loads_cuda.CupyRunner(device)
+        self.device = runner.device
+        self._sources = runner.sources()
+        self._page_base: int | None = None
+        self._status_free: Any = None
+        self._stream_destroy: Any = None
+        self.stream = 0
+        try:
+            page_base = self.slot_address & ~(PAGE - 1)
+            with _registered_lock:
+                entry = _registered.get(page_base)
+                if entry is None:
+                    self.device.register(page_base, PAGE)
+                    entry = _registered[page_base] = [0]
+                entry[0] += 1
+            self._page_base = page_base
+            self.slot_device = self.device.device_address(page_base) + (self.slot_address - page_base)
+            status_ptr, self._status_free = self.device.pinned(8 * STATUS_WORDS, mapped=True)
+            self.status_host = np.frombuffer((ctypes.c_int64 * STATUS_WORDS).from_address(status_ptr), np.int64)
+            self.status_device = self.device.device_address(status_ptr)
+            self.stream, self._stream_destroy = self.device.stream()
+        except BaseException:
+            self._release()
+            raise
+        _track(self)
 
-    def publish(self, req_state: Any, req_seqlen: Any, page_state: Any, num_received_reqs: int) -> int:
-        """Launch the compute-and-publish kernel on CuPy's current stream; returns at once."""
+    def bind(self, req_state: Any, req_seqlen: Any, page_state: Any) -> None:
+        from dpboard.loads.launch import BLOCK, PreparedLaunch
+
+        p = PreparedLaunch(self.device, "publish", (req_state, req_seqlen, page_state), *self._sources, self.stream)
+        p.args.set(page_size=self.page_size, slot=self.slot_device, dp_rank=self.rank, writer_pid=self.pid,
+                   node_id=self.node_id, status=self.status_device)
+        self._prepared = p
+        self._values = p.args.values  # the step's stores go here; cuLaunchKernel copies them
+        self._launch = self.device.launch
+        self._launch_args = (p.function, p.grid, 1, 1, BLOCK, 1, 1, 0, self.stream, p.args.address, 0)
+        self._tables = (req_state, req_seqlen, page_state)
+
+    def launch(self, num_received_reqs: int) -> int:
         self.launch_id += 1
-        r = self.runner
-        state, seqlen, pages = (r.device(x) for x in (req_state, req_seqlen, page_state))
-        dtypes = tuple(array_info(x, "table")[0] for x in (state, seqlen, pages))
-        fn = self._fn.get(dtypes)
-        if fn is None:
-            fn = self._fn[dtypes] = cupy_function("publish", *dtypes)
-        rank, received, wall, mono, pid, node = self.host_fields(num_received_reqs)
-        r.launch(fn, state, seqlen, pages, np.int64(self.page_size), r.accum, r.ticket, np.uint64(self.slot_device),
-                 np.int64(rank), np.int64(received), np.int64(wall), np.int64(mono), np.int64(pid),
-                 np.int64(node), np.uint64(self.status_device), np.int64(self.launch_id))
+        v = self._values
+        v.num_received_reqs = num_received_reqs
+        v.timestamp_ns = time.time_ns()  # the kernel cannot read the host clocks: launch time
+        v.monotonic_ns = time.monotonic_ns()
+        v.launch_id = self.launch_id
+        self._launch(*self._launch_args)
         return self.launch_id
 
     def synchronize(self) -> None:
-        self.runner.cupy.cuda.get_current_stream().synchronize()
+        self.device.sync(self.stream)
         self.check()
+
+    def _release(self) -> None:
+        """Undo what construction did, whatever part of it ran."""
+        page_base, self._page_base = self._page_base, None
+        if page_base is not None:
+            with _registered_lock:
+                entry = _registered.get(page_base)
+                if entry is not None:
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        del _registered[page_base]
+                        self.device.unregister(page_base)
+        for attr in ("_status_free", "_stream_destroy"):
+            release = getattr(self, attr)
+            setattr(self, attr, None)
+            if release is not None:
+                release()
 
     def close(self) -> None:
         if self._page_base is None:
             return
-        self.synchronize()
-        rt = self.runner.cupy.cuda.runtime
-        with _registered_lock:
-            entry = _registered[self._page_base]
-            entry[0] -= 1
-            if entry[0] == 0:
-                rt.hostUnregister(self._page_base)
-                del _registered[self._page_base]
-        rt.freeHost(self._status_ptr)
-        self._page_base = None
+        try:
+            self.device.sync(self.stream)
+        finally:
+            self._release()
+            _open.discard(self)
 
 
 def direct_publisher(writer: Any, page_size: int, backend: str, node_id: int = 0) -> DirectPublisherBase:

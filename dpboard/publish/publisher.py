@@ -22,7 +22,7 @@ import numpy as np
 from dpboard.board import Board, BoardWriter
 from dpboard.errors import InvalidInputError
 from dpboard.loads.compute import CUDA_BACKENDS, check_raw, resolve_backend
-from dpboard.loads.counters import KVLoads, finish_raw
+from dpboard.loads.counters import KVLoads, finish_raw, raw_has_errors
 from dpboard.loads.reference import raw_counts_numpy
 from dpboard.loads.tables import check_tables
 from dpboard.snapshot import NUM_RAW
@@ -89,6 +89,7 @@ class LoadPublisher:
         self._requested_backend = backend
         self.backend = ""
         self.steps = 0
+        self._want_direct = bool(gpu_direct)
         self._bind(tables() if callable(tables) else tables)
         if gpu_direct:
             if self.backend not in CUDA_BACKENDS:
@@ -99,8 +100,8 @@ class LoadPublisher:
             from dpboard.publish.gpu_direct import direct_publisher
 
             # The writer's node id, so that the kernel stamps what a host publish would stamp.
-            self._direct = direct_publisher(self.writer, int(page_size), self.backend,
-                                                         self.writer.node_id)
+            self._direct = direct_publisher(self.writer, int(page_size), self.backend, self.writer.node_id)
+            self._direct.bind(*self._tables)  # type: ignore[misc]
 
     # -- tables --------------------------------------------------------------------------------
 
@@ -123,13 +124,20 @@ class LoadPublisher:
         elif backend in CUDA_BACKENDS:
             from dpboard.loads import cuda
 
-            self._kernel = cuda.runner(backend)
+            if self._direct is not None or self._want_direct:
+                self._kernel = None  # compute() binds its own launch if it is ever called
+                if self._direct is not None:
+                    self._direct.bind(*tables)
+            else:
+                # Pointers, grid, packed arguments, pinned buffer and stream, resolved once here.
+                self._kernel = cuda.runner(backend).prepare(*tables)
 
     def _current_tables(self) -> Tables:
         if self._source is not None:
             tables = self._source()
             current = self._tables
-            if current is None or any(a is not b for a, b in zip(tables, current, strict=False)):
+            if (current is None or not isinstance(tables, tuple) or len(tables) != 3 or tables[0] is not current[0]
+                    or tables[1] is not current[1] or tables[2] is not current[2]):
                 self._bind(tables)
         return self._tables  # type: ignore[return-value]
 
@@ -145,8 +153,13 @@ class LoadPublisher:
         elif backend == "numpy":
             raw = raw_counts_numpy(state, seqlen, pages)
         else:
-            raw = self._kernel.raw_counts(state, seqlen, pages)
-        check_raw(raw, state, seqlen, pages, on_device=backend in CUDA_BACKENDS)
+            if self._kernel is None:  # compute() beside GPU-direct: a raw-counts binding of its own
+                from dpboard.loads import cuda
+
+                self._kernel = cuda.runner(backend).prepare(state, seqlen, pages)
+            raw = self._kernel.raw_counts()
+        if raw_has_errors(raw):
+            check_raw(raw, state, seqlen, pages, on_device=backend in CUDA_BACKENDS)
         return finish_raw(raw, self._num_pages, self.page_size)
 
     def step(self, num_received_reqs: int = 0) -> KVLoads | None:
@@ -158,9 +171,12 @@ class LoadPublisher:
         tables raises here (see ``poll()``).
         """
         self.steps += 1
-        if self._direct is not None:
-            self._direct.check()
-            self._direct.publish(*self._current_tables(), num_received_reqs)
+        direct = self._direct
+        if direct is not None:
+            if self._source is not None:
+                self._current_tables()  # rebinds the launch when the tables moved
+            direct.check()
+            direct.launch(num_received_reqs)
             return None
         loads = self.compute()
         self.writer.publish_values(
