@@ -187,3 +187,11 @@ def test_the_raw_counters_of_the_fake_launch_are_the_references(gpu):
     binding = loads_cuda.runner("cupy").prepare(*on_device(t))
     assert binding.raw_counts().tolist() == raw_counts_numpy(*t).tolist()
     assert binding.prepared.grid == 1  # 1001 int8 pages are 63 chunks: one block
+
+
+def test_auto_takes_cupy_where_numba_cuda_cannot_run(gpu):
+    t = tables(5)
+    with pytest.raises(UnavailableError):  # no GPU for numba-cuda here (or a compiler it cannot use)
+        compute_loads(*on_device(t), page_size=16, backend="numba-cuda")
+    assert compute_loads(*on_device(t), page_size=16, backend="auto") == compute_loads(*t, page_size=16,
+                                                                                       backend="numpy")

@@ -169,3 +169,44 @@ def test_gpu_direct_publishes_nothing_for_seqlens_that_would_overflow(board_name
         with pytest.raises(ValueError, match=r"4 seqlen\(s\) outside \[0, 2\*\*32\]"):
             pub.synchronize()
         assert board.reader().read(0) is None  # nothing was published
+
+
+def test_a_numba_cuda_that_cannot_compile_is_unavailable_and_names_the_fix(monkeypatch):
+    """numba-cuda 0.30 on numpy 2.5 fails inside its compiler; dpboard says what to install."""
+    import numba.cuda
+
+    from dpboard.errors import UnavailableError
+    from dpboard.loads import compute
+
+    def jit_on_numpy_25(*args, **kwargs):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(numba.cuda, "jit", jit_on_numpy_25)
+    monkeypatch.setattr(kc, "_numba_kernels", {})
+    monkeypatch.setattr(kc, "_runners", {})
+    monkeypatch.setattr(compute, "_last_call", type(compute._last_call)())
+    with pytest.raises(UnavailableError, match=r"row_stack.*pip install 'numpy<2\.5'.*backend='cupy'"):
+        compute_loads(*random_tables(1, 5, 5), page_size=16, backend="numba-cuda")
+
+    class KernelOnNumpy25:  # numba-cuda's dispatcher failing where it compiles: at specialisation
+        def specialize(self, *args):
+            raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    with pytest.raises(UnavailableError, match=r"numpy<2\.5"):
+        kc.specialize(KernelOnNumpy25(), ())
+
+
+def test_bindings_are_reused_and_moving_tables_rebind(board_name):
+    from dpboard import LoadPublisher
+
+    sets = [random_tables(seed, 40, 70) for seed in range(3)]
+    current = [sets[0]]
+    with Board.create(board_name, n_slots=1) as board:
+        pub = LoadPublisher(board, 0, lambda: current[0], page_size=4, backend="numba-cuda")
+        first = pub._kernel
+        assert pub.step() == compute_loads(*sets[0], page_size=4, backend="numpy")
+        assert pub._kernel is first  # the same tables: the same prepared launch
+        for t in sets[1:]:
+            current[0] = t
+            assert pub.step() == compute_loads(*t, page_size=4, backend="numpy")
+        assert pub._kernel is not first
