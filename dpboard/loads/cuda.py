@@ -18,9 +18,11 @@ Nothing here is imported until a CUDA backend is asked for; CuPy and a GPU are o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -481,6 +483,21 @@ class CupyRunner:
 
 
 _runners: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def runner_override(backend: str, replacement: Any) -> Iterator[Any]:
+    """Use ``replacement`` as the process's runner of ``backend`` inside the block (the host-overhead
+    benchmark runs the cupy path on a ``launch.NullDevice`` this way)."""
+    saved = _runners.get(backend)
+    _runners[backend] = replacement
+    try:
+        yield replacement
+    finally:
+        if saved is None:
+            _runners.pop(backend, None)
+        else:
+            _runners[backend] = saved
 
 
 def runner(backend: str) -> Any:

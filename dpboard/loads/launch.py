@@ -272,3 +272,13 @@ class CupyRawCounts:
         self._copy(*self._copy_args)
         self._sync(self._stream)
         return self.raw
+
+
+class HostBackedTable:
+    """A host array presented as a device table (a plain ``__cuda_array_interface__`` dict), for
+    runs on ``NullDevice``: nothing ever dereferences its address there."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = np.ascontiguousarray(host)
+        self.__cuda_array_interface__ = {"shape": self.host.shape, "typestr": self.host.dtype.str,
+                                         "data": (self.host.ctypes.data, False), "version": 3, "strides": None}
