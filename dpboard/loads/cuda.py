@@ -67,12 +67,13 @@ _S_LAUNCH_ID, _S_PUBLISHED, _S_BAD_REQ, _S_BAD_PAGE, _S_BAD_SEQLEN, _S_PUBLISH_S
         "launch_id", "published", "bad_req_states", "bad_page_states", "bad_seqlens", "publish_seq"))
 
 _NO_CUPY = (
-    "backend 'cupy' needs CuPy and an NVIDIA GPU: install the CUDA extra (pip install 'dpboard[cuda]', "
-    "i.e. cupy-cuda12x) on a machine with a GPU, or use backend='numba' on a CPU-only machine"
+    "backend 'cupy' needs CuPy and an NVIDIA GPU: install the CUDA extra for the machine's CUDA "
+    "(pip install 'dpboard[cuda13]' or 'dpboard[cuda12]') on a machine with a GPU, or use backend='numba' "
+    "on a CPU-only machine"
 )
 _NO_GPU_NUMBA = (
     "backend 'numba-cuda' finds no CUDA GPU (numba.cuda.is_available() is False): use backend='numba' "
-    "on a CPU-only machine, install the CUDA extra (pip install 'dpboard[cuda]') where a GPU exists, or set "
+    "on a CPU-only machine, install the CUDA extra (pip install 'dpboard[cuda13]' or 'dpboard[cuda12]') where a GPU exists, or set "
     "NUMBA_ENABLE_CUDASIM=1 before importing numba to run the kernels in Numba's simulator (slow; for tests)"
 )
 
