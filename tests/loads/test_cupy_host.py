@@ -18,9 +18,9 @@ from dpboard.loads import cuda as loads_cuda
 from dpboard.loads import launch
 from dpboard.loads.reference import raw_counts_numpy
 from dpboard.publish import gpu_direct
-from dpboard.snapshot import PageState, ReqState
 from tests.support.cupy_names import RUNTIME_NAMES
 from tests.support.fake_cupy import FakeDeviceArray, fake_cupy
+from tests.support.kv_tables import step_tables
 
 VERSIONS = sorted(RUNTIME_NAMES)
 
@@ -112,15 +112,6 @@ def test_moving_tables_rebind(gpu, board_name):
         for seed, dev in enumerate(sets):
             current[0] = dev
             assert pub.step() == compute_loads(*tables(seed), page_size=8, backend="numpy")
-
-
-def step_tables(k, n_rows=64, n_pages=4096):
-    state = np.zeros(n_rows, np.int8)
-    state[:k] = ReqState.RUNNING
-    state[k : 2 * k] = ReqState.WAITING
-    pages = np.full(n_pages, PageState.FREE, np.int8)
-    pages[:k] = PageState.USED
-    return state, np.full(n_rows, 1000, np.int32), pages
 
 
 def test_gpu_direct_publishes_through_the_registered_page(gpu, board_name):

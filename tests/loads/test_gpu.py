@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dpboard import Board, LoadPublisher, compute_loads
-from dpboard.loads import PageState, ReqState
+from tests.support.kv_tables import step_tables
 from tests.support.procutil import kill
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,15 +73,6 @@ def test_gpu_backend_equals_reference(backend, n_req, n_pages, dtypes):
         bad[2][n_pages // 2] = 7
         with pytest.raises(ValueError, match="outside PageState"):
             compute_loads(*device(bad, backend), page_size=64, backend=backend)
-
-
-def step_tables(k, n_rows=64, n_pages=4096):
-    state = np.zeros(n_rows, np.int8)
-    state[:k] = ReqState.RUNNING
-    state[k : 2 * k] = ReqState.WAITING
-    pages = np.full(n_pages, PageState.FREE, np.int8)
-    pages[:k] = PageState.USED
-    return state, np.full(n_rows, 1000, np.int32), pages
 
 
 @pytest.mark.parametrize("backend", BACKENDS or ["none"])
