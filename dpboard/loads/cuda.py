@@ -6,7 +6,11 @@ counter per block, the last block finishes):
 - ``numba-cuda``: ``@cuda.jit`` kernels written in Python. They also run in Numba's CUDA simulator
   (``NUMBA_ENABLE_CUDASIM=1``), which is how the test suite checks them on machines without a GPU.
 - ``cupy``: the CUDA C of ``kernels/loads.cu`` (shipped as the package ``dpboard.cuda_sources``),
-  compiled by NVRTC through ``cupy.RawModule``, one instantiation per dtype combination.
+  compiled by NVRTC through ``cupy.RawModule``, one instantiation per dtype combination, launched
+  from the prepared launches of ``dpboard.loads.launch``.
+
+Both backends bind a set of tables once (``runner.prepare``: device views or pointers, grid,
+arguments, result buffer, stream) and then only launch; ``compute_loads`` keeps the last binding.
 
 Only the nine raw counters cross to the host (``compute_loads``), or nothing at all: the GPU-direct
 publishers (``dpboard.publish.gpu_direct``) launch the publish kernel built here, whose last block
