@@ -196,7 +196,11 @@ class NumbaDirectPublisher(DirectPublisherBase):
     def _release(self) -> None:
         pins, self._pins = self._pins, []
         for pin in pins:
-            pin.free()
+            finalizer = getattr(pin, "_finalizer", None)
+            # numba's own exit hook may have unpinned it already; free() would then raise
+            # "Freeing dead memory" (what the first H200 run printed at exit).
+            if finalizer is None or finalizer.alive:
+                pin.free()
 
     def close(self) -> None:
         if getattr(self, "_closed", False):
