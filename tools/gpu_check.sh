@@ -73,18 +73,18 @@ PYEOF
 cat "$LOGS/versions.txt" | tee -a "$LOGS/summary.txt"
 
 log "CUDA tests (real GPU, no simulator) + nvcc + the CuPy stand-ins"
-NUMBA_ENABLE_CUDASIM=0 DPBOARD_GPU_CHECK_OUT="$LOGS" timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs \
+NUMBA_ENABLE_CUDASIM=0 DPBOARD_GPU_CHECK_OUT="$LOGS" timeout 170 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/loads/test_gpu.py tests/loads/test_cuda_sources.py tests/loads/test_cupy_host.py -k "not simulator" \
     --junitxml="$LOGS/pytest-gpu.xml" >"$LOGS/pytest-gpu.log" 2>&1 || status=1
 tail -n 15 "$LOGS/pytest-gpu.log" | tee -a "$LOGS/summary.txt"
 
 log "kernel benchmark (R=4096, 1M pages)"
-timeout 100 "$PY" tools/bench_kernels.py --quick --requests 4096 --pages 1048576 \
+timeout 80 "$PY" tools/bench_kernels.py --quick --requests 4096 --pages 1048576 \
     --json "$LOGS/bench_kernels.json" >"$LOGS/bench_kernels.md" 2>&1 || status=1
 cat "$LOGS/bench_kernels.md" | tee -a "$LOGS/summary.txt"
 
 log "host overhead of the cupy step (launch, copy and sync replaced by no-ops)"
-timeout 40 "$PY" tools/bench_kernels.py --host-overhead --quick >"$LOGS/host_overhead.md" 2>&1 || status=1
+timeout 30 "$PY" tools/bench_kernels.py --host-overhead --quick >"$LOGS/host_overhead.md" 2>&1 || status=1
 cat "$LOGS/host_overhead.md" | tee -a "$LOGS/summary.txt"
 
 for f in "$LOGS"/gpu_direct_*.json; do

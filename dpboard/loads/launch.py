@@ -243,18 +243,24 @@ class PreparedLaunch:
         return state is t[0] and seqlen is t[1] and pages is t[2]
 
 
+def _release_with(owner: object, release: Callable[[], Any]) -> None:
+    """Run ``release`` when ``owner`` is collected, but not at interpreter exit: CUDA may be torn
+    down by then, a failed call would print, and the process's memory goes back anyway."""
+    weakref.finalize(owner, release).atexit = False
+
+
 class CupyRawCounts:
     """The ``cupy`` backend's raw counters of one set of device tables: a launch, an asynchronous
     72-byte copy into pinned memory, one stream synchronisation."""
 
     def __init__(self, device: Any, tables: tuple[Any, Any, Any], source: str, include_dir: str) -> None:
         stream, destroy = device.stream()
-        weakref.finalize(self, destroy)
+        _release_with(self, destroy)
         self.prepared = PreparedLaunch(device, "raw_counts", tables, source, include_dir, stream)
         self._raw_dev_keep, self._raw_dev = device.zeros(NUM_RAW, np.int64)
         self.prepared.args.set(raw=self._raw_dev)
         self._raw_host, free = device.pinned(RAW_BYTES)
-        weakref.finalize(self, free)
+        _release_with(self, free)
         self.raw = np.frombuffer((ctypes.c_int64 * NUM_RAW).from_address(self._raw_host), np.int64)
         p = self.prepared
         # The hot path's calls and arguments, looked up once.
