@@ -106,7 +106,7 @@ __host__ __device__ __forceinline__ void dpb_load(DpbChunk<T, N> &chunk, const T
 }
 
 __host__ __device__ __forceinline__ bool dpb_aligned(const void *p, unsigned bytes) {
-    return ((unsigned long long)(size_t)p & (bytes - 1u)) == 0ull;
+    return ((unsigned long long)p & (bytes - 1u)) == 0ull;  // no size_t: NVRTC has no headers
 }
 
 // Rows and pages first, first + stride, ... of the tables' 16-byte chunks, then of the entries the
