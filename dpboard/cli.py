@@ -17,6 +17,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from dpboard import __version__
 from dpboard.errors import DpboardError
 
 USAGE_ERROR = 2  # argparse's own status for a bad command line
@@ -43,6 +44,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="dpboard",
         description="Load telemetry board and dispatcher for data-parallel LLM inference.",
     )
+    parser.add_argument("--version", action="version", version=f"dpboard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
