@@ -27,9 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("dpboard.views.inspect", "list the boards on this machine, their creator and whether it is alive"),
     "info": ("dpboard.views.inspect", "show a board's header, slot summary and collector counters"),
     "dump": ("dpboard.views.inspect", "print every slot of a board once (table or --json)"),
-    "clean": ("dpboard.views.inspect", "remove boards whose creator is dead (--force: also live ones)"),
+    "clean": ("dpboard.views.inspect", "remove boards that are not alive: creator dead and no fresh slot "
+              "(--force: also live ones)"),
     "top": ("dpboard.views.top", "live terminal view of a board"),
-    "serve": ("dpboard.views.serve", "HTTP exporter: /v1/loads, /metrics, /healthz"),
+    "serve": ("dpboard.views.serve", "HTTP exporter: a live page at /, /v1/loads, /metrics, /healthz"),
     "controller": ("dpboard.controller.process", "run the ZMQ data-parallel controller"),
     "relay": ("dpboard.multinode.relay", "forward this node's board to node0's collector"),
     "collect": ("dpboard.multinode.collector", "own node0's load PULL socket and write relayed snapshots"),

@@ -135,7 +135,7 @@ class RunStats:
             return f"{np.percentile(values, q) * 1e3:.1f} ms" if values else "-"
 
         lines = [
-            f"dpboard demo: {self.ranks} ranks, method {method}, {self.load_seconds:.1f} s of load",
+            f"dpboard demo: {self.ranks} rank{'s' if self.ranks != 1 else ''}, method {method}, {self.load_seconds:.1f} s of load",
             f"  requests sent {self.sent}, received by schedulers {sum(self.received_by_rank)}, served {served}",
             *self._undelivered(method),
             f"  queueing delay (arrival at scheduler -> first scheduled): p50 {pct(self.queue_s, 50)}, "
@@ -370,7 +370,7 @@ class DemoRun:
 def run_demo(args: argparse.Namespace) -> int:
     _check(args)
     demo = DemoRun(args)
-    print(f"dpboard demo: board {demo.name!r}, {args.ranks} ranks, method {args.method}, "
+    print(f"dpboard demo: board {demo.name!r}, {args.ranks} rank{'s' if args.ranks != 1 else ''}, method {args.method}, "
           f"{demo.shape.rate:g} req/s (x{demo.shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
     _warm_kernels()
     return demo.run()
