@@ -1,5 +1,5 @@
 """``dpboard bench kernels``: compute_loads per call, every available backend beside the NumPy
-reference on the same tables in the same run (SPEC section 8: Numba CPU >= 5x the reference at
+reference on the same tables in the same run (the targets of docs/KERNELS.md, "Figures": Numba CPU >= 5x the reference at
 R=4096 / 1M pages; CUDA <= 10 µs per call on an H200).
 
 Tables: int8 request states, int32 seqlens, int8 page states, random. A CUDA backend's time is
