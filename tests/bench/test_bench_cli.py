@@ -57,3 +57,14 @@ def test_bench_dispatch_json_file_holds_the_figures_it_printed(tmp_path):
     assert doc["quick"] is True and {row["ranks"] for row in doc["dispatch"]} == {8}
     for row in doc["dispatch"]:
         assert row["method"] in out.stdout and row["dpboard_ns"]["50"] > 0 and row["baseline_ns"]["50"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_bench_all_json_file_holds_every_topic(tmp_path):
+    path = tmp_path / "all.json"
+    out = dpboard("bench", "all", "--quick", "--json", str(path), timeout=850)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    assert set(doc) == set(TOPICS)
+    assert doc["board"]["dpboard"] and doc["dispatch"]["dispatch"] and doc["relay"]["relay"]["samples"] > 0
+    assert doc["kernels"]  # one row per backend and size
