@@ -3,20 +3,38 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?= --duration 20
-# The SGLang release the plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
+# Engines whose real modules the integration tests import. Each is its wheel alone (--no-deps), put
+# in a folder of its own outside the venv's site-packages: pip never sees it, so its resolver and
+# `pip check` do not report the engine's own (uninstalled) dependencies. tests/conftest.py puts
+# the folder on sys.path and PYTHONPATH. Another engine is one more entry of ENGINE_WHEELS.
 SGLANG_VERSION ?= 0.5.23
-
-.PHONY: demo test lint bench clean-boards layout
-
+ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION)
+ENGINE_DIR := $(VENV)/engines
 # The C extensions are rebuilt when their sources or the generated layout header change.
-$(VENV)/.installed: pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
+SOURCES := pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
+
+.PHONY: demo test lint bench clean-boards layout wheel
+
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
+
+# `make demo`: dpboard and its runtime dependencies only.
+$(VENV)/.demo: $(SOURCES) | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
 	touch $@
 
-demo: $(VENV)/.installed
+# `make test`: dpboard with the [test] extra, then the engines' wheels (a separate step).
+$(VENV)/.installed: $(SOURCES) $(VENV)/.engines | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(VENV)/.demo $@
+
+$(VENV)/.engines: Makefile | $(VENV)/bin/python
+	rm -rf $(ENGINE_DIR)
+	$(PY) -m pip install -q --no-deps --target $(ENGINE_DIR) $(ENGINE_WHEELS)
+	touch $@
+
+demo: $(VENV)/.demo
 	$(VENV)/bin/dpboard demo $(DEMO_ARGS)
 
 test: $(VENV)/.installed
@@ -27,12 +45,16 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples
 
 bench: $(VENV)/.installed
-	$(VENV)/bin/dpboard bench all
+	PYTHONPATH=$(ENGINE_DIR) $(VENV)/bin/dpboard bench all
 
-clean-boards: $(VENV)/.installed
+clean-boards: $(VENV)/.demo
 	$(VENV)/bin/dpboard clean
 
 # After a change to the layout in dpboard/snapshot.py: regenerate the C header, rebuild the extension.
 layout:
 	$(PYTHON) tools/gen_layout.py
 	$(MAKE) $(VENV)/.installed
+
+# A wheel in dist/ to install elsewhere: pip install dist/dpboard-*.whl (README, "Installing").
+wheel: $(VENV)/bin/python
+	$(PY) -m pip wheel -q --no-deps -w dist .

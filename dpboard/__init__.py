@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpboard.board import Board, BoardError, BoardLayoutError, BoardReader, BoardWriter
+from dpboard.errors import DpboardError
 from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "BoardLayoutError",
     "BoardReader",
     "BoardWriter",
+    "DpboardError",
     "LoadSnapshot",
     "SNAPSHOT_DTYPE",
     "SlotStatus",

@@ -17,6 +17,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from dpboard import __version__
 from dpboard.errors import DpboardError
 
 USAGE_ERROR = 2  # argparse's own status for a bad command line
@@ -26,9 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("dpboard.views.inspect", "list the boards on this machine, their creator and whether it is alive"),
     "info": ("dpboard.views.inspect", "show a board's header, slot summary and collector counters"),
     "dump": ("dpboard.views.inspect", "print every slot of a board once (table or --json)"),
-    "clean": ("dpboard.views.inspect", "remove boards whose creator is dead (--force: also live ones)"),
+    "clean": ("dpboard.views.inspect", "remove boards that are not alive: creator dead and no fresh slot "
+              "(--force: also live ones)"),
     "top": ("dpboard.views.top", "live terminal view of a board"),
-    "serve": ("dpboard.views.serve", "HTTP exporter: /v1/loads, /metrics, /healthz"),
+    "serve": ("dpboard.views.serve", "HTTP exporter: a live page at /, /v1/loads, /metrics, /healthz"),
     "controller": ("dpboard.controller.process", "run the ZMQ data-parallel controller"),
     "relay": ("dpboard.multinode.relay", "forward this node's board to node0's collector"),
     "collect": ("dpboard.multinode.collector", "own node0's load PULL socket and write relayed snapshots"),
@@ -43,6 +45,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="dpboard",
         description="Load telemetry board and dispatcher for data-parallel LLM inference.",
     )
+    parser.add_argument("--version", action="version", version=f"dpboard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

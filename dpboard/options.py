@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 MAX_SECONDS = 1e6  # about 11.6 days: longer thresholds and periods are mistakes, and must fit int64 ns
@@ -66,3 +67,16 @@ def fraction() -> Callable[[str], float]:
 def positive(high: float = 1e12) -> Callable[[str], float]:
     """A finite number > 0 (a rate, a factor)."""
     return number_in(float, 0.0, high, low_open=True)
+
+
+def output_file(text: str) -> str:
+    """A file to be written after a long run: its folder must exist and be writable now, so that a
+    mistyped path is refused before the run instead of losing its figures after it."""
+    folder = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory: name a file in it")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist; create it or name another")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: not writable by this user; name a file in a folder you own")
+    return text

@@ -4,13 +4,14 @@ One seed's p99 is one draw; this runs each method on the same traces for ``--see
 prints, per method, the mean over seeds with the range beside it, then how the best of dpboard's
 methods compares with SGLang's ``total_tokens``, vLLM's policy and the other peers' routers.
 
-    python examples/compare_methods.py --trace bursty --ranks 16 --seeds 5
+    python examples/compare_methods.py --trace bursty --ranks 8 --seeds 5
     python examples/compare_methods.py --trace longshort --methods \\
         "total_tokens:cadence=sglang,vllm,inflight_tokens:cadence=step"
-    python examples/compare_methods.py --trace-file ../shared/traces/mooncake_conversation.jsonl \\
+    python examples/compare_methods.py --trace-file traces/mooncake_conversation.jsonl \\
         --load 0.6 --ranks 16 --seeds 3
 
-With ``--trace-file`` the seed shapes the trace where the format calls for it (Mooncake's
+The real traces are not shipped: docs/TRACES.md gives their sources and the commands that put them
+in ``traces/``. With ``--trace-file`` the seed shapes the trace where the format calls for it (Mooncake's
 timestamps are spread within their buckets) and breaks the random ties of the routers that have
 them; the rank model is ``--profile`` (default ``llama3.1-8b-h100``, as ``dpboard sim``).
 Method specs are those of ``dpboard sim --methods`` (``NAME[:key=value;...]``, with ``cadence=`` to
@@ -27,7 +28,7 @@ against the ranks' true prefix caches, on the same traces:
   of the trace begin with (a shared system prompt): what a rank that has never been sent anything
   loses to that prefix.
 
-    python examples/compare_methods.py --trace-file ../shared/traces/mooncake_conversation.jsonl \\
+    python examples/compare_methods.py --trace-file traces/mooncake_conversation.jsonl \\
         --load 0.9 --ranks 16 --seeds 3 --methods dynamo_kv,inflight_cache:cadence=step --index-check
 """
 
@@ -38,6 +39,7 @@ import sys
 
 import numpy as np
 
+from dpboard.options import count, positive
 from dpboard.sim.cli import FILE_PROFILE, SCENARIO_PROFILE, split_methods
 from dpboard.sim.prefix_cache import prefix_tokens
 from dpboard.sim.profile import load_profile
@@ -164,18 +166,30 @@ def runs_of(method: str, trace: Trace, config: SimConfig, index_check: bool):
     yield method + SEEDED, seeded, IndexProbe(seeded)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default shown (where it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--trace", default=None, choices=sorted(SCENARIOS), help="synthetic scenario (default bursty)")
+    source.add_argument("--trace", default=None, choices=sorted(SCENARIOS), help="synthetic scenario (bursty when no --trace-file)")
     source.add_argument("--trace-file", metavar="PATH", help="a real trace (Azure, Mooncake, BurstGPT)")
-    p.add_argument("--load", type=float, default=None, help="--trace-file: offered load per rank (share of capacity)")
+    p.add_argument("--load", type=positive(100), default=None,
+                   help="--trace-file: offered load per rank (share of capacity; default: the trace as recorded)")
     p.add_argument("--window", metavar="START:END", help="--trace-file: a slice of the file, seconds")
-    p.add_argument("--profile", default=None, help="rank profile (default as dpboard sim)")
-    p.add_argument("--ranks", type=int, default=16)
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (default 5)")
-    p.add_argument("--cadence", default="sglang", choices=("step", "sglang", "period"))
-    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--profile", default=None,
+                   help=f"rank profile (default as dpboard sim: {SCENARIO_PROFILE}, {FILE_PROFILE} with --trace-file)")
+    p.add_argument("--ranks", type=count(1, 4096), default=8, help="DP ranks (as dpboard sim)")
+    p.add_argument("--seeds", type=count(1, 1000), default=5, help="seeds 0..N-1")
+    p.add_argument("--cadence", default="sglang", choices=("step", "sglang", "period"),
+                   help="publish cadence of the methods that do not name their own")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated specs, as dpboard sim --methods")
     p.add_argument("--index-check", action="store_true",
                    help="the prefix index against the ranks' true caches, and two variants of the method (see above)")
     args = p.parse_args(argv)

@@ -4,8 +4,12 @@ The "scheduler" here is a toy: a request table and a KV page table in NumPy, cha
 step. A real scheduler keeps the same three arrays (on the GPU or the host) and makes the same two
 calls: one LoadPublisher at start-up, one ``step()`` per scheduler iteration.
 
-    python examples/embed_writer.py --board demo --rank 0 --steps 1000
-    dpboard dump demo          # in another terminal
+    python examples/embed_writer.py --board demo --steps 5000 --interval 0.002
+    dpboard top demo --wait    # in another terminal, started before or during the run
+
+The board it creates lives as long as this process: it is removed when the run ends.
+``--linger SECONDS`` keeps it that much longer after the last step (its slot turns stale), so that
+``dpboard dump demo`` in another terminal still shows the last snapshot.
 """
 
 from __future__ import annotations
@@ -16,19 +20,24 @@ import time
 import numpy as np
 
 from dpboard import Board, LoadPublisher, PageState, ReqState
+from dpboard.options import count, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--board", default="embed-example")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--n-slots", type=int, default=1, help="slots when the board has to be created")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--interval", type=float, default=0.001, help="seconds between scheduler steps")
-    parser.add_argument("--max-requests", type=int, default=4096)
-    parser.add_argument("--num-pages", type=int, default=65536)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--backend", default="auto")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--board", default="embed-example", help="board name (created if it does not exist)")
+    parser.add_argument("--rank", type=count(0, 65535), default=0, help="this scheduler's DP rank")
+    parser.add_argument("--n-slots", type=count(1, 65536), default=1, help="slots when the board has to be created")
+    parser.add_argument("--steps", type=count(1), default=1000, help="scheduler steps to run")
+    parser.add_argument("--interval", type=seconds(60, zero=True), default=0.001, help="seconds between scheduler steps")
+    parser.add_argument("--max-requests", type=count(1), default=4096, help="rows of the request table")
+    parser.add_argument("--num-pages", type=count(1), default=65536, help="KV pages")
+    parser.add_argument("--page-size", type=count(1, 1 << 16), default=16, help="tokens per KV page")
+    parser.add_argument("--backend", default="auto", choices=("auto", "numpy", "numba", "numba-cuda", "cupy"),
+                        help="kernel that computes the loads")
+    parser.add_argument("--linger", type=seconds(3600, zero=True), default=0.0,
+                        help="seconds the board stays after the last step, for `dpboard dump`")
     args = parser.parse_args(argv)
 
     board = Board.create(args.board, n_slots=max(args.n_slots, args.rank + 1), exist_ok=True)
@@ -64,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         publisher.close()
         board.close()
         if board.is_owner:
+            if args.linger:
+                print(f"board {args.board!r} stays {args.linger:g} s more: `dpboard dump {args.board}` shows it",
+                      flush=True)
+                time.sleep(args.linger)
             board.unlink()
     print(f"published {publisher.steps} snapshots from rank {args.rank} ({publisher.backend}); last: {loads}")
     return 0

@@ -1,13 +1,16 @@
 """A controller in front of two fake schedulers, on one machine, for a few seconds.
 
-    python examples/run_controller.py
+    python examples/run_controller.py [--requests 500] [--method inflight_tokens]
 
-Each scheduler binds a PULL, counts what it receives and publishes its load to a board; the
-controller picks ranks with inflight_tokens; a client sends requests of mixed lengths.
+Each scheduler binds a PULL, counts what it receives and publishes its load to a board, the count
+included; the controller picks ranks with the method and reads those counts back as delivery
+acknowledgements (``acks=``: docs/DISPATCH.md, "Delivery"), so its ``delivered`` counts what
+reached a scheduler. A client sends requests of mixed lengths.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import tempfile
@@ -20,6 +23,8 @@ import zmq
 from dpboard import Board
 from dpboard.controller import DataParallelController, Dispatcher
 from dpboard.controller.codec import encode_request
+from dpboard.controller.methods import METHOD_CHOICES
+from dpboard.options import count, seconds
 
 
 def scheduler(board: Board, rank: int, endpoint: str, stop: threading.Event, ctx: zmq.Context) -> None:
@@ -33,12 +38,21 @@ def scheduler(board: Board, rank: int, endpoint: str, stop: threading.Event, ctx
             received += 1
             tokens += len(msg["input_ids"])
         tokens = max(0, tokens - 200)  # the rank works its queue down
+        # running, waiting, used, total, active, capacity, received (the count the controller reads)
         writer.publish_values(0, 0, tokens, tokens, tokens, 100_000, received)
     print(f"rank {rank}: received {received} requests")
     sock.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--requests", type=count(1, 1_000_000), default=500, help="requests the client sends")
+    parser.add_argument("--method", default="inflight_tokens", choices=METHOD_CHOICES, help="the controller's method")
+    parser.add_argument("--duration", type=seconds(3600), default=2.0,
+                        help="seconds the controller runs (the client sends one request every 2 ms)")
+    args = parser.parse_args(argv)
+
     tmp = tempfile.mkdtemp()
     endpoints = [f"ipc://{tmp}/sched-{r}" for r in range(2)]
     ctx = zmq.Context()
@@ -47,13 +61,14 @@ def main() -> None:
         threads = [threading.Thread(target=scheduler, args=(board, r, ep, stop, ctx)) for r, ep in enumerate(endpoints)]
         for t in threads:
             t.start()
-        dispatcher = Dispatcher("inflight_tokens", 2, reader=board.reader())
-        controller = DataParallelController(dispatcher, endpoints, f"ipc://{tmp}/in", context=ctx)
-        runner = threading.Thread(target=controller.run, kwargs={"duration": 2.0})
+        dispatcher = Dispatcher(args.method, 2, reader=board.reader())
+        controller = DataParallelController(dispatcher, endpoints, f"ipc://{tmp}/in", context=ctx,
+                                            acks=board.reader())
+        runner = threading.Thread(target=controller.run, kwargs={"duration": args.duration})
         runner.start()
         client = ctx.socket(zmq.PUSH)
         client.connect(f"ipc://{tmp}/in")
-        for i in range(500):
+        for i in range(args.requests):
             client.send(encode_request(f"r{i}", input_ids=[0] * random.choice([30, 30, 30, 3000])))
             time.sleep(0.002)
         runner.join()
@@ -64,7 +79,8 @@ def main() -> None:
         client.close()
         controller.close()
     ctx.term()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

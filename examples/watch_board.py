@@ -1,6 +1,6 @@
 """Follow a board from a script: one line per sample, through its vanishing and coming back.
 
-    python examples/watch_board.py NAME [SECONDS]
+    python examples/watch_board.py NAME [--seconds 10]
 
 ``BoardWatch`` is what ``dpboard top`` and ``dpboard serve`` read boards with; each ``sample()``
 gives a ``Frame`` (rows, liveness counts, imbalance, totals, rates).
@@ -8,17 +8,27 @@ gives a ``Frame`` (rows, liveness counts, imbalance, totals, rates).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
+from dpboard.errors import DpboardError
+from dpboard.options import seconds
 from dpboard.views.watch import BoardWatch
 
 
-def main() -> int:
-    name = sys.argv[1]
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 10.0
-    watch = BoardWatch(name, stale_after=1.0, wait=True)
-    deadline = time.monotonic() + seconds
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("name", help="board name (`dpboard ls` lists them); waited for if it does not exist yet")
+    parser.add_argument("--seconds", type=seconds(), default=10.0, help="how long to watch")
+    parser.add_argument("--every", type=seconds(), default=0.5, help="seconds between samples")
+    args = parser.parse_args(argv)
+    try:
+        watch = BoardWatch(args.name, stale_after=1.0, wait=True)
+    except DpboardError as e:
+        parser.error(str(e))
+    deadline = time.monotonic() + args.seconds
     try:
         while time.monotonic() < deadline:
             frame = watch.sample()
@@ -29,7 +39,7 @@ def main() -> int:
                 rate = f"{frame.publish_rate:.0f}/s" if frame.publish_rate is not None else "-"
                 print(f"{frame.board}: {frame.counts['live']} live, {frame.counts['stale']} stale, "
                       f"imbalance {imbalance}, total tokens {frame.totals['num_total_tokens']}, publishes {rate}")
-            time.sleep(0.5)
+            time.sleep(args.every)
     except KeyboardInterrupt:
         pass
     finally:

@@ -238,7 +238,7 @@ __global__ void dpb_publish(const S *state, const L *seqlen, i64 num_requests, c
         return;
     }
 
-    // The SPEC formulas, int64.
+    // The formulas of docs/KERNELS.md, int64.
     const i64 used = (num_pages - acc[DPB_RAW_FREE_PAGES] - acc[DPB_RAW_EVICTABLE_PAGES]) * page_size;
     const i64 total = used + acc[DPB_RAW_SEQLEN_WITHOUT_KV];
     const i64 active_raw = total - acc[DPB_RAW_SEQLEN_AWAITING_TRANSFER];

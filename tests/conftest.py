@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.names import new_board_name, session_segments
+
+# The engines' wheels (SGLang's, ...) sit beside the venv's site-packages, where pip does not see
+# them (the Makefile's ENGINE_WHEELS): on sys.path here, and on PYTHONPATH for the processes tests start.
+ENGINE_DIR = Path(sys.prefix) / "engines"
+if ENGINE_DIR.is_dir() and str(ENGINE_DIR) not in sys.path:
+    sys.path.append(str(ENGINE_DIR))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ENGINE_DIR)) if p)
 
 # tests/loads/cudasim runs only under Numba's CUDA simulator, in its own interpreter
 # (tests/loads/test_cuda_sources.py starts it with NUMBA_ENABLE_CUDASIM=1, which must be set before

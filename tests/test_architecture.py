@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"integrations"},  # engines at the edge: they embed publish, controller and views
     {"sim", "demo", "bench"},  # whole-system runs
     {"cli"},  # the command table
+    {"__main__"},  # `python -m dpboard` runs the command table
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 PACKAGE_FACADE = "__init__"  # dpboard/__init__.py re-exports the public API (lazily for the kernels)

@@ -10,6 +10,7 @@ import pytest
 
 from dpboard import cli
 from dpboard.errors import DpboardError, InvalidInputError
+from dpboard.options import output_file
 from tests.support.names import new_board_name
 
 
@@ -69,7 +70,7 @@ def _numeric_actions(parser):
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 yield from _numeric_actions(sub)
-        elif action.option_strings and action.nargs != 0 and action.type is not None:
+        elif action.option_strings and action.nargs != 0 and action.type not in (None, output_file):
             yield parser.prog, action
 
 
@@ -127,3 +128,42 @@ def test_out_of_range_options_are_one_line_errors_not_tracebacks(args, words):
     out = dpboard(*args)
     assert out.returncode == 2 and words in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+# -- the first minutes: version, python -m, the error base at the package top ----------------------
+
+def test_version_from_the_command_and_from_python_m():
+    import dpboard as package
+
+    for argv in ([sys.executable, "-m", "dpboard", "--version"], [sys.executable, "-m", "dpboard.cli", "--version"]):
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == f"dpboard {package.__version__}"
+
+
+def test_python_m_dpboard_runs_the_command_line_with_its_error_contract():
+    out = subprocess.run([sys.executable, "-m", "dpboard", "info", "no-such-board-here"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("dpboard info: ") and out.stderr.count("\n") == 1
+
+
+def test_the_error_base_is_importable_from_the_package_top():
+    import dpboard as package
+
+    assert package.DpboardError is DpboardError and "DpboardError" in package.__all__
+    assert issubclass(package.BoardError, package.DpboardError)
+
+
+def test_sim_plot_without_matplotlib_is_refused_before_the_simulation(tmp_path):
+    # matplotlib hidden from this interpreter: sys.modules[name] = None makes find_spec and import fail
+    code = ("import sys; sys.modules['matplotlib'] = None; from dpboard.cli import main; "
+            f"sys.exit(main(['sim', '--quick', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("dpboard sim: --plot needs matplotlib") and out.stderr.count("\n") == 1
+    assert out.stdout == ""  # nothing was simulated
+
+
+def test_sim_plot_to_a_missing_folder_is_refused_by_the_parser(tmp_path):
+    out = dpboard("sim", "--quick", "--plot", str(tmp_path / "no" / "x.png"))
+    assert out.returncode == 2 and "argument --plot:" in out.stderr and "does not exist" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""

@@ -27,13 +27,16 @@ import numpy as np
 
 from dpboard.bench.sglang_board import FlockBoard, FlockReader, FlockWriter, load_sglang, sglang_snapshot
 from dpboard.bench.stats import (
+    add_common_arguments,
     batched_ns,
+    describe,
     fmt_ns,
     machine_line,
     markdown_table,
     pct,
     per_call_ns,
     timer_overhead_ns,
+    write_json,
 )
 from dpboard.board import Board
 from dpboard.snapshot import SLOT_SIZE, LoadSnapshot
@@ -304,15 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--helper"]:
         _helper(argv[1], argv[2], argv[3], int(argv[4]))
         return 0
-    parser = argparse.ArgumentParser(prog="dpboard bench board", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tenth of the samples")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser = argparse.ArgumentParser(prog="dpboard bench board", description=describe(__doc__))
+    add_common_arguments(parser, "a tenth of the samples")
     args = parser.parse_args(argv)
     text, summary = report(args.quick)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(args.json, summary)
     return 0
 
 

@@ -18,7 +18,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dpboard.bench.stats import fmt_ns, machine_line, markdown_table, pct
+from dpboard.bench.stats import (
+    add_common_arguments,
+    describe,
+    fmt_ns,
+    machine_line,
+    markdown_table,
+    pct,
+    write_json,
+)
 from dpboard.board import MAX_SLOTS, Board
 from dpboard.controller import Dispatcher, LoadBalanceMethod
 from dpboard.options import count
@@ -125,8 +133,8 @@ def _time_batch(dispatch_batch: Callable, reqs: Sequence, blocks: int, refresh_b
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench dispatch", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a short run (fewer blocks)")
+    p = argparse.ArgumentParser(prog="dpboard bench dispatch", description=describe(__doc__))
+    add_common_arguments(p, "a short run (fewer blocks)")
     p.add_argument("--ranks", type=count(1, MAX_SLOTS), nargs="+", default=[8, 64],
                    help="DP sizes to measure (default 8 64)")
     p.add_argument("--batch", type=count(1, 1_000_000), default=1024, help="requests per batch (default 1024)")
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     single_blocks, batch_blocks = (200, 40) if args.quick else (2000, 300)
     rng = random.Random(1)
     rows = []
+    figures: list[dict] = []
     verdicts = []
     for n in args.ranks:
         name = f"bench-dispatch-{os.getpid()}-{n}"
@@ -167,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                     ours_s = np.concatenate([timer(fn_ours, data, blocks // 2, again) for _ in range(2)])
                     base_s = np.concatenate([timer(fn_base, data, blocks // 2, again) for _ in range(2)])
                     speedup = pct(base_s, 50) / pct(ours_s, 50)
+                    figures.append({"method": method.value, "ranks": n, "what": label,
+                                    "dpboard_ns": {q: pct(ours_s, q) for q in (50, 90, 99)},
+                                    "baseline_ns": {q: pct(base_s, q) for q in (50, 90, 99)},
+                                    "speedup_p50": speedup})
                     rows.append([
                         method.value, n, label,
                         fmt_ns(pct(ours_s, 50)), fmt_ns(pct(ours_s, 90)), fmt_ns(pct(ours_s, 99)),
@@ -194,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(verdicts))
     print()
     print(prefix_index_table(max(args.ranks), 200 if args.quick else 2000, rng))
+    write_json(args.json, {"machine": machine_line(), "quick": args.quick, "dispatch": figures})
     return 0
 
 

@@ -16,7 +16,6 @@ cost, measurable on a machine without a GPU (docs/KERNELS.md, "What a step costs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.bench.stats import machine_line
+from dpboard.bench.stats import add_common_arguments, describe, machine_line, write_json
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.loads import compute_loads
 from dpboard.options import count
@@ -102,18 +101,6 @@ def resolve_backends(spec: str) -> list[str]:
         raise UnavailableError("--backends numba-cuda: no CUDA GPU for numba-cuda here: run it on a GPU machine, "
                                "or leave numba-cuda out")
     return chosen
-
-
-def check_writable(path: str) -> None:
-    """--json's file can be written (checked before the run, not after minutes of it)."""
-    try:
-        existed = os.path.exists(path)
-        with open(path, "a"):
-            pass
-        if not existed:
-            os.unlink(path)
-    except OSError as e:
-        raise InvalidInputError(f"--json {path}: cannot write it ({e.strerror}): give a writable file") from None
 
 
 # -- host: compute_loads per backend ---------------------------------------------------------------
@@ -416,8 +403,8 @@ def gpu_markdown(rows: list[dict[str, Any]]) -> str:
 # -- command line ----------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench kernels", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    p = argparse.ArgumentParser(prog="dpboard bench kernels", description=describe(__doc__))
+    add_common_arguments(p, quick="fewer iterations (a smoke run)")
     p.add_argument("--backends", default="available",
                    help="comma-separated: numba, numba-parallel (raw kernel on every thread), numba-cuda, cupy "
                         "(default: every one available here)")
@@ -427,14 +414,11 @@ def parser() -> argparse.ArgumentParser:
                    help="request rows to measure (default 256 4096 16384)")
     p.add_argument("--pages", type=count(1, 1 << 30), nargs="+", default=list(PAGES),
                    help="KV pages to measure (default 65536 1048576)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE (checked writable first)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.json:
-        check_writable(args.json)
     result: dict[str, Any] = {"machine": machine_line(), "quick": bool(args.quick)}
     if args.host_overhead:
         rows = host_overhead(args.quick)
@@ -462,7 +446,5 @@ def main(argv: list[str] | None = None) -> int:
             result["gpu"] = gpu
             print("\nThe GPU path beside its floor (one run)\n")
             print(gpu_markdown(gpu))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from dpboard.bench.stats import add_common_arguments, describe, write_json
 from dpboard.board import Board
 from dpboard.multinode.relay import DEFAULT_TICK_MS
 from dpboard.options import count, milliseconds, positive, seconds
@@ -392,7 +393,7 @@ def _table(args: argparse.Namespace, relay: dict[str, Any], naive: dict[str, Any
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench relay", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="dpboard bench relay", description=describe(__doc__))
     p.add_argument("--nodes", type=count(1, 64), default=8, help="relay nodes (default 8)")
     p.add_argument("--ranks", type=count(1, 4096), default=64, help="ranks per node (default 64)")
     p.add_argument("--rate", type=positive(1e5), default=1000.0, help="publishes per rank per second (default 1000)")
@@ -403,8 +404,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the unbatched baseline")
     p.add_argument("--detail", action="store_true",
                    help="also run the relay with every slot holding a detail (an SGLang plugin's publish)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON after the table")
-    p.add_argument("--quick", action="store_true", help="2 nodes x 16 ranks, 2 s: a smoke run")
+    add_common_arguments(p, "2 nodes x 16 ranks, 2 s: a smoke run at 1/16 of the load, where the "
+                            "unbatched baseline keeps up and wins on latency (docs/BENCHMARKS.md)")
     p.add_argument("--sample-ms", type=milliseconds(1e4), default=2.0,
                    help="mean gap between the random instants node0's board is sampled at (default 2)")
     # The processes of a node (internal).
@@ -439,8 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     detailed = _measure_relay(args, tag, detail=True) if args.detail else None
     naive = None if args.no_baseline else _measure_naive(args, tag)
     print(_table(args, relay, naive, detailed))
-    if args.json:
-        print(json.dumps({"relay": relay, "detailed": detailed, "baseline": naive}, indent=2))
+    if args.quick and naive is not None:
+        print("\n--quick runs a sixteenth of the full load: there the unbatched baseline keeps up and is "
+              "visible at once, while the relay holds each change until its next tick, so the baseline's "
+              "p50 is lower. Compare designs on a full run (docs/BENCHMARKS.md, Relay).")
+    write_json(args.json, {"quick": args.quick, "relay": relay, "detailed": detailed, "baseline": naive})
     return 0
 
 

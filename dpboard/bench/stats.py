@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from dpboard.options import output_file
 
 
 def timer_overhead_ns(n: int = 20000) -> float:
@@ -74,3 +78,25 @@ def machine_line() -> str:
         pass
     return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"{time.strftime('%Y-%m-%d', time.gmtime())}")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, quick: str) -> None:
+    """The two options every topic takes, spelled the same everywhere: ``--quick`` (a smoke run, whose
+    figures are not the ones to quote) and ``--json FILE`` (the figures as JSON, the path checked
+    before the run)."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", metavar="FILE", type=output_file,
+                        help="also write the figures to FILE as JSON (its folder is checked before the run)")
+
+
+def write_json(path: str | None, doc: object) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2, default=float)
+            f.write("\n")
+
+
+def describe(doc: str | None) -> str:
+    """A topic's --help description: its docstring's first paragraph, whole, in plain text."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return " ".join(first.split()).replace("``", "")

@@ -1,4 +1,4 @@
-"""Dispatch: which DP rank gets each request (SPEC 5), and the ZMQ controller process around it.
+"""Dispatch: which DP rank gets each request (docs/DISPATCH.md), and the ZMQ controller process around it.
 
 The pure parts (methods, budget, dispatcher) import NumPy and a small C extension only; the ZMQ
 process (``DataParallelController``) is imported on first use.

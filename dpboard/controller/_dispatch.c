@@ -9,7 +9,7 @@
  * dpboard/controller/budget.py has PyArgminCore, the same rules in Python: the tests check that
  * both pick the same ranks.
  *
- * Rules (SPEC 5.2, 5.3, 5.4):
+ * Rules (docs/DISPATCH.md, "The rules" and "What dpboard adds"):
  *   - routed_dp_rank set: that rank, if it is an int in range and routable (active), else
  *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
  *   - otherwise argmin over candidate ranks of (tokens, requests), of requests alone, or (by_backlog,

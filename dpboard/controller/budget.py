@@ -7,7 +7,7 @@ cumulative sent tokens for exact in-flight accounting). A pick and its speculati
 by ``dpboard.controller._dispatch.ArgminCore`` in place on these arrays; ``PyArgminCore`` below is the same
 rules in plain Python (the tests run both and compare).
 
-Refresh rules (SPEC 5.3, 5.4):
+Refresh rules (docs/DISPATCH.md, rule 6 and "What dpboard adds, and why"):
 - seed (SGLang) behaviour: a rank whose snapshot changed (``publish_seq`` or ``timestamp_ns``) since the
   last refresh gets ``total_requests = running + waiting`` and ``total_tokens = num_total_tokens``,
   and ``backlog = num_total_tokens - num_used_tokens`` (the seqlens still waiting for KV), which
@@ -51,7 +51,7 @@ _TORN = int(SlotStatus.TORN)
 
 
 def request_tokens(req: Any) -> int:
-    """A request's token estimate: ``len(input_ids)``, else ``num_tokens`` (SPEC 5.5)."""
+    """A request's token estimate: ``len(input_ids)``, else ``num_tokens`` (docs/DISPATCH.md, rule 7)."""
     ids = getattr(req, "input_ids", None)
     if ids is not None:
         try:
@@ -85,7 +85,7 @@ def saturating_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def check_routed_rank(rank: Any, routable: np.ndarray) -> int:
-    """``routed_dp_rank`` as SPEC 5.2 accepts it: an int naming a routable (active) slot."""
+    """``routed_dp_rank`` as docs/DISPATCH.md's rule 2 accepts it: an int naming a routable (active) slot."""
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise InvalidInputError(f"routed_dp_rank must be an int or None, got {rank!r}")
     if rank < 0 or rank >= len(routable) or not routable[rank]:

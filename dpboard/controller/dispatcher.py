@@ -1,4 +1,4 @@
-"""The pure dispatcher: which DP rank gets a request (SPEC 5.2-5.5). No sockets, no processes.
+"""The pure dispatcher: which DP rank gets a request (docs/DISPATCH.md, "The rules"). No sockets, no processes.
 
 ``Dispatcher(method, num_workers, reader=None, active=None, clock=time.monotonic,
 refresh_interval=0.02)``, then ``dispatch(req) -> int`` and ``dispatch_batch(reqs) -> list[int]``.
@@ -39,9 +39,9 @@ _TORN = int(SlotStatus.TORN)
 
 
 class Dispatcher:
-    """Picks a DP rank per request, with SGLang's rules by default (SPEC 5.5).
+    """Picks a DP rank per request, with SGLang's rules by default (docs/DISPATCH.md, "The rules").
 
-    Keyword options (the improvements of SPEC 5.4; on by default only for the ``inflight_*`` methods):
+    Keyword options (docs/DISPATCH.md, "What dpboard adds, and why"; on by default only for the ``inflight_*`` methods):
 
     - ``inflight_accounting``: the budget is the snapshot plus the requests sent but not yet counted
       in the rank's ``num_received_reqs``, so a refresh from a lagging snapshot loses nothing.
@@ -307,7 +307,7 @@ class Dispatcher:
             self.budget.forget_in_flight(rank)
 
     def _refresh_if_due(self) -> None:
-        """The 20 ms throttle (SPEC 5.3): read the board only when ``refresh_interval`` has passed."""
+        """The 20 ms throttle (docs/DISPATCH.md, rule 6): read the board only when ``refresh_interval`` has passed."""
         now = self._clock()
         if now - self._last_refresh >= self.refresh_interval:
             self._last_refresh = now

@@ -1,4 +1,5 @@
-"""Dispatch methods, the ``auto`` rules (SPEC 5.1), and who owns node0's load PULL socket (SPEC 6)."""
+"""Dispatch methods, the ``auto`` rules (docs/DISPATCH.md, rule 1), and who owns node0's load PULL socket
+(docs/MULTINODE.md, "One owner")."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def parse_load_balance_method(method: str | LoadBalanceMethod) -> LoadBalanceMet
 def resolve_load_balance_method(
     method: str | LoadBalanceMethod, disaggregation_mode: str | None = None
 ) -> LoadBalanceMethod:
-    """Resolve ``auto`` and the PD prefill rule before a controller starts (SPEC 5.1).
+    """Resolve ``auto`` and the PD prefill rule before a controller starts (docs/DISPATCH.md, rule 1).
 
     ``auto``: no PD -> round_robin; PD prefill -> follow_bootstrap_room; PD decode -> round_robin.
     ``round_robin`` in PD prefill warns and becomes follow_bootstrap_room: decode finds the prefill
@@ -157,7 +158,7 @@ def zmq_reader_owner(
     dp_size: int = 2,
     standalone_collector: bool = True,
 ) -> ReaderOwner:
-    """Which process on node0 owns the single load PULL socket (SPEC 6).
+    """Which process on node0 owns the single load PULL socket (docs/MULTINODE.md, "One owner").
 
     The controller when it exists (``dp_size > 1``) and the resolved method is load-aware: it is the
     process that needs the loads. Otherwise nobody in the dispatch path needs them, and the socket

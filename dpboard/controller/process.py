@@ -13,7 +13,7 @@ Neither ever stops the loop. A request whose send fails is taken back out of the
 (``Dispatcher.retract``): the rank never got it.
 
 With a load-aware method the controller is node0's single owner of the relays' load PULL socket
-(SPEC 6): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
+(docs/MULTINODE.md, "One owner"): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
 same loop as the requests.
 """
 

@@ -42,12 +42,15 @@ class LoadShape:
 class LoadGenerator(threading.Thread):
     """Sends requests until ``stop()``; ``sent`` counts them. Runs in the demo's own process."""
 
-    def __init__(self, endpoint: str, shape: LoadShape, *, seed: int = 0, context: Any = None) -> None:
+    def __init__(self, endpoint: str, shape: LoadShape, *, seed: int = 0, context: Any = None,
+                 bootstrap_rooms: bool = False) -> None:
         super().__init__(name="dpboard-demo-load", daemon=True)
         self.endpoint = endpoint
         self.shape = shape
         self.rng = np.random.default_rng(seed)
         self.sent = 0
+        # follow_bootstrap_room routes by the request's room (a PD pair's), and refuses a request without one
+        self.bootstrap_rooms = bootstrap_rooms
         self._stop_event = threading.Event()
         self._ctx = context or zmq.Context.instance()
 
@@ -61,7 +64,7 @@ class LoadGenerator(threading.Thread):
             "rid": f"demo-{rid}",
             "num_tokens": int(rng.integers(lo, hi + 1)),
             "routed_dp_rank": None,
-            "bootstrap_room": None,
+            "bootstrap_room": int(rng.integers(0, 2**62)) if self.bootstrap_rooms else None,
             "output_len": int(rng.integers(s.output[0], s.output[1] + 1)),
             "sent_ns": time.time_ns(),
         }

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board
+from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, fraction, milliseconds, positive, seconds
 from dpboard.stopping import StopFlag
@@ -42,8 +43,9 @@ STOP_TIMEOUT = 5.0
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=count(1, MAX_RANKS), default=8,
                    help=f"DP ranks, one scheduler process each (default 8, at most {MAX_RANKS})")
-    p.add_argument("--method", default="total_tokens",
-                   help="load-balance method of the controller (default total_tokens)")
+    p.add_argument("--method", default="total_tokens", choices=METHOD_CHOICES, metavar="METHOD",
+                   help="load-balance method of the controller: " + ", ".join(METHOD_CHOICES)
+                        + " (default total_tokens; follow_bootstrap_room gives each request a bootstrap room)")
     p.add_argument("--duration", type=seconds(), default=30.0, help="seconds of load (default 30)")
     p.add_argument("--rate", type=positive(1e6), default=None,
                    help="requests per second between bursts (default 8 per rank)")
@@ -59,7 +61,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-every", type=seconds(), default=3.0,
                    help="without a terminal: seconds between plain-text frames (default 3)")
     p.add_argument("--board", default=None, help="board name (default demo-<pid>)")
-    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0,
+                   help="seed of the load generator: arrivals, prompt and output lengths (default 0)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -77,8 +80,6 @@ def _check(args: argparse.Namespace) -> None:
     if args.num_pages * args.page_size < 2 * longest:
         raise InvalidInputError(f"--num-pages x --page-size is {args.num_pages * args.page_size} tokens per rank, too small "
                          f"for the longest prompt ({longest} tokens) twice: raise --num-pages")
-    from dpboard.controller import resolve_load_balance_method
-
     resolve_load_balance_method(args.method)  # an unknown method fails here, before any process starts
 
 
@@ -117,6 +118,16 @@ class RunStats:
             if status_of(row).has_snapshot:
                 self.received_by_rank[row["dp_rank"]] = row["num_received_reqs"]
 
+    def _undelivered(self, method: str) -> list[str]:
+        lost = self.sent - sum(self.received_by_rank)
+        if lost <= 0:
+            return []
+        if lost == self.sent:
+            return [f"  NO request reached a scheduler: the controller refused every one (method {method}); "
+                    f"the run shows nothing of dispatch"]
+        return [f"  {lost} of the requests sent never reached a scheduler: refused by the controller, or still "
+                f"in flight when the load stopped"]
+
     def summary(self, method: str) -> str:
         served = sum(self.served_by_rank)
 
@@ -124,8 +135,9 @@ class RunStats:
             return f"{np.percentile(values, q) * 1e3:.1f} ms" if values else "-"
 
         lines = [
-            f"dpboard demo: {self.ranks} ranks, method {method}, {self.load_seconds:.1f} s of load",
+            f"dpboard demo: {self.ranks} rank{'s' if self.ranks != 1 else ''}, method {method}, {self.load_seconds:.1f} s of load",
             f"  requests sent {self.sent}, received by schedulers {sum(self.received_by_rank)}, served {served}",
+            *self._undelivered(method),
             f"  queueing delay (arrival at scheduler -> first scheduled): p50 {pct(self.queue_s, 50)}, "
             f"p99 {pct(self.queue_s, 99)}",
             f"  end-to-end latency (sent -> finished): p50 {pct(self.latency_s, 50)}, p99 {pct(self.latency_s, 99)}",
@@ -264,7 +276,9 @@ class DemoRun:
         args = self.args
         self.watch = BoardWatch(self.name, stale_after=1.0)
         self.started = time.monotonic()
-        self.generator = LoadGenerator(self.requests_ep, self.shape, seed=args.seed, context=self.ctx)
+        rooms = resolve_load_balance_method(args.method) is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM
+        self.generator = LoadGenerator(self.requests_ep, self.shape, seed=args.seed, context=self.ctx,
+                                       bootstrap_rooms=rooms)
         self.generator.start()
         end = self.started + args.duration
         console = Console()
@@ -356,7 +370,7 @@ class DemoRun:
 def run_demo(args: argparse.Namespace) -> int:
     _check(args)
     demo = DemoRun(args)
-    print(f"dpboard demo: board {demo.name!r}, {args.ranks} ranks, method {args.method}, "
+    print(f"dpboard demo: board {demo.name!r}, {args.ranks} rank{'s' if args.ranks != 1 else ''}, method {args.method}, "
           f"{demo.shape.rate:g} req/s (x{demo.shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
     _warm_kernels()
     return demo.run()

@@ -1,6 +1,6 @@
 """One synthetic scheduler of ``dpboard demo``: a DP rank with a request table and a KV page table.
 
-``SchedulerModel`` keeps the tables a real scheduler keeps (SPEC section 4): ``req_state`` and
+``SchedulerModel`` keeps the tables a real scheduler keeps (docs/KERNELS.md): ``req_state`` and
 ``req_seqlen`` (one row per request) and ``page_state`` (one entry per KV page). Each step it admits
 waiting requests in arrival order while pages last (prefill: the prompt's pages at once), decodes
 one token per running request (a new page whenever a page fills; out of pages, the request is

@@ -1,4 +1,4 @@
-"""Tables to counters: a rank's load figures from its request table and KV page table (SPEC 4).
+"""Tables to counters: a rank's load figures from its request table and KV page table (docs/KERNELS.md).
 
 ``compute_loads`` (compute.py) checks the tables (tables.py), runs a backend (reference.py: NumPy;
 cpu.py: Numba; cuda.py: Numba CUDA and CuPy, whose CUDA C is ``kernels/loads.cu``) to the raw

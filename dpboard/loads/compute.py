@@ -79,7 +79,7 @@ def compute_loads(
     page_size: int,
     backend: str = "auto",
 ) -> KVLoads:
-    """The load figures of one rank from its request table and KV page table (SPEC section 4).
+    """The load figures of one rank from its request table and KV page table (docs/KERNELS.md, "Inputs and formulas").
 
     ``req_state`` holds ``ReqState`` codes and ``req_seqlen`` sequence lengths, one entry per request
     row; ``page_state`` holds one ``PageState`` code per KV page; ``page_size`` is tokens per page.

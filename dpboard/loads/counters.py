@@ -1,7 +1,7 @@
 """From the raw counters every backend produces to the load figures, and the message for bad tables.
 
 Every backend reduces the tables to the same raw counters (``dpboard.snapshot.RAW_FIELDS``) and
-``finish_raw`` turns them into a ``KVLoads`` with the SPEC formulas, so the backends cannot disagree
+``finish_raw`` turns them into a ``KVLoads`` with the formulas of docs/KERNELS.md, so the backends cannot disagree
 about the formulas::
 
     max_total_num_tokens = num_pages * page_size
@@ -46,7 +46,7 @@ class KVLoads(NamedTuple):
 
 
 def finish_raw(raw: Any, num_pages: int, page_size: int) -> KVLoads:
-    """The SPEC formulas on the raw counters (Python ints: no overflow)."""
+    """The formulas of docs/KERNELS.md on the raw counters (Python ints: no overflow)."""
     used = (num_pages - int(raw[FREE_PAGES]) - int(raw[EVICTABLE_PAGES])) * page_size
     total = used + int(raw[SEQLEN_WITHOUT_KV])
     return KVLoads(

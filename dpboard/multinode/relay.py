@@ -291,14 +291,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-board", default=None,
                    help="name of node0's board, when it differs from the local one (default: the same)")
     p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
-                   help="seconds after which a local slot counts as stale and is not resent on reconnect")
+                   help="seconds after which a local slot counts as stale and is not resent on reconnect "
+                        f"(default {DEFAULT_STALE_AFTER:g})")
     p.add_argument("--sndhwm", type=count(1, MAX_SNDHWM), default=DEFAULT_SNDHWM,
-                   help="frames queued before dropping")
+                   help=f"frames queued before dropping (default {DEFAULT_SNDHWM})")
     p.add_argument("--curve-server-key", metavar="FILE", default=None,
                    help="the collector's public certificate (.key): encrypt the relay with CURVE")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
                    help="this relay's certificate (.key_secret), when node0 admits only known relays")
-    p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds (default: run until stopped)")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
     p.add_argument("--keygen", metavar="DIR", default=None,
                    help="write a CURVE certificate pair NAME.key / NAME.key_secret into DIR and exit")
@@ -314,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
     missing = [flag for flag, value in (("--board", args.board), ("--to", args.to), ("--node-id", args.node_id))
                if value is None]
     if missing:
-        raise InvalidInputError(f"dpboard relay needs {', '.join(missing)} (see dpboard relay --help)")
+        raise InvalidInputError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} needed "
+                                f"(see dpboard relay --help)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     check_endpoint(args.to, "--to", bind=False)

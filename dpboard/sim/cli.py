@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 
-from dpboard.errors import InvalidInputError
+from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.options import output_file
 from dpboard.sim import report as sim_report
 from dpboard.sim.profile import Profile, load_profile, load_profile_file, profile_names
 from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods, simulate
@@ -90,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-period", type=float, default=0.05, help="metrics sampling period, seconds")
     p.add_argument("--json", metavar="PATH", help="write the full results as JSON here ('-' for stdout)")
     p.add_argument(
-        "--plot", metavar="PNG", help="write TTFT distributions and imbalance over time (matplotlib)"
+        "--plot", metavar="PNG", type=output_file, help="write TTFT distributions and imbalance over time (matplotlib)"
     )
     p.add_argument("--quick", action="store_true", help="a short run: 4 ranks, 10 s of arrivals")
 
@@ -164,6 +166,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # checked before the run, which can take minutes, rather than failing after it
+        raise UnavailableError("--plot needs matplotlib: pip install matplotlib (or the wheel's [plot] extra)")
     config, trace, profile = config_from_args(args)
     methods = split_methods(args.methods) if args.methods else default_methods()
     if not methods:

@@ -107,7 +107,7 @@ def run_info(args: argparse.Namespace) -> int:
     h = board.header
     created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.creation_time_ns / 1e9))
     print(f"board        {board.name}  ({info['segment']})")
-    print(f"layout       version {h.layout_version}, {h.n_slots} slots x {h.slot_size} B after {h.header_size} B")
+    print(f"layout       version {h.layout_version}, {h.n_slots} slot{'s' if h.n_slots != 1 else ''} x {h.slot_size} B after {h.header_size} B")
     print(f"creator      pid {h.creator_pid} ({'alive' if h.creator_alive else 'dead'}), created {created}")
     print(f"generation   {h.generation:#018x}   node {h.node_id}")
     print("slots        " + ", ".join(f"{n} {label}" for label, n in info["slots"].items()))
@@ -130,7 +130,7 @@ def run_dump(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"board": board.name, "n_slots": board.n_slots, "slots": rows}, indent=2))
         return 0
-    print(f"board {board.name}: {board.n_slots} slots, " +
+    print(f"board {board.name}: {board.n_slots} slot{'s' if board.n_slots != 1 else ''}, " +
           ", ".join(f"{n} {label}" for label, n in status_counts(rows).items()))
     print(f"{'RANK':>4} {'STATUS':<6} {'RUN':>6} {'WAIT':>6} {'USED':>10} {'TOTAL':>10} {'ACTIVE':>10} "
           f"{'CAPACITY':>10} {'USAGE':>6} {'RECV':>8} {'AGE':>7} {'PID':>7} {'NODE':>4} {'SEQ':>8}")

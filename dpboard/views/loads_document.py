@@ -166,6 +166,8 @@ def loads_document(
 ) -> dict[str, Any]:
     """The JSON document of ``/v1/loads`` (see the module docstring)."""
     loads, omitted = rank_loads(records)
+    # over every live rank, also when one is asked for: over that one alone it would always be 1
+    board_imbalance = imbalance([load["num_total_tokens"] for load in loads])
     if dp_rank is not None:
         loads = [load for load in loads if load["dp_rank"] == dp_rank]
         omitted = [o for o in omitted if o["dp_rank"] == dp_rank]
@@ -179,7 +181,7 @@ def loads_document(
         "loads": shown,
         "board": board,
         "generation": generation,
-        "imbalance": imbalance([load["num_total_tokens"] for load in loads]),
+        "imbalance": board_imbalance,
         "omitted_ranks": omitted,
     }
 

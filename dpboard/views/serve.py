@@ -8,6 +8,8 @@
   under names that follow Prometheus's rules, plus the series SGLang's model gateway reads when it
   falls back from ``/v1/loads`` (``dpboard.views.metrics``).
 - ``GET /healthz`` — 200 while the board is attached, 503 while it is gone.
+- ``GET /`` — the live page (``live.html`` beside this module): what ``dpboard top`` shows, in a
+  browser, its script reading ``/v1/loads`` about once a second. One file, no external asset.
 
 Bad query parameters get a 400 whose JSON body says what was wrong and what is accepted. The
 server is a stdlib ``ThreadingHTTPServer``; a lock serialises reads of the board (the reader's
@@ -17,6 +19,7 @@ output array is shared). No Numba import: it starts as fast as ``dpboard dump``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import signal
@@ -25,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -132,10 +136,11 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._error(400, f"malformed query string {parts.query!r}: use name=value pairs joined by '&'")
             return
-        route = {"/v1/loads": self._loads, "/metrics": self._metrics, "/healthz": self._healthz}.get(
-            parts.path.rstrip("/") or "/")
+        route = {"/v1/loads": self._loads, "/metrics": self._metrics, "/healthz": self._healthz,
+                 "/": self._page}.get(parts.path.rstrip("/") or "/")
         if route is None:
-            self._error(404, f"no such path {parts.path!r}: this server has /v1/loads, /metrics and /healthz")
+            self._error(404, f"no such path {parts.path!r}: this server has / (the live page), /v1/loads, "
+                             f"/metrics and /healthz")
             return
         try:
             route(query)
@@ -190,6 +195,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send(200, body, PROMETHEUS_CONTENT_TYPE if fmt == "prometheus" else "application/json")
 
+    def _page(self, query: dict[str, list[str]]) -> None:
+        """The live page: one self-contained HTML file whose script reads /v1/loads once a second."""
+        if query:
+            raise BadRequest(f"/ takes no query parameters (got {sorted(query)[0]!r})")
+        self._send(200, live_page(), "text/html; charset=utf-8")
+
     def _metrics(self, query: dict[str, list[str]]) -> None:
         if query:
             raise BadRequest(f"/metrics takes no query parameters (got {sorted(query)[0]!r}); "
@@ -205,6 +216,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send_json(200, {"status": "ok", "board": frame.board, "n_slots": frame.n_slots,
                               "slots": frame.counts, "version": dpboard.__version__})
+
+
+@functools.cache
+def live_page() -> bytes:
+    return (Path(__file__).parent / "live.html").read_bytes()
 
 
 def _single(query: dict[str, list[str]], name: str, default: str | None) -> str | None:
@@ -244,7 +260,8 @@ def run_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
-    print(f"dpboard serve: board {args.name!r} on {server.url} (/v1/loads, /metrics, /healthz)", flush=True)
+    print(f"dpboard serve: board {args.name!r} on {server.url} (the live page at /; /v1/loads, /metrics, "
+          f"/healthz)", flush=True)
     started = time.monotonic()
     try:
         server.serve_forever(poll_interval=0.2)

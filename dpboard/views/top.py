@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS
-from dpboard.errors import InvalidInputError
+from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
 from dpboard.snapshot import SlotStatus
 from dpboard.views.rows import fmt_age, status_of
@@ -34,6 +35,7 @@ from dpboard.views.watch import SORT_KEYS, BoardWatch, Frame
 STATUS_STYLE = {SlotStatus.LIVE.label: "green", SlotStatus.STALE.label: "yellow", SlotStatus.TORN.label: "bold red",
                 SlotStatus.EMPTY.label: "dim"}
 STATUS_NOTE = {SlotStatus.EMPTY: "never written", SlotStatus.TORN: "writer stopped mid-write"}
+STATUS_NOTE_SHORT = {SlotStatus.EMPTY: "unwritten", SlotStatus.TORN: "mid-write"}  # for a narrow column
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 BAR_WIDTH = 12
 PLAIN_WIDTH = 132  # a plain-text frame fits its widest row in this many columns
@@ -97,70 +99,143 @@ def _imbalance_text(value: float | None) -> Text:
 # -- the frame ----------------------------------------------------------------------------------
 
 
-def render_header(frame: Frame) -> Text:
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(frame.wall_time_ns / 1e9))
+def fmt_like(n: int, like: int) -> str:
+    """``n`` in the unit ``fmt_count`` gives ``like``, so that "used/capacity" reads in one unit."""
+    if abs(like) < 100_000:
+        return str(n)
+    for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        if fmt_count(like).endswith(unit):
+            v = n / scale
+            return f"{v:.3g}{unit}" if abs(v) >= 100 else f"{v:.1f}{unit}"
+    return fmt_count(n)
+
+
+def _flow(lines: list[list[Text]], width: int | None) -> Text:
+    """Each line's parts joined by two spaces, broken between parts where ``width`` runs out."""
     text = Text()
-    text.append("dpboard top", style="bold")
-    text.append(f"  board {frame.board}", style="bold cyan")
-    text.append(f"  {frame.n_slots} slots  node {frame.node_id}  creator pid {frame.creator_pid}  {when}\n")
-    text.append("ranks ")
+    for parts in lines:
+        used = 0
+        for i, part in enumerate(parts):
+            if i and width is not None and used + 2 + len(part) > width:
+                text.append("\n")
+                used = 0
+            elif i:
+                text.append("  ")
+                used += 2
+            text.append_text(part)
+            used += len(part)
+        text.append("\n")
+    text.rstrip()
+    return text
+
+
+def render_header(frame: Frame, width: int | None = None) -> Text:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(frame.wall_time_ns / 1e9))
+    first = [Text("dpboard top", style="bold"), Text(f"board {frame.board}", style="bold cyan"),
+             Text(f"{frame.n_slots} slot{'s' if frame.n_slots != 1 else ''}"), Text(f"node {frame.node_id}"),
+             Text(f"creator pid {frame.creator_pid}"), Text(when)]
+    second = [Text("ranks")]
     for label in (s.label for s in (SlotStatus.LIVE, SlotStatus.STALE, SlotStatus.TORN, SlotStatus.EMPTY)):
         n = frame.counts.get(label, 0)
-        text.append(f"{n} {label}", style=STATUS_STYLE[label] if n else "dim")
-        text.append("  ")
-    text.append(" imbalance ")
-    text.append_text(_imbalance_text(frame.imbalance))
-    text.append(" (max/mean total tokens over live ranks)\n", style="dim")
+        second.append(Text(f"{n} {label}", style=STATUS_STYLE[label] if n else "dim"))
+    imb = Text("imbalance ")
+    imb.append_text(_imbalance_text(frame.imbalance))
+    second.append(imb)
+    second.append(Text("(max/mean total tokens over live ranks)", style="dim"))
     t = frame.totals
     cap = t.get("max_total_num_tokens", 0)
     used = t.get("num_used_tokens", 0)
     usage = f" ({used / cap:.0%})" if cap else ""
-    text.append(
-        f"running {fmt_count(t.get('num_running_reqs'))}  waiting {fmt_count(t.get('num_waiting_reqs'))}  "
-        f"KV used {fmt_count(used)}/{fmt_count(cap)}{usage}  total tokens {fmt_count(t.get('num_total_tokens'))}  "
-        f"active {fmt_count(t.get('num_active_tokens'))}  publishes/s {fmt_rate(frame.publish_rate)}  "
-        f"requests/s {fmt_rate(frame.request_rate)}"
-    )
-    return text
+    third = [Text(x) for x in (
+        f"running {fmt_count(t.get('num_running_reqs'))}", f"waiting {fmt_count(t.get('num_waiting_reqs'))}",
+        f"KV used {fmt_like(used, cap)}/{fmt_count(cap)}{usage}",
+        f"total tokens {fmt_count(t.get('num_total_tokens'))}", f"active {fmt_count(t.get('num_active_tokens'))}",
+        f"publishes/s {fmt_rate(frame.publish_rate)}", f"requests/s {fmt_rate(frame.request_rate)}",
+    )]
+    return _flow([first, second, third], width)
 
 
-def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = HISTORY_WIDTH) -> Table:
+# Columns: (title, width, justify). As the terminal narrows, whole columns go, in DROP_ORDER (the
+# history first narrows, down to MIN_HISTORY); RANK and STATE always stay, so rows can be told apart.
+COLUMNS = (
+    ("RANK", 5, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"),
+    ("TOTAL TOK", 9, "right"), ("ACTIVE TOK", 10, "right"), ("KV USAGE", BAR_WIDTH + 5, "left"),
+    ("AGE", 7, "right"), ("PUB/S", 6, "right"), ("PID", 7, "right"), ("HISTORY (total tokens)", HISTORY_WIDTH, "left"),
+)
+DROP_ORDER = ("HISTORY (total tokens)", "PID", "PUB/S", "ACTIVE TOK", "AGE", "KV USAGE", "TOTAL TOK", "WAIT", "RUN")
+MIN_HISTORY = 8
+COLUMN_GAP = 3  # a space of padding each side of a column and the (blank) divider between them
+
+
+def fit_columns(width: int | None, history_width: int = HISTORY_WIDTH) -> list[tuple[str, int, str]]:
+    """The columns shown in ``width`` terminal columns (None: all), with their widths."""
+    cols = [(t, history_width if t.startswith("HISTORY") else w, j) for t, w, j in COLUMNS]
+    if width is None:
+        return cols
+
+    def total() -> int:
+        return sum(w for _, w, _ in cols) + COLUMN_GAP * (len(cols) - 1)
+
+    for title in DROP_ORDER:
+        if total() <= width:
+            break
+        if title.startswith("HISTORY"):
+            spare = width - (total() - history_width)
+            if spare >= MIN_HISTORY:
+                cols[-1] = (title, spare, "left")
+                continue
+        cols = [c for c in cols if c[0] != title]
+    return cols
+
+
+def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = HISTORY_WIDTH,
+                 width: int | None = None) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False, padding=(0, 1))
-    for title, width, justify in (
-        ("RANK", 5, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"),
-        ("TOTAL TOK", 9, "right"), ("ACTIVE TOK", 10, "right"), ("KV USAGE", BAR_WIDTH + 5, "left"),
-        ("AGE", 7, "right"), ("PUB/S", 6, "right"), ("PID", 7, "right"),
-        ("HISTORY (total tokens)", history_width, "left"),
-    ):
-        table.add_column(title, width=width, min_width=width, max_width=width, justify=justify, no_wrap=True)
+    cols = fit_columns(width, history_width)
+    for title, w, justify in cols:
+        table.add_column(title if len(title) <= w else title.split(" (")[0], width=w, min_width=w, max_width=w, justify=justify, no_wrap=True)
+    shown = [title for title, _, _ in cols]
+    spark_width = next((w for t, w, _ in cols if t.startswith("HISTORY")), history_width)
     top = max((max(row.get("history") or [0]) for row in rows), default=0)
     for row in rows:
         status = row["status"]
         style = STATUS_STYLE[status]
         if not status_of(row).has_snapshot:
-            table.add_row(str(row["dp_rank"]), Text(status, style=style), "", "", "", "", "",
-                          Text("-", style=style), "", "", Text(STATUS_NOTE[status_of(row)], style=style))
-            continue
-        table.add_row(
-            str(row["dp_rank"]),
-            Text(status, style=style),
-            fmt_count(row["num_running_reqs"]),
-            fmt_count(row["num_waiting_reqs"]),
-            fmt_count(row["num_total_tokens"]),
-            fmt_count(row["num_active_tokens"]),
-            usage_bar(row["token_usage"]),
-            Text(fmt_age(row["age_s"]), style=style),
-            fmt_rate(row.get("publish_rate")),
-            str(row["writer_pid"]),
-            Text(sparkline(row.get("history") or [], top, history_width), style="cyan"),
-        )
+            cells: dict[str, RenderableType] = {"AGE": Text("-", style=style)}
+            # the note sits in the widest column left after STATE
+            note_col = next((c for t in ("HISTORY (total tokens)", "KV USAGE", "TOTAL TOK") for c in cols
+                             if c[0] == t), None)
+            if note_col:
+                note = STATUS_NOTE[status_of(row)]
+                cells[note_col[0]] = Text(note if len(note) <= note_col[1] else STATUS_NOTE_SHORT[status_of(row)],
+                                          style=style)
+        else:
+            cells = {
+                "RUN": fmt_count(row["num_running_reqs"]),
+                "WAIT": fmt_count(row["num_waiting_reqs"]),
+                "TOTAL TOK": fmt_count(row["num_total_tokens"]),
+                "ACTIVE TOK": fmt_count(row["num_active_tokens"]),
+                "KV USAGE": usage_bar(row["token_usage"]),
+                "AGE": Text(fmt_age(row["age_s"]), style=style),
+                "PUB/S": fmt_rate(row.get("publish_rate")),
+                "PID": str(row["writer_pid"]),
+                "HISTORY (total tokens)": Text(sparkline(row.get("history") or [], top, spark_width), style="cyan"),
+            }
+        cells["RANK"] = str(row["dp_rank"])
+        cells["STATE"] = Text(status, style=style)
+        table.add_row(*(cells.get(title, "") for title in shown))
     return table
 
 
-def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hint: str = "") -> RenderableType:
-    """The whole view of one frame; ``max_rows`` keeps it within a screen."""
+def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hint: str = "",
+           width: int | None = None) -> RenderableType:
+    """The whole view of one frame; ``max_rows`` keeps it within a screen of the usual three header
+    lines (a narrow ``width`` wraps the header and takes the extra lines from the rows)."""
     if frame.gone is not None:
         return Text(f"dpboard top: {frame.gone}\n", style="bold yellow")
+    header = render_header(frame, width)
+    if max_rows is not None:
+        max_rows -= max(header.plain.count("\n") + 1 - 3, 0)
     rows = frame.sorted_rows(sort)
     hidden = 0
     if max_rows is not None and len(rows) > max_rows:
@@ -168,10 +243,10 @@ def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hin
         rows = rows[: max(max_rows, 1)]
     footer = Text(style="dim")
     if hidden:
-        footer.append(f"... {hidden} more ranks below (sorted by {sort}; --sort total shows the busiest first, "
-                      f"--rows more of them)\n")
+        footer.append(f"... {hidden} more rank{'s' if hidden != 1 else ''} below (sorted by {sort}; "
+                      f"--sort total shows the busiest first, --rows more of them)\n")
     footer.append(hint)
-    parts: list[RenderableType] = [render_header(frame), render_table(frame, rows)]
+    parts: list[RenderableType] = [header, render_table(frame, rows, width=width)]
     if footer.plain:
         parts.append(footer)
     return Group(*parts)
@@ -184,7 +259,7 @@ def render_text(frame: Frame, *, sort: str = "rank", width: int = PLAIN_WIDTH, c
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
                       color_system="standard" if color else None, highlight=False, soft_wrap=False)
-    console.print(render(frame, sort=sort, max_rows=max_rows))
+    console.print(render(frame, sort=sort, max_rows=max_rows, width=width))
     return buf.getvalue()
 
 
@@ -206,6 +281,8 @@ def add_top_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"rows of a frame printed as text (--once, or no terminal): default what fits the "
                         f"terminal, else {DEFAULT_PLAIN_ROWS}; 0 shows every rank")
     p.add_argument("--wait", action="store_true", help="wait for the board to be created instead of failing")
+    p.add_argument("--wait-timeout", type=seconds(), default=60.0, metavar="SECONDS",
+                   help="with --wait and --once or --json: how long to wait before giving up (default 60)")
     p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
                    help="also show a board this user created (e.g. 0 for root); repeatable")
 
@@ -222,10 +299,25 @@ def text_rows(rows: int | None, stream: Any) -> int | None:
     if rows is not None:
         return rows or None
     if stream.isatty():
-        import shutil
-
         return max(shutil.get_terminal_size().lines - HEADER_LINES - 1, 1)
     return DEFAULT_PLAIN_ROWS
+
+
+def wait_for_board(watch: BoardWatch, timeout: float, poll: float = 0.05) -> None:
+    """Until the watched board exists (``--wait`` with one frame to print), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while not watch.attached:
+        watch.sample()  # tries to attach
+        if watch.attached:
+            return
+        if time.monotonic() >= deadline:
+            raise UnavailableError(f"board {watch.name!r} was not created within {timeout:g} s "
+                                   f"(--wait-timeout SECONDS waits longer)")
+        if not said:
+            print(f"dpboard top: {watch.gone}", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll)
 
 
 def one_frame(watch: BoardWatch, interval: float) -> Frame:
@@ -240,14 +332,17 @@ def run_top(args: argparse.Namespace) -> int:
     watch = BoardWatch(args.name, stale_after=args.stale_after, wait=args.wait, trust_uids=args.trust_uid)
     rows = getattr(args, "rows", None)
     try:
+        if args.wait and (args.json or args.once):
+            wait_for_board(watch, args.wait_timeout)
         if args.json:
             frame = one_frame(watch, args.interval)
             print(json.dumps(frame.as_dict(), indent=2))
             return 0 if frame.gone is None else 1
         if args.once:
             frame = one_frame(watch, args.interval)
-            sys.stdout.write(render_text(frame, sort=args.sort, color=sys.stdout.isatty(),
-                                         max_rows=text_rows(rows, sys.stdout)))
+            tty = sys.stdout.isatty()
+            sys.stdout.write(render_text(frame, sort=args.sort, color=tty, max_rows=text_rows(rows, sys.stdout),
+                                         width=shutil.get_terminal_size().columns if tty else PLAIN_WIDTH))
             return 0 if frame.gone is None else 1
         console = Console()
         if console.is_terminal:
@@ -270,7 +365,8 @@ def live_view(watch: BoardWatch, console: Console, *, interval: float, sort: str
               redirect_stderr=False) as live:
         for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
             rows_fit = max(console.size.height - HEADER_LINES - 1, 1)
-            live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint), refresh=True)
+            live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint, width=console.size.width),
+                        refresh=True)
 
 
 def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iterations: int = 0,

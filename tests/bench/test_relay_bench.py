@@ -10,13 +10,14 @@ import pytest
 
 
 @pytest.mark.timeout(120)
-def test_the_relay_bench_samples_node0s_copy_beside_the_local_board():
+def test_the_relay_bench_samples_node0s_copy_beside_the_local_board(tmp_path):
+    path = tmp_path / "relay.json"
     out = subprocess.run([sys.executable, "-m", "dpboard.cli", "bench", "relay", "--quick", "--no-baseline",
-                          "--duration", "1", "--warmup", "0.3", "--tick-ms", "5", "--detail", "--json"],
+                          "--duration", "1", "--warmup", "0.3", "--tick-ms", "5", "--detail", "--json", str(path)],
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert "node0's copy p50" in out.stdout and "local board p50" in out.stdout
-    figures = json.loads(out.stdout[out.stdout.index("{"):])
+    figures = json.loads(path.read_text())
     sampled = figures["relay"]["sampled"]
     assert sampled["instants"] > 50
     # At one instant node0 holds the rank's snapshot or an older one, never a newer one.

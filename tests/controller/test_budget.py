@@ -1,4 +1,4 @@
-"""dpboard's improvements (SPEC 5.4): exact in-flight accounting, health-aware candidates, rotating ties."""
+"""dpboard's improvements (docs/DISPATCH.md, "What dpboard adds"): exact in-flight accounting, health-aware candidates, rotating ties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The dispatch rules of SPEC 5.1-5.3, one test each, and their properties."""
+"""The dispatch rules of docs/DISPATCH.md ("The rules"), one test each, and their properties."""
 
 from __future__ import annotations
 
@@ -414,7 +414,7 @@ def test_the_real_board_drives_the_argmin(board_name):
         assert d.dispatch_batch([Req(input_ids=[0] * 150) for _ in range(4)]) == [1, 3, 1, 2]
 
 
-# -- zmq_reader_owner (SPEC 6) -------------------------------------------------------------------------
+# -- zmq_reader_owner (MULTINODE.md) -------------------------------------------------------------------------
 
 
 def test_the_controller_owns_the_load_socket_only_when_load_aware():

@@ -151,3 +151,39 @@ def test_scheduler_model_retracts_when_out_of_pages():
         assert held == int((model.page_state == PageState.USED).sum())
     assert model.num_retracted >= 1
     assert np.isin(model.req_state, [ReqState.RUNNING, ReqState.RETRACTED, ReqState.FREE]).all()
+
+
+def test_follow_bootstrap_room_demo_sends_rooms_and_serves():
+    """follow_bootstrap_room refuses a request without a room: the demo gives each request one."""
+    name = new_board_name()
+    proc = subprocess.run(
+        [PYTHON, "-m", "dpboard.cli", "demo", "--duration", "3", "--ranks", "2", "--board", name,
+         "--method", "follow_bootstrap_room", "--print-every", "10"],
+        capture_output=True, text=True, timeout=150,
+    )
+    try:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        summary = check_summary(proc.stdout, 2)
+        received = int(re.search(r"received by schedulers (\d+)", proc.stdout).group(1))
+        assert received == summary["sent"] > 0
+        assert "never reached a scheduler" not in proc.stdout and "NO request" not in proc.stdout
+    finally:
+        for pid in processes_mentioning(name):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def test_the_summary_says_when_requests_did_not_reach_a_scheduler():
+    from dpboard.demo.run import RunStats
+
+    stats = RunStats(ranks=2, sent=40)
+    assert "NO request reached a scheduler" in stats.summary("follow_bootstrap_room")
+    stats.received_by_rank = [15, 20]
+    assert "5 of the requests sent never reached a scheduler" in stats.summary("total_tokens")
+    stats.received_by_rank = [20, 20]
+    assert "never reached" not in stats.summary("total_tokens")
+
+
+def test_demo_method_lists_its_choices():
+    proc = subprocess.run([PYTHON, "-m", "dpboard.cli", "demo", "--method", "bogus"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "follow_bootstrap_room" in proc.stderr and "inflight_backlog" in proc.stderr

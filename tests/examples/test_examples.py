@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -43,6 +44,7 @@ def test_run_controller():
     received = [int(n) for n in re.findall(r"rank \d: received (\d+) requests", out.stdout)]
     assert len(received) == 2 and sum(received) == 500 and min(received) > 0, out.stdout
     assert "'dispatched': 500" in out.stdout and "'rejected': 0" in out.stdout
+    assert "'delivered': 500" in out.stdout  # the schedulers' published counts acknowledged every one
 
 
 def test_relay_two_nodes():
@@ -52,12 +54,13 @@ def test_relay_two_nodes():
     # node0's board shows its own four ranks and node1's four, relayed
     assert ranks == {**{str(r): "0" for r in range(4)}, **{str(r): "1" for r in range(4, 8)}}, out.stdout
     assert re.search(r"rank 7: node 1, running 7, waiting 19", out.stdout), out.stdout
+    assert "(frames_dropped: ticks whose frame could not be queued" in out.stdout
 
 
 def test_watch_board(board_name):
     with Board.create(board_name, n_slots=2) as board:
         board.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=300, max_total_num_tokens=1000))
-        out = run_example("watch_board.py", board_name, "1.2")
+        out = run_example("watch_board.py", board_name, "--seconds", "1.2")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) >= 2
@@ -90,3 +93,46 @@ def test_compare_methods():
     assert re.search(r"^\| total_tokens \|", out.stdout, re.M) and re.search(r"^\| inflight_tokens \|", out.stdout, re.M)
     assert "best dpboard method by p99 TTFT: inflight_tokens" in out.stdout
 
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_has_help_with_its_defaults(name):
+    out = run_example(name, "--help", timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: "), out.stderr
+    assert "default" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["watch_board.py", "serve_board.py"])
+def test_an_example_without_its_board_name_says_so(name):
+    out = run_example(name, timeout=60)
+    assert out.returncode == 2 and "the following arguments are required: name" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_board_waits_for_a_board_when_told(board_name):
+    out = run_example("serve_board.py", board_name, timeout=60)
+    assert out.returncode == 2 and "--wait" in out.stderr and "Traceback" not in out.stderr
+    proc = subprocess.Popen([PYTHON, str(EXAMPLES / "serve_board.py"), board_name, "--wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert read_line(proc, 30).startswith("/v1/loads: 503 board")  # no board yet: the server says so
+        assert read_line(proc, 30).startswith(f"serving board {board_name!r}")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        assert proc.returncode == 0
+    finally:
+        stop(proc)
+
+
+def test_embed_writer_lingers_for_a_reader(board_name):
+    proc = subprocess.Popen([PYTHON, str(EXAMPLES / "embed_writer.py"), "--board", board_name, "--steps", "5",
+                             "--interval", "0", "--backend", "numpy", "--linger", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert read_line(proc, 60).startswith(f"board {board_name!r} stays 30 s more")
+        dump = subprocess.run([PYTHON, "-m", "dpboard", "dump", board_name, "--json"], capture_output=True,
+                              text=True, timeout=60)
+        assert dump.returncode == 0, dump.stderr
+        assert json.loads(dump.stdout)["slots"][0]["publish_seq"] == 5, dump.stdout
+    finally:
+        stop(proc, signal.SIGINT)  # Ctrl-C: the board is removed on the way out

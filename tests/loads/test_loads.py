@@ -19,7 +19,7 @@ SEQLEN_DTYPES = (np.int32, np.int64)
 
 
 def by_hand(states, seqlens, pages, page_size) -> KVLoads:
-    """The SPEC formulas over Python lists, as plainly as they can be written."""
+    """The formulas of docs/KERNELS.md over Python lists, as plainly as they can be written."""
     S = ReqState
     used = sum(1 for p in pages if p == PageState.USED) * page_size
     total = used + sum(n for s, n in zip(states, seqlens, strict=True) if s in (S.WAITING, S.BOOTSTRAP, S.PREALLOC, S.RETRACTED))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
-HOW_TO_GET = (f"install SGLang's wheel alone: `.venv/bin/pip install --no-deps sglang=={SGLANG_VERSION}` "
+HOW_TO_GET = (f"install SGLang's wheel alone: `.venv/bin/pip install --no-deps --target .venv/engines sglang=={SGLANG_VERSION}` "
               f"(`make test` does it)")
 
 

@@ -218,3 +218,18 @@ def test_missing_board_and_busy_port_are_clear_errors(board_name):
             assert second.returncode == 2 and "cannot listen" in second.stderr and "--port" in second.stderr
         finally:
             stop(first)
+
+
+def test_one_rank_keeps_the_boards_imbalance(served):
+    """Over one rank an imbalance is always 1: ?dp_rank=N still reports the board's."""
+    _, url = served
+    doc = json.loads(get(f"{url}/v1/loads?dp_rank={LIVE_RANKS[0]}")[2])
+    assert len(doc["loads"]) == 1 and doc["imbalance"] == pytest.approx(expected_imbalance())
+    assert expected_imbalance() != pytest.approx(1.0)
+
+
+def test_the_root_is_the_live_page(served):
+    _, url = served
+    status, ctype, body = get(f"{url}/")
+    assert status == 200 and ctype == "text/html; charset=utf-8" and "/v1/loads" in body
+    assert get(f"{url}/?x=1")[0] == 400

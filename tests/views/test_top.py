@@ -345,3 +345,70 @@ def test_a_trusted_board_of_another_user_is_watched_read_only(board_name):
         refused = subprocess.run(_as_nobody_cmd("top", board_name, "--once"), capture_output=True, text=True,
                                  timeout=60, cwd="/")
         assert refused.returncode == 2 and "--trust-uid 0" in refused.stderr
+
+
+# -- narrow terminals: columns go whole, RANK and STATE stay ---------------------------------------
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@pytest.mark.parametrize("columns, kept, dropped", [
+    (80, ["RANK", "STATE", "RUN", "WAIT", "TOTAL TOK", "KV USAGE", "AGE"], ["PID", "PUB/S", "HISTORY"]),
+    (100, ["RANK", "STATE", "ACTIVE TOK", "KV USAGE", "AGE", "PUB/S"], ["PID", "HISTORY"]),
+    (132, ["RANK", "STATE", "ACTIVE TOK", "AGE", "PUB/S", "PID", "HISTORY (total tokens)"], []),
+])
+def test_live_view_fits_the_terminal_width(mixed, columns, kept, dropped):
+    socket = f"dpboard-test-{os.getpid()}-{columns}"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    command = f"{PYTHON} -m dpboard.cli top {mixed.name} --interval 0.2 --stale-after {STALE_AFTER}; sleep 30"
+    env = {**os.environ, "TERM": "xterm-256color"}
+    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", str(columns), "-y", "30", command],
+                   check=True, timeout=30, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
+                                    timeout=30).stdout
+            if "Ctrl-C to quit" in screen and len(rank_lines(screen)) == 8:
+                break
+            time.sleep(0.3)
+        rows = rank_lines(screen)
+        assert sorted(rows) == list(range(8)), f"not every rank has a row that names it:\n{screen}"
+        assert rows[STALE_RANK].split()[1] == "stale" and rows[TORN_RANK].split()[1] == "torn"
+        assert all(rows[r].split()[1] == "live" for r in LIVE_RANKS)
+        heading = next(line for line in screen.splitlines() if line.lstrip().startswith("RANK"))
+        assert "…" not in heading, heading
+        for title in kept:
+            assert title in heading, (title, heading)
+        for title in dropped:
+            assert title not in heading, (title, heading)
+        assert all(len(line.rstrip()) <= columns for line in screen.splitlines())
+        assert "…" not in "".join(rows.values())  # no cell is cut: a column is there whole or not at all
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+
+
+def test_wait_with_once_and_json_waits_for_the_board_then_prints_one_frame(board_name):
+    for flag in ("--once", "--json"):
+        name = f"{board_name}{flag[2]}"
+        proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "top", name, "--wait", flag, "--wait-timeout", "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # it says it waits, and waits: the board is created only after that line
+            assert "waiting for it to be created" in proc.stderr.readline()
+            assert proc.poll() is None
+            with Board.create(name, n_slots=2) as board:
+                board.writer(1).publish(LoadSnapshot(dp_rank=1, num_running_reqs=7, num_total_tokens=4321))
+                out, _ = proc.communicate(timeout=60)
+        finally:
+            kill(proc)
+        assert proc.returncode == 0, out
+        if flag == "--json":
+            doc = json.loads(out)
+            assert doc["board"] == name and doc["ranks"][1]["num_total_tokens"] == 4321
+        else:
+            assert f"board {name}" in out and "4321" in rank_lines(out)[1]
+
+
+def test_wait_with_once_gives_up_after_its_timeout(board_name):
+    proc = dpboard("top", board_name, "--wait", "--once", "--wait-timeout", "0.3")
+    assert proc.returncode == 2 and "was not created within 0.3 s" in proc.stderr and "Traceback" not in proc.stderr

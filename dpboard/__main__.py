@@ -1,0 +1,7 @@
+"""``python -m dpboard``: the same command line as ``dpboard``."""
+
+import sys
+
+from dpboard.cli import main
+
+sys.exit(main())

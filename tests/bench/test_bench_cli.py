@@ -1,0 +1,70 @@
+"""``dpboard bench``'s one shape: a topic list when no topic is named, ``--quick`` and ``--json FILE``
+on every topic with the path checked before the run, and ``bench all`` with its own help and one
+JSON document."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dpboard.bench.cli import TOPICS
+
+
+def dpboard(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpboard", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_without_a_topic_lists_the_topics():
+    out = dpboard("bench")
+    assert out.returncode == 2
+    for topic in [*TOPICS, "all"]:
+        assert f"\n  {topic} " in out.stdout
+    assert "required" not in out.stderr
+
+
+def test_bench_all_help_is_its_own():
+    out = dpboard("bench", "all", "--help")
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: dpboard bench all") and "--json FILE" in out.stdout
+    assert "bench board" not in out.stdout
+
+
+@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "all"])
+def test_every_topic_takes_quick_and_json_file(topic):
+    out = dpboard("bench", topic, "--help")
+    assert out.returncode == 0 and "--quick" in out.stdout and "--json FILE" in out.stdout
+    assert "``" not in out.stdout
+
+
+@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "all"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(topic, tmp_path):
+    out = dpboard("bench", topic, "--quick", "--json", str(tmp_path / "missing" / "x.json"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "argument --json:" in out.stderr and "does not exist" in out.stderr
+    assert out.stdout == ""  # refused before a single figure was measured
+    out = dpboard("bench", topic, "--json", str(tmp_path))  # a folder, not a file
+    assert out.returncode == 2 and "is a directory" in out.stderr and out.stdout == ""
+
+
+def test_bench_dispatch_json_file_holds_the_figures_it_printed(tmp_path):
+    path = tmp_path / "dispatch.json"
+    out = dpboard("bench", "dispatch", "--quick", "--ranks", "8", "--batch", "64", "--json", str(path), timeout=240)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    assert doc["quick"] is True and {row["ranks"] for row in doc["dispatch"]} == {8}
+    for row in doc["dispatch"]:
+        assert row["method"] in out.stdout and row["dpboard_ns"]["50"] > 0 and row["baseline_ns"]["50"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_bench_all_json_file_holds_every_topic(tmp_path):
+    path = tmp_path / "all.json"
+    out = dpboard("bench", "all", "--quick", "--json", str(path), timeout=850)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    assert set(doc) == set(TOPICS)
+    assert doc["board"]["dpboard"] and doc["dispatch"]["dispatch"] and doc["relay"]["relay"]["samples"] > 0
+    assert doc["kernels"]  # one row per backend and size
