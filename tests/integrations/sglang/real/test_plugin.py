@@ -17,6 +17,8 @@ from dpboard.snapshot import SlotStatus
 from tests.integrations.sglang.real.conftest import dpc, drop_boards, ls
 from tests.support import sglang as sgl
 from tests.support.names import new_board_name
+from tests.support.other_user import as_nobody
+from tests.support.raw import plant_board
 
 
 def encoded(snap) -> list:
@@ -270,3 +272,29 @@ def test_struct_changes_in_sglang_would_fail_here():
     for name, struct in sections.items():
         assert struct.__struct_fields__ == DETAIL_SECTIONS[name]._fields
     assert msgspec.structs.fields(ls.LoadSnapshot)[0].name == "timestamp"
+
+
+def test_a_planted_board_entry_does_not_stop_sglangs_start(loaded_plugins, monkeypatch):
+    """Another local user's /dev/shm/dpboard.<x> with a header claiming 2**32-1 slots (a sparse
+    file) once made the server's start fail: the board was opened after a scan of every entry,
+    which copied a word per claimed slot (`Unable to allocate 32.0 GiB`). The start reads only its
+    own board's entry, and a listing shows the planted one as damaged."""
+    planted = new_board_name()
+    monkeypatch.delenv("DPBOARD_BOARD", raising=False)
+    sgl.set_context(dp_size=2, role="tokenizer")
+    try:
+        as_nobody(lambda: plant_board(planted, 2**32 - 1))
+        port_args = sys.modules["sglang.srt.server_args"].PortArgs.init_new(server_args=None)
+        name = board_name_for(port_args.instance_id)
+        sgl.set_context(dp_size=2, role="scheduler")
+        writer = ls.create_load_snapshot_writer(port_args, 2, 1)
+        writer.write(ls.LoadSnapshot(dp_rank=1, num_running_reqs=4))
+        reader = ls.create_load_snapshot_reader(port_args, caller="DataParallelController")
+        assert reader.read(1).num_running_reqs == 4 and writer.board_name == name
+        listing = {entry.name: entry for entry in list_boards()}
+        assert "claims 4294967295 slots" in listing[planted].error and listing[name].error is None
+        writer.close()
+    finally:
+        segment_path(planted).unlink(missing_ok=True)
+        drop_boards()
+        sgl.reset_context()
