@@ -54,6 +54,10 @@ RESERVED = "-"  # a worker endpoint placeholder for a reserved (elastic EP) slot
 DEFAULT_SEND_HWM = 100_000
 MAX_SEND_HWM = 100_000_000
 DEFAULT_MAX_BATCH = 1024
+# The largest request frame taken in: a prompt of 4M tokens at their widest msgpack size (5 bytes),
+# with room for the other keys. A frame is read without an object per token, so this bounds memory,
+# not the time a hostile frame costs.
+MAX_FRAME_BYTES = 32 * 2**20
 CONNECT_WAIT = 2.0  # seconds the controller gives its schedulers to connect before it serves
 # ZMQ reconnects a broken pipe after this long, more than the loop's longest poll: the controller
 # always sees a disconnect before the same rank can take requests again (docs/DISPATCH.md, Delivery).
@@ -170,6 +174,8 @@ class DataParallelController:
         try:
             self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
             self.input = self._socket(zmq.PULL)
+            # ZMQ drops a larger frame (and the peer's connection) before any of it is buffered here.
+            self.input.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._bind_or_connect(self.input, input_endpoint, "bind", "the input")
             for rank in self._ranks:
                 sock = self._socket(zmq.PUSH)

@@ -52,13 +52,22 @@ def test_frames_with_other_keys_of_every_kind():
     assert frame_block_hashes(msgpack.packb({"rid": 1, "input_ids": None}), 4) is None
 
 
+def nested(depth: int) -> list:
+    value: list = [0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(("frame", "words"), [
-    (msgpack.packb([1, 2, 3]), "not a msgpack map"),
-    (msgpack.packb({"input_ids": "abc"}), "input_ids is not an array"),
+    (msgpack.packb([1, 2, 3]), "not a map but list"),
+    (msgpack.packb({"input_ids": "abc"}), "input_ids must be a list, got str"),
     (msgpack.packb({"input_ids": [1, 2.5]}), r"input_ids\[1\] is not an integer"),
     (msgpack.packb({"input_ids": [1, 2**64 - 1]}), r"input_ids\[1\] is not an integer that fits 64 bits"),
-    (msgpack.packb({"rid": 1, "input_ids": list(range(50))})[:-10], r"input_ids\[4\d\]"),
-    (msgpack.packb({"rid": "x" * 40, "input_ids": [1]})[:20], "malformed map entry"),
+    (msgpack.packb({"rid": 1, "input_ids": list(range(50))})[:-10], "claims more elements than the frame holds"),
+    (msgpack.packb({"rid": 1, "input_ids": list(range(200, 300))})[:-10], r"input_ids\[9\d\] is not an integer"),
+    (msgpack.packb({"rid": "x" * 40, "input_ids": [1]})[:20], r"not msgpack \(truncated string\)"),
+    (msgpack.packb({"rid": 1, "deep": nested(70)}), "nested too deeply"),
 ])
 def test_a_malformed_frame_is_a_clear_error(frame, words):
     with pytest.raises(ValueError, match=words):
