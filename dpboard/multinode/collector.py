@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,12 @@ class Collector:
         rcvhwm: int = DEFAULT_RCVHWM,
         context: zmq.Context | None = None,
         record_latency: bool = False,
+        local_ranks: Iterable[int] = (),
     ):
         check_endpoint(bind, "the collector's bind endpoint", bind=True)
+        # node0's own ranks: never written from a frame, even before node0's schedulers claim them.
+        self.local_ranks = frozenset(int(r) for r in local_ranks)
+        self._rank_nodes: dict[int, int] = {}  # rank -> the node that announced it first
         if curve_authorized_keys is not None and curve_secret_key is None:
             raise InvalidInputError("curve_authorized_keys needs curve_secret_key (the collector's own certificate)")
         self._locks: list[OwnerLock] = []
@@ -239,7 +244,11 @@ class Collector:
                 raise FrameError(BAD_NODE, f"frame claims node {frame.node_id}, which is this board's own node")
             validate_records(frame, n_slots=self.n_slots)
             rows = frame.records.tolist()
-            writers = [self._writers.get(row[0]) or self._writer_for(row[0]) for row in rows]
+            node = frame.node_id
+            for row in rows:
+                if self._rank_nodes.get(row[0], node) != node or row[0] in self.local_ranks:
+                    raise FrameError(BAD_RANK, self._foreign_rank(row[0], node))
+            writers = [self._writers.get(row[0]) or self._writer_for(row[0], node) for row in rows]
         except FrameError as e:
             stats[e.reason] += 1
             stats["frames_bad"] += 1
@@ -258,7 +267,12 @@ class Collector:
         stats["last_frame_monotonic_ns"] = now
         return len(rows)
 
-    def _writer_for(self, rank: int) -> BoardWriter:
+    def _foreign_rank(self, rank: int, node: int) -> str:
+        if rank in self.local_ranks:
+            return f"frame from node {node} names rank {rank}, which node0 writes itself"
+        return f"frame from node {node} names rank {rank}, which node {self._rank_nodes[rank]} relays"
+
+    def _writer_for(self, rank: int, node: int) -> BoardWriter:
         try:
             # Not takeover: a slot that a live local scheduler writes is node0's own rank, and a
             # relay claiming it is misconfigured. A dead holder (e.g. a previous collector) is fine.
@@ -266,6 +280,7 @@ class Collector:
         except BoardError as e:
             raise FrameError(BAD_RANK, f"rank {rank} is written locally on node0: {e}") from None
         self._writers[rank] = writer
+        self._rank_nodes[rank] = node  # announced: from now on only that node writes the rank
         return writer
 
     def _follow_board(self) -> None:
@@ -276,6 +291,7 @@ class Collector:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        self._rank_nodes.clear()
         self.board = self._follower.board
         self.n_slots = self.board.n_slots
         self._init_stats()
@@ -368,6 +384,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-authorized-keys", metavar="DIR", default=None,
                    help="directory of the relays' public certificates allowed in (default: any relay that "
                         "knows the server key)")
+    p.add_argument("--local-ranks", type=count(0, MAX_SLOTS - 1), nargs="+", default=[], metavar="RANK",
+                   help="ranks node0's own schedulers write: never written from a relayed frame")
     p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
@@ -377,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     with StopFlag(args.duration) as stop, Collector(
         args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
-        curve_authorized_keys=args.curve_authorized_keys,
+        curve_authorized_keys=args.curve_authorized_keys, local_ranks=args.local_ranks,
     ) as collector:
         print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
               f"({collector.n_slots} slots)", flush=True)

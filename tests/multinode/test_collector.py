@@ -312,3 +312,43 @@ def test_collect_refuses_an_endpoint_zmq_would_misread(board_name, bind, words):
         out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", bind, "--duration", "1"],
                              capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_relayed_frame_never_takes_a_node0_rank_before_its_scheduler_starts(board_name):
+    """In SGLang's zmq mode the collector starts before node0's schedulers: a frame from node 1
+    naming rank 0 once made the collector claim rank 0's writer and keep it, and node0's own
+    scheduler then failed to start (`slot 0 ... is held by the writer in live process`). The
+    collector writes only ranks that belong to the frame's node: never a local one (--local-ranks),
+    and a rank another node announced first stays that node's."""
+    with Board.create(board_name, n_slots=4) as board:
+        collector = subprocess.Popen([*CLI, "collect", "--board", board_name, "--bind", "tcp://127.0.0.1:*",
+                                      "--local-ranks", "0", "1", "--quiet"], stdout=subprocess.PIPE, text=True)
+        ctx = zmq.Context()
+        try:
+            endpoint = re.search(r"owns (tcp://\S+)", read_line(collector)).group(1)
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(endpoint)
+            push.send(pack_frame(records([0], node_id=1), node_id=1, board=board_name, frame_seq=0))
+            push.send(pack_frame(records([2], node_id=1), node_id=1, board=board_name, frame_seq=1))
+            push.send(pack_frame(records([2], node_id=2, running=9), node_id=2, board=board_name, frame_seq=0))
+            push.send(pack_frame(records([3], node_id=2), node_id=2, board=board_name, frame_seq=1))
+            assert wait_until(lambda: _processed(board) == 4, 20)
+            stats = board.collector_stats()
+            assert stats["frames_ok"] == 2 and stats["bad_rank"] == 2
+            reader = board.reader()
+            assert reader.status(0) == SlotStatus.EMPTY
+            assert reader.read(2).node_id == 1 and reader.read(2).num_running_reqs == 1
+            assert reader.read(3).node_id == 2
+            # node0's own scheduler, in a process of its own, starts after all that and writes its rank
+            scheduler = subprocess.run([*CLI[:1], "-c", f"""
+from dpboard import Board, LoadSnapshot
+w = Board.attach({board_name!r}).writer(0)
+w.publish(LoadSnapshot(0, num_running_reqs=5))
+"""], capture_output=True, text=True, timeout=30)
+            assert scheduler.returncode == 0, scheduler.stderr
+            assert board.reader(stale_after=60).read(0).num_running_reqs == 5
+        finally:
+            stop(collector)
+            ctx.destroy(linger=0)
+        assert collector.returncode == 0
