@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from dpboard import SNAPSHOT_DTYPE, Board, BoardError, BoardLayoutError, LoadSnapshot, SlotStatus
+from dpboard.errors import InvalidInputError
 from dpboard.snapshot import (
     DETAILED_DTYPE,
     HEADER_SIZE,
@@ -997,3 +998,62 @@ def test_a_planted_header_claiming_billions_of_slots_is_listed_as_damaged(board)
     finally:
         for name in planted:
             Path("/dev/shm", f"dpboard.{name}").unlink(missing_ok=True)
+
+
+# -- a full /dev/shm, and header fields that do not fit --------------------------------------------
+
+_FULL_SHM_SCRIPT = r"""
+import json, os, signal, sys
+from dpboard import Board, LoadSnapshot
+from dpboard.errors import DpboardError
+out = {}
+try:
+    Board.create("too-big", 4096)  # 2 MiB: more than this /dev/shm holds
+except DpboardError as e:
+    out["too_big"] = [type(e).__name__, str(e)]
+out["left_after_too_big"] = sorted(os.listdir("/dev/shm"))
+board = Board.create("fits", 64)  # 33 KiB, every page reserved now
+fd = os.open("/dev/shm/filler", os.O_WRONLY | os.O_CREAT)  # then somebody fills /dev/shm
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    os.close(fd)
+w = board.writer(63)  # the last slot's page: once untouched, a SIGBUS at the first write
+w.publish(LoadSnapshot(63, num_running_reqs=7))
+out["published"] = board.reader().read(63).num_running_reqs
+print(json.dumps(out))
+"""
+
+
+def test_a_full_dev_shm_is_a_clear_error_never_a_sigbus():
+    """Board.create sized the segment with ftruncate only: with /dev/shm full the creator died with
+    SIGBUS (exit 135, no message) and left a headerless segment, and a board made before /dev/shm
+    filled killed writer(63) at the first touch of its page. Run in a private 1 MiB tmpfs mounted
+    on /dev/shm in a mount namespace of its own (as Docker's small default /dev/shm)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
+    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m dpboard-full /dev/shm && '
+                          'exec "$@"', "sh", sys.executable, "-c", _FULL_SHM_SCRIPT],
+                         capture_output=True, text=True, timeout=60)
+    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    kind, message = out["too_big"]
+    assert kind == "BoardError"
+    assert "no room for board 'too-big' (2097664 bytes) in /dev/shm: /dev/shm is 1.0 MiB with" in message
+    assert "docker run --shm-size" in message
+    assert out["left_after_too_big"] == []  # nothing left behind
+    assert out["published"] == 7
+
+
+def test_a_node_id_beyond_64_bits_is_refused_and_leaves_no_segment(board_name):
+    """node_id=2**63 raised struct.error naming nothing and left a headerless segment that blocked
+    the name until `clean --force`."""
+    for bad in (2**63, -1, True, 1.5):
+        with pytest.raises(InvalidInputError, match=r"node_id must be an integer in \[0, 9223372036854775807\]"):
+            Board.create(board_name, 2, node_id=bad)
+        assert not Path("/dev/shm", f"dpboard.{board_name}").exists()
+    with Board.create(board_name, 2, node_id=2**63 - 1) as board:
+        assert Board.attach(board_name).node_id == 2**63 - 1 == board.node_id
