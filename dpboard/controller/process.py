@@ -139,6 +139,7 @@ class DataParallelController:
         self.acks = acks
         self.redeliver_after = float(redeliver_after or 1.0)
         self.ledger = DeliveryLedger(n) if acks is not None else None
+        self._said_uncounted = False
         self.max_batch = max_batch
         self.poll_ms = max(1, int(poll_interval * 1000))
         self.log_every = log_every
@@ -164,6 +165,7 @@ class DataParallelController:
             "retracted": 0,  # picks taken back out of a rank's load because their send failed
             "disconnects": 0,
             "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
+            "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
             "per_rank": [0] * n,
         }
         self._sockets: list[zmq.Socket] = []
@@ -293,7 +295,7 @@ class DataParallelController:
         for rank in self._ranks:
             st = int(status[rank])
             if st == _LIVE or st == _STALE:
-                if ledger.pending[rank]:
+                if ledger.pending[rank] or ledger.uncounted[rank]:
                     ledger.observe(rank, int(received[rank]))
             stale = st == _STALE or st == _TORN
             if stale != self._stale[rank]:
@@ -380,6 +382,7 @@ class DataParallelController:
             if self.ledger is not None:
                 self._read_acks(time.monotonic())
                 self.stats["unacknowledged"] = self.ledger.unacknowledged()
+                self.stats["untracked"] = self.ledger.untracked
             self._log_counts()
             if self.collector is not None and hasattr(self.collector, "stats"):
                 self.stats["collector"] = self.collector.stats()
@@ -473,8 +476,12 @@ class DataParallelController:
             return False
         self.stats["dispatched"] += 1
         self.stats["per_rank"][rank] += 1
-        if self.ledger is not None:
-            self.ledger.sent(rank, req)
+        if self.ledger is not None and self.ledger.sent(rank, req) and not self._said_uncounted:
+            self._said_uncounted = True
+            log.warning("worker %d took %d requests without counting one in num_received_reqs on its board "
+                        "slot: delivery cannot be proven on this board (a vLLM board, or schedulers that pass "
+                        "no count), so the controller keeps no copy of what it sends there and cannot send "
+                        "elsewhere what a broken connection loses (said once)", rank, self.ledger.uncounted_after)
         return True
 
     def _refusing(self, rank: int) -> None:

@@ -385,3 +385,52 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_delivery_ledger_stays_bounded_when_ranks_never_count(board_name, tmp_path):
+    """On a board whose ranks never count num_received_reqs (a vLLM board, schedulers that pass no
+    count), 4,000 requests of 70 KB once took the controller from 39 to 330 MB: every frame was kept
+    for a redelivery that could never be decided. The ledger lets such a rank go after
+    UNCOUNTED_AFTER requests and says once, clearly, that delivery cannot be proven there."""
+    from dpboard.controller.delivery import UNCOUNTED_AFTER
+
+    n = 2
+    ep = {r: f"ipc://{tmp_path}/sched-{r}" for r in range(n)}
+    in_ep = f"ipc://{tmp_path}/in"
+    procs: list[subprocess.Popen] = []
+    ctx = zmq.Context()
+    with Board.create(board_name, n_slots=n) as board:
+        try:
+            for r in range(n):
+                procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.fake_scheduler", board_name,
+                                               str(r), ep[r], str(tmp_path / f"out-{r}.json"), "--no-count"],
+                                              cwd=ROOT))
+            reader = board.reader()
+            wait_for(lambda: all(s is not None for s in reader.read_all()), 20, "the schedulers' first publish")
+            controller = subprocess.Popen(
+                _controller_cmd("--input", in_ep, "--workers", *ep.values(), "--method", "inflight_tokens",
+                                "--board", board_name, "--stats-json", "--log-every", "60"),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(controller)
+            push = connected_push(ctx, in_ep)
+            payload = "x" * 70_000
+            for burst in range(20):  # paced, so that ZMQ's queues stay short and the ledger is what is measured
+                for i in range(200):
+                    push.send(encode_request(f"r{burst}-{i}", num_tokens=10, prompt=payload))
+                wait_for(lambda b=burst: sum(s.num_waiting_reqs for s in reader.read_all()) == 200 * (b + 1), 60,
+                         "every request to reach a scheduler")
+            peak = _peak_rss_mb(controller.pid)
+            controller.send_signal(signal.SIGTERM)
+            out, err = controller.communicate(timeout=30)
+            assert controller.returncode == 0, err
+            stats = json.loads(out.strip().splitlines()[-1])
+            assert stats["dispatched"] == 4000 and stats["delivered"] == 0
+            assert stats["unacknowledged"] == 0 and stats["untracked"] == 4000
+            assert err.count("delivery cannot be proven on this board") == 1
+            assert f"took {UNCOUNTED_AFTER} requests without counting one" in err
+            assert peak < 150, f"the controller peaked at {peak:.0f} MB"  # 4,000 frames kept: 280 MB more
+        finally:
+            for p in procs:
+                kill(p)
+            ctx.destroy(linger=0)
