@@ -48,7 +48,8 @@ from dpboard.multinode.wire import (
     BAD_NODE,
     BAD_RANK,
     BAD_REASONS,
-    MAX_FRAME_SIZE,
+    DETAILED_RECORD_SIZE,
+    HEADER_SIZE,
     FrameError,
     detail_buffers,
     unpack_frame,
@@ -72,7 +73,19 @@ __all__ = ["LOCK_DIR", "LOCK_PREFIX", "Collector", "CollectorBusyError", "board_
 
 log = logging.getLogger("dpboard.collector")
 
-DEFAULT_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never block
+MAX_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never block
+# What the queue of frames not yet drained may hold: the receive high-water mark is this over the
+# board's largest frame (at most MAX_RCVHWM frames, at least 16).
+RECEIVE_BUFFER_BYTES = 16 * 2**20
+
+
+def frame_bound(n_slots: int) -> int:
+    """The largest relay frame a board of ``n_slots`` slots can receive: every slot, with detail."""
+    return HEADER_SIZE + n_slots * DETAILED_RECORD_SIZE
+
+
+def receive_hwm(n_slots: int) -> int:
+    return max(16, min(MAX_RCVHWM, RECEIVE_BUFFER_BYTES // frame_bound(n_slots)))
 
 
 # -- ownership ------------------------------------------------------------------------------------
@@ -105,7 +118,7 @@ class Collector:
         n_slots: int | None = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
-        rcvhwm: int = DEFAULT_RCVHWM,
+        rcvhwm: int | None = None,
         context: zmq.Context | None = None,
         record_latency: bool = False,
         local_ranks: Iterable[int] = (),
@@ -170,15 +183,16 @@ class Collector:
         self._own_board = board.is_owner
         return board
 
-    def _bind(self, bind: str, secret_key: Any, authorized: Any, rcvhwm: int) -> zmq.Socket:
+    def _bind(self, bind: str, secret_key: Any, authorized: Any, rcvhwm: int | None) -> zmq.Socket:
         sock = self._context.socket(zmq.PULL)
         try:
             # No CONFLATE: it keeps one message for the whole socket, not one per peer, and would drop
             # other nodes' frames. The board itself keeps the latest record per rank.
-            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            sock.setsockopt(zmq.RCVHWM, receive_hwm(self.n_slots) if rcvhwm is None else rcvhwm)
             sock.setsockopt(zmq.LINGER, 0)
-            # Anything larger cannot be a frame; ZMQ cuts such a peer off instead of buffering it.
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_SIZE + 4096)
+            # Anything larger cannot be a frame for this board; ZMQ cuts such a peer off instead of
+            # buffering it.
+            sock.setsockopt(zmq.MAXMSGSIZE, frame_bound(self.n_slots))
             if secret_key is not None:
                 public, secret = load_certificate(secret_key, "collector certificate")
                 if secret is None:
@@ -294,6 +308,8 @@ class Collector:
         self._rank_nodes.clear()
         self.board = self._follower.board
         self.n_slots = self.board.n_slots
+        if self._socket is not None:  # the bound for the connections made from now on
+            self._socket.setsockopt(zmq.MAXMSGSIZE, frame_bound(self.n_slots))
         self._init_stats()
 
     def drain(self, max_frames: int = 4096) -> int:

@@ -352,3 +352,49 @@ w.publish(LoadSnapshot(0, num_running_reqs=5))
             stop(collector)
             ctx.destroy(linger=0)
         assert collector.returncode == 0
+
+
+def _rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_collector_buffers_only_what_its_board_can_receive(board_name):
+    """MAXMSGSIZE was sized for 65,536 slots whatever the board, and RCVHWM was 10,000 frames: one
+    peer made the owner hold 1.16 GB while its drain lagged. Both come from the board now: a frame
+    larger than this board's largest is cut off by ZMQ, and the frames waiting for a drain stay
+    within RECEIVE_BUFFER_BYTES. A real peer process floods a collector that does not drain."""
+    from dpboard.multinode.collector import RECEIVE_BUFFER_BYTES, frame_bound
+
+    with Board.create(board_name, n_slots=4) as board, Collector(board, "tcp://127.0.0.1:*") as c:
+        assert frame_bound(4) == 104 + 4 * 440 == 1864
+        assert c.socket.getsockopt(zmq.MAXMSGSIZE) == 1864
+        assert c.socket.getsockopt(zmq.RCVHWM) * 1864 <= RECEIVE_BUFFER_BYTES
+        before = _rss_mb()
+        flood = f"""
+import sys, zmq
+ctx = zmq.Context()
+push = ctx.socket(zmq.PUSH)
+push.setsockopt(zmq.SNDHWM, 0)
+push.connect({c.endpoint!r})
+count, size = int(sys.argv[1]), int(sys.argv[2])
+for _ in range(count):
+    push.send(b"DPRL" + bytes(size))
+push.close(linger=3000)
+ctx.term()
+"""
+        # 1 MiB frames (a size a 65,536-slot board would take, not this one), then this board's largest
+        for count, size in ((100, 2**20), (20000, 1860)):
+            peer = subprocess.run([*CLI[:1], "-c", flood, str(count), str(size)], capture_output=True, text=True,
+                                  timeout=120)
+            assert peer.returncode == 0, peer.stderr
+        time.sleep(1.0)  # ZMQ's I/O thread takes in what it will while nothing drains
+        grown = _rss_mb() - before
+        assert grown < RECEIVE_BUFFER_BYTES / 2**20 + 16, f"the collector's process grew {grown:.0f} MB"
+        while c.drain() > 0:
+            pass
+        stats = c.stats()
+        assert stats["bad_length"] == 0  # none of the 1 MiB frames got through ZMQ
+        assert 0 < stats["bad_version"] < 20000  # some of the small ones did; the rest were never queued
