@@ -298,3 +298,34 @@ def test_a_planted_board_entry_does_not_stop_sglangs_start(loaded_plugins, monke
         segment_path(planted).unlink(missing_ok=True)
         drop_boards()
         sgl.reset_context()
+
+
+@pytest.mark.parametrize("count", [100, -3, 9])
+def test_a_malformed_moments_count_reads_alike_in_the_plugin_and_in_serve(instance, count):
+    """A local detail declaring decode_moments_count=100 was read as 30 moments by the plugin (its
+    slice ran into the next fields) and 8 by serve; -3 as 0 and 5. One rule now: a count outside
+    0..8 is a malformed detail whose moments are unknown (None), for both readers."""
+    import json
+
+    import numpy as np
+
+    from dpboard import Board, LoadSnapshot
+    from dpboard.snapshot import DETAIL_DTYPE, LoadDetail, pack_detail
+    from tests.support.serving import get, start_server
+
+    ls.create_load_snapshot_writer(instance.port_args, 3, 0).close()  # the instance's board, as SGLang makes it
+    reader = ls.create_load_snapshot_reader(instance.port_args, caller="TokenizerManager")
+    writer = Board.attach(instance.board).writer(1)  # a malformed writer of rank 1's slot
+    detail = pack_detail(LoadDetail(decode_moments=(1.0, 2.0, 3.0)), np.zeros(1, DETAIL_DTYPE))
+    detail["decode_moments_count"] = count
+    writer.publish(LoadSnapshot(1, num_running_reqs=4), detail)
+    assert reader.read(1).decode_moments is None
+    assert reader.read(1).num_running_reqs == 4  # the rest of the snapshot is read
+    proc, url = start_server(instance.board, "--stale-after", "60")
+    try:
+        doc = json.loads(get(f"{url}/v1/loads?dp_rank=1")[2])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert doc["loads"][0]["decode_moments"] is None
+    writer.close()
