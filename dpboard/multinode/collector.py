@@ -42,7 +42,7 @@ import zmq
 
 from dpboard.board import MAX_SLOTS, Board, BoardError, BoardFollower, BoardWriter, process_start_ticks
 from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
-from dpboard.multinode.curve import load_certificate
+from dpboard.multinode.curve import check_authorized_keys, load_certificate
 from dpboard.multinode.wire import (
     BAD_IDENTITY,
     BAD_NODE,
@@ -162,7 +162,11 @@ class Collector:
             # node0's board may be recreated under the collector (its schedulers restarted): follow it
             self._follower = BoardFollower(self.board, logger=log)
             self.n_slots = self.board.n_slots
-            self._context = context or zmq.Context.instance()
+            # An authenticator binds inproc://zeromq.zap.01 on its context, once per context: a
+            # collector that admits known relays only has a context of its own (closed with it),
+            # so that another one, later in this process, never finds that name still taken.
+            self._own_context = context is None and curve_authorized_keys is not None
+            self._context = zmq.Context() if self._own_context else (context or zmq.Context.instance())
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
             self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             self._init_stats()
@@ -200,8 +204,7 @@ class Collector:
                 if authorized is not None:
                     from zmq.auth.thread import ThreadAuthenticator
 
-                    if not Path(authorized).is_dir():
-                        raise NotFoundError(f"authorized keys directory {authorized} does not exist")
+                    check_authorized_keys(authorized)
                     self._auth = ThreadAuthenticator(self._context)
                     self._auth.start()
                     self._auth.configure_curve(domain="*", location=str(authorized))
@@ -357,6 +360,8 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if getattr(self, "_own_context", False):
+            self._context.term()
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()

@@ -398,3 +398,63 @@ ctx.term()
         stats = c.stats()
         assert stats["bad_length"] == 0  # none of the 1 MiB frames got through ZMQ
         assert 0 < stats["bad_version"] < 20000  # some of the small ones did; the rest were never queued
+
+
+# -- CURVE: damaged keys, one bad authorized key, a collector made again ------------------------
+
+
+def _damage_key(path: Path, which: str) -> None:
+    """Replace the value of ``which`` (public-key or secret-key) by 40 characters that are not Z85."""
+    text = path.read_text()
+    path.write_text(re.sub(rf'({which} = )"[^"]*"', r'\1"' + "~" * 40 + '"', text))
+
+
+def test_a_certificate_with_malformed_keys_is_one_line_not_a_zmq_traceback(board_name, tmp_path):
+    """A certificate whose key values are not CURVE keys was a raw ZMQError traceback (EINVAL from
+    setsockopt), in the collector and in the relay."""
+    server_pub, server_secret = generate_certificates(tmp_path / "server", "collector")
+    _, relay_secret = generate_certificates(tmp_path / "relay", "node1")
+    _damage_key(server_secret, "secret-key")
+    _damage_key(server_pub, "public-key")
+    with Board.create(board_name, n_slots=2):
+        collect = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", "tcp://127.0.0.1:*",
+                                  "--curve-secret-key", str(server_secret), "--duration", "1"],
+                                 capture_output=True, text=True, timeout=60)
+        relay = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9",
+                                "--node-id", "1", "--curve-server-key", str(server_pub),
+                                "--curve-secret-key", str(relay_secret), "--duration", "1"],
+                               capture_output=True, text=True, timeout=60)
+    for out, path, which in ((collect, server_secret, "secret-key"), (relay, server_pub, "public-key")):
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"{path}: its {which} is not a CURVE key (40 Z85 characters)" in out.stderr
+
+
+def test_one_unparsable_authorized_key_refuses_the_start(board_name, tmp_path):
+    """One unparsable file in --curve-authorized-keys let the collector start and then reject every
+    relay, the authorized ones included: now the start is refused, naming the file."""
+    _, server_secret = generate_certificates(tmp_path / "server", "collector")
+    generate_certificates(tmp_path / "authorized", "node1")
+    (tmp_path / "authorized" / "node1.key_secret").unlink()
+    (tmp_path / "authorized" / "broken.key").write_text("this is not a certificate\n")
+    with Board.create(board_name, n_slots=2):
+        out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", "tcp://127.0.0.1:*",
+                              "--curve-secret-key", str(server_secret), "--curve-authorized-keys",
+                              str(tmp_path / "authorized"), "--duration", "5"],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"{tmp_path / 'authorized' / 'broken.key'}" in out.stderr
+    assert not our_lock_files(board_name)
+
+
+def test_a_curve_collector_made_again_in_one_process_always_binds(board_name, tmp_path):
+    """Re-creating a collector that admits known relays only intermittently failed with EADDRINUSE
+    on inproc://zeromq.zap.01: its authenticator's name on the shared context was still taken."""
+    _, server_secret = generate_certificates(tmp_path / "server", "collector")
+    generate_certificates(tmp_path / "authorized", "node1")
+    (tmp_path / "authorized" / "node1.key_secret").unlink()
+    with Board.create(board_name, n_slots=2) as board:
+        for _ in range(30):
+            with Collector(board, "tcp://127.0.0.1:*", curve_secret_key=server_secret,
+                           curve_authorized_keys=tmp_path / "authorized") as c:
+                assert c.poll(1) == 0
