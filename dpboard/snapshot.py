@@ -329,14 +329,21 @@ def pack_detail(detail: LoadDetail | None, out: np.ndarray | None = None) -> np.
     return rec
 
 
+def moments_count(count: int) -> int | None:
+    """How many decode_moments a detail that declares ``count`` of them holds: ``count`` itself
+    within 0..MAX_DECODE_MOMENTS, else None (a malformed detail: its moments are unknown). The one
+    rule of every reader (the SGLang plugin, ``serve``, ``unpack_detail``)."""
+    return count if 0 <= count <= MAX_DECODE_MOMENTS else None
+
+
 def unpack_detail(rec: np.void | np.ndarray) -> LoadDetail | None:
     """The LoadDetail of one DETAIL_DTYPE record (None when the slot holds none)."""
     flags = int(rec["flags"])
     if not flags & DETAIL_PRESENT:
         return None
     values: dict[str, object] = {f: rec[f].item() for f in DETAIL_SCALARS}
-    if flags & DETAIL_FLAG["decode_moments"]:
-        count = int(rec["decode_moments_count"])
+    count = moments_count(int(rec["decode_moments_count"]))
+    if flags & DETAIL_FLAG["decode_moments"] and count is not None:
         values["decode_moments"] = tuple(float(v) for v in rec["decode_moments"][:count])
     for name, section in DETAIL_SECTIONS.items():
         if flags & DETAIL_FLAG[name]:

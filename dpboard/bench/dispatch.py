@@ -221,6 +221,7 @@ def prefix_index_table(n_ranks: int, repeats: int, rng: random.Random) -> str:
     decoding the frame's ``input_ids`` (msgpack) and SGLang's ``DPBudget.dispatch``."""
     import msgpack
 
+    from dpboard.controller.codec import decode_request
     from dpboard.controller.prefix_index import DEFAULT_BLOCK_SIZE, PrefixIndex, frame_block_hashes
 
     t = time.perf_counter_ns
@@ -246,11 +247,13 @@ def prefix_index_table(n_ranks: int, repeats: int, rng: random.Random) -> str:
 
         hashes = frame_block_hashes(frame)[1]
         decode = each(functools.partial(msgpack.unpackb, frame, raw=False))
+        read = each(functools.partial(decode_request, frame, DEFAULT_BLOCK_SIZE))
         hashing = each(functools.partial(frame_block_hashes, frame))
         lookup = each(functools.partial(_match_and_record, index, hashes, 7 % n_ranks))
         sglang = each(functools.partial(budget.dispatch, M.TOTAL_TOKENS, tokens))
         index_total = hashing + lookup
-        for what, samples in (("decode input_ids from the frame (msgpack, what the controller does now)", decode),
+        for what, samples in (("decode the frame with msgpack (what the controller did before)", decode),
+                              ("the controller's one read of the frame, hashes included (C)", read),
                               ("block hashes from the frame bytes (C)", hashing),
                               ("index: match on every rank + record", lookup),
                               ("the prefix index in all (hashes + match + record)", index_total),

@@ -9,7 +9,7 @@ still runs; follow.py re-attaches a board that was replaced under a long-running
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.follow import BoardFollower, FollowingReader
 from dpboard.board.header import BoardHeader
-from dpboard.board.listing import BoardListing, clean_boards, list_boards
+from dpboard.board.listing import BoardListing, clean_boards, list_boards, read_listing
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, segment_path, validate_name
 from dpboard.board.segment import (
@@ -40,6 +40,7 @@ __all__ = [
     "check_stale_after",
     "clean_boards",
     "list_boards",
+    "read_listing",
     "process_alive",
     "process_start_ticks",
     "segment_path",

@@ -181,15 +181,21 @@ static int writer_init(SlotWriter *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"mapping", "offset", "rank", "node_id", "pid", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnLLL", kwlist, &mapping, &offset, &rank, &node_id, &pid))
         return -1;
+    /* __init__ again on a live writer: it is closed first, so that a failure below leaves a closed
+       writer, never a slot pointer into a released buffer. */
+    self->slot = NULL;
     if (self->has_view) {
         PyBuffer_Release(&self->view);
         self->has_view = 0;
     }
     if (PyObject_GetBuffer(mapping, &self->view, PyBUF_WRITABLE) < 0) return -1;
     self->has_view = 1;
-    if (offset < 0 || offset % SLOT_SIZE != 0 || offset + SLOT_SIZE > self->view.len) {
+    /* Written so that no sum can overflow, whatever offset Python passes. */
+    if (offset < 0 || offset % SLOT_SIZE != 0 || self->view.len < SLOT_SIZE || offset > self->view.len - SLOT_SIZE) {
         PyErr_Format(PyExc_ValueError, "slot offset %zd is outside the %zd-byte board mapping", offset,
                      self->view.len);
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
         return -1;
     }
     self->slot = (char *)self->view.buf + offset;
@@ -471,7 +477,7 @@ static void view_dealloc(BoardView *self) {
 
 static int get_record_buffer(PyObject *obj, Py_buffer *buf, Py_ssize_t n_slots) {
     if (PyObject_GetBuffer(obj, buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
-    if (buf->len < n_slots * RECORD_SIZE || ((uintptr_t)buf->buf & 7) != 0) {
+    if (buf->len / RECORD_SIZE < n_slots || ((uintptr_t)buf->buf & 7) != 0) {
         PyErr_Format(PyExc_ValueError,
                      "read_array(out=...) needs a C-contiguous, 8-byte aligned array of at least %zd "
                      "SNAPSHOT_DTYPE records (%zd bytes), got %zd bytes",
@@ -506,25 +512,41 @@ static int view_init(BoardView *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "max_retries must be >= 1, got %d", max_retries);
         return -1;
     }
+    /* __init__ again on a live view: emptied first, so that a failure below leaves a view of no
+       slots, never pointers into released buffers. */
+    self->slots = NULL;
+    self->n_slots = 0;
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    if (self->has_out) {
+        PyBuffer_Release(&self->out);
+        self->has_out = 0;
+    }
     if (PyObject_GetBuffer(mapping, &self->view, PyBUF_SIMPLE) < 0) return -1;
     self->has_view = 1;
-    if (offset < 0 || n_slots < 0 || offset + n_slots * SLOT_SIZE > self->view.len) {
+    /* Written so that no product or sum can overflow, whatever n_slots and offset Python passes. */
+    if (offset < 0 || n_slots < 0 || offset > self->view.len || n_slots > (self->view.len - offset) / SLOT_SIZE) {
         PyErr_Format(PyExc_ValueError, "%zd slots at offset %zd do not fit the %zd-byte mapping", n_slots,
                      offset, self->view.len);
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
         return -1;
     }
-    if (get_record_buffer(out, &self->out, n_slots) < 0) return -1;
+    if (get_record_buffer(out, &self->out, n_slots) < 0) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+        return -1;
+    }
     self->has_out = 1;
     self->slots = (const char *)self->view.buf + offset;
     self->n_slots = n_slots;
     self->stale_after_ns = stale_after_ns;
     self->max_retries = max_retries;
-    Py_INCREF(snapshot_type);
-    self->snapshot_type = snapshot_type;
-    Py_INCREF(statuses);
-    self->statuses = statuses;
-    Py_INCREF(out);
-    self->out_obj = out;
+    Py_XSETREF(self->snapshot_type, Py_NewRef(snapshot_type));
+    Py_XSETREF(self->statuses, Py_NewRef(statuses));
+    Py_XSETREF(self->out_obj, Py_NewRef(out));
     return 0;
 }
 
@@ -704,7 +726,7 @@ static PyObject *view_read_detailed(BoardView *self, PyObject *arg) {
 static PyObject *view_read_detailed_array(BoardView *self, PyObject *out) {
     Py_buffer buf;
     if (PyObject_GetBuffer(out, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (buf.len < self->n_slots * DPB_DETAILED_RECORD_SIZE || ((uintptr_t)buf.buf & 7) != 0) {
+    if (buf.len / DPB_DETAILED_RECORD_SIZE < self->n_slots || ((uintptr_t)buf.buf & 7) != 0) {
         PyErr_Format(PyExc_ValueError,
                      "read_detailed_array(out) needs a C-contiguous, 8-byte aligned array of at least %zd "
                      "DETAILED_DTYPE records (%zd bytes), got %zd bytes",
@@ -765,7 +787,7 @@ static PyTypeObject BoardViewType = {
    pid beside an old start time. */
 static int owner_word_at(PyObject *mapping, Py_ssize_t offset, int writable, Py_buffer *view, uint64_t **word) {
     if (PyObject_GetBuffer(mapping, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
-    if (offset < 0 || offset % SLOT_SIZE != 0 || offset + SLOT_SIZE > view->len) {
+    if (offset < 0 || offset % SLOT_SIZE != 0 || view->len < SLOT_SIZE || offset > view->len - SLOT_SIZE) {
         PyErr_Format(PyExc_ValueError, "slot offset %zd is outside the %zd-byte board mapping", offset, view->len);
         PyBuffer_Release(view);
         return -1;

@@ -8,6 +8,7 @@ from typing import Any
 
 from dpboard.board.errors import BoardLayoutError
 from dpboard.board.liveness import process_alive
+from dpboard.board.names import MAX_SLOTS
 from dpboard.snapshot import HEADER_DTYPE, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE, segment_size
 
 # The header's fields, little-endian, at the offsets HEADER_DTYPE gives them (packed in one call).
@@ -76,6 +77,10 @@ def check_layout(name: str, header: BoardHeader, size: int, expected_slots: int 
             f"board {name!r} has {header.slot_size}-byte slots after a {header.header_size}-byte header, "
             f"this dpboard expects {SLOT_SIZE}-byte slots after a {HEADER_SIZE}-byte header"
         )
+    if not 1 <= header.n_slots <= MAX_SLOTS:
+        raise BoardLayoutError(
+            f"board {name!r} claims {header.n_slots} slots, outside 1..{MAX_SLOTS}: the segment is damaged "
+            f"or not a board; remove it with `dpboard clean {name} --force`")
     if expected_slots is not None and header.n_slots != expected_slots:
         raise BoardLayoutError(
             f"board {name!r} has {header.n_slots} slots, but {expected_slots} were expected: "

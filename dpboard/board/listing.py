@@ -22,10 +22,18 @@ import posix_ipc
 
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
-from dpboard.board.names import SEGMENT_PREFIX, SHM_DIR, validate_name
+from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.board.segment import DEFAULT_STALE_AFTER, check_stale_after, unlink_if_generation
 from dpboard.errors import AccessDeniedError, NotFoundError
-from dpboard.snapshot import FIELD_INDEX, FIELDS_OFFSET, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE
+from dpboard.snapshot import (
+    FIELD_INDEX,
+    FIELDS_OFFSET,
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    MAGIC,
+    SLOT_SIZE,
+    segment_size,
+)
 
 _SEQ_WORD = 0
 _MONOTONIC_WORD = FIELDS_OFFSET // 8 + FIELD_INDEX["monotonic_ns"]
@@ -65,22 +73,44 @@ class BoardListing:
         return f"its creator (pid {self.header.creator_pid}) is alive"
 
 
-def _last_publish_age(mm: mmap.mmap, header: BoardHeader, size: int) -> float | None:
-    """Seconds since the latest whole publish into any slot, from the slots' monotonic stamps."""
-    if (header.layout_version, header.header_size, header.slot_size) != (LAYOUT_VERSION, HEADER_SIZE, SLOT_SIZE):
-        return None  # not a layout this dpboard reads: no slot to look at
-    n = min(header.n_slots, max(0, (size - HEADER_SIZE) // SLOT_SIZE))
-    if n == 0:
-        return None
-    words = np.frombuffer(mm, dtype=np.int64, count=n * SLOT_SIZE // 8, offset=HEADER_SIZE).reshape(n, SLOT_SIZE // 8)
-    seq = words[:, _SEQ_WORD].copy()
-    stamps = words[:, _MONOTONIC_WORD].copy()
-    del words  # the mapping is closed by the caller: no export may outlive it
+def _damage(header: BoardHeader, size: int) -> str | None:
+    """Why a header of this layout does not describe a board, or None.
+    Every field is bounded before any slot is looked at: anybody may plant a header (and a sparse
+    file of any size) under /dev/shm/dpboard.*, and the listing reads only what a real board holds."""
+    if not 1 <= header.n_slots <= MAX_SLOTS:
+        return f"claims {header.n_slots} slots, outside 1..{MAX_SLOTS}: damaged or not a board"
+    if size != segment_size(header.n_slots):
+        return (f"is {size} bytes, but {header.n_slots} slots make {segment_size(header.n_slots)}: "
+                f"damaged or not a board")
+    return None
+
+
+def _last_publish_age(mm: mmap.mmap, n_slots: int) -> float | None:
+    """Seconds since the latest whole publish into any slot, from the slots' monotonic stamps.
+    ``n_slots`` is bounded by ``_damage`` first: at most MAX_SLOTS * 16 bytes are copied."""
+    words = np.frombuffer(mm, dtype=np.int64, count=n_slots * SLOT_SIZE // 8, offset=HEADER_SIZE)
+    try:
+        slots = words.reshape(n_slots, SLOT_SIZE // 8)
+        seq = slots[:, _SEQ_WORD].copy()
+        stamps = slots[:, _MONOTONIC_WORD].copy()
+        del slots
+    finally:
+        del words  # the caller closes the mapping: no export may outlive it, error or not
     whole = (seq != 0) & (seq % 2 == 0)
     if not whole.any():
         return None
     latest = int(stamps[whole].max())
     return max(0.0, (time.monotonic_ns() - latest) / 1e9)
+
+
+def read_listing(name: str, *, stale_after: float = DEFAULT_STALE_AFTER) -> BoardListing:
+    """The listing of the one entry ``/dev/shm/dpboard.<name>`` (what ``list_boards`` shows for it),
+    without looking at any other entry. A missing entry is a NotFoundError."""
+    validate_name(name)
+    stale_after = check_stale_after(stale_after)
+    if not os.path.lexists(SHM_DIR / (SEGMENT_PREFIX + name)):
+        raise NotFoundError(f"board {name!r} does not exist: `dpboard ls` lists the boards here")
+    return _read_listing(name, stale_after)
 
 
 def _read_listing(name: str, stale_after: float) -> BoardListing:
@@ -104,13 +134,21 @@ def _read_listing(name: str, stale_after: float) -> BoardListing:
             return BoardListing(name, 0, None, "not a regular file", owner, mode)
         if size < HEADER_STRUCT.size:
             return BoardListing(name, size, None, "no dpboard header", owner, mode)
+        # The header alone first: its fields say how much more there is to read, once bounded.
+        with mmap.mmap(fd, HEADER_STRUCT.size, prot=mmap.PROT_READ) as mm:
+            magic, header = unpack_header(mm)
+        if magic != MAGIC:
+            return BoardListing(name, size, None, "no dpboard header", owner, mode)
+        if (header.layout_version, header.header_size, header.slot_size) != (LAYOUT_VERSION, HEADER_SIZE, SLOT_SIZE):
+            # Another dpboard version's board: listed with its header, its slots left unread.
+            return BoardListing(name, size, header, None, owner, mode, None, stale_after)
+        damage = _damage(header, size)
+        if damage is not None:  # listed with the header it claims (clean judges its creator), slots unread
+            return BoardListing(name, size, header, damage, owner, mode, None, stale_after)
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-            if mm[:8] != MAGIC:
-                return BoardListing(name, size, None, "no dpboard header", owner, mode)
-            _, header = unpack_header(mm)
-            age = _last_publish_age(mm, header, size)
+            age = _last_publish_age(mm, header.n_slots)
         return BoardListing(name, size, header, None, owner, mode, age, stale_after)
-    except (OSError, ValueError, struct.error) as e:  # a damaged segment: say so, list the others
+    except (OSError, ValueError, struct.error, BufferError, MemoryError) as e:  # damaged: say so, list the others
         return BoardListing(name, 0, None, f"cannot read: {e}")
     finally:
         os.close(fd)
@@ -130,12 +168,9 @@ def clean_boards(name: str | None = None, *, force: bool = False,
     nor was any slot published within ``stale_after``. ``force`` also removes live ones. A segment
     without a board header is removed only when named or with ``force``. Returns the names removed.
     A live board without ``force``, or a missing ``name``, is an error."""
-    listings = list_boards(stale_after=stale_after)
-    if name is not None:
-        validate_name(name)
-        listings = [entry for entry in listings if entry.name == name]
-        if not listings:
-            raise NotFoundError(f"board {name!r} does not exist: `dpboard ls` lists the boards here")
+    # A named board is read alone: what other entries hold (anybody's) never stands in its way.
+    listings = (list_boards(stale_after=stale_after) if name is None
+                else [read_listing(name, stale_after=stale_after)])
     removed = []
     for entry in listings:
         if entry.header is None:

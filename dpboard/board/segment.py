@@ -57,6 +57,7 @@ from dpboard.snapshot import (
 )
 
 DEFAULT_STALE_AFTER = 1.0
+MAX_NODE_ID = 2**63 - 1  # the header's node_id is a signed 64-bit word
 MAX_STALE_AFTER = 1e6  # seconds; a threshold must fit the reader's int64 nanoseconds with room to spare
 DEFAULT_MAX_RETRIES = 256
 CLAIM_ATTEMPTS = 16  # compare-and-swap rounds on a slot's owner word before giving up
@@ -104,6 +105,27 @@ def _open_segment(name: str, seg: str, path: str) -> tuple[Any, bool]:
                                         f"never follows one; remove it") from None
             raise BoardError(f"cannot open board {name!r} ({path}): {e.strerror}") from None
     raise AccessDeniedError(_unreadable(name, path))
+
+
+def _reserve(fd: int, size: int, name: str) -> None:
+    """Allocate every page of a new segment now. ``ftruncate`` alone makes a sparse file: with
+    /dev/shm full, the first touch of a page (the header, or a writer's slot much later) would
+    kill the process with SIGBUS instead of failing here with a message."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise BoardError(f"cannot reserve the {size} bytes of board {name!r} in {SHM_DIR}: {e.strerror}") from None
+        try:
+            fs = os.statvfs(SHM_DIR)
+            room = (f"{SHM_DIR} is {fs.f_blocks * fs.f_frsize / 2**20:.1f} MiB with "
+                    f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free")
+        except OSError:
+            room = f"{SHM_DIR} is full"
+        raise BoardError(
+            f"no room for board {name!r} ({size} bytes) in {SHM_DIR}: {room}; remove unused boards "
+            f"(`dpboard clean`) or give {SHM_DIR} more room (a container's default is 64 MiB: "
+            f"docker run --shm-size)") from None
 
 
 def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
@@ -183,6 +205,9 @@ class Board:
                 f"mode must give the owner read and write and nobody else write (0o600, 0o640 or 0o644), "
                 f"got {mode!r}: a board that others may write cannot be trusted by its readers"
             )
+        if isinstance(node_id, bool) or not isinstance(node_id, int) or not 0 <= node_id <= MAX_NODE_ID:
+            raise InvalidInputError(f"node_id must be an integer in [0, {MAX_NODE_ID}] (the header keeps it in "
+                                    f"64 bits), got {node_id!r}")
         size = segment_size(n_slots)
         try:
             shm = posix_ipc.SharedMemory(seg, posix_ipc.O_CREX, mode=mode, size=size)
@@ -195,15 +220,6 @@ class Board:
             ) from None
         except posix_ipc.PermissionsError:
             raise AccessDeniedError(f"cannot create board {name!r} in {SHM_DIR}: permission denied") from None
-        try:
-            os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
-            st = os.fstat(shm.fd)
-            mapping = mmap.mmap(shm.fd, size)
-        except BaseException:
-            shm.unlink()  # not a board yet (no magic): leave no segment behind
-            raise
-        finally:
-            shm.close_fd()
         pid = os.getpid()
         header = BoardHeader(
             name=name,
@@ -217,9 +233,22 @@ class Board:
             node_id=node_id,
             creator_start_ticks=process_start_ticks(pid),
         )
-        # Every field but the magic first: an attacher that sees the magic sees a whole header.
-        pack_header(mapping, header, magic=NO_MAGIC)
-        mapping[0:8] = MAGIC
+        mapping = None
+        try:
+            os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
+            st = os.fstat(shm.fd)
+            _reserve(shm.fd, size, name)
+            mapping = mmap.mmap(shm.fd, size)
+            # Every field but the magic first: an attacher that sees the magic sees a whole header.
+            pack_header(mapping, header, magic=NO_MAGIC)
+            mapping[0:8] = MAGIC
+        except BaseException:
+            if mapping is not None:
+                mapping.close()
+            shm.unlink()  # not a board yet (no magic): leave no segment behind
+            raise
+        finally:
+            shm.close_fd()
         atexit.register(_unlink_at_exit, seg, header.generation, pid)
         return cls(name, size, mapping, header, owner=True, identity=(st.st_dev, st.st_ino))
 

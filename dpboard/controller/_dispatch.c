@@ -52,6 +52,16 @@ typedef struct {
     Py_ssize_t next_start;
 } Core;
 
+/* True when a buffer's struct format is a native-order int64 (itemsize 8) or a bool/byte (itemsize 1):
+   the item size alone would take float64 values as int64. */
+static int format_ok(const char *format, Py_ssize_t itemsize) {
+    if (format == NULL) format = "B";
+    if (*format == '@' || *format == '=' || *format == '<') format++;
+    if (format[0] == '\0' || format[1] != '\0') return 0;
+    if (itemsize == 8) return format[0] == 'q' || format[0] == 'l';
+    return format[0] == '?' || format[0] == 'B' || format[0] == 'b';
+}
+
 static int get_array(Core *self, PyObject *obj, const char *what, Py_ssize_t itemsize, Py_ssize_t min_len,
                      void **out, Py_ssize_t *len_out) {
     Py_buffer *b = &self->bufs[self->nbufs];
@@ -60,8 +70,9 @@ static int get_array(Core *self, PyObject *obj, const char *what, Py_ssize_t ite
         return -1;
     }
     self->nbufs++;
-    if (b->itemsize != itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s must have %zd-byte items, got %zd", what, itemsize, b->itemsize);
+    if (b->itemsize != itemsize || !format_ok(b->format, itemsize)) {
+        PyErr_Format(PyExc_ValueError, "%s must be an array of %s, got format %s with %zd-byte items", what,
+                     itemsize == 8 ? "int64" : "bool", b->format ? b->format : "B", b->itemsize);
         return -1;
     }
     Py_ssize_t len = b->len / itemsize;
@@ -74,7 +85,24 @@ static int get_array(Core *self, PyObject *obj, const char *what, Py_ssize_t ite
     return 0;
 }
 
+static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds);
+
+/* A failed __init__ releases what it took: the core is then empty (n == 0, nothing to pick from),
+   never a half-made one with pointers still unset. */
 static int core_init(Core *self, PyObject *args, PyObject *kwds) {
+    if (core_init_arrays(self, args, kwds) == 0) return 0;
+    if (self->nbufs && !(PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_RuntimeError))) {
+        for (int i = 0; i < self->nbufs; i++) PyBuffer_Release(&self->bufs[i]);
+        self->nbufs = 0;
+        self->n = 0;
+        self->tokens = self->requests = self->sent_reqs = self->sent_tokens = self->ring = self->backlog = NULL;
+        self->candidate = self->routable = NULL;
+        self->ring_cap = 0;
+    }
+    return -1;
+}
+
+static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", "requests", "candidate", "routable", "sent_reqs",
                              "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog", NULL};
     PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None;
@@ -300,10 +328,18 @@ static PyObject *core_pick(Core *self, PyObject *req) {
 }
 
 static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
-    PyObject *seq = PySequence_Fast(reqs, "pick_batch() needs a sequence of requests");
-    if (seq == NULL) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    /* A tuple of the requests, not the list itself: reading a request (a property, an __index__)
+       runs Python code that may change the list under this loop. */
+    PyObject *seq = PySequence_Tuple(reqs);
+    if (seq == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "pick_batch() needs a sequence of requests");
+        }
+        return NULL;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(seq);
+    PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     PyObject *out = PyList_New(m);
     int64_t *charged = PyMem_Malloc(sizeof(int64_t) * (m ? m : 1));
     if (out == NULL || charged == NULL) {
@@ -373,7 +409,7 @@ static PyObject *core_pick_saving(Core *self, PyObject *const *args, Py_ssize_t 
     }
     Py_buffer sb;
     if (PyObject_GetBuffer(args[1], &sb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
-    if (sb.itemsize != 8 || sb.len < self->n * 8) {
+    if (sb.itemsize != 8 || !format_ok(sb.format, 8) || sb.len < self->n * 8) {
         PyErr_Format(PyExc_ValueError, "savings must be int64, one per rank (%zd), got %zd bytes of %zd-byte items",
                      self->n, sb.len, sb.itemsize);
         PyBuffer_Release(&sb);

@@ -23,7 +23,7 @@
 
 #define K_MUL 0x9E3779B97F4A7C15ULL
 #define SEED 0x243F6A8885A308D3ULL
-#define MAX_DEPTH 32 /* nesting of msgpack values skipped on the way to input_ids */
+#define MAX_DEPTH 64 /* nesting of the msgpack values a request frame skips; deeper is malformed */
 
 static inline uint64_t step(uint64_t h, uint64_t v) {
     h = (h ^ v) * K_MUL;
@@ -79,7 +79,6 @@ static PyObject *hash_token_blocks(PyObject *mod, PyObject *const *args, Py_ssiz
     PyObject *seq = PySequence_Fast(args[0], "input_ids must be a sequence of token ids");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     Chain c = {SEED, 0, block_size, 0, n / block_size, NULL};
     c.out = PyMem_Malloc((c.cap > 0 ? c.cap : 1) * sizeof(uint64_t));
     if (c.out == NULL) {
@@ -87,17 +86,29 @@ static PyObject *hash_token_blocks(PyObject *mod, PyObject *const *args, Py_ssiz
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < c.cap * block_size; i++) {
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-        if ((v == -1 && PyErr_Occurred()) || overflow) {
-            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_ValueError, "input_ids[%zd] is not a 64-bit integer token id: %R", i, items[i]);
-            }
+        /* An element that is not an exact int runs Python code (__index__) that may shrink the list
+           being read: its length and items are read again each step, and the item held meanwhile. */
+        if (i >= PySequence_Fast_GET_SIZE(seq)) {
+            PyErr_Format(PyExc_ValueError, "input_ids changed while it was read (%zd of %zd tokens left)",
+                         PySequence_Fast_GET_SIZE(seq), n);
             PyMem_Free(c.out);
             Py_DECREF(seq);
             return NULL;
         }
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if ((v == -1 && PyErr_Occurred()) || overflow) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "input_ids[%zd] is not a 64-bit integer token id: %R", i, item);
+            }
+            Py_DECREF(item);
+            PyMem_Free(c.out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        Py_DECREF(item);
         chain_token(&c, (uint64_t)v);
     }
     PyObject *res = chain_result(&c);
@@ -213,29 +224,232 @@ static int skip(Cursor *r, int depth) {
     return -1;
 }
 
-/* 1 if the next value is the string `key` (consumed), 0 if another value (not consumed), -1 bad. */
-static int is_key(Cursor *r, const char *key, Py_ssize_t key_len) {
+/* The Python type msgpack decodes a value of first byte t into, for messages. */
+static const char *kind_name(uint8_t t) {
+    if (t <= 0x7f || t >= 0xe0 || (t >= 0xcc && t <= 0xd3)) return "int";
+    if (t >= 0x80 && t <= 0x8f) return "dict";
+    if (t >= 0x90 && t <= 0x9f) return "list";
+    if ((t >= 0xa0 && t <= 0xbf) || (t >= 0xd9 && t <= 0xdb)) return "str";
+    switch (t) {
+    case 0xc0: return "NoneType";
+    case 0xc2: case 0xc3: return "bool";
+    case 0xc4: case 0xc5: case 0xc6: return "bytes";
+    case 0xca: case 0xcb: return "float";
+    case 0xdc: case 0xdd: return "list";
+    case 0xde: case 0xdf: return "dict";
+    case 0xc1: return "invalid byte 0xc1";
+    default: return "ExtType";
+    }
+}
+
+/* The string at the cursor, consumed: its bytes in *s, *len; -1 (nothing consumed) if not a str. */
+static int read_str(Cursor *r, const char **s, Py_ssize_t *len) {
     if (need(r, 1) < 0) return -1;
     uint8_t t = *r->p;
-    Py_ssize_t len, head;
-    if (t >= 0xa0 && t <= 0xbf) { len = t & 0x1f; head = 1; }
-    else if (t == 0xd9) {
-        if (need(r, 2) < 0) return -1;
-        len = r->p[1];
-        head = 2;
+    Py_ssize_t head;
+    if (t >= 0xa0 && t <= 0xbf) { *len = t & 0x1f; head = 1; }
+    else if (t == 0xd9 || t == 0xda || t == 0xdb) {
+        int w = t == 0xd9 ? 1 : t == 0xda ? 2 : 4;
+        if (need(r, 1 + w) < 0) return -1;
+        *len = (Py_ssize_t)be(r->p + 1, w);
+        head = 1 + w;
     } else {
+        return -1;
+    }
+    if (need(r, head + *len) < 0) return -1;
+    *s = (const char *)r->p + head;
+    r->p += head + *len;
+    return 0;
+}
+
+/* Any msgpack int at the cursor as a Python int (uint64 included), consumed; NULL if not an int. */
+static PyObject *read_pyint(Cursor *r) {
+    if (need(r, 1) < 0) return NULL;
+    if (*r->p == 0xcf) {
+        if (need(r, 9) < 0) return NULL;
+        uint64_t u = be(r->p + 1, 8);
+        r->p += 9;
+        return PyLong_FromUnsignedLongLong(u);
+    }
+    int64_t v;
+    const uint8_t *at = r->p;
+    if (read_int(r, &v) < 0) {
+        r->p = at;
+        return NULL;
+    }
+    return PyLong_FromLongLong(v);
+}
+
+/* What the controller reads of a request frame. New references, NULL while absent. */
+typedef struct {
+    PyObject *rid, *num_tokens, *routed, *room, *hashes;
+    Py_ssize_t n_ids; /* -1: no input_ids (absent or nil) */
+} Request;
+
+static void request_clear(Request *q) {
+    Py_CLEAR(q->rid);
+    Py_CLEAR(q->num_tokens);
+    Py_CLEAR(q->routed);
+    Py_CLEAR(q->room);
+    Py_CLEAR(q->hashes);
+}
+
+static int bad(const char *message) {
+    PyErr_SetString(PyExc_ValueError, message);
+    return -1;
+}
+
+/* input_ids: nil, or an array of ints (each within 64 bits); hashed when block_size > 0. */
+static int read_ids(Cursor *r, Request *q, Py_ssize_t block_size) {
+    Py_CLEAR(q->hashes);
+    q->n_ids = -1;
+    if (*r->p == 0xc0) { r->p++; return 0; }
+    Py_ssize_t n;
+    if (read_header(r, 0, &n) < 0) {
+        PyErr_Format(PyExc_ValueError, "input_ids must be a list, got %s", kind_name(*r->p));
+        return -1;
+    }
+    if (n > r->end - r->p) /* every int takes a byte at least: a count the frame cannot hold is a lie */
+        return bad("input_ids claims more elements than the frame holds");
+    Py_ssize_t bs = block_size > 0 ? block_size : 1;
+    Chain c = {SEED, 0, bs, 0, block_size > 0 ? n / bs : 0, NULL};
+    c.out = PyMem_Malloc((c.cap > 0 ? c.cap : 1) * sizeof(uint64_t));
+    if (c.out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v;
+        if (read_int(r, &v) < 0) {
+            PyMem_Free(c.out);
+            PyErr_Format(PyExc_ValueError, "input_ids[%zd] is not an integer that fits 64 bits", i);
+            return -1;
+        }
+        if (i < c.cap * bs) chain_token(&c, (uint64_t)v);
+    }
+    if (block_size > 0) {
+        q->hashes = chain_result(&c);
+        if (q->hashes == NULL) {
+            PyMem_Free(c.out);
+            return -1;
+        }
+    }
+    PyMem_Free(c.out);
+    q->n_ids = n;
+    return 0;
+}
+
+/* An optional int (routed_dp_rank, bootstrap_room): nil or an int. */
+static int read_optional_int(Cursor *r, PyObject **slot, const char *key) {
+    Py_CLEAR(*slot);
+    if (*r->p == 0xc0) {
+        r->p++;
+        *slot = Py_NewRef(Py_None);
         return 0;
     }
-    if (need(r, head + len) < 0) return -1;
-    if (len == key_len && memcmp(r->p + head, key, key_len) == 0) {
-        r->p += head + len;
-        return 1;
+    uint8_t t = *r->p;
+    *slot = read_pyint(r);
+    if (*slot == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s must be an int or nil, got %s", key, kind_name(t));
+        return -1;
     }
     return 0;
 }
 
-/* hash_frame_blocks(frame, block_size) -> (num_tokens, bytes) | None: the frame is a msgpack map;
-   None when it has no input_ids (or they are nil). ValueError names what is malformed. */
+/* The one parse of a request frame: a msgpack map whose keys rid, input_ids, num_tokens,
+   routed_dp_rank and bootstrap_room are read (the last of a repeated key counts, as msgpack's
+   own decoder does), every other entry skipped without building anything; a value nested deeper
+   than MAX_DEPTH, or bytes after the map, make the frame malformed. No object per token: a frame
+   whose input_ids holds anything but ints fails at the first such element. */
+static int parse_request(const uint8_t *p, Py_ssize_t len, Py_ssize_t block_size, Request *q) {
+    Cursor r = {p, p + len};
+    Py_ssize_t n_keys;
+    q->n_ids = -1;
+    if (need(&r, 1) < 0) return bad("not msgpack (empty frame)");
+    if (read_header(&r, 1, &n_keys) < 0) {
+        PyErr_Format(PyExc_ValueError, "not a map but %s", kind_name(*r.p));
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n_keys; k++) {
+        const char *key;
+        Py_ssize_t key_len;
+        if (need(&r, 1) < 0) return bad("not msgpack (truncated map)");
+        if (read_str(&r, &key, &key_len) < 0) { /* a key of another type: not one of ours */
+            if (skip(&r, 1) < 0 || skip(&r, 1) < 0) return bad("not msgpack (malformed or nested too deeply)");
+            continue;
+        }
+        if (need(&r, 1) < 0) return bad("not msgpack (truncated map)");
+#define KEY(lit) (key_len == (Py_ssize_t)sizeof(lit) - 1 && memcmp(key, lit, sizeof(lit) - 1) == 0)
+        if (KEY("rid")) {
+            const char *s;
+            Py_ssize_t n;
+            uint8_t t = *r.p;
+            Py_CLEAR(q->rid);
+            if (read_str(&r, &s, &n) == 0) {
+                q->rid = PyUnicode_DecodeUTF8(s, n, "strict");
+                if (q->rid == NULL) {
+                    PyErr_Clear();
+                    return bad("rid is not valid UTF-8");
+                }
+            } else if (strcmp(kind_name(t), "str") == 0) {
+                return bad("not msgpack (truncated string)");
+            } else if ((q->rid = read_pyint(&r)) == NULL) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "rid must be a string or int, got %s", kind_name(t));
+                return -1;
+            }
+        } else if (KEY("input_ids")) {
+            if (read_ids(&r, q, block_size) < 0) return -1;
+        } else if (KEY("num_tokens")) {
+            Py_CLEAR(q->num_tokens);
+            const uint8_t *at = r.p;
+            q->num_tokens = read_pyint(&r);
+            if (q->num_tokens == NULL) {
+                if (PyErr_Occurred()) return -1;
+                r.p = at; /* not an int: the caller says what a request needs */
+                if (skip(&r, 1) < 0) return bad("not msgpack (malformed or nested too deeply)");
+            }
+        } else if (KEY("routed_dp_rank")) {
+            if (read_optional_int(&r, &q->routed, "routed_dp_rank") < 0) return -1;
+        } else if (KEY("bootstrap_room")) {
+            if (read_optional_int(&r, &q->room, "bootstrap_room") < 0) return -1;
+        } else if (skip(&r, 1) < 0) {
+            return bad("not msgpack (malformed or nested too deeply)");
+        }
+#undef KEY
+    }
+    if (r.p != r.end) return bad("not msgpack (extra bytes after the request map)");
+    if (q->rid == NULL) return bad("no rid");
+    return 0;
+}
+
+static PyObject *or_none(PyObject *o) { return o != NULL ? Py_NewRef(o) : Py_NewRef(Py_None); }
+
+/* read_request(frame, block_size) -> (rid, n_ids, num_tokens, routed_dp_rank, bootstrap_room,
+   hashes): n_ids -1 without input_ids; num_tokens None unless an int; hashes None unless
+   block_size > 0 and input_ids are there. ValueError says what is malformed. */
+static PyObject *read_request(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read_request(frame, block_size)");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size < 0) return PyErr_Format(PyExc_ValueError, "block_size must be >= 0, got %zd", block_size);
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    Request q = {NULL, NULL, NULL, NULL, NULL, -1};
+    PyObject *res = NULL;
+    if (parse_request((const uint8_t *)buf.buf, buf.len, block_size, &q) == 0) {
+        res = Py_BuildValue("(NnNNNN)", Py_NewRef(q.rid), q.n_ids, or_none(q.num_tokens), or_none(q.routed),
+                            or_none(q.room), or_none(q.hashes));
+    }
+    request_clear(&q);
+    PyBuffer_Release(&buf);
+    return res;
+}
+
+/* hash_frame_blocks(frame, block_size) -> (num_tokens, bytes) | None: read_request's input_ids and
+   hashes alone (the same parse); None when the frame has no input_ids (or they are nil). */
 static PyObject *hash_frame_blocks(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "hash_frame_blocks(frame, block_size)");
@@ -245,60 +459,33 @@ static PyObject *hash_frame_blocks(PyObject *mod, PyObject *const *args, Py_ssiz
     if ((block_size == -1 && PyErr_Occurred()) || check_block_size(block_size) < 0) return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
-    Cursor r = {(const uint8_t *)buf.buf, (const uint8_t *)buf.buf + buf.len};
-    Py_ssize_t n_keys, n_ids = -1;
+    Request q = {NULL, NULL, NULL, NULL, NULL, -1};
     PyObject *res = NULL;
-    const char *bad = NULL;
-    if (read_header(&r, 1, &n_keys) < 0) {
-        bad = "the frame is not a msgpack map";
-        goto done;
-    }
-    for (Py_ssize_t k = 0; k < n_keys; k++) {
-        int found = is_key(&r, "input_ids", 9);
-        if (found < 0) { bad = "truncated key"; goto done; }
-        if (!found) {
-            if (skip(&r, 1) < 0 || skip(&r, 1) < 0) { bad = "malformed map entry"; goto done; }
-            continue;
-        }
-        if (need(&r, 1) == 0 && *r.p == 0xc0) break; /* input_ids: nil */
-        if (read_header(&r, 0, &n_ids) < 0) { bad = "input_ids is not an array"; goto done; }
-        break;
-    }
-    if (n_ids < 0) {
-        res = Py_NewRef(Py_None);
-        goto done;
-    }
-    {
-        Chain c = {SEED, 0, block_size, 0, n_ids / block_size, NULL};
-        c.out = PyMem_Malloc((c.cap > 0 ? c.cap : 1) * sizeof(uint64_t));
-        if (c.out == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < n_ids; i++) {
-            int64_t v;
-            if (read_int(&r, &v) < 0) {
-                PyMem_Free(c.out);
-                PyErr_Format(PyExc_ValueError, "input_ids[%zd] is not an integer that fits 64 bits", i);
-                goto done;
-            }
-            if (i < c.cap * block_size) chain_token(&c, (uint64_t)v);
-        }
-        PyObject *hashes = chain_result(&c);
-        PyMem_Free(c.out);
-        if (hashes != NULL) {
-            res = Py_BuildValue("(nN)", n_ids, hashes);
+    Cursor r = {(const uint8_t *)buf.buf, (const uint8_t *)buf.buf + buf.len};
+    int ok = parse_request(r.p, buf.len, block_size, &q);
+    if (ok < 0 && PyErr_ExceptionMatches(PyExc_ValueError) && q.rid == NULL) {
+        /* hashing alone does not need a rid: only that error is forgiven */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int no_rid = value != NULL && PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, "no rid") == 0;
+        if (no_rid) {
+            Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+            ok = 0;
+        } else {
+            PyErr_Restore(type, value, tb);
         }
     }
-done:
+    if (ok == 0) res = q.n_ids < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(nO)", q.n_ids, q.hashes);
+    request_clear(&q);
     PyBuffer_Release(&buf);
-    if (bad != NULL) PyErr_Format(PyExc_ValueError, "cannot read input_ids: %s", bad);
     return res;
 }
 
 static PyMethodDef prefix_methods[] = {
     {"hash_token_blocks", (PyCFunction)(void (*)(void))hash_token_blocks, METH_FASTCALL,
      "hash_token_blocks(ids, block_size) -> bytes of native uint64 chained block hashes"},
+    {"read_request", (PyCFunction)(void (*)(void))read_request, METH_FASTCALL,
+     "read_request(frame, block_size) -> (rid, n_ids, num_tokens, routed_dp_rank, bootstrap_room, hashes)"},
     {"hash_frame_blocks", (PyCFunction)(void (*)(void))hash_frame_blocks, METH_FASTCALL,
      "hash_frame_blocks(frame, block_size) -> (num_tokens, hashes) from a msgpack request frame, or None"},
     {NULL}};

@@ -21,32 +21,80 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+# A rank that took this many requests in an epoch without its count moving does not count them (a
+# vLLM board, a scheduler that passes no count): its requests are no longer kept.
+UNCOUNTED_AFTER = 256
+# What one rank's unacknowledged requests may hold (frames); beyond it the oldest are let go, as
+# requests whose delivery the controller no longer vouches for.
+MAX_PENDING = 65_536
+MAX_PENDING_BYTES = 64 * 2**20
+
+
+def _size(item: Any) -> int:
+    raw = getattr(item, "raw", None)
+    return len(raw) if raw is not None else 0
+
 
 class DeliveryLedger:
-    """Per rank: the requests sent and not yet acknowledged, oldest first, and the count they follow."""
+    """Per rank: the requests sent and not yet acknowledged, oldest first, and the count they follow.
 
-    def __init__(self, num_workers: int) -> None:
+    Bounded: at most ``max_pending`` requests and ``max_bytes`` of frames per rank (the oldest are
+    let go beyond, counted in ``untracked``), and none at all for a rank that took
+    ``uncounted_after`` requests in an epoch without counting one (``uncounted``: delivery cannot
+    be proven there; its count moving again brings it back)."""
+
+    def __init__(self, num_workers: int, *, max_pending: int = MAX_PENDING, max_bytes: int = MAX_PENDING_BYTES,
+                 uncounted_after: int = UNCOUNTED_AFTER) -> None:
         self.num_workers = num_workers
         self.pending: list[deque[Any]] = [deque() for _ in range(num_workers)]
+        self._bytes = [0] * num_workers
         self._base = [0] * num_workers  # the rank's count when the epoch started
         self._acked = [0] * num_workers  # acknowledged in this epoch
         self._peak = [0] * num_workers  # the highest count seen in this epoch
+        self._sent = [0] * num_workers  # sent in this epoch
         self._started = [False] * num_workers
+        self.uncounted = [False] * num_workers  # took requests and never counted one: nothing kept
+        self.max_pending, self.max_bytes, self.uncounted_after = max_pending, max_bytes, uncounted_after
         self.delivered = 0  # acknowledged, all ranks, all epochs
+        self.untracked = 0  # let go unacknowledged (limits, or an uncounting rank): delivery unknown
 
     def start(self, rank: int, received: int) -> None:
         """A new epoch from the rank's count now (0 for a slot that was never written)."""
         self._base[rank] = self._peak[rank] = received
         self._acked[rank] = 0
+        self._sent[rank] = 0
         self._started[rank] = True
 
-    def sent(self, rank: int, item: Any) -> None:
-        self.pending[rank].append(item)
+    def sent(self, rank: int, item: Any) -> bool:
+        """Keep ``item`` until ``rank`` acknowledges it. Returns True when this send showed that the
+        rank does not count what it takes (the caller says so once)."""
+        self._sent[rank] += 1
+        if self.uncounted[rank]:
+            self.untracked += 1
+            return False
+        if self._sent[rank] > self.uncounted_after and self._peak[rank] == self._base[rank] and self._started[rank]:
+            self.uncounted[rank] = True
+            self.untracked += len(self.pending[rank]) + 1
+            self.pending[rank].clear()
+            self._bytes[rank] = 0
+            return True
+        pending = self.pending[rank]
+        pending.append(item)
+        self._bytes[rank] += _size(item)
+        while len(pending) > self.max_pending or (self._bytes[rank] > self.max_bytes and len(pending) > 1):
+            self._bytes[rank] -= _size(pending.popleft())
+            self.untracked += 1
+            self._base[rank] += 1  # its acknowledgement, when it comes, acknowledges nothing kept
+        return False
 
     def observe(self, rank: int, received: int) -> int:
         """The rank published ``received``: drop what it acknowledges; returns how many."""
         if not self._started[rank]:
             self.start(rank, received)  # sends before the first count are acknowledged only by a larger one
+        if self.uncounted[rank] and received > self._peak[rank]:
+            self.uncounted[rank] = False  # it counts after all: a new epoch from this count
+            self.start(rank, received)
+            return 0
         if received > self._peak[rank]:
             self._peak[rank] = received
         new = received - self._base[rank] - self._acked[rank]
@@ -55,7 +103,7 @@ class DeliveryLedger:
         pending = self.pending[rank]
         k = min(new, len(pending))
         for _ in range(k):
-            pending.popleft()
+            self._bytes[rank] -= _size(pending.popleft())
         self._acked[rank] += k
         self.delivered += k
         if new > k:  # counted more than was sent: not ours to account for
@@ -69,6 +117,7 @@ class DeliveryLedger:
         self.observe(rank, self._peak[rank])
         lost = list(self.pending[rank])
         self.pending[rank].clear()
+        self._bytes[rank] = 0
         self.start(rank, received_now)
         return lost
 

@@ -37,6 +37,9 @@ except ImportError:  # a source tree without the built extension
 
 DEFAULT_BLOCK_SIZE = 512  # tokens per block: the Mooncake trace's unit, 32 blocks for a 16k prompt
 DEFAULT_CAPACITY_BLOCKS = 4096  # per rank, until the board tells the rank's real KV capacity
+# The most blocks the index keeps for one rank, whatever capacity a board reports (a board slot is
+# written by whoever may write it): 32M tokens of 512, about 13 MiB of index per rank at the most.
+MAX_CAPACITY_BLOCKS = 65_536
 
 _MASK = (1 << 64) - 1
 _K_MUL = 0x9E3779B97F4A7C15
@@ -123,17 +126,18 @@ class PrefixIndex:
     # -- capacity -----------------------------------------------------------------------------------
 
     def set_capacity(self, rank: int, blocks: int) -> None:
-        """How many blocks ``rank`` can hold; the least recently used beyond that are forgotten."""
+        """How many blocks ``rank`` can hold; the least recently used beyond that are forgotten. At
+        most MAX_CAPACITY_BLOCKS, whatever a board reports: the index's memory stays bounded."""
         if not isinstance(blocks, (int, np.integer)) or blocks < 0:
             raise InvalidInputError(f"capacity of rank {rank} must be an int >= 0 blocks, got {blocks!r}")
-        self._capacity[rank] = int(blocks)
+        self._capacity[rank] = min(int(blocks), MAX_CAPACITY_BLOCKS)
         self._evict(rank)
 
     def set_capacity_tokens(self, capacities: Iterable[int]) -> None:
         """Every rank's capacity from its KV capacity in tokens (``max_total_num_tokens``); a rank
         that reports none (0) keeps what it had."""
         for rank, tokens in enumerate(capacities):
-            if tokens > 0 and tokens // self.block_size != self._capacity[rank]:
+            if tokens > 0 and min(tokens // self.block_size, MAX_CAPACITY_BLOCKS) != self._capacity[rank]:
                 self.set_capacity(rank, int(tokens) // self.block_size)
 
     def capacity(self, rank: int) -> int:

@@ -54,6 +54,10 @@ RESERVED = "-"  # a worker endpoint placeholder for a reserved (elastic EP) slot
 DEFAULT_SEND_HWM = 100_000
 MAX_SEND_HWM = 100_000_000
 DEFAULT_MAX_BATCH = 1024
+# The largest request frame taken in: a prompt of 4M tokens at their widest msgpack size (5 bytes),
+# with room for the other keys. A frame is read without an object per token, so this bounds memory,
+# not the time a hostile frame costs.
+MAX_FRAME_BYTES = 32 * 2**20
 CONNECT_WAIT = 2.0  # seconds the controller gives its schedulers to connect before it serves
 # ZMQ reconnects a broken pipe after this long, more than the loop's longest poll: the controller
 # always sees a disconnect before the same rank can take requests again (docs/DISPATCH.md, Delivery).
@@ -135,6 +139,7 @@ class DataParallelController:
         self.acks = acks
         self.redeliver_after = float(redeliver_after or 1.0)
         self.ledger = DeliveryLedger(n) if acks is not None else None
+        self._said_uncounted = False
         self.max_batch = max_batch
         self.poll_ms = max(1, int(poll_interval * 1000))
         self.log_every = log_every
@@ -160,6 +165,7 @@ class DataParallelController:
             "retracted": 0,  # picks taken back out of a rank's load because their send failed
             "disconnects": 0,
             "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
+            "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
             "per_rank": [0] * n,
         }
         self._sockets: list[zmq.Socket] = []
@@ -170,6 +176,8 @@ class DataParallelController:
         try:
             self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
             self.input = self._socket(zmq.PULL)
+            # ZMQ drops a larger frame (and the peer's connection) before any of it is buffered here.
+            self.input.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._bind_or_connect(self.input, input_endpoint, "bind", "the input")
             for rank in self._ranks:
                 sock = self._socket(zmq.PUSH)
@@ -287,7 +295,7 @@ class DataParallelController:
         for rank in self._ranks:
             st = int(status[rank])
             if st == _LIVE or st == _STALE:
-                if ledger.pending[rank]:
+                if ledger.pending[rank] or ledger.uncounted[rank]:
                     ledger.observe(rank, int(received[rank]))
             stale = st == _STALE or st == _TORN
             if stale != self._stale[rank]:
@@ -374,6 +382,7 @@ class DataParallelController:
             if self.ledger is not None:
                 self._read_acks(time.monotonic())
                 self.stats["unacknowledged"] = self.ledger.unacknowledged()
+                self.stats["untracked"] = self.ledger.untracked
             self._log_counts()
             if self.collector is not None and hasattr(self.collector, "stats"):
                 self.stats["collector"] = self.collector.stats()
@@ -467,8 +476,12 @@ class DataParallelController:
             return False
         self.stats["dispatched"] += 1
         self.stats["per_rank"][rank] += 1
-        if self.ledger is not None:
-            self.ledger.sent(rank, req)
+        if self.ledger is not None and self.ledger.sent(rank, req) and not self._said_uncounted:
+            self._said_uncounted = True
+            log.warning("worker %d took %d requests without counting one in num_received_reqs on its board "
+                        "slot: delivery cannot be proven on this board (a vLLM board, or schedulers that pass "
+                        "no count), so the controller keeps no copy of what it sends there and cannot send "
+                        "elsewhere what a broken connection loses (said once)", rank, self.ledger.uncounted_after)
         return True
 
     def _refusing(self, rank: int) -> None:

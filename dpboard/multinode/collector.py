@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,14 @@ import zmq
 
 from dpboard.board import MAX_SLOTS, Board, BoardError, BoardFollower, BoardWriter, process_start_ticks
 from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
-from dpboard.multinode.curve import load_certificate
+from dpboard.multinode.curve import check_authorized_keys, load_certificate
 from dpboard.multinode.wire import (
     BAD_IDENTITY,
     BAD_NODE,
     BAD_RANK,
     BAD_REASONS,
-    MAX_FRAME_SIZE,
+    DETAILED_RECORD_SIZE,
+    HEADER_SIZE,
     FrameError,
     detail_buffers,
     unpack_frame,
@@ -71,7 +73,19 @@ __all__ = ["LOCK_DIR", "LOCK_PREFIX", "Collector", "CollectorBusyError", "board_
 
 log = logging.getLogger("dpboard.collector")
 
-DEFAULT_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never block
+MAX_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never block
+# What the queue of frames not yet drained may hold: the receive high-water mark is this over the
+# board's largest frame (at most MAX_RCVHWM frames, at least 16).
+RECEIVE_BUFFER_BYTES = 16 * 2**20
+
+
+def frame_bound(n_slots: int) -> int:
+    """The largest relay frame a board of ``n_slots`` slots can receive: every slot, with detail."""
+    return HEADER_SIZE + n_slots * DETAILED_RECORD_SIZE
+
+
+def receive_hwm(n_slots: int) -> int:
+    return max(16, min(MAX_RCVHWM, RECEIVE_BUFFER_BYTES // frame_bound(n_slots)))
 
 
 # -- ownership ------------------------------------------------------------------------------------
@@ -104,11 +118,15 @@ class Collector:
         n_slots: int | None = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
-        rcvhwm: int = DEFAULT_RCVHWM,
+        rcvhwm: int | None = None,
         context: zmq.Context | None = None,
         record_latency: bool = False,
+        local_ranks: Iterable[int] = (),
     ):
         check_endpoint(bind, "the collector's bind endpoint", bind=True)
+        # node0's own ranks: never written from a frame, even before node0's schedulers claim them.
+        self.local_ranks = frozenset(int(r) for r in local_ranks)
+        self._rank_nodes: dict[int, int] = {}  # rank -> the node that announced it first
         if curve_authorized_keys is not None and curve_secret_key is None:
             raise InvalidInputError("curve_authorized_keys needs curve_secret_key (the collector's own certificate)")
         self._locks: list[OwnerLock] = []
@@ -144,7 +162,11 @@ class Collector:
             # node0's board may be recreated under the collector (its schedulers restarted): follow it
             self._follower = BoardFollower(self.board, logger=log)
             self.n_slots = self.board.n_slots
-            self._context = context or zmq.Context.instance()
+            # An authenticator binds inproc://zeromq.zap.01 on its context, once per context: a
+            # collector that admits known relays only has a context of its own (closed with it),
+            # so that another one, later in this process, never finds that name still taken.
+            self._own_context = context is None and curve_authorized_keys is not None
+            self._context = zmq.Context() if self._own_context else (context or zmq.Context.instance())
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
             self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             self._init_stats()
@@ -165,15 +187,16 @@ class Collector:
         self._own_board = board.is_owner
         return board
 
-    def _bind(self, bind: str, secret_key: Any, authorized: Any, rcvhwm: int) -> zmq.Socket:
+    def _bind(self, bind: str, secret_key: Any, authorized: Any, rcvhwm: int | None) -> zmq.Socket:
         sock = self._context.socket(zmq.PULL)
         try:
             # No CONFLATE: it keeps one message for the whole socket, not one per peer, and would drop
             # other nodes' frames. The board itself keeps the latest record per rank.
-            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            sock.setsockopt(zmq.RCVHWM, receive_hwm(self.n_slots) if rcvhwm is None else rcvhwm)
             sock.setsockopt(zmq.LINGER, 0)
-            # Anything larger cannot be a frame; ZMQ cuts such a peer off instead of buffering it.
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_SIZE + 4096)
+            # Anything larger cannot be a frame for this board; ZMQ cuts such a peer off instead of
+            # buffering it.
+            sock.setsockopt(zmq.MAXMSGSIZE, frame_bound(self.n_slots))
             if secret_key is not None:
                 public, secret = load_certificate(secret_key, "collector certificate")
                 if secret is None:
@@ -181,8 +204,7 @@ class Collector:
                 if authorized is not None:
                     from zmq.auth.thread import ThreadAuthenticator
 
-                    if not Path(authorized).is_dir():
-                        raise NotFoundError(f"authorized keys directory {authorized} does not exist")
+                    check_authorized_keys(authorized)
                     self._auth = ThreadAuthenticator(self._context)
                     self._auth.start()
                     self._auth.configure_curve(domain="*", location=str(authorized))
@@ -239,7 +261,11 @@ class Collector:
                 raise FrameError(BAD_NODE, f"frame claims node {frame.node_id}, which is this board's own node")
             validate_records(frame, n_slots=self.n_slots)
             rows = frame.records.tolist()
-            writers = [self._writers.get(row[0]) or self._writer_for(row[0]) for row in rows]
+            node = frame.node_id
+            for row in rows:
+                if self._rank_nodes.get(row[0], node) != node or row[0] in self.local_ranks:
+                    raise FrameError(BAD_RANK, self._foreign_rank(row[0], node))
+            writers = [self._writers.get(row[0]) or self._writer_for(row[0], node) for row in rows]
         except FrameError as e:
             stats[e.reason] += 1
             stats["frames_bad"] += 1
@@ -258,7 +284,12 @@ class Collector:
         stats["last_frame_monotonic_ns"] = now
         return len(rows)
 
-    def _writer_for(self, rank: int) -> BoardWriter:
+    def _foreign_rank(self, rank: int, node: int) -> str:
+        if rank in self.local_ranks:
+            return f"frame from node {node} names rank {rank}, which node0 writes itself"
+        return f"frame from node {node} names rank {rank}, which node {self._rank_nodes[rank]} relays"
+
+    def _writer_for(self, rank: int, node: int) -> BoardWriter:
         try:
             # Not takeover: a slot that a live local scheduler writes is node0's own rank, and a
             # relay claiming it is misconfigured. A dead holder (e.g. a previous collector) is fine.
@@ -266,6 +297,7 @@ class Collector:
         except BoardError as e:
             raise FrameError(BAD_RANK, f"rank {rank} is written locally on node0: {e}") from None
         self._writers[rank] = writer
+        self._rank_nodes[rank] = node  # announced: from now on only that node writes the rank
         return writer
 
     def _follow_board(self) -> None:
@@ -276,8 +308,11 @@ class Collector:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        self._rank_nodes.clear()
         self.board = self._follower.board
         self.n_slots = self.board.n_slots
+        if self._socket is not None:  # the bound for the connections made from now on
+            self._socket.setsockopt(zmq.MAXMSGSIZE, frame_bound(self.n_slots))
         self._init_stats()
 
     def drain(self, max_frames: int = 4096) -> int:
@@ -325,6 +360,8 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if getattr(self, "_own_context", False):
+            self._context.term()
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
@@ -368,6 +405,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-authorized-keys", metavar="DIR", default=None,
                    help="directory of the relays' public certificates allowed in (default: any relay that "
                         "knows the server key)")
+    p.add_argument("--local-ranks", type=count(0, MAX_SLOTS - 1), nargs="+", default=[], metavar="RANK",
+                   help="ranks node0's own schedulers write: never written from a relayed frame")
     p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
@@ -377,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     with StopFlag(args.duration) as stop, Collector(
         args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
-        curve_authorized_keys=args.curve_authorized_keys,
+        curve_authorized_keys=args.curve_authorized_keys, local_ranks=args.local_ranks,
     ) as collector:
         print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
               f"({collector.n_slots} slots)", flush=True)

@@ -35,9 +35,41 @@ def load_certificate(path: str | os.PathLike[str], what: str) -> tuple[bytes, by
             f"{what} {p} does not exist: create keys with `dpboard relay --keygen DIR` (see docs/MULTINODE.md)"
         )
     try:
-        return zmq.auth.load_certificate(p)
+        public, secret = zmq.auth.load_certificate(p)
     except (ValueError, OSError) as e:
         raise InvalidInputError(f"{what} {p} is not a ZMQ certificate file: {e}") from None
+    for which, key in (("public-key", public), ("secret-key", secret)):
+        if key is not None and not _is_key(key):
+            raise InvalidInputError(
+                f"{what} {p}: its {which} is not a CURVE key (40 Z85 characters), got {key[:48]!r}: the file "
+                f"is damaged; make a new pair with `dpboard relay --keygen DIR`")
+    if public is None:
+        raise InvalidInputError(f"{what} {p} holds no public-key: make a new pair with `dpboard relay --keygen DIR`")
+    return public, secret
+
+
+def _is_key(key: bytes) -> bool:
+    from zmq.utils import z85
+
+    if len(key) != 40:
+        return False
+    try:
+        return len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def check_authorized_keys(directory: str | os.PathLike[str]) -> int:
+    """Load every ``*.key`` in ``directory`` as ZMQ's authenticator will, before anything starts: one
+    damaged file would otherwise let the collector start and then refuse every relay, the
+    authorized ones included. Returns how many keys there are."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise NotFoundError(f"authorized keys directory {d} does not exist")
+    files = sorted(d.glob("*.key"))
+    for path in files:
+        load_certificate(path, "authorized relay key")
+    return len(files)
 
 
 def generate_certificates(directory: str | os.PathLike[str], name: str, *, force: bool = False) -> tuple[Path, Path]:

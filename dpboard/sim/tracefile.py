@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import io
 import json
 import math
 import re
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -60,6 +61,10 @@ _KNOWN = (
     f"Mooncake JSON lines ({', '.join(MOONCAKE_KEYS)}, hash_ids)"
 )
 _UINT = re.compile(r"\d+")
+# A request's prompt or output beyond this is no real request: the bound keeps every sum of token
+# counts (a KV-fit check adds prompt and output) far from int64's end.
+MAX_TOKENS = 2**32
+MAX_BLOCK_ID = 2**63 - 1  # block ids are kept as int64
 _AZURE_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 
 
@@ -97,28 +102,35 @@ class _Where:
 
 
 def read_trace_file(path: str | Path) -> TraceFile:
-    """Read and check a whole trace file; its format comes from its first line."""
+    """Read and check a whole trace file; its format comes from its first line. The file is read
+    line by line into arrays of 8 bytes a value: memory stays near twice the file's size."""
     name = str(path)
     p = Path(path)
     if not p.exists():
         raise NotFoundError(f"trace file {name} does not exist: give the path of an Azure, BurstGPT or Mooncake trace")
     if p.is_dir():
         raise InvalidInputError(f"trace file {name} is a directory: give the path of a trace file")
+    where = _Where(name)
     try:
-        text = p.read_text(encoding="utf-8-sig")
+        with open(p, encoding="utf-8-sig", newline="") as f:
+            first = ""
+            for first in f:
+                if first.strip():
+                    break
+            if not first.strip():
+                raise InvalidInputError(f"trace file {name} is empty: expected {_KNOWN}")
+            f.seek(0)
+            if first.lstrip().startswith("{"):
+                return _read_mooncake(f, where)
+            header = [h.strip() for h in next(csv.reader([first]))]
+            if all(c in header for c in AZURE_COLUMNS):
+                return _read_azure(f, header, where)
+            if all(c in header for c in ("Timestamp", "Request tokens", "Response tokens")):
+                return _read_burstgpt(f, header, where)
     except UnicodeDecodeError as e:
         raise InvalidInputError(f"trace file {name} is not UTF-8 text ({e}): is it compressed? unpack it first") from None
-    first = next((line for line in text.splitlines() if line.strip()), "")
-    if not first:
-        raise InvalidInputError(f"trace file {name} is empty: expected {_KNOWN}")
-    where = _Where(name)
-    if first.lstrip().startswith("{"):
-        return _read_mooncake(text, where)
-    header = [h.strip() for h in next(csv.reader([first]))]
-    if all(c in header for c in AZURE_COLUMNS):
-        return _read_azure(text, header, where)
-    if all(c in header for c in ("Timestamp", "Request tokens", "Response tokens")):
-        return _read_burstgpt(text, header, where)
+    except csv.Error as e:  # the header line itself
+        raise InvalidInputError(f"trace file {name}, line 1: {e}") from None
     raise InvalidInputError(
         f"trace file {name}, line 1: header {','.join(header)!r} is not a trace format dpboard reads: "
         f"expected {_KNOWN}"
@@ -128,11 +140,18 @@ def read_trace_file(path: str | Path) -> TraceFile:
 # -- CSV ---------------------------------------------------------------------------------------
 
 
-def _csv_rows(text: str, header: list[str], where: _Where) -> Iterator[tuple[int, list[str]]]:
+def _csv_rows(f: TextIO, header: list[str], where: _Where) -> Iterator[tuple[int, list[str]]]:
     """(line number, fields) of each non-empty data row, with exactly as many fields as the header."""
-    reader = csv.reader(io.StringIO(text))
+    reader = csv.reader(f)
     seen_header = False
-    for fields in reader:
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:  # a field over csv's limit (128 KiB), a NUL byte...
+            line = reader.line_num
+            raise where.error(line, _long_field(f, line), None, f"not a CSV row this reader takes ({e})") from None
         line = reader.line_num
         if not fields or all(not f.strip() for f in fields):
             continue
@@ -147,14 +166,37 @@ def _csv_rows(text: str, header: list[str], where: _Where) -> Iterator[tuple[int
         yield line, fields
 
 
+def _long_field(f: TextIO, line: int) -> int:
+    """The column of the first field of ``line`` longer than csv's field limit (1 when none is)."""
+    f.seek(0)
+    for number, text in enumerate(f, start=1):
+        if number == line:
+            limit = csv.field_size_limit()
+            return next((k + 1 for k, field in enumerate(text.split(",")) if len(field) > limit), 1)
+    return 1
+
+
 def _uint(text: str, where: _Where, line: int, col: int, name: str, minimum: int) -> int:
     s = text.strip()
     if not _UINT.fullmatch(s):
-        raise where.error(line, col, name, f"{text!r} is not a whole number of tokens")
+        raise where.error(line, col, name, f"{_short(text)!r} is not a whole number of tokens")
+    if len(s.lstrip("0")) > len(str(MAX_TOKENS)):  # before int(): it refuses past 4,300 digits
+        raise where.error(line, col, name, f"{_short(s)} tokens: more than the {MAX_TOKENS} a request may have")
     value = int(s)
+    _check_tokens(value, minimum, where, line, col, name)
+    return value
+
+
+def _check_tokens(value: int, minimum: int, where: _Where, line: int, col: int | str, name: str | None) -> None:
     if value < minimum:
         raise where.error(line, col, name, f"{value} tokens: must be >= {minimum}")
-    return value
+    if value > MAX_TOKENS:
+        raise where.error(line, col, name, f"{value} tokens: more than the {MAX_TOKENS} a request may have")
+
+
+def _short(text: str) -> str:
+    """A value as an error message shows it: at most 40 characters."""
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
 
 
 def _azure_seconds(text: str, where: _Where, line: int, col: int) -> tuple[int, float]:
@@ -171,13 +213,13 @@ def _azure_seconds(text: str, where: _Where, line: int, col: int) -> tuple[int, 
     return whole, float("0." + frac) if frac else 0.0
 
 
-def _read_azure(text: str, header: list[str], where: _Where) -> TraceFile:
+def _read_azure(f: TextIO, header: list[str], where: _Where) -> TraceFile:
     ti, ci, gi = (header.index(c) for c in AZURE_COLUMNS)
-    whole: list[int] = []
-    frac: list[float] = []
-    prompt: list[int] = []
-    output: list[int] = []
-    for line, fields in _csv_rows(text, header, where):
+    whole = array("q")
+    frac = array("d")
+    prompt = array("q")
+    output = array("q")
+    for line, fields in _csv_rows(f, header, where):
         w, f = _azure_seconds(fields[ti], where, line, ti + 1)
         whole.append(w)
         frac.append(f)
@@ -186,32 +228,32 @@ def _read_azure(text: str, header: list[str], where: _Where) -> TraceFile:
     if not whole:
         raise InvalidInputError(f"trace file {where.path} has a header but no requests")
     # Whole seconds as integers first: absolute times near 2**31 s would lose the sub-ms part in a float.
-    seconds = np.asarray(whole, dtype=np.int64)
-    arrival = (seconds - seconds.min()).astype(np.float64) + np.asarray(frac)
+    seconds = np.frombuffer(whole, dtype=np.int64)
+    arrival = (seconds - seconds.min()).astype(np.float64) + np.frombuffer(frac, dtype=np.float64)
     return _finish(where.path, AZURE, arrival - arrival.min(), prompt, output, None, bucketed=False)
 
 
-def _read_burstgpt(text: str, header: list[str], where: _Where) -> TraceFile:
+def _read_burstgpt(f: TextIO, header: list[str], where: _Where) -> TraceFile:
     ti = header.index("Timestamp")
     ri = header.index("Request tokens")
     oi = header.index("Response tokens")
-    arrival: list[float] = []
-    prompt: list[int] = []
-    output: list[int] = []
-    for line, fields in _csv_rows(text, header, where):
+    arrival = array("d")
+    prompt = array("q")
+    output = array("q")
+    for line, fields in _csv_rows(f, header, where):
         raw = fields[ti].strip()
         try:
             t = float(raw)
         except ValueError:
             t = math.nan
         if not math.isfinite(t) or t < 0:
-            raise where.error(line, ti + 1, "Timestamp", f"{fields[ti]!r} is not a time in seconds >= 0")
+            raise where.error(line, ti + 1, "Timestamp", f"{_short(fields[ti])!r} is not a time in seconds >= 0")
         arrival.append(t)
         prompt.append(_uint(fields[ri], where, line, ri + 1, "Request tokens", 1))
         output.append(_uint(fields[oi], where, line, oi + 1, "Response tokens", 0))
     if not arrival:
         raise InvalidInputError(f"trace file {where.path} has a header but no requests")
-    times = np.asarray(arrival, dtype=np.float64)
+    times = np.frombuffer(arrival, dtype=np.float64)
     return _finish(where.path, BURSTGPT, times - times.min(), prompt, output, None, bucketed=False)
 
 
@@ -223,26 +265,30 @@ def _json_uint(obj: dict, key: str, where: _Where, line: int, minimum: int) -> i
         raise where.error(line, key, None, "missing")
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise where.error(line, key, None, f"{value!r} is not a whole number of tokens")
-    if value < minimum:
-        raise where.error(line, key, None, f"{value} tokens: must be >= {minimum}")
+        raise where.error(line, key, None, f"{_short(repr(value))} is not a whole number of tokens")
+    _check_tokens(value, minimum, where, line, key, None)
     return value
 
 
-def _read_mooncake(text: str, where: _Where) -> TraceFile:
-    times: list[float] = []
-    prompt: list[int] = []
-    output: list[int] = []
-    offsets = [0]
-    ids: list[int] = []
+def _read_mooncake(f: TextIO, where: _Where) -> TraceFile:
+    times = array("d")
+    prompt = array("q")
+    output = array("q")
+    offsets = array("q", [0])
+    ids = array("q")
     with_ids: bool | None = None
-    for line, raw in enumerate(text.splitlines(), start=1):
+    for line, raw in enumerate(f, start=1):
+        raw = raw.rstrip("\r\n")
         if not raw.strip():
             continue
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
             raise where.error(line, e.colno, None, f"not valid JSON ({e.msg})") from None
+        except ValueError as e:  # an integer of more than 4,300 digits
+            raise where.error(line, 1, None, f"not a JSON value this reader takes ({e})") from None
+        except RecursionError:
+            raise where.error(line, 1, None, "JSON nested too deeply") from None
         if not isinstance(obj, dict):
             raise where.error(line, 1, None, f"expected a JSON object with {', '.join(MOONCAKE_KEYS)}")
         if with_ids is None and not all(k in obj for k in MOONCAKE_KEYS):
@@ -266,8 +312,10 @@ def _read_mooncake(text: str, where: _Where) -> TraceFile:
         if has:
             row = obj["hash_ids"]
             want = -(-length // BLOCK_TOKENS)
-            if not isinstance(row, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in row):
-                raise where.error(line, "hash_ids", None, "expected a list of block ids (whole numbers >= 0)")
+            if not isinstance(row, list) or not all(
+                    isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= MAX_BLOCK_ID for h in row):
+                raise where.error(line, "hash_ids", None,
+                                  f"expected a list of block ids (whole numbers in [0, {MAX_BLOCK_ID}])")
             if len(row) != want:
                 raise where.error(
                     line,
@@ -284,8 +332,8 @@ def _read_mooncake(text: str, where: _Where) -> TraceFile:
         raise InvalidInputError(f"trace file {where.path} has no requests")
     blocks = None
     if with_ids:
-        blocks = BlockTable(offsets=np.asarray(offsets, dtype=np.int64), ids=np.asarray(ids, dtype=np.int64))
-    arrival = np.asarray(times, dtype=np.float64)
+        blocks = BlockTable(offsets=np.frombuffer(offsets, dtype=np.int64), ids=np.frombuffer(ids, dtype=np.int64))
+    arrival = np.frombuffer(times, dtype=np.float64)
     return _finish(where.path, MOONCAKE, arrival - arrival.min(), prompt, output, blocks, bucketed=True)
 
 
@@ -293,20 +341,20 @@ def _finish(
     path: str,
     fmt: str,
     arrival: np.ndarray,
-    prompt: list[int],
-    output: list[int],
+    prompt: array,
+    output: array,
     blocks: BlockTable | None,
     *,
     bucketed: bool,
 ) -> TraceFile:
-    out = np.asarray(output, dtype=np.int64)
+    out = np.frombuffer(output, dtype=np.int64)
     order = np.argsort(arrival, kind="stable")
     sorted_already = bool(np.all(order == np.arange(order.size)))
     return TraceFile(
         path=path,
         format=fmt,
         arrival_s=arrival if sorted_already else arrival[order],
-        prompt_len=np.asarray(prompt, dtype=np.int64)[order],
+        prompt_len=np.frombuffer(prompt, dtype=np.int64)[order],
         output_len=np.maximum(out, 1)[order],
         blocks=None if blocks is None else (blocks if sorted_already else blocks.take(order)),
         zero_output=(out == 0)[order],

@@ -79,7 +79,9 @@ def run_ls(args: argparse.Namespace) -> int:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.creation_time_ns / 1e9))
         alive = "yes" if entry.alive else "no"
         published = "never" if entry.last_publish_age is None else fmt_age(entry.last_publish_age)
-        print(f"{name:<24} {h.n_slots:>5} {h.creator_pid:>10} {alive:<5} {published:>9} {owner:<10} {created:<19}")
+        damage = "" if entry.error is None else f" {entry.error}"
+        print(f"{name:<24} {h.n_slots:>5} {h.creator_pid:>10} {alive:<5} {published:>9} {owner:<10} {created:<19}"
+              f"{damage}")
     return 0
 
 

@@ -35,6 +35,7 @@ from dpboard.snapshot import (
     DETAIL_SECTIONS,
     SNAPSHOT_DTYPE,
     SlotStatus,
+    moments_count,
     token_usage,
 )
 from dpboard.views.watch import imbalance
@@ -99,9 +100,9 @@ def sglang_load(load: tuple, detail: tuple) -> dict[str, Any]:
     out = {}
     for key in CORE_KEYS:
         if key == "decode_moments":
-            count = detail[_D["decode_moments_count"]]
+            count = moments_count(detail[_D["decode_moments_count"]])
             moments = detail[_D["decode_moments"]]
-            out[key] = [float(v) for v in moments[:count]] if flags & DETAIL_FLAG[key] else None
+            out[key] = [float(v) for v in moments[:count]] if flags & DETAIL_FLAG[key] and count is not None else None
         elif key in _D:
             out[key] = detail[_D[key]]
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import signal
 import sys
@@ -56,6 +57,30 @@ class BadRequest(InvalidInputError):
     """A query the server refuses with 400; the message names the parameter and the fix."""
 
 
+IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a whole request before it is closed
+MAX_RANK_DIGITS = 19  # a dp_rank beyond int64 names no rank
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity (a malformed or hostile detail float) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_body(doc: Any) -> bytes:
+    """Standard JSON (RFC 8259 has no NaN or Infinity): non-finite floats are sent as null."""
+    try:
+        text = json.dumps(doc, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(doc), allow_nan=False)
+    return (text + "\n").encode()
+
+
 class LoadsServer(ThreadingHTTPServer):
     """The HTTP exporter of one board. ``url`` is where it listens; ``serve_forever`` serves."""
 
@@ -64,7 +89,10 @@ class LoadsServer(ThreadingHTTPServer):
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 8080, *,
                  stale_after: float = DEFAULT_STALE_AFTER, wait: bool = False,
                  accelerator: str | None = None, num_accelerators: int = 1,
-                 trust_uids: Iterable[int] = ()) -> None:
+                 trust_uids: Iterable[int] = (), idle_timeout: float = IDLE_TIMEOUT) -> None:
+        if not 0 < idle_timeout <= 3600:
+            raise InvalidInputError(f"idle_timeout must be in (0, 3600] seconds, got {idle_timeout!r}")
+        self.idle_timeout = idle_timeout
         if not 0 <= port <= 65535:
             raise InvalidInputError(f"--port must be in 0..65535 (0 picks a free port), got {port}")
         if num_accelerators < 0:
@@ -108,6 +136,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: LoadsServer
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        # A connection idle this long (no request, or one sent too slowly) is closed: each holds a
+        # thread while it is open.
+        self.timeout = self.server.idle_timeout
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         pass  # a scrape every few seconds would flood the terminal
 
@@ -121,7 +155,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _send_json(self, status: int, doc: Any) -> None:
-        self._send(status, (json.dumps(doc) + "\n").encode(), "application/json")
+        self._send(status, json_body(doc), "application/json")
 
     def _error(self, status: int, message: str) -> None:
         self._send_json(status, {"error": message, "status": status})
@@ -163,6 +197,15 @@ class _Handler(BaseHTTPRequestHandler):
         raw_rank = _single(query, "dp_rank", None)
         dp_rank = None
         if raw_rank is not None:
+            digits = raw_rank.strip().lstrip("+-").lstrip("0")
+            if _INT.fullmatch(raw_rank.strip()) and len(digits) > MAX_RANK_DIGITS:
+                # an integer no rank can be (int() itself refuses past 4,300 digits)
+                self._send_json(422, {"detail": [{
+                    "type": "int_parsing_size", "loc": ["query", "dp_rank"],
+                    "msg": "Unable to parse input string as an integer, exceeded maximum size",
+                    "input": raw_rank[:40] + "..."}],
+                    "error": f"dp_rank has {len(digits)} digits: no rank is that large; use dp_rank=N"})
+                return
             if not _INT.fullmatch(raw_rank.strip()):
                 self._send_json(422, {"detail": [{
                     "type": "int_parsing", "loc": ["query", "dp_rank"],
@@ -187,7 +230,7 @@ class _Handler(BaseHTTPRequestHandler):
                     rec, board=watch.name, generation=board.generation if board is not None else 0,
                     version=dpboard.__version__, include=include, dp_rank=dp_rank,
                     accelerator=server.accelerator, num_accelerators=server.num_accelerators)
-                return (json.dumps(doc) + "\n").encode()
+                return json_body(doc)
 
             body, gone = server.loads_reply(render)
         if body is None:

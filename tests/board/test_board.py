@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from dpboard import SNAPSHOT_DTYPE, Board, BoardError, BoardLayoutError, LoadSnapshot, SlotStatus
+from dpboard.errors import InvalidInputError
 from dpboard.snapshot import (
     DETAILED_DTYPE,
     HEADER_SIZE,
@@ -37,7 +39,7 @@ from dpboard.snapshot import (
 from tests.support.names import new_board_name
 from tests.support.other_user import as_nobody, error_as_nobody, need_root
 from tests.support.procutil import read_line
-from tests.support.raw import raw_segment
+from tests.support.raw import plant_board, raw_segment
 
 PROCS = str(Path(__file__).parents[1] / "support" / "board_procs.py")
 MAX = 2**63 - 1
@@ -861,6 +863,7 @@ def test_one_bad_board_never_hides_the_others(board, tmp_path):
         assert listed[board.name]["alive"] is True and listed[board.name]["error"] is None
         assert listed[huge_pid]["creator_pid"] == 2**40 and listed[huge_pid]["alive"] is False
         assert listed[huge_slots]["n_slots"] == 2**31 and listed[huge_slots]["alive"] is False
+        assert "claims 2147483648 slots" in listed[huge_slots]["error"]
         assert listed[truncated]["error"] == "no dpboard header"
         assert "symbolic link" in listed[link]["error"]
         assert listed[folder]["error"] == "not a regular file"
@@ -870,7 +873,7 @@ def test_one_bad_board_never_hides_the_others(board, tmp_path):
         assert info.returncode == 0 and "pid 1099511627776 (dead)" in info.stdout, info.stderr
         assert "collector    pid 1099511627776 (dead)" in info.stdout
         info = _dpboard("info", huge_slots)
-        assert info.returncode == 2 and "too small for its 2147483648 slots" in info.stderr
+        assert info.returncode == 2 and "claims 2147483648 slots, outside 1..65536" in info.stderr
         clean = _dpboard("clean")
         assert clean.returncode == 0, clean.stderr
         assert f"removed /dev/shm/dpboard.{huge_pid}" in clean.stdout
@@ -956,3 +959,101 @@ os._exit(0)  # as a crash would: no unlink
         proc.kill()
         proc.wait(timeout=10)
         path.unlink(missing_ok=True)
+
+
+def test_a_planted_header_claiming_billions_of_slots_is_listed_as_damaged(board):
+    """Any local user may leave /dev/shm/dpboard.<x> with a valid-looking header claiming 2**32-1
+    (or 2**25) slots over a sparse file of the size those slots take: ls and clean once copied a word
+    per claimed slot (`Unable to allocate 32.0 GiB`, then `BufferError: cannot close exported
+    pointers exist`). They read every header field bounded, list the entry as damaged, and go on;
+    each command runs here under a 1 GiB address-space limit, far below what it once allocated."""
+    planted = [new_board_name(), new_board_name()]
+    try:
+        as_nobody(lambda: [plant_board(planted[0], 2**32 - 1), plant_board(planted[1], 2**25)])
+        assert Path("/dev/shm", f"dpboard.{planted[0]}").stat().st_size == 2**41  # sparse: 2 TiB claimed
+
+        def limited(*args: str) -> subprocess.CompletedProcess:
+            def cap() -> None:
+                resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+            return subprocess.run([sys.executable, "-m", "dpboard.cli", *args], capture_output=True, text=True,
+                                  timeout=60, preexec_fn=cap, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+
+        ls = limited("ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        listed = {entry["name"]: entry for entry in json.loads(ls.stdout)}
+        assert listed[board.name]["error"] is None and listed[board.name]["alive"] is True
+        assert "claims 4294967295 slots, outside 1..65536" in listed[planted[0]]["error"]
+        assert "claims 33554432 slots" in listed[planted[1]]["error"]
+        text = limited("ls")
+        assert text.returncode == 0 and "claims 4294967295 slots" in text.stdout, text.stderr
+        with pytest.raises(BoardLayoutError, match="claims 33554432 slots, outside 1..65536"):
+            Board.attach(planted[1], trust_uids=(65534,))
+        clean = limited("clean")  # their claimed creator is dead: removed, the live board kept
+        assert clean.returncode == 0, clean.stderr
+        assert f"removed /dev/shm/dpboard.{planted[0]}" in clean.stdout
+        assert Path("/dev/shm", f"dpboard.{board.name}").exists()
+        as_nobody(lambda: plant_board(planted[0], 2**32 - 1, creator_pid=1))
+        forced = limited("clean", planted[0], "--force")
+        assert forced.returncode == 0 and f"removed /dev/shm/dpboard.{planted[0]}" in forced.stdout, forced.stderr
+    finally:
+        for name in planted:
+            Path("/dev/shm", f"dpboard.{name}").unlink(missing_ok=True)
+
+
+# -- a full /dev/shm, and header fields that do not fit --------------------------------------------
+
+_FULL_SHM_SCRIPT = r"""
+import json, os, signal, sys
+from dpboard import Board, LoadSnapshot
+from dpboard.errors import DpboardError
+out = {}
+try:
+    Board.create("too-big", 4096)  # 2 MiB: more than this /dev/shm holds
+except DpboardError as e:
+    out["too_big"] = [type(e).__name__, str(e)]
+out["left_after_too_big"] = sorted(os.listdir("/dev/shm"))
+board = Board.create("fits", 64)  # 33 KiB, every page reserved now
+fd = os.open("/dev/shm/filler", os.O_WRONLY | os.O_CREAT)  # then somebody fills /dev/shm
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    os.close(fd)
+w = board.writer(63)  # the last slot's page: once untouched, a SIGBUS at the first write
+w.publish(LoadSnapshot(63, num_running_reqs=7))
+out["published"] = board.reader().read(63).num_running_reqs
+print(json.dumps(out))
+"""
+
+
+def test_a_full_dev_shm_is_a_clear_error_never_a_sigbus():
+    """Board.create sized the segment with ftruncate only: with /dev/shm full the creator died with
+    SIGBUS (exit 135, no message) and left a headerless segment, and a board made before /dev/shm
+    filled killed writer(63) at the first touch of its page. Run in a private 1 MiB tmpfs mounted
+    on /dev/shm in a mount namespace of its own (as Docker's small default /dev/shm)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
+    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m dpboard-full /dev/shm && '
+                          'exec "$@"', "sh", sys.executable, "-c", _FULL_SHM_SCRIPT],
+                         capture_output=True, text=True, timeout=60)
+    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    kind, message = out["too_big"]
+    assert kind == "BoardError"
+    assert "no room for board 'too-big' (2097664 bytes) in /dev/shm: /dev/shm is 1.0 MiB with" in message
+    assert "docker run --shm-size" in message
+    assert out["left_after_too_big"] == []  # nothing left behind
+    assert out["published"] == 7
+
+
+def test_a_node_id_beyond_64_bits_is_refused_and_leaves_no_segment(board_name):
+    """node_id=2**63 raised struct.error naming nothing and left a headerless segment that blocked
+    the name until `clean --force`."""
+    for bad in (2**63, -1, True, 1.5):
+        with pytest.raises(InvalidInputError, match=r"node_id must be an integer in \[0, 9223372036854775807\]"):
+            Board.create(board_name, 2, node_id=bad)
+        assert not Path("/dev/shm", f"dpboard.{board_name}").exists()
+    with Board.create(board_name, 2, node_id=2**63 - 1) as board:
+        assert Board.attach(board_name).node_id == 2**63 - 1 == board.node_id

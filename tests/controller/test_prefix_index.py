@@ -52,13 +52,22 @@ def test_frames_with_other_keys_of_every_kind():
     assert frame_block_hashes(msgpack.packb({"rid": 1, "input_ids": None}), 4) is None
 
 
+def nested(depth: int) -> list:
+    value: list = [0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(("frame", "words"), [
-    (msgpack.packb([1, 2, 3]), "not a msgpack map"),
-    (msgpack.packb({"input_ids": "abc"}), "input_ids is not an array"),
+    (msgpack.packb([1, 2, 3]), "not a map but list"),
+    (msgpack.packb({"input_ids": "abc"}), "input_ids must be a list, got str"),
     (msgpack.packb({"input_ids": [1, 2.5]}), r"input_ids\[1\] is not an integer"),
     (msgpack.packb({"input_ids": [1, 2**64 - 1]}), r"input_ids\[1\] is not an integer that fits 64 bits"),
-    (msgpack.packb({"rid": 1, "input_ids": list(range(50))})[:-10], r"input_ids\[4\d\]"),
-    (msgpack.packb({"rid": "x" * 40, "input_ids": [1]})[:20], "malformed map entry"),
+    (msgpack.packb({"rid": 1, "input_ids": list(range(50))})[:-10], "claims more elements than the frame holds"),
+    (msgpack.packb({"rid": 1, "input_ids": list(range(200, 300))})[:-10], r"input_ids\[9\d\] is not an integer"),
+    (msgpack.packb({"rid": "x" * 40, "input_ids": [1]})[:20], r"not msgpack \(truncated string\)"),
+    (msgpack.packb({"rid": 1, "deep": nested(70)}), "nested too deeply"),
 ])
 def test_a_malformed_frame_is_a_clear_error(frame, words):
     with pytest.raises(ValueError, match=words):
@@ -178,3 +187,44 @@ def test_a_rank_with_no_history_is_taken_to_hold_what_every_other_rank_holds():
     assert idx.match(a).tolist() == [20, 8, 0, 0]  # rank 2 lacks the system prompt; rank 3 follows the minimum
     idx.forget(0)
     assert idx.match(a).tolist() == [0, 8, 0, 0]
+
+
+def test_a_board_reported_capacity_cannot_grow_the_index_without_bound(board_name):
+    """A rank's slot reporting max_total_num_tokens = 2**62 once let the index keep every block it
+    was sent, growing linearly with the traffic. A real board and dispatcher: the index holds at most
+    MAX_CAPACITY_BLOCKS per rank, whatever the board says."""
+    from types import SimpleNamespace
+
+    from dpboard import Board, LoadSnapshot
+    from dpboard.controller import Dispatcher
+    from dpboard.controller.prefix_index import MAX_CAPACITY_BLOCKS
+
+    with Board.create(board_name, n_slots=1) as board:
+        board.writer(0).publish(LoadSnapshot(0, max_total_num_tokens=2**62))
+        dispatcher = Dispatcher("inflight_cache", 1, reader=board.reader(stale_after=60))
+        step = 10_000
+        for start in range(0, MAX_CAPACITY_BLOCKS + 3 * step, step):
+            req = SimpleNamespace(rid=start, input_ids=None, num_tokens=512 * step, routed_dp_rank=None,
+                                  bootstrap_room=None, block_hashes=list(range(start, start + step)))
+            assert dispatcher.dispatch(req) == 0
+        index = dispatcher.prefix
+        assert index.capacity(0) == MAX_CAPACITY_BLOCKS
+        assert index.held(0) == MAX_CAPACITY_BLOCKS
+
+
+def test_the_controller_reads_a_frame_as_msgpack_reads_it():
+    """The frame scanner (hashes) and msgpack (the rest) once disagreed: the scanner took the first
+    of two input_ids keys and msgpack the last, the scanner missed a str16 key, and it refused
+    nesting over 32 in unrelated keys that msgpack read. One parse now, agreeing with msgpack."""
+    from dpboard.controller.codec import decode_request
+    from dpboard.controller.prefix_index import block_hashes_py
+
+    first, last = list(range(8)), list(range(100, 116))
+    duplicate = b"\x83\xa3rid\xa1a\xa9input_ids" + msgpack.packb(first) + b"\xa9input_ids" + msgpack.packb(last)
+    str16 = b"\x82\xa3rid\xa1b\xda\x00\x09input_ids" + msgpack.packb(last)
+    deep = msgpack.packb({"rid": "c", "input_ids": last, "extra": nested(40)})
+    for frame in (duplicate, str16, deep):
+        as_msgpack = msgpack.unpackb(frame, raw=False)
+        req = decode_request(frame, block_size=4)
+        assert req.rid == as_msgpack["rid"] and req.num_tokens == len(as_msgpack["input_ids"]) == 16
+        assert req.block_hashes == block_hashes_py(as_msgpack["input_ids"], 4)

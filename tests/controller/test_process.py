@@ -309,3 +309,128 @@ def test_the_controller_follows_a_recreated_board(board_name, tmp_path):
         ctx.destroy(linger=0)
         current["board"].close()
         current["board"].unlink()
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.timeout(120)
+def test_a_msgpack_bomb_is_refused_without_stalling_or_reaching_a_scheduler(tmp_path):
+    """16 MB frames whose input_ids are 16M empty maps once took 4.7 s and 1.16 GB each to decode,
+    and the non-integer input_ids reached the schedulers as valid requests. The frame is read
+    without an object per element and refused at its first non-int; a frame over MAX_FRAME_BYTES is
+    dropped by ZMQ; frames with str16 keys, repeated keys or deep unrelated nesting are read by one
+    rule. Every valid request still goes out, and the controller's memory stays near its frames'."""
+    from dpboard.controller.process import MAX_FRAME_BYTES
+
+    ep = [f"ipc://{tmp_path}/sched-{r}" for r in range(2)]
+    in_ep = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = zmq.Context()
+    pulls = [bound_pull(ctx, e) for e in ep]
+    controller = subprocess.Popen(_controller_cmd("--input", in_ep, "--workers", *ep, "--method", "round_robin",
+                                                  "--stats-json", "--log-every", "60"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        push = connected_push(ctx, in_ep)
+        bomb = b"\x82\xa3rid\xa4bomb\xa9input_ids\xdd" + (16 * 2**20).to_bytes(4, "big") + b"\x80" * (16 * 2**20)
+        for _ in range(3):
+            push.send(bomb)
+        strings = msgpack.packb({"rid": "s", "input_ids": ["a", "b"]})
+        floats = msgpack.packb({"rid": "f", "input_ids": [1, 2.5]})
+        maps = msgpack.packb({"rid": "m", "input_ids": [{}, {}]})
+        deep: list = [0]
+        for _ in range(100):
+            deep = [deep]
+        too_deep = msgpack.packb({"rid": "d", "num_tokens": 3, "extra": deep})
+        for frame in (strings, floats, maps, too_deep):
+            push.send(frame)
+        # str16 key for input_ids, and a repeated rid (the last counts, as msgpack reads a map)
+        str16 = b"\x83\xa3rid\xa2ok\xda\x00\x09input_ids\x93\x01\x02\x03\xa3rid\xa3ok2"
+        push.send(str16)
+        push.send(encode_request("after", input_ids=[5, 6, 7]))
+        got = []
+        deadline = time.monotonic() + 60
+        while len(got) < 2 and time.monotonic() < deadline:
+            for sock in pulls:
+                if sock.poll(50):
+                    got.append(msgpack.unpackb(sock.recv(), raw=False))
+        assert sorted(m["rid"] for m in got) == ["after", "ok2"]
+        assert all(isinstance(t, int) for m in got for t in m["input_ids"])
+        peak = _peak_rss_mb(controller.pid)
+        assert peak < 3 * 16 + 250, f"the controller peaked at {peak:.0f} MB"
+        over = connected_push(ctx, in_ep)  # a frame over the bound: ZMQ drops it (and its connection)
+        over.send(encode_request("huge", input_ids=[1]) + b"\x00" * MAX_FRAME_BYTES)
+        push.send(encode_request("last", num_tokens=4))
+        assert any(sock.poll(20_000) for sock in pulls)
+        rids = [msgpack.unpackb(sock.recv(), raw=False)["rid"] for sock in pulls if sock.poll(100)]
+        assert rids == ["last"]
+        controller.send_signal(signal.SIGTERM)
+        out, err = controller.communicate(timeout=30)
+        assert controller.returncode == 0, err
+        stats = json.loads(out.strip().splitlines()[-1])
+        assert stats["malformed"] == 3 + 4 and stats["dispatched"] == 3
+        assert "input_ids[0] is not an integer" in err and "nested too deeply" in err
+    finally:
+        kill(controller)
+        ctx.destroy(linger=0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_delivery_ledger_stays_bounded_when_ranks_never_count(board_name, tmp_path):
+    """On a board whose ranks never count num_received_reqs (a vLLM board, schedulers that pass no
+    count), 4,000 requests of 70 KB once took the controller from 39 to 330 MB: every frame was kept
+    for a redelivery that could never be decided. The ledger lets such a rank go after
+    UNCOUNTED_AFTER requests and says once, clearly, that delivery cannot be proven there."""
+    from dpboard.controller.delivery import UNCOUNTED_AFTER
+
+    n = 2
+    ep = {r: f"ipc://{tmp_path}/sched-{r}" for r in range(n)}
+    in_ep = f"ipc://{tmp_path}/in"
+    procs: list[subprocess.Popen] = []
+    ctx = zmq.Context()
+    with Board.create(board_name, n_slots=n) as board:
+        try:
+            for r in range(n):
+                procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.fake_scheduler", board_name,
+                                               str(r), ep[r], str(tmp_path / f"out-{r}.json"), "--no-count"],
+                                              cwd=ROOT))
+            reader = board.reader()
+            wait_for(lambda: all(s is not None for s in reader.read_all()), 20, "the schedulers' first publish")
+            controller = subprocess.Popen(
+                _controller_cmd("--input", in_ep, "--workers", *ep.values(), "--method", "inflight_tokens",
+                                "--board", board_name, "--stats-json", "--log-every", "60"),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(controller)
+            push = connected_push(ctx, in_ep)
+            payload = "x" * 70_000
+            for burst in range(20):  # paced, so that ZMQ's queues stay short and the ledger is what is measured
+                for i in range(200):
+                    push.send(encode_request(f"r{burst}-{i}", num_tokens=10, prompt=payload))
+                wait_for(lambda b=burst: sum(s.num_waiting_reqs for s in reader.read_all()) == 200 * (b + 1), 60,
+                         "every request to reach a scheduler")
+            peak = _peak_rss_mb(controller.pid)
+            controller.send_signal(signal.SIGTERM)
+            out, err = controller.communicate(timeout=30)
+            assert controller.returncode == 0, err
+            stats = json.loads(out.strip().splitlines()[-1])
+            assert stats["dispatched"] == 4000 and stats["delivered"] == 0
+            assert stats["unacknowledged"] == 0 and stats["untracked"] == 4000
+            assert err.count("delivery cannot be proven on this board") == 1
+            assert f"took {UNCOUNTED_AFTER} requests without counting one" in err
+            assert peak < 150, f"the controller peaked at {peak:.0f} MB"  # 4,000 frames kept: 280 MB more
+        finally:
+            for p in procs:
+                kill(p)
+            ctx.destroy(linger=0)

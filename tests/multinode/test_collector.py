@@ -312,3 +312,149 @@ def test_collect_refuses_an_endpoint_zmq_would_misread(board_name, bind, words):
         out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", bind, "--duration", "1"],
                              capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_relayed_frame_never_takes_a_node0_rank_before_its_scheduler_starts(board_name):
+    """In SGLang's zmq mode the collector starts before node0's schedulers: a frame from node 1
+    naming rank 0 once made the collector claim rank 0's writer and keep it, and node0's own
+    scheduler then failed to start (`slot 0 ... is held by the writer in live process`). The
+    collector writes only ranks that belong to the frame's node: never a local one (--local-ranks),
+    and a rank another node announced first stays that node's."""
+    with Board.create(board_name, n_slots=4) as board:
+        collector = subprocess.Popen([*CLI, "collect", "--board", board_name, "--bind", "tcp://127.0.0.1:*",
+                                      "--local-ranks", "0", "1", "--quiet"], stdout=subprocess.PIPE, text=True)
+        ctx = zmq.Context()
+        try:
+            endpoint = re.search(r"owns (tcp://\S+)", read_line(collector)).group(1)
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(endpoint)
+            push.send(pack_frame(records([0], node_id=1), node_id=1, board=board_name, frame_seq=0))
+            push.send(pack_frame(records([2], node_id=1), node_id=1, board=board_name, frame_seq=1))
+            push.send(pack_frame(records([2], node_id=2, running=9), node_id=2, board=board_name, frame_seq=0))
+            push.send(pack_frame(records([3], node_id=2), node_id=2, board=board_name, frame_seq=1))
+            assert wait_until(lambda: _processed(board) == 4, 20)
+            stats = board.collector_stats()
+            assert stats["frames_ok"] == 2 and stats["bad_rank"] == 2
+            reader = board.reader()
+            assert reader.status(0) == SlotStatus.EMPTY
+            assert reader.read(2).node_id == 1 and reader.read(2).num_running_reqs == 1
+            assert reader.read(3).node_id == 2
+            # node0's own scheduler, in a process of its own, starts after all that and writes its rank
+            scheduler = subprocess.run([*CLI[:1], "-c", f"""
+from dpboard import Board, LoadSnapshot
+w = Board.attach({board_name!r}).writer(0)
+w.publish(LoadSnapshot(0, num_running_reqs=5))
+"""], capture_output=True, text=True, timeout=30)
+            assert scheduler.returncode == 0, scheduler.stderr
+            assert board.reader(stale_after=60).read(0).num_running_reqs == 5
+        finally:
+            stop(collector)
+            ctx.destroy(linger=0)
+        assert collector.returncode == 0
+
+
+def _rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_collector_buffers_only_what_its_board_can_receive(board_name):
+    """MAXMSGSIZE was sized for 65,536 slots whatever the board, and RCVHWM was 10,000 frames: one
+    peer made the owner hold 1.16 GB while its drain lagged. Both come from the board now: a frame
+    larger than this board's largest is cut off by ZMQ, and the frames waiting for a drain stay
+    within RECEIVE_BUFFER_BYTES. A real peer process floods a collector that does not drain."""
+    from dpboard.multinode.collector import RECEIVE_BUFFER_BYTES, frame_bound
+
+    with Board.create(board_name, n_slots=4) as board, Collector(board, "tcp://127.0.0.1:*") as c:
+        assert frame_bound(4) == 104 + 4 * 440 == 1864
+        assert c.socket.getsockopt(zmq.MAXMSGSIZE) == 1864
+        assert c.socket.getsockopt(zmq.RCVHWM) * 1864 <= RECEIVE_BUFFER_BYTES
+        before = _rss_mb()
+        flood = f"""
+import sys, zmq
+ctx = zmq.Context()
+push = ctx.socket(zmq.PUSH)
+push.setsockopt(zmq.SNDHWM, 0)
+push.connect({c.endpoint!r})
+count, size = int(sys.argv[1]), int(sys.argv[2])
+for _ in range(count):
+    push.send(b"DPRL" + bytes(size))
+push.close(linger=3000)
+ctx.term()
+"""
+        # 1 MiB frames (a size a 65,536-slot board would take, not this one), then this board's largest
+        for count, size in ((100, 2**20), (20000, 1860)):
+            peer = subprocess.run([*CLI[:1], "-c", flood, str(count), str(size)], capture_output=True, text=True,
+                                  timeout=120)
+            assert peer.returncode == 0, peer.stderr
+        time.sleep(1.0)  # ZMQ's I/O thread takes in what it will while nothing drains
+        grown = _rss_mb() - before
+        assert grown < RECEIVE_BUFFER_BYTES / 2**20 + 16, f"the collector's process grew {grown:.0f} MB"
+        while c.drain() > 0:
+            pass
+        stats = c.stats()
+        assert stats["bad_length"] == 0  # none of the 1 MiB frames got through ZMQ
+        assert 0 < stats["bad_version"] < 20000  # some of the small ones did; the rest were never queued
+
+
+# -- CURVE: damaged keys, one bad authorized key, a collector made again ------------------------
+
+
+def _damage_key(path: Path, which: str) -> None:
+    """Replace the value of ``which`` (public-key or secret-key) by 40 characters that are not Z85."""
+    text = path.read_text()
+    path.write_text(re.sub(rf'({which} = )"[^"]*"', r'\1"' + "~" * 40 + '"', text))
+
+
+def test_a_certificate_with_malformed_keys_is_one_line_not_a_zmq_traceback(board_name, tmp_path):
+    """A certificate whose key values are not CURVE keys was a raw ZMQError traceback (EINVAL from
+    setsockopt), in the collector and in the relay."""
+    server_pub, server_secret = generate_certificates(tmp_path / "server", "collector")
+    _, relay_secret = generate_certificates(tmp_path / "relay", "node1")
+    _damage_key(server_secret, "secret-key")
+    _damage_key(server_pub, "public-key")
+    with Board.create(board_name, n_slots=2):
+        collect = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", "tcp://127.0.0.1:*",
+                                  "--curve-secret-key", str(server_secret), "--duration", "1"],
+                                 capture_output=True, text=True, timeout=60)
+        relay = subprocess.run([*CLI, "relay", "--board", board_name, "--to", "tcp://127.0.0.1:9",
+                                "--node-id", "1", "--curve-server-key", str(server_pub),
+                                "--curve-secret-key", str(relay_secret), "--duration", "1"],
+                               capture_output=True, text=True, timeout=60)
+    for out, path, which in ((collect, server_secret, "secret-key"), (relay, server_pub, "public-key")):
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"{path}: its {which} is not a CURVE key (40 Z85 characters)" in out.stderr
+
+
+def test_one_unparsable_authorized_key_refuses_the_start(board_name, tmp_path):
+    """One unparsable file in --curve-authorized-keys let the collector start and then reject every
+    relay, the authorized ones included: now the start is refused, naming the file."""
+    _, server_secret = generate_certificates(tmp_path / "server", "collector")
+    generate_certificates(tmp_path / "authorized", "node1")
+    (tmp_path / "authorized" / "node1.key_secret").unlink()
+    (tmp_path / "authorized" / "broken.key").write_text("this is not a certificate\n")
+    with Board.create(board_name, n_slots=2):
+        out = subprocess.run([*CLI, "collect", "--board", board_name, "--bind", "tcp://127.0.0.1:*",
+                              "--curve-secret-key", str(server_secret), "--curve-authorized-keys",
+                              str(tmp_path / "authorized"), "--duration", "5"],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"{tmp_path / 'authorized' / 'broken.key'}" in out.stderr
+    assert not our_lock_files(board_name)
+
+
+def test_a_curve_collector_made_again_in_one_process_always_binds(board_name, tmp_path):
+    """Re-creating a collector that admits known relays only intermittently failed with EADDRINUSE
+    on inproc://zeromq.zap.01: its authenticator's name on the shared context was still taken."""
+    _, server_secret = generate_certificates(tmp_path / "server", "collector")
+    generate_certificates(tmp_path / "authorized", "node1")
+    (tmp_path / "authorized" / "node1.key_secret").unlink()
+    with Board.create(board_name, n_slots=2) as board:
+        for _ in range(30):
+            with Collector(board, "tcp://127.0.0.1:*", curve_secret_key=server_secret,
+                           curve_authorized_keys=tmp_path / "authorized") as c:
+                assert c.poll(1) == 0

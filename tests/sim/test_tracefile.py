@@ -307,3 +307,65 @@ def test_cli_options_that_do_not_fit_the_source_are_refused(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "(Azure LLM inference trace (CSV)): 3 of 3 requests" in proc.stdout
     assert "profile synthetic" in proc.stdout
+
+
+# -- hostile files: one line naming line and column, never a traceback ------------------------------
+
+_HUGE = "9" * 4400
+
+
+@pytest.mark.parametrize(("name", "text", "words"), [
+    ("field.csv", AZURE_TEXT + "2023-11-16 18:16:02.5," + "7" * 200_000 + ",3\n",
+     "line 5, column 2: not a CSV row this reader takes (field larger than field limit"),
+    ("digits.csv", AZURE_TEXT + f"2023-11-16 18:16:02.5,{_HUGE},3\n",
+     "line 5, column 2 (ContextTokens): 99999999999999999999...9999999999 (4400 characters) tokens: more than"),
+    ("wide.csv", AZURE_TEXT + f"2023-11-16 18:16:02.5,12,{2**63}\n",
+     "line 5, column 3 (GeneratedTokens): "),
+    ("burst.csv", BURSTGPT_TEXT + f"200,GPT-4,{2**63 - 1},3,9,API log\n",
+     "line 5, column 3 (Request tokens): 9223372036854775807 tokens: more than the 4294967296"),
+    ("digits.jsonl", mooncake_lines(MOONCAKE_ROWS) + f'{{"timestamp": 1, "input_length": {_HUGE}, '
+                                                      f'"output_length": 1}}\n', "line 5, column 1: not a JSON value"),
+    ("tokens.jsonl", mooncake_lines(MOONCAKE_ROWS[:1]) + json.dumps(
+        {"timestamp": 1, "input_length": 2**63 - 1, "output_length": 1, "hash_ids": [0]}) + "\n",
+     "line 2, column 'input_length': 9223372036854775807 tokens: more than the 4294967296"),
+    ("ids.jsonl", mooncake_lines(MOONCAKE_ROWS[:1]) + json.dumps(
+        {"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [2**63]}) + "\n",
+     "line 2, column 'hash_ids': expected a list of block ids (whole numbers in [0, 9223372036854775807])"),
+    ("deep.jsonl", mooncake_lines(MOONCAKE_ROWS[:1]) + '{"timestamp": 1, "x": ' + "[" * 100_000 + "]" * 100_000
+     + "}\n", "line 2, column 1: JSON nested too deeply"),
+])
+def test_a_hostile_trace_file_is_one_line_naming_line_and_column(tmp_path, name, text, words):
+    """Each of these once ended in a traceback (csv's 128 KiB field limit, int()'s 4,300 digits,
+    int64 overflow of token counts or block ids, Python's recursion limit), and input_length
+    2**63-1 wrapped the simulator's KV-fit check into a RuntimeError after 3 s."""
+    path = write(tmp_path, name, text)
+    proc = run_cli("--trace-file", str(path), "--ranks", "2")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert f"{path}, {words}" in proc.stderr, proc.stderr
+
+
+def test_reading_a_large_file_takes_about_twice_its_size(tmp_path):
+    """A 50 MB CSV once peaked at 492 MB (the whole text, its lines, and a Python int per value).
+    Read line by line into 8-byte arrays now: the peak stays within 3x the file (measured in a
+    child process of its own, by its peak RSS over what the interpreter and imports took)."""
+    rows = 600_000
+    path = tmp_path / "big.csv"
+    with open(path, "w") as f:
+        f.write("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n")
+        for i in range(rows):
+            f.write(f"{i * 0.01:.2f},ChatGPT,{100 + i % 900},{i % 300},{100 + i % 900 + i % 300},Conversation log\n")
+    size_mb = path.stat().st_size / 2**20
+    probe = f"""
+import resource
+from dpboard.sim.tracefile import read_trace_file
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tf = read_trace_file({str(path)!r})
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(len(tf), (after - before) / 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    n, grown_mb = out.stdout.split()
+    assert int(n) == rows
+    assert float(grown_mb) < 3 * size_mb, f"reading {size_mb:.0f} MB took {float(grown_mb):.0f} MB more"

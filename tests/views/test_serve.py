@@ -7,6 +7,7 @@ import signal
 import subprocess
 from datetime import datetime, timezone
 
+import numpy as np
 import pytest
 
 import dpboard
@@ -233,3 +234,72 @@ def test_the_root_is_the_live_page(served):
     status, ctype, body = get(f"{url}/")
     assert status == 200 and ctype == "text/html; charset=utf-8" and "/v1/loads" in body
     assert get(f"{url}/?x=1")[0] == 400
+
+
+# -- hostile requests and values ------------------------------------------------------------------
+
+
+def test_a_dp_rank_of_thousands_of_digits_is_a_422(served):
+    """5,000 digits once closed the connection with a traceback (int() refuses past 4,300)."""
+    _, url = served
+    for digits in ("9" * 5000, "1" * 20, "-" + "9" * 4400):
+        status, _, body = get(f"{url}/v1/loads?dp_rank={digits}")
+        doc = json.loads(body)
+        assert status == 422 and doc["detail"][0]["type"] == "int_parsing_size", body[:200]
+        assert "no rank is that large" in doc["error"]
+    assert json.loads(get(f"{url}/v1/loads?dp_rank={'0' * 30}3")[2])["loads"][0]["dp_rank"] == 3
+
+
+def test_non_finite_detail_floats_are_standard_json_nulls(board_name):
+    """NaN or infinity in a detail float (a local writer's, or one relayed from another node) was
+    written as NaN/Infinity: not JSON, and strict clients fail on the whole document."""
+    from dpboard.multinode.collector import Collector
+    from dpboard.multinode.wire import pack_board_rows
+    from dpboard.snapshot import DETAILED_DTYPE, LoadDetail
+
+    other = new_board_name()
+    with Board.create(board_name, n_slots=2) as board, Board.create(other, n_slots=2, node_id=1) as node1:
+        nan = LoadDetail(token_usage=float("nan"), gen_throughput=float("inf"), decode_moments=(float("-inf"), 1.5))
+        board.writer(0).publish_detailed(LoadSnapshot(0, num_running_reqs=1), nan)
+        node1.writer(1).publish_detailed(LoadSnapshot(1, num_running_reqs=2, node_id=1), nan)
+        with Collector(board, "tcp://127.0.0.1:*") as collector:
+            rows = node1.reader().read_detailed_array(np.zeros(2, DETAILED_DTYPE))
+            frame = pack_board_rows(rows, np.array([1]), with_detail=True, node_id=1, board=board_name,
+                                    frame_seq=0)
+            assert collector.handle_frame(frame) == 1
+            proc, url = start_server(board_name, "--stale-after", "60")
+            try:
+                status, _, body = get(f"{url}/v1/loads?include=all")
+            finally:
+                stop(proc)
+    doc = json.loads(body, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert status == 200 and [load["dp_rank"] for load in doc["loads"]] == [0, 1]
+    for load in doc["loads"]:
+        assert load["token_usage"] is None and load["gen_throughput"] is None
+        assert load["decode_moments"][:2] == [None, 1.5]
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(board_name):
+    """Each connection holds a thread while open; idle ones once held theirs forever."""
+    import socket
+    import threading
+
+    from dpboard.views.serve import LoadsServer
+
+    with Board.create(board_name, n_slots=1):
+        server = LoadsServer(board_name, port=0, idle_timeout=0.5)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        try:
+            host, port = server.server_address[:2]
+            idle = [socket.create_connection((host, port), timeout=10) for _ in range(20)]
+            half = socket.create_connection((host, port), timeout=10)
+            half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # a request never finished
+            for sock in [*idle, half]:
+                assert sock.recv(1024) == b"", "the server kept an idle connection open"  # closed by it
+                sock.close()
+            assert serving.get(f"{server.url}/healthz")[0] in (200, 503)  # and it still serves
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(10)

@@ -28,6 +28,7 @@ from dpboard.snapshot import (
     DETAILED_DTYPE,
     MAX_DECODE_MOMENTS,
     SNAPSHOT_DTYPE,
+    moments_count,
 )
 from dpboard.views.loads_document import sglang_load
 
@@ -166,8 +167,9 @@ class Unpacker:
             load, detail = records[index].tolist()
             return self.from_dict(sglang_load(load, detail))
         moments = None
-        if flags & _F_MOMENTS:
-            moments = list(v[_MOMENTS : _MOMENTS + v[_MOMENTS_COUNT]])
+        count = moments_count(v[_MOMENTS_COUNT])
+        if flags & _F_MOMENTS and count is not None:
+            moments = list(v[_MOMENTS : _MOMENTS + count])
         sections = []
         for struct_type, flag, at, n, has_mode in self.sections:
             if not flags & flag:

@@ -21,6 +21,7 @@ opens anything) rather than ignore DPBOARD_METHOD.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from typing import Any
 
@@ -29,7 +30,8 @@ import numpy as np
 from dpboard.board import BoardReader
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
-from dpboard.errors import InvalidInputError
+from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
 from dpboard.integrations.sglang.transport import instance_board
 from dpboard.snapshot import SNAPSHOT_DTYPE
@@ -37,6 +39,7 @@ from dpboard.snapshot import SNAPSHOT_DTYPE
 logger = logging.getLogger("dpboard.sglang")
 
 STATE = "_dpboard_dispatch"  # the controller's attribute holding its Dispatcher
+FALLBACKS = "_dpboard_fallbacks"  # the controller's count of requests placed by the fallback pick
 LOAD_AWARE = ("TOTAL_TOKENS", "TOTAL_REQUESTS")
 _module_name = "sglang.srt.managers.data_parallel_controller"
 
@@ -76,12 +79,20 @@ def check_settings(controller: Any, *args: Any, **kwargs: Any) -> None:
     settings = read_settings()
     if settings.method is None:
         return None
-    sglang_method = sys.modules[_module_name].get_parallel().load_balance_method.lower()
+    module = sys.modules[_module_name]
+    sglang_method = module.get_parallel().load_balance_method.lower()
     if sglang_method.upper() not in LOAD_AWARE:
         raise InvalidInputError(
             f"{ENV_METHOD}={settings.method} needs SGLang's --load-balance-method total_tokens or "
             f"total_requests (SGLang calls its load-aware dispatch only then), got {sglang_method}: "
             f"add --load-balance-method total_tokens, or unset {ENV_METHOD}")
+    mode = module.get_disagg().disaggregation_mode
+    if resolve_load_balance_method(settings.method, mode) is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and mode != "prefill":
+        # Only a PD prefill server's requests carry the room this method maps to a rank.
+        raise InvalidInputError(
+            f"{ENV_METHOD}={settings.method} needs PD disaggregation (--disaggregation-mode prefill), where "
+            f"requests carry a bootstrap_room; this server runs disaggregation mode {mode!r}: pick a "
+            f"load-aware method (e.g. {ENV_METHOD}=inflight_tokens), or unset {ENV_METHOD}")
     return None
 
 
@@ -115,13 +126,47 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
         if dispatcher.budget is not None:
             dispatcher.budget.charge(req.routed_dp_rank, request_tokens(req))
         return None
-    rank = dispatcher.dispatch(req)
+    try:
+        rank = dispatcher.dispatch(req)
+    except DpboardError as e:
+        # Never into SGLang's loop: an error there stops the controller and, through SIGQUIT to its
+        # parent, the whole server. SGLang's own budget always picks a rank; so does the fallback.
+        rank = _fallback_pick(controller, dispatcher, req, e)
     try:
         sys.modules[_module_name].sock_send(controller.workers[rank], req)
     except BaseException:
         dispatcher.retract(rank, req)
         raise
     return None
+
+
+def _fallback_pick(controller: Any, dispatcher: Dispatcher, req: Any, why: DpboardError) -> int:
+    """The rank SGLang's budget would pick when the dispatcher has none (no live rank: one long step
+    stalled every rank past DPBOARD_STALE_AFTER; a request the method cannot place): the least
+    loaded by the dispatcher's last-known loads among SGLang's available active workers, whatever
+    their staleness, charged to the dispatcher. Counted in ``controller._dpboard_fallbacks``, and
+    logged at the 1st, 10th, 100th... time so that a stuck board shows without flooding the log."""
+    count = getattr(controller, FALLBACKS, 0) + 1
+    setattr(controller, FALLBACKS, count)
+    if math.log10(count).is_integer():
+        logger.warning("dpboard: %s; request %s dispatched as SGLang's budget would (fallback #%d)",
+                       why, getattr(req, "rid", "?"), count)
+    n = dispatcher.num_workers
+    active = [r for r in controller._active_workers if 0 <= r < n and controller.workers[r] is not None]
+    ranks = [r for r in active if r < len(controller.status) and controller.status[r]] or active
+    if not ranks:
+        ranks = [r for r in range(min(n, len(controller.workers))) if controller.workers[r] is not None] or [0]
+    budget = dispatcher.budget
+    if budget is None:  # round robin or room: SGLang's round robin over what is there
+        rank = ranks[count % len(ranks)]
+        return rank
+    tokens, requests = budget.total_tokens, budget.total_requests
+    rank = min(ranks, key=lambda r: (int(tokens[r]), int(requests[r])))
+    try:
+        budget.charge(rank, request_tokens(req))
+    except DpboardError:
+        budget.charge(rank, 0)  # a request whose size is not known: counted, not weighed
+    return rank
 
 
 def refresh_load_budget(original: Any, controller: Any) -> None:

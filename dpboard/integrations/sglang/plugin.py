@@ -107,6 +107,15 @@ def create_load_snapshot_reader(port_args: Any, caller: str) -> BoardLoadReader:
                            drain_in_thread=caller != "MultiTokenizerRouter")
 
 
+def node0_ranks() -> range:
+    """The DP ranks whose schedulers run on node 0, which the collector must never write from a
+    relayed frame (it starts before them). SGLang gives node k the tensor-parallel ranks
+    [k * tp_size / nnodes, (k + 1) * tp_size / nnodes) and a DP-attention rank is its tensor-parallel
+    rank over tp_size / dp_size: node 0 holds [0, dp_size / nnodes), rank 0 at least."""
+    parallel = sglang_module().get_parallel()
+    return range(max(1, parallel.num_dp_ranks // max(1, parallel.nnodes)))
+
+
 def _collector(board: Board, endpoint: str) -> Collector:
     """The collector on SGLang's endpoint, with SGLang's TCP peer allowlist (SGLANG_ZMQ_ALLOWED_PEERS)
     applied as SGLang applies it to its own PULL socket: the allowlist's authenticator on the
@@ -125,7 +134,7 @@ def _collector(board: Board, endpoint: str) -> Collector:
         if domain:
             context.setsockopt(zmq.ZAP_DOMAIN, domain)
     try:
-        return Collector(board, endpoint, context=context)
+        return Collector(board, endpoint, context=context, local_ranks=node0_ranks())
     except BaseException:
         if not domain:  # an allowlist's authenticator lives on the context, as SGLang keeps its own
             context.term()

@@ -7,10 +7,11 @@ has published its own configuration).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
-from dpboard.board import validate_name
+from dpboard.board import MAX_STALE_AFTER, validate_name
 from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
 
@@ -22,6 +23,9 @@ ENV_BOARD = "DPBOARD_BOARD"
 # and about once a second while idle with --sleep-on-idle: a live rank can be silent for more than a
 # second under a heavy decode batch, so the default is well above that.
 DEFAULT_STALE_AFTER = 5.0
+# SGLang's controller reads loads at most every 20 ms: a threshold below half of that has every rank
+# stale between two reads. The ceiling is the board's own (a threshold in int64 nanoseconds).
+MIN_STALE_AFTER = 0.01
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,12 @@ def read_settings(environ: dict[str, str] | None = None) -> PluginSettings:
         try:
             stale_after = float(raw_stale)
         except ValueError:
-            stale_after = -1.0
-        if not stale_after > 0:
-            raise InvalidInputError(f"{ENV_STALE_AFTER}={raw_stale!r} must be a number of seconds > 0 "
-                                    f"(default {DEFAULT_STALE_AFTER})")
+            stale_after = math.nan
+        if not MIN_STALE_AFTER <= stale_after <= MAX_STALE_AFTER:  # NaN fails both
+            raise InvalidInputError(
+                f"{ENV_STALE_AFTER}={raw_stale!r} must be a number of seconds in [{MIN_STALE_AFTER:g}, "
+                f"{MAX_STALE_AFTER:g}] (default {DEFAULT_STALE_AFTER:g}): below it every rank would read as "
+                f"stale between two publishes, above it a dead rank would never be noticed")
     raw_board = env.get(ENV_BOARD, "").strip() or None
     if raw_board is not None:
         try:

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dpboard.board import Board, BoardReader, clean_boards, list_boards, segment_path
-from dpboard.errors import AlreadyExistsError, InvalidInputError, UnavailableError
+from dpboard.board import Board, BoardReader, clean_boards, read_listing, segment_path
+from dpboard.errors import AlreadyExistsError, InvalidInputError, NotFoundError, UnavailableError
 from dpboard.integrations.sglang import convert
 from dpboard.integrations.sglang.convert import sglang_module
 from dpboard.integrations.sglang.settings import read_settings
@@ -56,13 +56,17 @@ def open_instance_board(name: str, n_slots: int, node_id: int, *, replace_dead: 
     removes it when it exits). ``replace_dead``: a board of that name whose creator is gone (a
     previous run under a fixed name) is removed and made anew; one whose creator lives is an error."""
     if replace_dead:
-        for entry in list_boards():
-            if entry.name == name and entry.header is not None and entry.header.creator_pid != os.getpid():
-                if entry.creator_alive:
-                    raise AlreadyExistsError(
-                        f"board {name!r} is in use by live process {entry.header.creator_pid}, not this SGLang "
-                        f"instance: set DPBOARD_BOARD to another name, or stop that process")
-                clean_boards(name)
+        # This board's entry alone: other entries in /dev/shm (anybody's) never stop a start.
+        try:
+            entry = read_listing(name)
+        except NotFoundError:
+            entry = None
+        if entry is not None and entry.header is not None and entry.header.creator_pid != os.getpid():
+            if entry.creator_alive:
+                raise AlreadyExistsError(
+                    f"board {name!r} is in use by live process {entry.header.creator_pid}, not this SGLang "
+                    f"instance: set DPBOARD_BOARD to another name, or stop that process")
+            clean_boards(name)
     try:
         return Board.attach(name, n_slots=n_slots)
     except FileNotFoundError:

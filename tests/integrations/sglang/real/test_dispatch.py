@@ -201,3 +201,50 @@ def test_a_bad_dpboard_method_is_a_clear_error(instance, tmp_path, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "fastest")
     with pytest.raises(InvalidInputError, match="DPBOARD_METHOD='fastest'"):
         make_cluster(instance, tmp_path)
+
+
+def test_with_every_rank_stale_requests_still_go_out_and_are_counted(instance, tmp_path, monkeypatch):
+    """One long step stalls every DP-attention rank past DPBOARD_STALE_AFTER: the dispatcher then has
+    no live rank, and its UnavailableError once went up through SGLang's _request_dispatcher (SGLang's
+    controller then sends SIGQUIT to its parent: the whole server dies). SGLang's own budget never
+    raises there; the plugin falls back to the pick SGLang's budget would make, and counts it."""
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", "0.05")
+    cluster = make_cluster(instance, tmp_path)
+    c = cluster.controller
+    try:
+        publish(cluster, {0: 5000, 1: 900, 2: 3000})
+        cluster.send(req("live", 10))
+        assert cluster.received() == {1: ["live"]} and getattr(c, "_dpboard_fallbacks", 0) == 0
+        time.sleep(0.3)  # no rank publishes: every one is stale at the next refresh
+        for i in range(3):
+            cluster.send(req(f"stale{i}", 2000))
+        got = cluster.received(3)
+        # The lightest by the last-known loads first, each pick charged: 910 -> 2910, then 2910 < 3000, ...
+        assert got == {1: ["stale0", "stale1"], 2: ["stale2"]}
+        assert c._dpboard_fallbacks == 3
+        publish(cluster, {0: 100, 1: 9000, 2: 9000}, k=2)  # the ranks come back: the dispatcher decides again
+        time.sleep(0.03)
+        cluster.send(req("back", 10))
+        assert cluster.received() == {0: ["back"]} and c._dpboard_fallbacks == 3
+    finally:
+        close(cluster)
+
+
+def test_follow_bootstrap_room_without_pd_is_refused_at_start(instance, tmp_path, monkeypatch):
+    """Accepted at start, it once stopped the server on the first ordinary request (no bootstrap_room)."""
+    monkeypatch.setenv("DPBOARD_METHOD", "follow_bootstrap_room")
+    with pytest.raises(InvalidInputError, match="needs PD disaggregation .* disaggregation mode 'null'"):
+        make_cluster(instance, tmp_path)
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.001", "inf", "1e7", "nan"])
+def test_a_stale_after_outside_its_bounds_is_refused_at_start_naming_the_variable(instance, tmp_path,
+                                                                                  monkeypatch, value):
+    """1e-300 had every rank stale at every read; inf and 1e7 passed the settings and failed later,
+    in the board's reader, with a message that did not name the variable."""
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", value)
+    with pytest.raises(InvalidInputError, match=rf"DPBOARD_STALE_AFTER='{value}' must be a number of seconds in "
+                                                r"\[0.01, 1e\+06\]"):
+        make_cluster(instance, tmp_path)

@@ -17,6 +17,8 @@ from dpboard.snapshot import SlotStatus
 from tests.integrations.sglang.real.conftest import dpc, drop_boards, ls
 from tests.support import sglang as sgl
 from tests.support.names import new_board_name
+from tests.support.other_user import as_nobody
+from tests.support.raw import plant_board
 
 
 def encoded(snap) -> list:
@@ -270,3 +272,60 @@ def test_struct_changes_in_sglang_would_fail_here():
     for name, struct in sections.items():
         assert struct.__struct_fields__ == DETAIL_SECTIONS[name]._fields
     assert msgspec.structs.fields(ls.LoadSnapshot)[0].name == "timestamp"
+
+
+def test_a_planted_board_entry_does_not_stop_sglangs_start(loaded_plugins, monkeypatch):
+    """Another local user's /dev/shm/dpboard.<x> with a header claiming 2**32-1 slots (a sparse
+    file) once made the server's start fail: the board was opened after a scan of every entry,
+    which copied a word per claimed slot (`Unable to allocate 32.0 GiB`). The start reads only its
+    own board's entry, and a listing shows the planted one as damaged."""
+    planted = new_board_name()
+    monkeypatch.delenv("DPBOARD_BOARD", raising=False)
+    sgl.set_context(dp_size=2, role="tokenizer")
+    try:
+        as_nobody(lambda: plant_board(planted, 2**32 - 1))
+        port_args = sys.modules["sglang.srt.server_args"].PortArgs.init_new(server_args=None)
+        name = board_name_for(port_args.instance_id)
+        sgl.set_context(dp_size=2, role="scheduler")
+        writer = ls.create_load_snapshot_writer(port_args, 2, 1)
+        writer.write(ls.LoadSnapshot(dp_rank=1, num_running_reqs=4))
+        reader = ls.create_load_snapshot_reader(port_args, caller="DataParallelController")
+        assert reader.read(1).num_running_reqs == 4 and writer.board_name == name
+        listing = {entry.name: entry for entry in list_boards()}
+        assert "claims 4294967295 slots" in listing[planted].error and listing[name].error is None
+        writer.close()
+    finally:
+        segment_path(planted).unlink(missing_ok=True)
+        drop_boards()
+        sgl.reset_context()
+
+
+@pytest.mark.parametrize("count", [100, -3, 9])
+def test_a_malformed_moments_count_reads_alike_in_the_plugin_and_in_serve(instance, count):
+    """A local detail declaring decode_moments_count=100 was read as 30 moments by the plugin (its
+    slice ran into the next fields) and 8 by serve; -3 as 0 and 5. One rule now: a count outside
+    0..8 is a malformed detail whose moments are unknown (None), for both readers."""
+    import json
+
+    import numpy as np
+
+    from dpboard import Board, LoadSnapshot
+    from dpboard.snapshot import DETAIL_DTYPE, LoadDetail, pack_detail
+    from tests.support.serving import get, start_server
+
+    ls.create_load_snapshot_writer(instance.port_args, 3, 0).close()  # the instance's board, as SGLang makes it
+    reader = ls.create_load_snapshot_reader(instance.port_args, caller="TokenizerManager")
+    writer = Board.attach(instance.board).writer(1)  # a malformed writer of rank 1's slot
+    detail = pack_detail(LoadDetail(decode_moments=(1.0, 2.0, 3.0)), np.zeros(1, DETAIL_DTYPE))
+    detail["decode_moments_count"] = count
+    writer.publish(LoadSnapshot(1, num_running_reqs=4), detail)
+    assert reader.read(1).decode_moments is None
+    assert reader.read(1).num_running_reqs == 4  # the rest of the snapshot is read
+    proc, url = start_server(instance.board, "--stale-after", "60")
+    try:
+        doc = json.loads(get(f"{url}/v1/loads?dp_rank=1")[2])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert doc["loads"][0]["decode_moments"] is None
+    writer.close()
