@@ -104,12 +104,15 @@ class Dispatcher:
             self._savings = np.zeros(num_workers, np.int64)
             self._capacities = np.zeros(num_workers, np.int64)  # the KV capacities last given to the index
             self._charged: list[list[int]] = [[] for _ in range(num_workers)]  # this call's charges, to retract
+            self._charged_any = False
         self.set_active(range(num_workers) if active is None else active)
         # bind the method's fast path once, so a call does no branching on the method
         if self.method is LoadBalanceMethod.ROUND_ROBIN:
             self.dispatch = self._dispatch_round_robin  # type: ignore[method-assign]
         elif self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
             self.dispatch = self._dispatch_room  # type: ignore[method-assign]
+        elif self.method.by_headroom:
+            self.dispatch = self._dispatch_ttft  # type: ignore[method-assign]
         elif self.prefix is not None:
             self.dispatch = self._dispatch_cache  # type: ignore[method-assign]
         else:
@@ -126,6 +129,7 @@ class Dispatcher:
             n,
             by_tokens=self.method.by_tokens,
             by_backlog=self.method.by_backlog,
+            by_headroom=self.method.by_headroom,
             rotate_ties=self.rotate_ties,
             inflight_accounting=self.inflight_accounting,
             ledger_capacity=ledger_capacity,
@@ -256,6 +260,8 @@ class Dispatcher:
         """The rank for ``req``: ``routed_dp_rank`` first, then the method.
 
         ``__init__`` binds the method's own fast path over this name; this body is the same choice."""
+        if self.method.by_headroom:
+            return self._dispatch_ttft(req)
         if self.prefix is not None:
             return self._dispatch_cache(req)
         if self.budget is not None:
@@ -330,6 +336,7 @@ class Dispatcher:
         self.prefix.match(hashes, self._savings)
         rank, charged = self.budget.core.pick_saving(req, self._savings)
         self._charged[rank].append(charged)
+        self._charged_any = True
         self.prefix.record(rank, hashes)
         return rank
 
@@ -338,6 +345,21 @@ class Dispatcher:
             stack.clear()
         self._refresh_if_due()
         return self._pick_cached(req)
+
+    def _dispatch_ttft(self, req: Any) -> int:
+        # A request with no prompt to index (num_tokens only) saves nothing anywhere: the C core's
+        # plain pick, which applies the same cost with no saving, skips the index altogether.
+        if getattr(req, "block_hashes", None) is None and getattr(req, "input_ids", None) is None:
+            if self._charged_any:
+                for stack in self._charged:
+                    stack.clear()
+                self._charged_any = False
+            now = self._clock()
+            if now - self._last_refresh >= self.refresh_interval:
+                self._last_refresh = now
+                self._refresh()
+            return self._pick(req)
+        return self._dispatch_cache(req)
 
     def _dispatch_cache_batch(self, reqs: Sequence[Any]) -> list[int]:
         # One refresh, then one pick per request in order, each seeing the prompts recorded before it.

@@ -58,7 +58,7 @@ def controller_methods() -> list[str]:
 # count over all servers. With every figure exact and read at each pick, all servers see the same
 # state, so they pick as one Dispatcher that refreshes before every pick.
 VLLM_BOARD = "vllm_board"
-VLLM_BOARD_METHOD = "inflight_backlog"
+VLLM_BOARD_METHOD = "inflight_ttft"
 
 
 def make_policy(
