@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -570,29 +571,38 @@ def test_inflight_ttft_prefers_ranks_whose_kv_holds_the_prompt(use_extension):
     assert d.budget.capacity.tolist() == [1000, 1000, 1000]
 
 
+@dataclass
+class HashedReq:
+    """A request as the ZMQ controller hands it over: its prompt and the block hashes of its frame."""
+
+    input_ids: list[int]
+    block_hashes: list[int]
+    routed_dp_rank: int | None = None
+
+
 @pytest.mark.parametrize("use_extension", [True, False])
 def test_inflight_ttft_with_room_everywhere_decides_as_inflight_cache(use_extension):
+    from dpboard.controller.prefix_index import block_hashes
+
     prompts = [[1000 * (k % 7) + i for i in range(37 * (k % 5 + 1))] for k in range(60)]
+    reqs = [HashedReq(p, block_hashes(p, 4)) for p in prompts]
     _, reader = cache_dispatcher(n=5)
-    ttft = Dispatcher(M.INFLIGHT_TTFT, 5, reader=reader, clock=FakeClock(), prefix_block_size=4,
-                      use_extension=use_extension)
-    cache = Dispatcher(M.INFLIGHT_CACHE, 5, reader=reader, clock=FakeClock(), prefix_block_size=4,
-                       use_extension=use_extension)
-    assert [ttft.dispatch(Req(input_ids=p)) for p in prompts] == [cache.dispatch(Req(input_ids=p)) for p in prompts]
-    # a request with no prompt to index takes the plain pick, with the same cost
-    ttft = Dispatcher(M.INFLIGHT_TTFT, 5, reader=reader, clock=FakeClock(), use_extension=use_extension)
-    backlog = Dispatcher(M.INFLIGHT_BACKLOG, 5, reader=reader, clock=FakeClock(), use_extension=use_extension)
-    sizes = [17 * (k % 9 + 1) for k in range(40)]
-    assert [ttft.dispatch(TokReq(num_tokens=t)) for t in sizes] == [backlog.dispatch(TokReq(num_tokens=t)) for t in sizes]
 
+    def made(method):
+        return Dispatcher(method, 5, reader=reader, clock=FakeClock(), prefix_block_size=4, use_extension=use_extension)
 
-def test_the_dispatch_bench_prints_both_columns(capsys):
-    from dpboard.bench.dispatch import main
-
-    assert main(["--quick", "--ranks", "4", "--batch", "64"]) == 0
-    out = capsys.readouterr().out
-    assert "| total_tokens | 4 | one decision |" in out
-    assert "baseline p50" in out
+    ttft, cache = made(M.INFLIGHT_TTFT), made(M.INFLIGHT_CACHE)
+    picks = [ttft.dispatch(r) for r in reqs]
+    assert picks == [cache.dispatch(r) for r in reqs]
+    assert ttft.budget.backlog.tolist() == cache.budget.backlog.tolist()  # the same uncached parts charged
+    assert made(M.INFLIGHT_TTFT).dispatch_batch(reqs) == made(M.INFLIGHT_CACHE).dispatch_batch(reqs)
+    # a request that carries no block hashes is not hashed (that would cost more than the decision):
+    # it takes the plain pick, with the same cost and no saving, as inflight_backlog does
+    ttft, backlog = made(M.INFLIGHT_TTFT), made(M.INFLIGHT_BACKLOG)
+    plain = [Req(input_ids=p) for p in prompts]
+    assert [ttft.dispatch(r) for r in plain] == [backlog.dispatch(r) for r in plain]
+    assert made(M.INFLIGHT_TTFT).dispatch_batch(plain) == made(M.INFLIGHT_BACKLOG).dispatch_batch(plain)
+    assert ttft.prefix.held(0) == 0
 
 
 # -- inflight_cache: exact loads plus the controller's prefix index ------------------------------------
