@@ -513,3 +513,14 @@ def test_compare_methods_index_check_needs_an_index():
     )  # fmt: skip
     assert proc.returncode == 2
     assert "--index-check needs a method that keeps a prefix index" in proc.stderr
+
+
+def test_vllm_board_is_every_api_server_reading_the_board_at_each_pick():
+    trace = hand_trace([0.01, 0.02, 0.03], [100, 200, 300], [2, 2, 2], ranks=2)
+    sim = Simulation(trace, "vllm_board", SimConfig(n_ranks=2))
+    dispatcher = sim.policy.dispatcher
+    assert dispatcher.method.value == "inflight_ttft" and dispatcher.refresh_interval == 0
+    assert sim.config.publish.cadence == "step"  # the engines publish from their schedulers every step
+    other = Simulation(trace, "vllm_board:method=inflight_backlog", SimConfig(n_ranks=2))
+    assert other.policy.dispatcher.method.value == "inflight_backlog"
+    assert len(sim.run().requests) == 3
