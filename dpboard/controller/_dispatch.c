@@ -274,6 +274,31 @@ static inline int64_t sat_add(int64_t a, int64_t b) {
 
 static Py_ssize_t argmin_saving(Core *self, int64_t t, const int64_t *sav, int64_t *uncached_out);
 
+/* argmin_saving with no saving anywhere (the whole prompt, t tokens, is uncached on every rank):
+   the same keys and picks, without the savings buffer. */
+static Py_ssize_t argmin_headroom(Core *self, int64_t t) {
+    const Py_ssize_t n = self->n;
+    const int64_t *tok = self->tokens, *bl = self->backlog, *cap = self->capacity;
+    const uint8_t *cand = self->candidate;
+    Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
+    int64_t bk = 0, bt = 0;
+    int bf = 0;
+    if (i < 0 || i >= n) i = 0;
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t tt = tok[i], need = sat_add(tt, t);
+        int full = cap[i] > 0 && need > cap[i];
+        int64_t key = full ? need : sat_add(bl[i], t);
+        if (best < 0 || full < bf || (full == bf && (key < bk || (key == bk && tt < bt)))) {
+            best = i;
+            bf = full;
+            bk = key;
+            bt = tt;
+        }
+    }
+    return settle_pick(self, best);
+}
+
 static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
     self->tokens[r] = sat_add(self->tokens[r], t);
     self->requests[r] = sat_add(self->requests[r], 1);
@@ -299,8 +324,7 @@ static Py_ssize_t pick_one(Core *self, PyObject *req, int64_t *tokens_out) {
     int64_t t = request_tokens(req);
     if (t < 0) return -1;
     if (!routed) {
-        int64_t u;
-        rank = self->by_headroom ? argmin_saving(self, t, NULL, &u) : argmin(self);
+        rank = self->by_headroom ? argmin_headroom(self, t) : argmin(self);
         if (rank < 0) return -1;
     }
     charge(self, rank, t);
@@ -432,8 +456,7 @@ static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
         PyErr_Format(InvalidInputError, "estimated tokens must be in [0, %lld], got %lld", (long long)MAX_REQUEST_TOKENS, t);
         return NULL;
     }
-    int64_t u;
-    Py_ssize_t rank = self->by_headroom ? argmin_saving(self, (int64_t)t, NULL, &u) : argmin(self);
+    Py_ssize_t rank = self->by_headroom ? argmin_headroom(self, (int64_t)t) : argmin(self);
     if (rank < 0) return NULL;
     charge(self, rank, (int64_t)t);
     return PyLong_FromSsize_t(rank);

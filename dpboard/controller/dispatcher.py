@@ -105,8 +105,7 @@ class Dispatcher:
             self._capacities = np.zeros(num_workers, np.int64)  # the KV capacities last given to the index
             self._charged: list[list[int]] = [[] for _ in range(num_workers)]  # this call's charges, to retract
             self._charged_any = False
-            # request types whose instances cannot carry block_hashes (slots without it): a missing
-            # attribute costs an exception per getattr, a good part of a whole decision
+            # request types whose instances cannot carry block_hashes (see _none_carry_hashes)
             self._hashless: dict[type, bool] = {}
         self.set_active(range(num_workers) if active is None else active)
         # bind the method's fast path once, so a call does no branching on the method
@@ -277,7 +276,7 @@ class Dispatcher:
         """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
         nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept."""
         method = self.method
-        if method.by_headroom and all(getattr(req, "block_hashes", None) is None for req in reqs):
+        if method.by_headroom and self._none_carry_hashes(reqs):
             self._forget_charges()
             self._refresh_if_due()
             return self._pick_batch(reqs)
@@ -351,6 +350,22 @@ class Dispatcher:
         self.prefix.record(rank, hashes)
         return rank
 
+    def _none_carry_hashes(self, reqs: Sequence[Any]) -> bool:
+        """No request of the batch carries block hashes. Per type, whether it can at all is looked
+        up once (most batches hold one type): a missing slot costs an exception per getattr, a
+        good part of a whole decision."""
+        hashless = self._hashless
+        last, kind = None, True
+        for req in reqs:
+            t = type(req)
+            if t is not last:
+                last, kind = t, hashless.get(t)
+                if kind is None:
+                    kind = hashless[t] = _never_has_block_hashes(req)
+            if not kind and getattr(req, "block_hashes", None) is not None:
+                return False
+        return True
+
     def _forget_charges(self) -> None:
         """A new dispatch call: what earlier calls charged can no longer be retracted."""
         if self._charged_any:
@@ -369,7 +384,7 @@ class Dispatcher:
         # request saves nothing anywhere: the C core's plain pick applies the same cost with no
         # saving and skips the index, so a decision costs what inflight_backlog's does (hashing a
         # Python list of input_ids would cost more than the whole decision).
-        kind = self._hashless.get(type(req))
+        kind = self._hashless.get(type(req))  # as in _none_carry_hashes, for one request
         if kind is None:
             kind = self._hashless[type(req)] = _never_has_block_hashes(req)
         if kind or getattr(req, "block_hashes", None) is None:
