@@ -381,6 +381,12 @@ def test_bad_methods_and_settings_are_named():
         scenario("calm")
     with pytest.raises(RuntimeError, match="did not drain"):
         Simulation(trace, "vllm", SimConfig(n_ranks=4, drain_limit_s=0.01)).run()
+    with pytest.raises(ValueError, match="--queued-prefill 'cached'"):
+        Simulation(trace, "vllm", SimConfig(n_ranks=4, queued_prefill="cached"))
+    with pytest.raises(ValueError, match="vllm api_servers must be >= 1"):
+        Simulation(trace, "vllm:api_servers=0", SimConfig(n_ranks=4))
+    with pytest.raises(ValueError, match="block_size must divide"):
+        Simulation(trace, "dynamo_kv:block_size=24", SimConfig(n_ranks=4))
 
 
 # -- the command ----------------------------------------------------------------------------------
