@@ -3,23 +3,24 @@
 Each one is written from its source (cited below and in docs/DISPATCH.md) and sees only what it
 sees in its own system, never the simulator's truth:
 
-- ``vllm``: vLLM 0.33's internal DP load balancer (vLLM 0.33.0, commit 4ba787ec9:
-  ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py`` and the coordinator of
-  ``vllm/v1/engine/coordinator.py``): the engines' ``[waiting, running, kv_cache_usage]`` as the
-  coordinator last published them, plus the client's exact count of its own requests in flight to
-  each engine.
+- ``vllm``: vLLM 0.33's internal DP load balancer as ``vllm serve`` deploys it, one API server per
+  rank (vLLM 0.33.0: ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``, the coordinator of
+  ``vllm/v1/engine/coordinator.py``, ``api_server_count`` in ``vllm/entrypoints/cli/serve.py``):
+  each server sees the engines' ``[waiting, running, kv_cache_usage]`` as the coordinator last
+  published them, plus its own requests in flight to each engine.
 - ``cache_aware``: SGLang's model gateway ``cache_aware`` policy (now the Shepherd Model Gateway,
-  lightseekorg/smg ``model_gateway/src/policies/cache_aware.rs`` at 105332109, HTTP string-tree
+  lightseekorg/smg ``model_gateway/src/policies/cache_aware.rs`` at 73da68ca9, HTTP string-tree
   path, command-line defaults): its own approximate tree of the prompts it sent where, and its own
-  count of requests in flight per worker.
+  count of requests in flight and routed per worker.
 - ``dynamo_kv``: NVIDIA Dynamo's KV router (``lib/kv-router/src/scheduling/selector/default.rs`` at
-  07a6c9ce, the defaults of ``config.rs`` at 0243c51b, the request tracking of Dynamo 0.6.1's
-  ``sequence.rs``): which ranks hold which prompt blocks, from the ranks' KV events, and its own
-  tracking of the prefill tokens and blocks it has sent each rank.
+  07a6c9ce, the defaults of ``config.rs`` at 0243c51b, ``potential_decode_blocks`` of
+  ``lib/kv-router/src/sequences/prompt_registry.rs``): which ranks hold which prompt blocks, from
+  the ranks' KV events, and its own tracking of the prefill tokens and blocks it has sent each
+  rank, in blocks of the engine's page size.
 
-Prompts are matched in the trace's 512-token blocks (``dpboard.sim.prefix_cache``): the gateway
-matches characters and Dynamo hashes blocks of the engine's page size, both finer; with no block
-ids, no request shares anything with another, for them as for the ranks.
+The ranks' caches and the gateway's tree work in the trace's 512-token blocks
+(``dpboard.sim.prefix_cache``; the gateway matches characters, finer); Dynamo counts 16-token pages
+within them. With no block ids, no request shares anything with another, for them as for the ranks.
 """
 
 from __future__ import annotations
