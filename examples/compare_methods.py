@@ -58,7 +58,7 @@ METRICS = (
 )
 DEFAULT_METHODS = (
     "total_requests,total_tokens,vllm,cache_aware,dynamo_kv,inflight_requests,inflight_tokens,inflight_backlog,"
-    "inflight_cache"
+    "inflight_cache,inflight_ttft"
 )
 PEERS = ("total_tokens", "vllm", "cache_aware", "dynamo_kv")
 EXACT = " (exact caches)"

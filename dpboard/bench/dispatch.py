@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = [Request(i, rng.randint(16, 4096)) for i in range(args.batch)]
             block = reqs[:256]
             for method in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG,
-                           M.INFLIGHT_CACHE):
+                           M.INFLIGHT_CACHE, M.INFLIGHT_TTFT):
                 reader = board.reader()
                 ours = Dispatcher(method, n, reader=reader)
                 # the backlog key is compared with SGLang's token method, the nearest it has

@@ -14,7 +14,10 @@
  *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
  *   - otherwise argmin over candidate ranks of (tokens, requests), of requests alone, or (by_backlog,
  *     inflight_backlog) of (backlog, tokens): queued prefill tokens first; or (pick_saving,
- *     inflight_cache) of (backlog + the tokens the rank's prefix cache does not hold, tokens); ties
+ *     inflight_cache) of (backlog + the tokens the rank's prefix cache does not hold, tokens); or
+ *     (by_headroom, inflight_ttft) the same among the ranks whose KV can hold the uncached prompt
+ *     (tokens[r] + uncached <= capacity[r], or no capacity published), before any rank that cannot,
+ *     and among those the fewest tokens[r] + uncached; ties
  *     go to the first rank met scanning from 0 (seed) or from the rank after the last pick (rotate).
  *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget
  *     (to tokens, and to backlog when the budget keeps one: the prompt queues for prefill),
@@ -43,12 +46,12 @@ static PyObject *InvalidInputError, *UnavailableError;
 
 typedef struct {
     PyObject_HEAD
-    Py_buffer bufs[8]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring, backlog */
+    Py_buffer bufs[9]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring, backlog, capacity */
     int nbufs;
-    int64_t *tokens, *requests, *sent_reqs, *sent_tokens, *ring, *backlog;
+    int64_t *tokens, *requests, *sent_reqs, *sent_tokens, *ring, *backlog, *capacity;
     const uint8_t *candidate, *routable;
     Py_ssize_t n, ring_cap;
-    int by_tokens, rotate, by_backlog;
+    int by_tokens, rotate, by_backlog, by_headroom;
     Py_ssize_t next_start;
 } Core;
 
@@ -104,16 +107,22 @@ static int core_init(Core *self, PyObject *args, PyObject *kwds) {
 
 static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", "requests", "candidate", "routable", "sent_reqs",
-                             "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog", NULL};
-    PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None;
-    int by_tokens = 1, rotate = 0, by_backlog = 0;
+                             "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog",
+                             "capacity", "by_headroom", NULL};
+    PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None, *capacity = Py_None;
+    int by_tokens = 1, rotate = 0, by_backlog = 0, by_headroom = 0;
     if (self->nbufs) {
         PyErr_SetString(PyExc_RuntimeError, "ArgminCore is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOp", kwlist, &tok, &req, &cand, &rout, &sreq, &stok,
-                                     &ring, &by_tokens, &rotate, &backlog, &by_backlog))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOpOp", kwlist, &tok, &req, &cand, &rout, &sreq, &stok,
+                                     &ring, &by_tokens, &rotate, &backlog, &by_backlog, &capacity, &by_headroom))
         return -1;
+    if (by_headroom && (backlog == Py_None || capacity == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "by_headroom needs the backlog and capacity arrays (queued prefill and KV capacity per rank)");
+        return -1;
+    }
     if (by_backlog && backlog == Py_None) {
         PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
         return -1;
@@ -133,7 +142,11 @@ static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds) {
     }
     if (backlog != Py_None && get_array(self, backlog, "backlog", 8, n, (void **)&self->backlog, NULL) < 0)
         return -1;
+    if (capacity != Py_None &&
+        get_array(self, capacity, "capacity", 8, n, (void **)&self->capacity, NULL) < 0)
+        return -1;
     self->by_backlog = by_backlog;
+    self->by_headroom = by_headroom;
     self->by_tokens = by_tokens;
     self->rotate = rotate;
     return 0;
@@ -287,6 +300,33 @@ static inline int64_t sat_add(int64_t a, int64_t b) {
     return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
 }
 
+static Py_ssize_t argmin_saving(Core *self, int64_t t, const int64_t *sav, int64_t *uncached_out);
+
+/* argmin_saving with no saving anywhere (the whole prompt, t tokens, is uncached on every rank):
+   the same keys and picks, without the savings buffer. */
+static Py_ssize_t argmin_headroom(Core *self, int64_t t) {
+    const Py_ssize_t n = self->n;
+    const int64_t *tok = self->tokens, *bl = self->backlog, *cap = self->capacity;
+    const uint8_t *cand = self->candidate;
+    Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
+    int64_t bk = 0, bt = 0;
+    int bf = 0;
+    if (i < 0 || i >= n) i = 0;
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t tt = tok[i], need = sat_add(tt, t);
+        int full = cap[i] > 0 && need > cap[i];
+        int64_t key = full ? need : sat_add(bl[i], t);
+        if (best < 0 || full < bf || (full == bf && (key < bk || (key == bk && tt < bt)))) {
+            best = i;
+            bf = full;
+            bk = key;
+            bt = tt;
+        }
+    }
+    return settle_pick(self, best);
+}
+
 static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
     self->tokens[r] = sat_add(self->tokens[r], t);
     self->requests[r] = sat_add(self->requests[r], 1);
@@ -312,7 +352,7 @@ static Py_ssize_t pick_one(Core *self, PyObject *req, int64_t *tokens_out) {
     int64_t t = request_tokens(req);
     if (t < 0) return -1;
     if (!routed) {
-        rank = argmin(self);
+        rank = self->by_headroom ? argmin_headroom(self, t) : argmin(self);
         if (rank < 0) return -1;
     }
     charge(self, rank, t);
@@ -372,21 +412,36 @@ static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
 
 /* The inflight_cache argmin: the rank where the request's first token comes soonest, counting the
    prefill work queued there and the part of the prompt (t tokens) that the rank's prefix cache does
-   not hold (sav[r] tokens, from the controller's prefix index): key backlog[r] + max(0, t - sav[r]),
-   ties to fewer KV tokens, then to the scan order. Needs the backlog array. */
+   not hold (sav[r] tokens, from the controller's prefix index; none when sav is NULL): key
+   backlog[r] + max(0, t - sav[r]), ties to fewer KV tokens, then to the scan order. With
+   by_headroom (inflight_ttft) a rank whose KV cannot hold the uncached prompt on top of what it
+   holds and queues (tokens[r] + u > capacity[r]) comes after every rank that can, and among such
+   ranks the key is tokens[r] + u: its prompt waits for running requests to free KV, and the rank
+   with the fewest tokens frees room first. Needs the backlog array (and capacity for by_headroom). */
 static Py_ssize_t argmin_saving(Core *self, int64_t t, const int64_t *sav, int64_t *uncached_out) {
     const Py_ssize_t n = self->n;
     const int64_t *tok = self->tokens, *bl = self->backlog;
+    const int64_t *cap = self->by_headroom ? self->capacity : NULL;
     const uint8_t *cand = self->candidate;
     Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
     int64_t bk = 0, bt = 0, bu = 0;
+    int bf = 0;
     if (i < 0 || i >= n) i = 0;
     for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
         if (!cand[i]) continue;
-        int64_t u = t > sav[i] ? t - sav[i] : 0;
-        int64_t key = bl[i] + u, tt = tok[i];
-        if (best < 0 || key < bk || (key == bk && tt < bt)) {
+        int64_t u = (sav && t > sav[i]) ? t - sav[i] : (sav ? 0 : t);
+        int64_t key = sat_add(bl[i], u), tt = tok[i];
+        int full = 0;
+        if (cap && cap[i] > 0) {
+            int64_t need = sat_add(tt, u);
+            if (need > cap[i]) {
+                full = 1;
+                key = need;
+            }
+        }
+        if (best < 0 || full < bf || (full == bf && (key < bk || (key == bk && tt < bt)))) {
             best = i;
+            bf = full;
             bk = key;
             bt = tt;
             bu = u;
@@ -437,7 +492,7 @@ static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
         PyErr_Format(InvalidInputError, "estimated tokens must be in [0, %lld], got %lld", (long long)MAX_REQUEST_TOKENS, t);
         return NULL;
     }
-    Py_ssize_t rank = argmin(self);
+    Py_ssize_t rank = self->by_headroom ? argmin_headroom(self, (int64_t)t) : argmin(self);
     if (rank < 0) return NULL;
     charge(self, rank, (int64_t)t);
     return PyLong_FromSsize_t(rank);
@@ -520,6 +575,8 @@ static int core_set_by_backlog(Core *self, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *core_get_by_headroom(Core *self, void *c) { return PyBool_FromLong(self->by_headroom); }
+
 static PyMethodDef core_methods[] = {
     {"pick", (PyCFunction)core_pick, METH_O, "pick(req) -> rank: routed rank or argmin, charged."},
     {"pick_batch", (PyCFunction)core_pick_batch, METH_O,
@@ -541,6 +598,8 @@ static PyGetSetDef core_getset[] = {
      "argmin of (tokens, requests) when true, of requests when false", NULL},
     {"by_backlog", (getter)core_get_by_backlog, (setter)core_set_by_backlog,
      "argmin of (backlog, tokens) when true (overrides by_tokens)", NULL},
+    {"by_headroom", (getter)core_get_by_headroom, NULL,
+     "argmin of (overflows KV, backlog + request or tokens + request, tokens) when true (inflight_ttft)", NULL},
     {NULL},
 };
 

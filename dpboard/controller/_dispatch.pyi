@@ -10,6 +10,8 @@ class ArgminCore:
     by_backlog: bool
     @property
     def n(self) -> int: ...
+    @property
+    def by_headroom(self) -> bool: ...
     def __init__(
         self,
         tokens: np.ndarray,
@@ -23,6 +25,8 @@ class ArgminCore:
         rotate: bool = False,
         backlog: np.ndarray | None = None,
         by_backlog: bool = False,
+        capacity: np.ndarray | None = None,
+        by_headroom: bool = False,
     ) -> None: ...
     def pick(self, req: Any, /) -> int: ...
     def pick_batch(self, reqs: Sequence[Any], /) -> list[int]: ...

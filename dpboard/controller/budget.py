@@ -109,9 +109,16 @@ class PyArgminCore:
         rotate: bool = False,
         backlog: np.ndarray | None = None,
         by_backlog: bool = False,
+        capacity: np.ndarray | None = None,
+        by_headroom: bool = False,
     ):
         if by_backlog and backlog is None:
             raise InvalidInputError("by_backlog needs the backlog array (queued prefill tokens per rank)")
+        if by_headroom and (backlog is None or capacity is None):
+            raise InvalidInputError(
+                "by_headroom needs the backlog and capacity arrays (queued prefill and KV capacity per rank)"
+            )
+        self.capacity, self.by_headroom = capacity, bool(by_headroom)
         self.tokens, self.requests, self.backlog = tokens, requests, backlog
         self.candidate, self.routable = candidate, routable
         self.sent_reqs, self.sent_tokens, self.ring = sent_reqs, sent_tokens, ring
@@ -122,6 +129,30 @@ class PyArgminCore:
     def _routed(self, req: Any) -> int | None:
         r = getattr(req, "routed_dp_rank", None)
         return None if r is None else check_routed_rank(r, self.routable)
+
+    def _argmin_saving(self, tokens: int, savings: np.ndarray | None) -> tuple[int, int]:
+        """(rank, uncached tokens) with the lowest ``backlog + uncached``, ties to fewer KV tokens;
+        with by_headroom, the ranks whose KV cannot hold the uncached prompt (``tokens + uncached >
+        capacity``) come after the others, keyed ``tokens + uncached``. ``_dispatch.c``'s
+        argmin_saving."""
+        n = self.n
+        start = self.next_start if self.rotate else 0
+        cap = self.capacity if self.by_headroom else None
+        best, best_key, best_uncached = -1, None, 0
+        for k in range(n):
+            i = (start + k) % n
+            if not self.candidate[i]:
+                continue
+            uncached = tokens if savings is None else max(0, tokens - int(savings[i]))
+            held = int(self.tokens[i])
+            cost = _sat(int(self.backlog[i]) + uncached)
+            full = 0
+            if cap is not None and cap[i] > 0 and _sat(held + uncached) > cap[i]:
+                full, cost = 1, _sat(held + uncached)
+            key = (full, cost, held)
+            if best < 0 or key < best_key:
+                best, best_key, best_uncached = i, key, uncached
+        return self._settle_pick(best), best_uncached
 
     def _argmin(self) -> int:
         n = self.n
@@ -193,7 +224,12 @@ class PyArgminCore:
     def _pick(self, req: Any) -> tuple[int, int]:
         routed = self._routed(req)
         tokens = request_tokens(req)
-        rank = self._argmin() if routed is None else routed
+        if routed is not None:
+            rank = routed
+        elif self.by_headroom:
+            rank = self._argmin_saving(tokens, None)[0]
+        else:
+            rank = self._argmin()
         self._charge(rank, tokens)
         return rank, tokens
 
@@ -223,24 +259,14 @@ class PyArgminCore:
             uncached = max(0, tokens - int(savings[routed]))
             self.charge(routed, uncached)
             return routed, uncached
-        n = self.n
-        start = self.next_start if self.rotate else 0
-        best, best_key, best_uncached = -1, None, 0
-        for k in range(n):
-            i = (start + k) % n
-            if not self.candidate[i]:
-                continue
-            uncached = max(0, tokens - int(savings[i]))
-            key = (int(self.backlog[i]) + uncached, int(self.tokens[i]))
-            if best < 0 or key < best_key:
-                best, best_key, best_uncached = i, key, uncached
-        self.charge(self._settle_pick(best), best_uncached)
+        best, best_uncached = self._argmin_saving(tokens, savings)
+        self.charge(best, best_uncached)
         return best, best_uncached
 
     def pick_tokens(self, tokens: int) -> int:
         if not 0 <= tokens <= MAX_REQUEST_TOKENS:
             raise InvalidInputError(f"estimated tokens must be in [0, {MAX_REQUEST_TOKENS}], got {tokens}")
-        rank = self._argmin()
+        rank = self._argmin_saving(tokens, None)[0] if self.by_headroom else self._argmin()
         self._charge(rank, tokens)
         return rank
 
@@ -259,6 +285,7 @@ class DPBudget:
         *,
         by_tokens: bool = True,
         by_backlog: bool = False,
+        by_headroom: bool = False,
         rotate_ties: bool = False,
         inflight_accounting: bool = False,
         ledger_capacity: int = DEFAULT_LEDGER_CAPACITY,
@@ -274,6 +301,7 @@ class DPBudget:
         self.total_requests = np.zeros(n, np.int64)
         self.total_tokens = np.zeros(n, np.int64)
         self.backlog = np.zeros(n, np.int64)  # prompt tokens queued for prefill (in flight included)
+        self.capacity = np.zeros(n, np.int64)  # KV tokens each rank holds at most (0: not published)
         self.candidate = np.ones(n, np.uint8)
         self.routable = np.ones(n, np.uint8)
         self.sent_reqs = np.zeros(n, np.int64)
@@ -304,6 +332,8 @@ class DPBudget:
             rotate=rotate_ties,
             backlog=self.backlog,
             by_backlog=by_backlog,
+            capacity=self.capacity,
+            by_headroom=by_headroom,
         )
 
     # -- refresh ------------------------------------------------------------------------------------
@@ -345,6 +375,7 @@ class DPBudget:
                 known = reported >= 0
                 self.snap_backlog[idx[known]] = reported[known]
             self.snap_received[idx] = sel["num_received_reqs"]
+            self.capacity[idx] = sel["max_total_num_tokens"]
             if not self.inflight_accounting:
                 # SGLang: a new snapshot overwrites the speculative charges of its rank
                 self.total_requests[idx] = self.snap_requests[idx]

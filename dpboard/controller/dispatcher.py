@@ -104,12 +104,17 @@ class Dispatcher:
             self._savings = np.zeros(num_workers, np.int64)
             self._capacities = np.zeros(num_workers, np.int64)  # the KV capacities last given to the index
             self._charged: list[list[int]] = [[] for _ in range(num_workers)]  # this call's charges, to retract
+            self._charged_any = False
+            # request types whose instances cannot carry block_hashes (see _none_carry_hashes)
+            self._hashless: dict[type, bool] = {}
         self.set_active(range(num_workers) if active is None else active)
         # bind the method's fast path once, so a call does no branching on the method
         if self.method is LoadBalanceMethod.ROUND_ROBIN:
             self.dispatch = self._dispatch_round_robin  # type: ignore[method-assign]
         elif self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
             self.dispatch = self._dispatch_room  # type: ignore[method-assign]
+        elif self.method.by_headroom:
+            self.dispatch = self._dispatch_ttft  # type: ignore[method-assign]
         elif self.prefix is not None:
             self.dispatch = self._dispatch_cache  # type: ignore[method-assign]
         else:
@@ -126,6 +131,7 @@ class Dispatcher:
             n,
             by_tokens=self.method.by_tokens,
             by_backlog=self.method.by_backlog,
+            by_headroom=self.method.by_headroom,
             rotate_ties=self.rotate_ties,
             inflight_accounting=self.inflight_accounting,
             ledger_capacity=ledger_capacity,
@@ -256,6 +262,8 @@ class Dispatcher:
         """The rank for ``req``: ``routed_dp_rank`` first, then the method.
 
         ``__init__`` binds the method's own fast path over this name; this body is the same choice."""
+        if self.method.by_headroom:
+            return self._dispatch_ttft(req)
         if self.prefix is not None:
             return self._dispatch_cache(req)
         if self.budget is not None:
@@ -268,6 +276,10 @@ class Dispatcher:
         """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
         nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept."""
         method = self.method
+        if method.by_headroom and self._none_carry_hashes(reqs):
+            self._forget_charges()
+            self._refresh_if_due()
+            return self._pick_batch(reqs)
         if self.prefix is not None:
             return self._dispatch_cache_batch(reqs)
         if self.budget is not None:
@@ -326,24 +338,69 @@ class Dispatcher:
         """One inflight_cache pick: the prompt's cached tokens on every rank from the prefix index,
         the pick charged its uncached part, and the prompt recorded on the rank that got it."""
         assert self.prefix is not None
-        hashes = request_block_hashes(req, self.prefix.block_size)
+        if self.method.by_headroom:  # inflight_ttft: the block hashes the request carries, if any
+            carried = getattr(req, "block_hashes", None)
+            hashes = [] if carried is None else list(carried)
+        else:
+            hashes = request_block_hashes(req, self.prefix.block_size)
         self.prefix.match(hashes, self._savings)
         rank, charged = self.budget.core.pick_saving(req, self._savings)
         self._charged[rank].append(charged)
+        self._charged_any = True
         self.prefix.record(rank, hashes)
         return rank
 
+    def _none_carry_hashes(self, reqs: Sequence[Any]) -> bool:
+        """No request of the batch carries block hashes. Per type, whether it can at all is looked
+        up once (most batches hold one type): a missing slot costs an exception per getattr, a
+        good part of a whole decision."""
+        hashless = self._hashless
+        last, kind = None, True
+        for req in reqs:
+            t = type(req)
+            if t is not last:
+                last, kind = t, hashless.get(t)
+                if kind is None:
+                    kind = hashless[t] = _never_has_block_hashes(req)
+            if not kind and getattr(req, "block_hashes", None) is not None:
+                return False
+        return True
+
+    def _forget_charges(self) -> None:
+        """A new dispatch call: what earlier calls charged can no longer be retracted."""
+        if self._charged_any:
+            for stack in self._charged:
+                stack.clear()
+            self._charged_any = False
+
     def _dispatch_cache(self, req: Any) -> int:
-        for stack in self._charged:
-            stack.clear()
+        self._forget_charges()
         self._refresh_if_due()
         return self._pick_cached(req)
+
+    def _dispatch_ttft(self, req: Any) -> int:
+        # The index is consulted for requests that carry their prompt's block hashes (the ZMQ
+        # controller reads them from the frame in C, the simulator from the trace). Any other
+        # request saves nothing anywhere: the C core's plain pick applies the same cost with no
+        # saving and skips the index, so a decision costs what inflight_backlog's does (hashing a
+        # Python list of input_ids would cost more than the whole decision).
+        kind = self._hashless.get(type(req))  # as in _none_carry_hashes, for one request
+        if kind is None:
+            kind = self._hashless[type(req)] = _never_has_block_hashes(req)
+        if kind or getattr(req, "block_hashes", None) is None:
+            if self._charged_any:
+                self._forget_charges()
+            now = self._clock()
+            if now - self._last_refresh >= self.refresh_interval:
+                self._last_refresh = now
+                self._refresh()
+            return self._pick(req)
+        return self._dispatch_cache(req)
 
     def _dispatch_cache_batch(self, reqs: Sequence[Any]) -> list[int]:
         # One refresh, then one pick per request in order, each seeing the prompts recorded before it.
         # All or nothing for the budget; the index keeps what failed batches recorded (it is an estimate).
-        for stack in self._charged:
-            stack.clear()
+        self._forget_charges()
         self._refresh_if_due()
         core = self.budget.core
         saved_start = core.next_start
@@ -398,3 +455,9 @@ class Dispatcher:
             f"inflight_accounting={self.inflight_accounting}, health_aware={self.health_aware}, "
             f"rotate_ties={self.rotate_ties})"
         )
+
+
+def _never_has_block_hashes(req: Any) -> bool:
+    """True when no instance of ``req``'s type can have a ``block_hashes`` attribute: no instance
+    dict and no such slot, property or class attribute."""
+    return not hasattr(req, "__dict__") and not hasattr(type(req), "block_hashes")

@@ -16,7 +16,8 @@ class LoadBalanceMethod(str, enum.Enum):
     dpboard's, with exact in-flight accounting, health-aware candidates and rotating ties switched on:
     ``inflight_requests`` and ``inflight_tokens`` keep SGLang's keys; ``inflight_backlog`` keys on the
     prefill work queued at the rank; ``inflight_cache`` on that work plus the part of the prompt the
-    rank's prefix cache does not hold (docs/DISPATCH.md says when to use which).
+    rank's prefix cache does not hold; ``inflight_ttft``, the one to leave on, on that plus the
+    tokens that would not fit the rank's KV capacity (docs/DISPATCH.md says when to use which).
     """
 
     ROUND_ROBIN = "round_robin"
@@ -27,6 +28,7 @@ class LoadBalanceMethod(str, enum.Enum):
     INFLIGHT_TOKENS = "inflight_tokens"
     INFLIGHT_BACKLOG = "inflight_backlog"
     INFLIGHT_CACHE = "inflight_cache"
+    INFLIGHT_TTFT = "inflight_ttft"
 
     @property
     def is_load_aware(self) -> bool:
@@ -47,7 +49,11 @@ class LoadBalanceMethod(str, enum.Enum):
         equal queues (most often empty ones) the lighter decode batch (fewer KV tokens) wins, as its
         steps are shorter and its cache has more room to admit the prompt.
         """
-        return self in (LoadBalanceMethod.INFLIGHT_BACKLOG, LoadBalanceMethod.INFLIGHT_CACHE)
+        return self in (
+            LoadBalanceMethod.INFLIGHT_BACKLOG,
+            LoadBalanceMethod.INFLIGHT_CACHE,
+            LoadBalanceMethod.INFLIGHT_TTFT,
+        )
 
     @property
     def uses_prefix_index(self) -> bool:
@@ -57,7 +63,20 @@ class LoadBalanceMethod(str, enum.Enum):
         prompt's prefill, less what the rank's prefix cache already holds of it: the key is
         ``backlog + max(0, prompt - cached)``, ties to the lighter KV.
         """
-        return self is LoadBalanceMethod.INFLIGHT_CACHE
+        return self in (LoadBalanceMethod.INFLIGHT_CACHE, LoadBalanceMethod.INFLIGHT_TTFT)
+
+    @property
+    def by_headroom(self) -> bool:
+        """True when the key also reads the rank's KV room: ``inflight_ttft``.
+
+        A rank whose KV can hold the request's uncached prompt on top of what it holds and queues
+        (``tokens + uncached <= capacity``) starts the prompt after its queued prefill: key
+        ``backlog + uncached``. A rank that cannot makes the prompt wait for its running requests
+        to free KV: it comes after every rank that can, and among such ranks the one with the
+        fewest ``tokens + uncached`` frees room first. While any rank has room the method is
+        ``inflight_cache`` over those ranks (``inflight_backlog`` for a request without prompt
+        blocks)."""
+        return self is LoadBalanceMethod.INFLIGHT_TTFT
 
     @property
     def is_improved(self) -> bool:
@@ -67,6 +86,7 @@ class LoadBalanceMethod(str, enum.Enum):
             LoadBalanceMethod.INFLIGHT_TOKENS,
             LoadBalanceMethod.INFLIGHT_BACKLOG,
             LoadBalanceMethod.INFLIGHT_CACHE,
+            LoadBalanceMethod.INFLIGHT_TTFT,
         )
 
     def __str__(self) -> str:

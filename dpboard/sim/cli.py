@@ -90,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--refresh-interval", type=float, default=0.02, help="Dispatcher throttle, seconds (default 0.02)"
     )
     p.add_argument("--sample-period", type=float, default=0.05, help="metrics sampling period, seconds")
+    p.add_argument(
+        "--queued-prefill",
+        default="sglang",
+        choices=("sglang", "exact"),
+        help="the queued prefill ranks report: SGLang's own estimate (default) or the exact uncached "
+        "tokens an engine that matched its waiting queue could report",
+    )
     p.add_argument("--json", metavar="PATH", help="write the full results as JSON here ('-' for stdout)")
     p.add_argument(
         "--plot", metavar="PNG", type=output_file, help="write TTFT distributions and imbalance over time (matplotlib)"
@@ -139,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         send_delay_s=args.send_delay,
         refresh_interval_s=args.refresh_interval,
         sample_period_s=args.sample_period,
+        queued_prefill=args.queued_prefill,
     ).validate()
     if args.trace_file:
         if args.duration is not None:
@@ -209,6 +217,7 @@ def _command_line(args: argparse.Namespace) -> str:
         ("--cadence", args.cadence, "sglang"),
         ("--visibility-delay", args.visibility_delay, 0.0),
         ("--refresh-interval", args.refresh_interval, 0.02),
+        ("--queued-prefill", args.queued_prefill, "sglang"),
     ):
         if value != default:
             parts.append(f"{flag} {value}")

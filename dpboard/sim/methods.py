@@ -53,6 +53,14 @@ def controller_methods() -> list[str]:
     return [m.value if isinstance(m.value, str) else m.name.lower() for m in LoadBalanceMethod]
 
 
+# vLLM's default deployment (one API server per rank) dispatching through the board: every API
+# server picks with dpboard's Dispatcher, reading the engines' exact loads and the exact in-flight
+# count over all servers. With every figure exact and read at each pick, all servers see the same
+# state, so they pick as one Dispatcher that refreshes before every pick.
+VLLM_BOARD = "vllm_board"
+VLLM_BOARD_METHOD = "inflight_ttft"
+
+
 def make_policy(
     spec: str,
     *,
@@ -68,6 +76,9 @@ def make_policy(
     ``seed`` feeds a policy that breaks ties at random; ``label`` names it in results (default: ``spec``)."""
     name, options = parse_method_spec(spec)
     label = spec if label is None else label
+    if name == VLLM_BOARD:
+        name = str(options.pop("method", VLLM_BOARD_METHOD))
+        options.setdefault("refresh_interval", 0.0)
     if name in PEERS:
         return make_peer(name, options, n_ranks=n_ranks, clock=clock, delay_s=board.delay_s, seed=seed, label=label)
     try:
@@ -80,7 +91,7 @@ def make_policy(
     try:
         method = resolve_load_balance_method(name)
     except ValueError as e:
-        known = ", ".join([*controller_methods(), *PEERS])
+        known = ", ".join([*controller_methods(), *PEERS, VLLM_BOARD])
         raise InvalidInputError(f"unknown dispatch method {name!r} ({e}); use one of {known}") from None
     kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s}
     kwargs.update(options)

@@ -39,6 +39,12 @@ from dpboard.errors import InvalidInputError
 from dpboard.sim.prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_tokens
 from dpboard.snapshot import LoadSnapshot
 
+# How a rank reports its queued prefill (``RankModel.queued_prefill_tokens``).
+SGLANG_REPORT = "sglang"
+EXACT_REPORT = "exact"
+QUEUED_PREFILL_REPORTS = (SGLANG_REPORT, EXACT_REPORT)
+HIT_RATE_WINDOW_S = 15.0  # SGLang's SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS default
+
 # What a rank is doing.
 IDLE = 0
 PREFILL = 1
@@ -180,9 +186,16 @@ class RankModel:
     ``on_first_token`` and ``on_finish``, when set, are called with each request as its first token
     comes and as it finishes (a router that tracks its requests listens to them)."""
 
-    def __init__(self, rank: int, config: RankConfig, cache: PrefixCache | None = None):
+    def __init__(
+        self, rank: int, config: RankConfig, cache: PrefixCache | None = None, *, queued_prefill: str = SGLANG_REPORT
+    ):
+        if queued_prefill not in QUEUED_PREFILL_REPORTS:
+            raise InvalidInputError(
+                f"queued prefill report {queued_prefill!r} is not one of {', '.join(QUEUED_PREFILL_REPORTS)}"
+            )
         self.rank = rank
         self.config = config.validate()
+        self.queued_prefill = queued_prefill
         self.cache = cache if cache is not None else PrefixCache()
         self.waiting: deque[SimRequest] = deque()
         self.waiting_tokens = 0  # sum of seqlens in the waiting queue (they hold no KV)
@@ -202,6 +215,16 @@ class RankModel:
         self.busy_s = 0.0  # time spent in steps (for utilisation)
         self.on_first_token: RequestHook | None = None
         self.on_finish: RequestHook | None = None
+        # SGLang's windowed prefix-cache hit rate (metrics_reporter.py _CacheHitRateWindow): the
+        # hit and total prompt tokens of each prefill step of the last HIT_RATE_WINDOW_S seconds.
+        self._hit_window: deque[tuple[float, int, int]] = deque()
+        self._hit_tokens = 0
+        self._hit_total = 0
+        self.recent_hit_rate = 0.0
+        self._step_hit = 0
+        self._step_total = 0
+        # The part of a chunked prompt whose KV is not allocated yet: SGLang allocates chunk by chunk.
+        self._unallocated = 0
 
     # -- what the rank is ----------------------------------------------------------------------
 
@@ -236,14 +259,27 @@ class RankModel:
     def idle(self) -> bool:
         return self.state == IDLE
 
+    @property
+    def reported_running(self) -> int:
+        """SGLang's num_running_reqs: its running (decode) batch only. The batch being prefilled
+        and the request being chunked join it later (load_inquirer.py get_loads)."""
+        return len(self.running)
+
+    @property
+    def reported_used_tokens(self) -> int:
+        """SGLang's num_used_tokens: the KV allocated, which grows chunk by chunk for a long prompt
+        (the rest of the prompt being chunked is not allocated yet)."""
+        return self.used_tokens - self._unallocated
+
     def snapshot(self, now_s: float, publish_seq: int) -> LoadSnapshot:
-        """The load this rank would publish now; the clock fields come from the simulated clock."""
+        """The load this rank would publish now, as SGLang reports it; the clock fields come from
+        the simulated clock."""
         now_ns = int(round(now_s * 1e9))
-        used = self.used_tokens
+        used = self.reported_used_tokens
         total = used + self.waiting_tokens
         return LoadSnapshot(
             dp_rank=self.rank,
-            num_running_reqs=self.num_running,
+            num_running_reqs=self.reported_running,
             num_waiting_reqs=self.num_waiting,
             num_used_tokens=used,
             num_total_tokens=total,
@@ -276,10 +312,22 @@ class RankModel:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """What SGLang reports as ``num_waiting_uncached_tokens``: the waiting prompts' uncached
-        tokens plus the rest of the prompt whose chunked prefill is under way."""
+        """The rank's ``num_waiting_uncached_tokens``, plus the rest of the prompt whose chunked
+        prefill is under way.
+
+        ``sglang`` (the default) is SGLang's own figure under its defaults (``fcfs``, a radix cache
+        that does not match the waiting queue): each waiting request counts
+        ``int(seqlen * (1 - recent hit rate))``, the hit rate over the prefill steps of the last
+        15 s (load_inquirer.py ``get_num_waiting_uncached_tokens``). ``exact`` is what an engine
+        that matched every waiting prompt against its cache could report: each prompt less the
+        prefix its cache held when it joined the queue."""
         chunked = self._chunked.prefill_left if self._chunked is not None else 0
-        return self.waiting_uncached + chunked
+        if self.queued_prefill == EXACT_REPORT:
+            return self.waiting_uncached + chunked
+        miss = 1.0 - self.recent_hit_rate
+        if miss >= 1.0:
+            return self.waiting_tokens + chunked
+        return sum(int(req.seqlen * miss) for req in self.waiting) + chunked
 
     def begin_step(self, now_s: float) -> float | None:
         """Choose the next step and return its duration, or None when there is nothing to do."""
@@ -316,6 +364,8 @@ class RankModel:
         budget = chunk or cfg.max_prefill_tokens
         batch = self._prefill_batch
         tokens = 0
+        self._step_hit = 0
+        self._unallocated = 0
         if self._chunked is not None:
             req = self._chunked
             take = min(req.prefill_left, budget)
@@ -357,15 +407,21 @@ class RankModel:
             if req.admitted_s < 0:
                 req.admitted_s = now_s
                 req.cached_tokens = cached
+                self._step_hit += cached
             take = need if chunk == 0 else min(need, budget)
             batch.append((req, take))
             tokens += take
             budget -= take
             if take < need:
                 self._chunked = req
+        if self._chunked is not None:
+            self._unallocated = self._chunked.prefill_left - batch[-1][1]
+        # SGLang's hit rate leaves out what retracted requests compute again
+        self._step_total = self._step_hit + sum(t for r, t in batch if r.retractions == 0)
         return tokens
 
     def _end_prefill(self, now_s: float) -> None:
+        self._note_hits(now_s)
         batch, self._prefill_batch = self._prefill_batch, []
         for req, take in batch:
             req.prefill_left -= take
@@ -384,6 +440,20 @@ class RankModel:
                 req.finish_step = self.decode_steps + (req.output_len - req.generated)
                 self.running[req.rid] = req
                 heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
+
+    def _note_hits(self, now_s: float) -> None:
+        """Add this prefill step to the 15 s hit-rate window, as SGLang does after each prefill batch."""
+        window = self._hit_window
+        if self._step_total > 0:
+            window.append((now_s, self._step_hit, self._step_total))
+            self._hit_tokens += self._step_hit
+            self._hit_total += self._step_total
+        cutoff = now_s - HIT_RATE_WINDOW_S
+        while window and window[0][0] <= cutoff:
+            _, hit, total = window.popleft()
+            self._hit_tokens -= hit
+            self._hit_total -= total
+        self.recent_hit_rate = self._hit_tokens / self._hit_total if self._hit_total > 0 else 0.0
 
     def _cache_prompt(self, req: SimRequest) -> None:
         """Move the request's computed prompt blocks into the prefix cache, pinned while it runs."""

@@ -239,9 +239,11 @@ class BlockOwners:
 class RoutedPrefixTree:
     """A router's approximate tree of the prompts it sent, per rank, with no word from the ranks.
 
-    Each block remembers which ranks it was sent to, most recent last. ``longest_match`` walks the
-    prompt's leading blocks that any rank was sent and returns that depth with the rank that was sent
-    the deepest one most recently. ``evict_to(max_tokens)`` trims each rank's share to a size,
+    Each block remembers which ranks it was sent to, in the order they were first sent it.
+    ``longest_match`` walks the prompt's leading blocks that any rank was sent and returns that depth
+    with the deepest block's tenant: the rank that created it (the gateway's string tree caches a
+    node's ``last_tenant`` when the node is created and keeps it while that tenant holds the node;
+    once it is evicted there, another holder, here the next oldest). ``evict_to(max_tokens)`` trims each rank's share to a size,
     least recently sent first (a rank's blocks are kept in send order, leaves before their parents
     on a tie, so a block never outlives its parent).
     """
@@ -253,7 +255,7 @@ class RoutedPrefixTree:
         self.rank_tokens = [0] * n_ranks
 
     def longest_match(self, ids: Sequence[int]) -> tuple[int, int]:
-        """(leading blocks of ``ids`` sent to some rank, the rank sent the deepest of them last; -1 if none)."""
+        """(leading blocks of ``ids`` sent to some rank, the deepest one's tenant; -1 if none)."""
         tenants = self._tenants
         depth = 0
         for block_id in ids:
@@ -262,7 +264,7 @@ class RoutedPrefixTree:
             depth += 1
         if depth == 0:
             return 0, -1
-        return depth, next(reversed(tenants[ids[depth - 1]]))
+        return depth, next(iter(tenants[ids[depth - 1]]))
 
     def insert(self, ids: Sequence[int], sizes: Sequence[int], rank: int) -> None:
         """Record that the prompt ``ids`` was sent to ``rank`` (refreshing what was there)."""
@@ -274,8 +276,7 @@ class RoutedPrefixTree:
             ranks = tenants.get(block_id)
             if ranks is None:
                 tenants[block_id] = {rank: None}
-            else:
-                ranks.pop(rank, None)
+            elif rank not in ranks:
                 ranks[rank] = None
             size = mine.pop(block_id, None)
             if size is None:

@@ -37,8 +37,16 @@ from typing import Any
 import numpy as np
 
 from dpboard.errors import InvalidInputError
-from dpboard.sim.methods import make_policy, parse_method_spec
-from dpboard.sim.model import IDLE, PREFILL, RankConfig, RankModel, SimRequest
+from dpboard.sim.methods import VLLM_BOARD, make_policy, parse_method_spec
+from dpboard.sim.model import (
+    IDLE,
+    PREFILL,
+    QUEUED_PREFILL_REPORTS,
+    SGLANG_REPORT,
+    RankConfig,
+    RankModel,
+    SimRequest,
+)
 from dpboard.sim.policy import Policy, SimBoard
 from dpboard.sim.trace import Trace
 
@@ -89,6 +97,7 @@ class SimConfig:
     refresh_interval_s: float = 0.02  # the Dispatcher's budget throttle, unless a method overrides it
     sample_period_s: float = 0.05  # metrics over time
     drain_limit_s: float = 3600.0  # bound: a run not drained this long after its last arrival is an error
+    queued_prefill: str = SGLANG_REPORT  # how ranks report their queued prefill: SGLang's figure, or "exact"
 
     def validate(self) -> SimConfig:
         if self.n_ranks < 1:
@@ -99,6 +108,10 @@ class SimConfig:
             raise InvalidInputError(f"sample period must be > 0 seconds, got {self.sample_period_s}")
         if not self.drain_limit_s > 0:
             raise InvalidInputError(f"drain limit must be > 0 seconds, got {self.drain_limit_s}")
+        if self.queued_prefill not in QUEUED_PREFILL_REPORTS:
+            raise InvalidInputError(
+                f"--queued-prefill {self.queued_prefill!r}: use one of {', '.join(QUEUED_PREFILL_REPORTS)}"
+            )
         self.rank.validate()
         self.publish.validate()
         return self
@@ -132,6 +145,8 @@ def split_sim_options(spec: str, config: SimConfig) -> tuple[str, SimConfig]:
     """
     name, options = parse_method_spec(spec)
     sim_options = {k: options.pop(k) for k in SIM_OPTIONS if k in options}
+    if name == VLLM_BOARD:
+        sim_options.setdefault("cadence", "step")  # the engines publish from their schedulers every step
     if not sim_options:
         return spec, config
     publish = config.publish
@@ -193,7 +208,7 @@ class Simulation:
         self.trace = trace
         self.method = method
         self.now = 0.0
-        self.ranks = [RankModel(r, config.rank) for r in range(config.n_ranks)]
+        self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
         self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
         self.policy: Policy = make_policy(
             policy_spec,

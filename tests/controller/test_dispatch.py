@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -500,7 +501,7 @@ def test_a_burst_inside_one_window_spreads_by_speculative_updates(n, method):
 @given(
     n=st.integers(1, 9),
     rotate=st.booleans(),
-    key=st.sampled_from(["requests", "tokens", "backlog"]),
+    key=st.sampled_from(["requests", "tokens", "backlog", "headroom"]),
     ops=st.lists(
         st.tuples(st.integers(0, 3), st.integers(0, 50), st.one_of(st.none(), st.integers(-1, 9))),
         max_size=40,
@@ -510,11 +511,14 @@ def test_a_burst_inside_one_window_spreads_by_speculative_updates(n, method):
 def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, key, ops, data):
     mask = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
     # a snapshot per rank, so that the backlog (total - used) and the tokens disagree on the order
-    loads = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=n, max_size=n))
-    snaps = [LoadSnapshot(dp_rank=r, num_used_tokens=used, num_total_tokens=used + queued, publish_seq=1,
-                          timestamp_ns=1) for r, (used, queued) in enumerate(loads)]
-    budgets = [DPBudget(n, by_tokens=key == "tokens", by_backlog=key == "backlog", rotate_ties=rotate,
-                        inflight_accounting=True, use_extension=use) for use in (True, False)]
+    # and a KV capacity (0: none published) that some of the picks overflow
+    loads = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300), st.integers(0, 700)),
+                               min_size=n, max_size=n))
+    snaps = [LoadSnapshot(dp_rank=r, num_used_tokens=used, num_total_tokens=used + queued, max_total_num_tokens=cap,
+                          publish_seq=1, timestamp_ns=1) for r, (used, queued, cap) in enumerate(loads)]
+    budgets = [DPBudget(n, by_tokens=key == "tokens", by_backlog=key in ("backlog", "headroom"),
+                        by_headroom=key == "headroom", rotate_ties=rotate, inflight_accounting=True,
+                        use_extension=use) for use in (True, False)]
     assert isinstance(budgets[1].core, PyArgminCore) and not isinstance(budgets[0].core, PyArgminCore)
     for b in budgets:
         b.set_candidates(mask)
@@ -543,13 +547,62 @@ def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, key, ops, data)
         assert getattr(budgets[0], name).tolist() == getattr(budgets[1], name).tolist()
 
 
-def test_the_dispatch_bench_prints_both_columns(capsys):
-    from dpboard.bench.dispatch import main
+# -- inflight_ttft: the queued prefill while the KV has room, the KV once it has not ---------------------
 
-    assert main(["--quick", "--ranks", "4", "--batch", "64"]) == 0
-    out = capsys.readouterr().out
-    assert "| total_tokens | 4 | one decision |" in out
-    assert "baseline p50" in out
+
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_inflight_ttft_prefers_ranks_whose_kv_holds_the_prompt(use_extension):
+    reader = ListReader(3)
+    # (used, total = used + waiting seqlens, capacity): rank 0 has no queue but a nearly full KV; rank 1
+    # a queue of 300 tokens and room; rank 2 a queue of 100 and room
+    for r, (used, total) in enumerate([(960, 960), (200, 500), (300, 400)]):
+        reader.snaps[r] = LoadSnapshot(dp_rank=r, num_used_tokens=used, num_total_tokens=total,
+                                       max_total_num_tokens=1000, publish_seq=1, timestamp_ns=1)
+    d = Dispatcher(M.INFLIGHT_TTFT, 3, reader=reader, clock=FakeClock(), use_extension=use_extension)
+    # 100 tokens: rank 0 would hold 960 + 100 > 1000, so it comes last; rank 2's queue (100 + 100)
+    # beats rank 1's (300 + 100). inflight_backlog would take rank 0 (an empty queue).
+    assert d.dispatch(TokReq(num_tokens=100)) == 2
+    backlog = Dispatcher(M.INFLIGHT_BACKLOG, 3, reader=reader, clock=FakeClock(), use_extension=use_extension)
+    assert backlog.dispatch(TokReq(num_tokens=100)) == 0
+    # rank 2 now holds 400 + 100 = 500: a 600-token prompt fits nowhere (960, 500, 500 + 600 > 1000),
+    # and the rank with the fewest tokens plus the prompt frees room first: rank 1 (500) before rank 2
+    # (the 100 just charged: 500), scanning from the rank after the last pick
+    assert d.dispatch(TokReq(num_tokens=600)) == 1
+    assert d.budget.capacity.tolist() == [1000, 1000, 1000]
+
+
+@dataclass
+class HashedReq:
+    """A request as the ZMQ controller hands it over: its prompt and the block hashes of its frame."""
+
+    input_ids: list[int]
+    block_hashes: list[int]
+    routed_dp_rank: int | None = None
+
+
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_inflight_ttft_with_room_everywhere_decides_as_inflight_cache(use_extension):
+    from dpboard.controller.prefix_index import block_hashes
+
+    prompts = [[1000 * (k % 7) + i for i in range(37 * (k % 5 + 1))] for k in range(60)]
+    reqs = [HashedReq(p, block_hashes(p, 4)) for p in prompts]
+    _, reader = cache_dispatcher(n=5)
+
+    def made(method):
+        return Dispatcher(method, 5, reader=reader, clock=FakeClock(), prefix_block_size=4, use_extension=use_extension)
+
+    ttft, cache = made(M.INFLIGHT_TTFT), made(M.INFLIGHT_CACHE)
+    picks = [ttft.dispatch(r) for r in reqs]
+    assert picks == [cache.dispatch(r) for r in reqs]
+    assert ttft.budget.backlog.tolist() == cache.budget.backlog.tolist()  # the same uncached parts charged
+    assert made(M.INFLIGHT_TTFT).dispatch_batch(reqs) == made(M.INFLIGHT_CACHE).dispatch_batch(reqs)
+    # a request that carries no block hashes is not hashed (that would cost more than the decision):
+    # it takes the plain pick, with the same cost and no saving, as inflight_backlog does
+    ttft, backlog = made(M.INFLIGHT_TTFT), made(M.INFLIGHT_BACKLOG)
+    plain = [Req(input_ids=p) for p in prompts]
+    assert [ttft.dispatch(r) for r in plain] == [backlog.dispatch(r) for r in plain]
+    assert made(M.INFLIGHT_TTFT).dispatch_batch(plain) == made(M.INFLIGHT_BACKLOG).dispatch_batch(plain)
+    assert ttft.prefix.held(0) == 0
 
 
 # -- inflight_cache: exact loads plus the controller's prefix index ------------------------------------

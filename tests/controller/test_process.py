@@ -26,7 +26,7 @@ def _controller_cmd(*args: str) -> list[str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("method", ["inflight_tokens", "inflight_backlog", "inflight_cache", "round_robin"])
+@pytest.mark.parametrize("method", ["inflight_tokens", "inflight_backlog", "inflight_cache", "inflight_ttft", "round_robin"])
 def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(board_name, tmp_path, method):
     n = 3
     ep = {r: f"ipc://{tmp_path}/sched-{r}" for r in range(n)}

@@ -119,13 +119,65 @@ def test_a_rank_reports_its_queued_prefill_as_sglang_does():
     assert rank.queued_prefill_tokens == 1_000 + 20_000 - 8192
 
 
-def test_a_cached_prefix_is_not_queued_work():
+def test_an_exact_report_leaves_a_cached_prefix_out_of_the_queue():
     from dpboard.sim.model import RankModel, SimRequest
 
-    rank = RankModel(0, config(chunk=0).rank)
+    rank = RankModel(0, config(chunk=0).rank, queued_prefill="exact")
     first = SimRequest(0, 0.0, 1024, 1, block_ids=(11, 12))
     rank.receive(first, 0.0)
     rank.begin_step(0.0)
     rank.end_step(0.1)  # its two blocks are in the cache now
     rank.receive(SimRequest(1, 0.2, 1536, 1, block_ids=(11, 12, 13)), 0.2)
     assert rank.queued_prefill_tokens == 512
+
+
+def test_sglang_discounts_the_queue_by_its_hit_rate_of_the_last_15_seconds():
+    """SGLang 0.5.23 under its defaults (fcfs, no waiting-queue matching), load_inquirer.py:82-107:
+    each waiting request counts int(seqlen * (1 - hit rate)); metrics_reporter.py:79-97 keeps the
+    hit rate over the prefill batches of the last 15 s."""
+    from dpboard.sim.model import RankModel, SimRequest
+
+    rank = RankModel(0, config(chunk=0).rank)
+    rank.receive(SimRequest(0, 0.0, 1024, 1, block_ids=(11, 12)), 0.0)
+    rank.begin_step(0.0)
+    rank.end_step(0.1)  # no hit: the window holds (0 hit, 1024 total)
+    rank.receive(SimRequest(1, 0.2, 1536, 1, block_ids=(11, 12, 13)), 0.2)
+    assert rank.queued_prefill_tokens == 1536  # a hit rate of 0: the whole prompt, cached or not
+    rank.begin_step(0.2)
+    rank.end_step(0.3)  # 1024 cached, 512 computed: the window is 1024 hit of 2560, 40 %
+    assert rank.recent_hit_rate == pytest.approx(0.4)
+    rank.receive(SimRequest(2, 0.4, 1000, 1), 0.4)
+    rank.receive(SimRequest(3, 0.4, 333, 1), 0.4)
+    # int(1000 * 0.6) + int(333 * 0.6) = 600 + 199, whatever each prompt shares with the cache
+    assert rank.queued_prefill_tokens == 799
+    rank.begin_step(15.2)
+    rank.end_step(15.25)  # the first batch (at 0.1 s) leaves the window; 1333 new tokens, no hit
+    assert rank.recent_hit_rate == pytest.approx(1024 / (1536 + 1333))
+
+
+def test_a_rank_reports_running_and_used_tokens_as_sglang_does():
+    """load_inquirer.py:109-148: num_running_reqs is the running (decode) batch only, and
+    num_used_tokens is the KV allocated, which grows chunk by chunk."""
+    from dpboard.sim.model import RankModel, SimRequest
+
+    rank = RankModel(0, config(chunk=8192).rank)
+    rank.receive(SimRequest(0, 0.0, 1000, 50), 0.0)
+    rank.begin_step(0.0)
+    rank.end_step(0.1)  # prefilled: 1000 prompt tokens and its first token, now decoding
+    rank.receive(SimRequest(1, 0.1, 20_000, 2), 0.1)
+    rank.begin_step(0.1)  # first chunk of the long prompt, 8192 tokens
+    snap = rank.snapshot(0.1, 1)
+    assert rank.num_running == 2  # what the rank holds
+    assert snap.num_running_reqs == 1  # what SGLang reports: the chunked request is not in its running batch
+    assert rank.used_tokens == 1001 + 20_000
+    assert snap.num_used_tokens == 1001 + 8192
+    assert snap.num_total_tokens == 1001 + 8192  # the rest of the chunked prompt is neither used nor waiting
+    rank.end_step(0.2)
+    rank.begin_step(0.2)  # second chunk
+    assert rank.snapshot(0.2, 2).num_used_tokens == 1001 + 16_384
+    rank.end_step(0.3)
+    rank.begin_step(0.3)  # last chunk, 3616 tokens
+    rank.end_step(0.4)
+    snap = rank.snapshot(0.4, 3)
+    assert snap.num_running_reqs == 2
+    assert snap.num_used_tokens == rank.used_tokens == 1001 + 20_001

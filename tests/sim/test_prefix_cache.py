@@ -91,15 +91,24 @@ def test_block_owners_overlap_per_rank():
     assert owners.holds(3, 5) and not owners.holds(1, 1)
 
 
-def test_routed_tree_follows_the_latest_sender_and_evicts_by_size():
+def test_routed_tree_names_the_block_creator_and_evicts_by_size():
     tree = RoutedPrefixTree(3)
     tree.insert([1, 2, 3], sizes_of([1, 2, 3]), rank=0)
     tree.insert([1, 2], sizes_of([1, 2]), rank=1)
     assert tree.longest_match([1, 2, 3, 4]) == (3, 0)
-    assert tree.longest_match([1, 2, 7]) == (2, 1)  # rank 1 was sent block 2 last
+    # block 2 was created by rank 0's prompt; rank 1 sent it later, but the tenant stays the creator
+    assert tree.longest_match([1, 2, 7]) == (2, 0)
     assert tree.longest_match([8]) == (0, -1)
     assert tree.rank_tokens == [3 * BLOCK_TOKENS, 2 * BLOCK_TOKENS, 0]
     # trim rank 0 to one block: its leaves go first, 3 then 2
     assert tree.evict_to(BLOCK_TOKENS) == 3 * BLOCK_TOKENS  # rank 0 drops 2 blocks, rank 1 drops 1
-    assert tree.longest_match([1, 2, 3]) == (1, 1)
+    assert tree.longest_match([1, 2, 3]) == (1, 0)
     assert tree.rank_tokens == [BLOCK_TOKENS, BLOCK_TOKENS, 0]
+    # once the creator no longer holds a block, the next holder is its tenant
+    tree.insert([5], sizes_of([5]), rank=2)
+    tree.insert([5], sizes_of([5]), rank=1)
+    tree.insert([6], sizes_of([6]), rank=2)
+    assert tree.longest_match([5]) == (1, 2)
+    tree.evict_to(BLOCK_TOKENS)  # rank 2 drops block 5, its least recently sent; rank 1 keeps it
+    assert tree.longest_match([5]) == (1, 1)
+    assert tree.rank_tokens == [BLOCK_TOKENS, BLOCK_TOKENS, BLOCK_TOKENS]

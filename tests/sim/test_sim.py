@@ -154,7 +154,7 @@ def test_single_request_ttft_is_transit_plus_prefill():
 #                    A0 B1 C2 | (1000,1000) (100,100) (100,100) from 0 -> D1 | rank 0 (0, 1001),
 #                    rank 1 (0 + D's 100, 201), rank 2 (0, 101), from 2 -> E2, now (10, 111); from 0:
 #                    rank 0's queue is empty -> F0, now (10, 1011); from 1 -> G2 (10, 111) over rank 0
-# vllm:              score max(in flight, waiting + running), scan start moving on after each pick:
+# vllm (one API server): score max(in flight, waiting + running), scan start moving on after each pick:
 #                    A0 B1 C2 (all 0), D from 0: (1,1,1) -> D0 | the coordinator published at 0.1 s
 #                    (waiting, running) = (0,1) on every rank; in flight (2,1,1): from 1 -> E1 (1),
 #                    from 2 -> F2 (1; rank 1 is now 2), from 0: (2,2,2) -> G0
@@ -167,7 +167,7 @@ HAND_EXPECTED = {
     "total_tokens": [0, 1, 2, 0, 1, 2, 1],
     "inflight_requests": [0, 1, 2, 0, 1, 2, 0],
     "inflight_tokens": [0, 1, 2, 1, 2, 2, 2],
-    "vllm": [0, 1, 2, 0, 1, 2, 0],
+    "vllm:api_servers=1": [0, 1, 2, 0, 1, 2, 0],
     "cache_aware": [0, 1, 2, 0, 1, 2, 0],
     "inflight_backlog": [0, 1, 2, 1, 2, 0, 2],
 }
@@ -249,53 +249,62 @@ class FakeRank:
 
 
 class FakeRequest:
+    _next = 0
+
     def __init__(self, rank: int = -1):
+        FakeRequest._next += 1
+        self.rid = FakeRequest._next
         self.routed_dp_rank = None
         self.rank = rank
 
 
+def send(policy, req=None):
+    req = req or FakeRequest()
+    req.rank = policy.dispatch(req)
+    return req
+
+
 def test_vllm_scores_inflight_floor_rotation_and_kv_penalty():
     now = [0.0]
-    policy = VllmPolicy(3, lambda: now[0], stats_interval_s=0.1)
+    policy = VllmPolicy(3, lambda: now[0], stats_interval_s=0.1, api_servers=1)
     # The engines report (waiting, running, kv); the coordinator publishes them at its tick.
     for rank in (FakeRank(0, 2, 3, kv=0.9), FakeRank(1, 0, 4), FakeRank(2, 1, 1, kv=0.75)):
         policy.on_rank_step(rank, 0.0)
     policy.on_tick(0.0, [])
-    req = FakeRequest()
     # scores: rank 0 = max(0, 5) + 2 * 6 * 0.4 = 9.8; rank 1 = 4; rank 2 = max(0, 2) + 1 * 6 * 0.25 = 3.5
-    assert policy.dispatch(req) == 2
+    assert send(policy).rank == 2
     # rank 2 now waits 2 locally: 3 + 2 * 1.5 = 6; rank 1 = 4 (scan starts at 1 now) -> 1
-    assert policy.dispatch(req) == 1
-    assert policy.counts[1][0] == 1 and policy.counts[2][0] == 2 and policy.inflight == [0, 1, 1]
+    assert send(policy).rank == 1
+    counts = policy.counts[0]
+    assert counts[1][0] == 1 and counts[2][0] == 2 and policy.inflight == [[0, 1, 1]]
     # rank 1 = max(1, 5) = 5, rank 2 = 6, rank 0 = 9.8; scan starts at 2 -> rank 1
-    assert policy.dispatch(req) == 1
-    assert policy.start == 0
+    assert send(policy).rank == 1
+    assert policy.start == [0]
 
 
 def test_vllm_inflight_floor_survives_a_stale_publication():
     now = [0.0]
-    policy = VllmPolicy(2, lambda: now[0], stats_interval_s=0.1)
-    req = FakeRequest()
-    picks = [policy.dispatch(req) for _ in range(4)]
-    assert picks == [0, 1, 0, 1] and policy.inflight == [2, 2]
+    policy = VllmPolicy(2, lambda: now[0], stats_interval_s=0.1, api_servers=1)
+    sent = [send(policy) for _ in range(4)]
+    assert [r.rank for r in sent] == [0, 1, 0, 1] and policy.inflight == [[2, 2]]
     # The engines still report empty queues (the requests have not arrived): the publication wipes the
     # local waiting counts, but not the client's own in-flight counts.
     for rank in (FakeRank(0, 0, 0), FakeRank(1, 0, 0)):
         policy.on_rank_step(rank, 0.05)
     policy.on_tick(0.1, [])
     now[0] = 0.1
-    assert policy.dispatch(req) == 0  # (2, 2): a tie, first scanned (the start is back at 0)
-    assert policy.counts == [[1, 0, 0.0], [0, 0, 0.0]] and policy.inflight == [3, 2]
-    assert policy.dispatch(req) == 1
+    assert send(policy).rank == 0  # (2, 2): a tie, first scanned (the start is back at 0)
+    assert policy.counts == [[[1, 0, 0.0], [0, 0, 0.0]]] and policy.inflight == [[3, 2]]
+    assert send(policy).rank == 1
     # a finish drops the floor
-    policy.on_finish(FakeRequest(rank=0))
-    policy.on_finish(FakeRequest(rank=0))
-    assert policy.inflight == [1, 3]
+    policy.on_finish(sent[0])
+    policy.on_finish(sent[2])
+    assert policy.inflight == [[1, 3]]
 
 
 def test_vllm_coordinator_publishes_only_changes():
     now = [0.0]
-    policy = VllmPolicy(2, lambda: now[0], stats_interval_s=0.1, delay_s=0.01)
+    policy = VllmPolicy(2, lambda: now[0], stats_interval_s=0.1, delay_s=0.01, api_servers=1)
     policy.on_rank_step(FakeRank(0, 3, 1), 0.0)
     policy.on_tick(0.0, [])
     assert len(policy._pending) == 1
@@ -304,12 +313,40 @@ def test_vllm_coordinator_publishes_only_changes():
     policy.on_rank_step(FakeRank(0, 3, 1, kv=0.8), 0.05)
     policy.on_tick(0.1, [])
     assert len(policy._pending) == 1
-    req = FakeRequest()
     now[0] = 0.005  # not visible yet
-    assert policy.dispatch(req) == 0 and policy.counts[0][0] == 1
+    assert send(policy).rank == 0 and policy.counts[0][0][0] == 1
     now[0] = 0.2
-    policy.dispatch(req)
-    assert policy.counts[0][:2] == [3, 1]
+    send(policy)
+    assert policy.counts[0][0][:2] == [3, 1]
+
+
+def test_vllm_serve_runs_one_balancer_per_rank_each_blind_to_the_others_in_flight():
+    """vllm serve --data-parallel-size 4 (internal LB): api_server_count = 4 (cli/serve.py), each
+    server a DPLBAsyncMPClient with client_count 4 and start index 4 * client_index // 4
+    (core_client.py). Each scores max(4 * its own in flight, waiting + running) on the same 100 ms
+    counts, and adds client_count (4) to its local waiting count of the engine it picks."""
+    now = [0.0]
+    policy = VllmPolicy(4, lambda: now[0], api_servers=4, seed=0)
+    assert policy.client_count == 4 and policy.start == [0, 1, 2, 3]
+    for rank in (FakeRank(0, 0, 2), FakeRank(1, 0, 1), FakeRank(2, 0, 1), FakeRank(3, 0, 3)):
+        policy.on_rank_step(rank, 0.0)
+    policy.on_tick(0.0, [])
+    # Put the next requests on servers 0 and 1 by hand (the kernel's choice is random).
+    servers = iter([0, 1, 0, 1])
+    policy._rng.randrange = lambda n: next(servers)
+    # server 0, scan from 0: scores (2, 1, 1, 3) -> rank 1 (first of the tie scanned); it now
+    # counts rank 1 as 4 waiting: 4 + 1 = 5
+    a = send(policy)
+    assert a.rank == 1 and policy.counts[0][1][0] == 4
+    # server 1 knows nothing of that pick: scan from 1, scores (2, 1, 1, 3) -> rank 1 again
+    b = send(policy)
+    assert b.rank == 1 and policy.inflight == [[0, 1, 0, 0], [0, 1, 0, 0], [0] * 4, [0] * 4]
+    # server 0 again, scan from 1: rank 1 = max(4 * 1, 4 + 1) = 5, rank 2 = 1 -> rank 2
+    assert send(policy).rank == 2
+    # server 1, scan from 2: rank 2 = 1 in its view (it did not send there) -> rank 2 too
+    assert send(policy).rank == 2
+    policy.on_finish(b)
+    assert policy.inflight[1] == [0, 0, 1, 0]
 
 
 def test_sim_board_delays_visibility():
@@ -344,6 +381,12 @@ def test_bad_methods_and_settings_are_named():
         scenario("calm")
     with pytest.raises(RuntimeError, match="did not drain"):
         Simulation(trace, "vllm", SimConfig(n_ranks=4, drain_limit_s=0.01)).run()
+    with pytest.raises(ValueError, match="--queued-prefill 'cached'"):
+        Simulation(trace, "vllm", SimConfig(n_ranks=4, queued_prefill="cached"))
+    with pytest.raises(ValueError, match="vllm api_servers must be >= 1"):
+        Simulation(trace, "vllm:api_servers=0", SimConfig(n_ranks=4))
+    with pytest.raises(ValueError, match="block_size must divide"):
+        Simulation(trace, "dynamo_kv:block_size=24", SimConfig(n_ranks=4))
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -476,3 +519,14 @@ def test_compare_methods_index_check_needs_an_index():
     )  # fmt: skip
     assert proc.returncode == 2
     assert "--index-check needs a method that keeps a prefix index" in proc.stderr
+
+
+def test_vllm_board_is_every_api_server_reading_the_board_at_each_pick():
+    trace = hand_trace([0.01, 0.02, 0.03], [100, 200, 300], [2, 2, 2], ranks=2)
+    sim = Simulation(trace, "vllm_board", SimConfig(n_ranks=2))
+    dispatcher = sim.policy.dispatcher
+    assert dispatcher.method.value == "inflight_ttft" and dispatcher.refresh_interval == 0
+    assert sim.config.publish.cadence == "step"  # the engines publish from their schedulers every step
+    other = Simulation(trace, "vllm_board:method=inflight_backlog", SimConfig(n_ranks=2))
+    assert other.policy.dispatcher.method.value == "inflight_backlog"
+    assert len(sim.run().requests) == 3
