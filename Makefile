@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 DEMO_ARGS ?= --duration 20
 # The SGLang release the plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
 SGLANG_VERSION ?= 0.5.23
+# The vLLM release the vLLM plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
+VLLM_VERSION ?= 0.33.0
 
 .PHONY: demo test lint bench clean-boards layout
 
@@ -14,6 +16,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_lay
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
+	$(PY) -m pip install -q --no-deps 'vllm==$(VLLM_VERSION)'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -33,11 +33,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpboard.board import validate_name
+from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
 
 ENV_BOARD = "DPBOARD_VLLM_BOARD"
 ENV_ENABLE = "DPBOARD_VLLM"
 ENV_NODE_ID = "DPBOARD_VLLM_NODE_ID"
+ENV_METHOD = "DPBOARD_METHOD"
+ENV_STALE_AFTER = "DPBOARD_STALE_AFTER"
+# Engine cores publish at every step and every 0.25 s while idle: a second of silence is a stuck or
+# dead engine core (or one step longer than that).
+DEFAULT_STALE_AFTER = 1.0
 DERIVED_PREFIX = "vllm-"
 _NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -124,3 +130,28 @@ def settings_from_config(vllm_config: Any, engine_indexes: Sequence[int],
         max_running_requests=int(getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0),
         node_id=node_id(environ),
     )
+
+
+def dispatch_method(environ: Mapping[str, str] = os.environ) -> LoadBalanceMethod | None:
+    """DPBOARD_METHOD: the method the API servers pick engines by; None leaves vLLM's own pick."""
+    raw = environ.get(ENV_METHOD, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_load_balance_method(raw)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{ENV_METHOD}={raw!r}: {e}; unset it to keep vLLM's own pick") from None
+
+
+def stale_after(environ: Mapping[str, str] = os.environ) -> float:
+    raw = environ.get(ENV_STALE_AFTER, "").strip()
+    if not raw:
+        return DEFAULT_STALE_AFTER
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InvalidInputError(f"{ENV_STALE_AFTER}={raw!r} must be a number of seconds > 0 "
+                                f"(default {DEFAULT_STALE_AFTER})")
+    return value

@@ -1,0 +1,77 @@
+"""The vLLM session: vLLM 0.33.0's real modules behind the stand-ins of tests/support/vllm.py, and
+dpboard's general plugin loaded by vLLM's own loader, once, as every vLLM process loads it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.support import vllm as sv
+
+sv.install()
+
+import vllm.plugins as plugins  # noqa: E402
+import vllm.v1.engine.core  # noqa: E402,F401  (loaded before the plugins, as in an engine core)
+from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+
+from dpboard.board import SEGMENT_PREFIX, SHM_DIR  # noqa: E402
+from dpboard.board.sent import SENT_PREFIX  # noqa: E402
+from tests.support.names import new_board_name  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def loaded_plugins() -> None:
+    """vLLM's ``load_general_plugins()`` with VLLM_PLUGINS=dpboard. DPBOARD_METHOD is set while it
+    runs so that the API-server patch is registered too; each client reads it again when built."""
+    saved = {key: os.environ.get(key) for key in ("VLLM_PLUGINS", "DPBOARD_METHOD")}
+    os.environ.update(VLLM_PLUGINS="dpboard", DPBOARD_METHOD="inflight_requests")
+    try:
+        plugins.load_general_plugins()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@dataclass
+class ModelConfig:
+    """Stand-in for vLLM's ModelConfig, which reads a model's files from the Hugging Face hub; the
+    plugin reads one field of it."""
+
+    served_model_name: str = "m"
+
+
+@dataclass
+class Config:
+    """Stand-in for VllmConfig, whose __post_init__ detects the GPU platform; it holds vLLM's own
+    ParallelConfig, CacheConfig and SchedulerConfig."""
+
+    parallel_config: Any
+    cache_config: Any
+    scheduler_config: Any
+    model_config: ModelConfig
+
+
+def vllm_config(dp: int, rank: int = 0, *, api_servers: int = 1) -> Config:
+    parallel = ParallelConfig(data_parallel_size=dp, data_parallel_rank=rank)
+    parallel._api_process_count = api_servers
+    return Config(parallel, CacheConfig(block_size=16), SchedulerConfig(max_num_seqs=64, max_model_len=4096,
+                                                                         is_encoder_decoder=False), ModelConfig())
+
+
+@pytest.fixture
+def board_name(monkeypatch) -> str:
+    """A board named by DPBOARD_VLLM_BOARD (the suite's leak check covers it); removed after, with
+    its sent record."""
+    name = new_board_name()
+    monkeypatch.setenv("DPBOARD_VLLM_BOARD", name)
+    monkeypatch.delenv("DPBOARD_METHOD", raising=False)
+    monkeypatch.delenv("DPBOARD_VLLM", raising=False)
+    yield name
+    for path in (SHM_DIR / f"{SEGMENT_PREFIX}{name}", SHM_DIR / f"{SENT_PREFIX}{name}"):
+        path.unlink(missing_ok=True)
