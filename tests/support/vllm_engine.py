@@ -120,3 +120,28 @@ def engine_request(request_id: str, prompt_len: int, max_tokens: int = 4, *, dat
 def take_in(engine: EngineCoreProc, request: EngineCoreRequest) -> None:
     """What the engine core's input thread then its busy loop do with an ADD (core.py:2000-2012, 1751-1760)."""
     engine._handle_client_request(ADD, (Request.from_engine_core_request(request, None), 0))
+
+
+# -- the API server's side -------------------------------------------------------------------------
+
+
+def make_client(config: Any, n_engines: int, *, client_index: int = 0, client_count: int = 1,
+                first_rank: int = 0) -> Any:
+    """A DPLBAsyncMPClient of vLLM's class, not connected: the attributes its ``__init__`` sets for
+    balancing (core_client.py:1713-1749, and MPClient's ``core_engines``, 738-755); ``lb_engines``
+    is what the coordinator last published, [waiting, running, kv usage] per engine."""
+    from collections import Counter
+
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+    client = object.__new__(DPLBAsyncMPClient)
+    client.vllm_config = config
+    client.client_count = client_count
+    client.client_index = client_index
+    client.reqs_in_flight = {}
+    client.streaming_reqs = set()
+    client.engine_inflight = Counter()
+    client.core_engines = [rank.to_bytes(2, "little") for rank in range(first_rank, first_rank + n_engines)]
+    client.lb_engines = [[0, 0, 0.0] for _ in range(n_engines)]
+    client.eng_start_index = (n_engines * client_index) // client_count
+    return client
