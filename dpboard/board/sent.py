@@ -80,7 +80,7 @@ class SentRecord:
         self._row_writers: dict[int, SentWriter] = {}
 
     @classmethod
-    def open(cls, board: str, rows: int, slots: int, *, timeout: float = 1.0) -> SentRecord:
+    def open(cls, board: str, rows: int, slots: int, *, timeout: float = 5.0) -> SentRecord:
         """Create the record (``rows`` senders, ``slots`` engines), or attach the one that exists
         with that shape; this process owns and later removes the one it creates."""
         name = sent_segment_name(board)
@@ -88,32 +88,35 @@ class SentRecord:
             raise InvalidInputError(f"sent record of board {board!r}: rows must be in [1, {MAX_ROWS}] and slots "
                                     f">= 1, got rows={rows}, slots={slots}")
         size = SENT_HEADER_SIZE + rows * row_size(slots)
+        deadline = time.monotonic() + timeout
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-            created = True
         except posix_ipc.ExistentialError:
-            shm = posix_ipc.SharedMemory(name)
-            created = False
-        try:
-            mapping = mmap.mmap(shm.fd, 0 if not created else size)
-        finally:
-            shm.close_fd()
-        header = np.ndarray((), SENT_HEADER_DTYPE, mapping, 0)
-        if created:
+            shm = None
+        if shm is not None:
+            try:
+                mapping = mmap.mmap(shm.fd, size)
+            finally:
+                shm.close_fd()
+            header = np.ndarray((), SENT_HEADER_DTYPE, mapping, 0)
             header["version"], header["rows"], header["slots"] = SENT_VERSION, rows, slots
             header["row_size"], header["creator_pid"] = row_size(slots), os.getpid()
             header["magic"] = SENT_MAGIC  # last: an attacher that sees the magic sees a whole header
             atexit.register(_unlink, name, os.getpid())
             return cls(board, mapping, rows, slots, owner=True)
+        mapping = _map_when_sized(name, board, deadline)
+        header = np.ndarray((), SENT_HEADER_DTYPE, mapping, 0)
         deadline = time.monotonic() + timeout
-        while bytes(header["magic"]) != SENT_MAGIC.rstrip(b"\x00"):
+        while mapping[0:8] != SENT_MAGIC:
             if time.monotonic() >= deadline:
+                del header
                 mapping.close()
                 raise UnavailableError(f"sent record {name} of board {board!r} was never initialised by its "
                                        f"creator: remove /dev/shm{name} if that process is gone")
             time.sleep(0.005)
         found = (int(header["version"]), int(header["rows"]), int(header["slots"]))
         if found != (SENT_VERSION, rows, slots):
+            del header
             mapping.close()
             raise InvalidInputError(
                 f"sent record {name} of board {board!r} has version {found[0]}, {found[1]} rows and {found[2]} "
@@ -179,6 +182,25 @@ class SentWriter:
 
     def sent(self, slot: int) -> tuple[int, int]:
         return int(self._counts[slot, 0]), int(self._counts[slot, 1])
+
+
+def _map_when_sized(name: str, board: str, deadline: float) -> mmap.mmap:
+    """Map an existing record, once its creator has sized it (it may be a moment behind)."""
+    while True:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise UnavailableError(f"sent record {name} of board {board!r} was removed while opening it; "
+                                   f"retry") from None
+        try:
+            if os.fstat(shm.fd).st_size >= SENT_HEADER_SIZE:
+                return mmap.mmap(shm.fd, 0)
+        finally:
+            shm.close_fd()
+        if time.monotonic() >= deadline:
+            raise UnavailableError(f"sent record {name} of board {board!r} was never sized by its creator: "
+                                   f"remove /dev/shm{name} if that process is gone")
+        time.sleep(0.005)
 
 
 def _unlink(name: str, pid: int) -> None:

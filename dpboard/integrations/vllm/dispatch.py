@@ -10,7 +10,8 @@ internal or hybrid load balancing) picks an engine in ``get_core_engine_for_requ
   DP rank, 2 bytes little-endian), reading the board through ``GlobalInflightReader``, and this API
   server's row of the board's sent record (row ``client_index``, of ``client_count`` rows).
 - ``get_core_engine_for_request``: vLLM's rules, in vLLM's order (core_client.py:1751-1802), with only
-  the load-balancing loop replaced by the dispatcher's pick:
+  the load-balancing loop replaced by the dispatcher's pick (and vLLM's loop again while no engine
+  is live on the board, so that a request always goes to an engine):
   a resumable request opens or keeps a streaming-input session (``streaming_reqs``); a request id
   already in flight goes back to its engine (streaming-input affinity); an explicit
   ``data_parallel_rank``, else vLLM's late-interaction engine index, is taken as it is (and charged
@@ -41,7 +42,7 @@ import numpy as np
 from dpboard.board import Board, BoardReader
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher
-from dpboard.errors import InvalidInputError
+from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.integrations.vllm.settings import (
     DEFAULT_STALE_AFTER,
     ENV_METHOD,
@@ -111,6 +112,7 @@ class ClientDispatch:
         self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks)
         self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.reader, inflight_accounting=False)
         self.request = _Request()
+        self.warned = False
 
     def pick(self, request: Any) -> int:
         """The engine index (into the client's core_engines) for a request vLLM leaves to balancing."""
@@ -125,6 +127,12 @@ class ClientDispatch:
 
     def sent_to(self, index: int, request: Any) -> None:
         self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
+
+    def warn_unavailable(self) -> None:
+        if not self.warned:
+            self.warned = True
+            log.warning("dpboard: no engine of %s is live on board %r; vLLM's own pick decides until one is",
+                        list(self.ranks), self.board.name)
 
     def close(self) -> None:
         self.sent.close()
@@ -198,7 +206,15 @@ def patch(cls: type, late_interaction_index: Any) -> None:
         if index is None:
             index = late_interaction_index(request.pooling_params, len(self.core_engines))
         if index is None:
-            index = state.pick(request)
+            try:
+                index = state.pick(request)
+            except UnavailableError:
+                # no engine is live on the board (all stale or never published): vLLM's own pick,
+                # so that the request still goes somewhere vLLM will answer it from
+                state.warn_unavailable()
+                engine = original_pick(self, request)
+                state.sent_to(self.core_engines.index(engine), request)
+                return engine
         else:
             state.charge(index, request)
         engine = self.core_engines[index]
