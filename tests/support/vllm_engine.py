@@ -20,6 +20,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
@@ -29,6 +30,39 @@ from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import Request
 
 ADD = EngineCoreRequestType.ADD
+
+
+@dataclass
+class ModelConfig:
+    """Stand-in for vLLM's ModelConfig, which reads a model's files from the Hugging Face hub; the
+    plugin reads one field of it."""
+
+    served_model_name: str | None = "m"
+
+
+@dataclass
+class Config:
+    """Stand-in for VllmConfig, whose __post_init__ detects the GPU platform; it holds vLLM's own
+    ParallelConfig, CacheConfig and SchedulerConfig."""
+
+    parallel_config: Any
+    cache_config: Any
+    scheduler_config: Any
+    model_config: ModelConfig
+
+
+def vllm_config(dp: int, rank: int = 0, *, api_servers: int = 1, served_model_name: str | None = "m",
+                max_num_seqs: int = 64, block_size: int = 16, num_gpu_blocks: int | None = None,
+                kv_cache_size_tokens: int | None = None) -> Config:
+    """A deployment's config as a process of it holds it (the cache sizes as the API server has them
+    after the engines' handshake, core_client.py:873-889)."""
+    parallel = ParallelConfig(data_parallel_size=dp, data_parallel_rank=rank)
+    parallel._api_process_count = api_servers
+    cache = CacheConfig(block_size=block_size)
+    cache.num_gpu_blocks = num_gpu_blocks
+    cache.kv_cache_size_tokens = kv_cache_size_tokens
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=4096, is_encoder_decoder=False)
+    return Config(parallel, cache, scheduler, ModelConfig(served_model_name))
 
 
 class TinyScheduler:

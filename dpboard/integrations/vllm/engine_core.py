@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpboard.board import Board, BoardWriter
+from dpboard.integrations.vllm import settings
 from dpboard.integrations.vllm.settings import board_name, node_id
 from dpboard.snapshot import LoadDetail, LoadSnapshot
 
@@ -126,7 +127,7 @@ class EnginePublisher:
     def for_engine(cls, vllm_config: Any, scheduler: Any,
                    environ: Mapping[str, str] = os.environ) -> EnginePublisher | None:
         name = board_name(environ, getattr(vllm_config.model_config, "served_model_name", None))
-        if name is None:
+        if name is None or settings.publisher(environ) != "engines":
             return None
         parallel = vllm_config.parallel_config
         n_slots = int(parallel.data_parallel_size)

@@ -4,8 +4,6 @@ dpboard's general plugin loaded by vLLM's own loader, once, as every vLLM proces
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
@@ -15,11 +13,13 @@ sv.install()
 
 import vllm.plugins as plugins  # noqa: E402
 import vllm.v1.engine.core  # noqa: E402,F401  (loaded before the plugins, as in an engine core)
-from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR  # noqa: E402
 from dpboard.board.sent import SENT_PREFIX  # noqa: E402
 from tests.support.names import new_board_name  # noqa: E402
+from tests.support.vllm_engine import vllm_config  # noqa: E402
+
+__all__ = ["vllm_config"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,32 +36,6 @@ def loaded_plugins() -> None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-@dataclass
-class ModelConfig:
-    """Stand-in for vLLM's ModelConfig, which reads a model's files from the Hugging Face hub; the
-    plugin reads one field of it."""
-
-    served_model_name: str = "m"
-
-
-@dataclass
-class Config:
-    """Stand-in for VllmConfig, whose __post_init__ detects the GPU platform; it holds vLLM's own
-    ParallelConfig, CacheConfig and SchedulerConfig."""
-
-    parallel_config: Any
-    cache_config: Any
-    scheduler_config: Any
-    model_config: ModelConfig
-
-
-def vllm_config(dp: int, rank: int = 0, *, api_servers: int = 1) -> Config:
-    parallel = ParallelConfig(data_parallel_size=dp, data_parallel_rank=rank)
-    parallel._api_process_count = api_servers
-    return Config(parallel, CacheConfig(block_size=16), SchedulerConfig(max_num_seqs=64, max_model_len=4096,
-                                                                         is_encoder_decoder=False), ModelConfig())
 
 
 @pytest.fixture

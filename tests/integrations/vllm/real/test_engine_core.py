@@ -8,8 +8,8 @@ import time
 import vllm.v1.engine.core as core
 
 from dpboard.board import Board
-from dpboard.snapshot import SlotStatus
 from dpboard.integrations.vllm import engine_core
+from dpboard.snapshot import SlotStatus
 from tests.integrations.vllm.real.conftest import vllm_config
 from tests.support.procutil import wait_until
 from tests.support.vllm_engine import TinyScheduler, engine_request, make_engine, take_in

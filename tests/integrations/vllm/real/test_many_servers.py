@@ -61,7 +61,7 @@ def test_sixteen_api_servers_see_one_global_in_flight_count(board_name):
         # the engines take some of them in
         received[:] = [n // 2 for n in sent]
         time.sleep(0.3)  # published
-        expected = [s - r for s, r in zip(sent, received)]
+        expected = [s - r for s, r in zip(sent, received, strict=True)]
         views = [ask(proc, {"op": "in_flight"})["in_flight"] for proc in procs]
         assert all(view == expected for view in views), (expected, views)
         assert sum(expected) > 0
