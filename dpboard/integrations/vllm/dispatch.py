@@ -10,8 +10,8 @@ internal or hybrid load balancing) picks an engine in ``get_core_engine_for_requ
   DP rank, 2 bytes little-endian), reading the board through ``GlobalInflightReader``, and this API
   server's row of the board's sent record (row ``client_index``, of ``client_count`` rows).
 - ``get_core_engine_for_request``: vLLM's rules, in vLLM's order (core_client.py:1751-1802), with only
-  the load-balancing loop replaced by the dispatcher's pick (and vLLM's loop again while no engine
-  is live on the board, so that a request always goes to an engine):
+  the load-balancing loop replaced by the dispatcher's pick (vLLM's loop again while no engine of
+  the client's is LIVE on the board: none has published yet, or the engine-side plugin is off):
   a resumable request opens or keeps a streaming-input session (``streaming_reqs``); a request id
   already in flight goes back to its engine (streaming-input affinity); an explicit
   ``data_parallel_rank``, else vLLM's late-interaction engine index, is taken as it is (and charged
@@ -41,7 +41,7 @@ import numpy as np
 
 from dpboard.board import Board, BoardReader
 from dpboard.board.sent import SentRecord, SentWriter
-from dpboard.controller import Dispatcher
+from dpboard.controller import Dispatcher, LoadBalanceMethod
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.integrations.vllm.settings import (
     DEFAULT_STALE_AFTER,
@@ -50,10 +50,11 @@ from dpboard.integrations.vllm.settings import (
     dispatch_method,
     stale_after,
 )
-from dpboard.snapshot import SNAPSHOT_DTYPE
+from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
 
 log = logging.getLogger("dpboard.vllm")
 
+_LIVE = int(SlotStatus.LIVE)
 STATE = "_dpboard_dispatch"  # the client's attribute holding its ClientDispatch
 CORE_CLIENT = "vllm.v1.engine.core_client"
 
@@ -73,6 +74,7 @@ class GlobalInflightReader:
         self._base = np.zeros(n, np.int64)  # requests sent before an engine's restart: never received
         self._last_received = np.zeros(n, np.int64)
         self.in_flight = np.zeros(n, np.int64)
+        self.any_live = False  # at the last read: whether any of the engines' slots was LIVE
 
     def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
         out = self._records if out is None else out
@@ -81,6 +83,7 @@ class GlobalInflightReader:
         n = len(self._ranks)
         recs = out[:n]
         recs[:] = self._board[self._ranks]
+        self.any_live = bool((recs["status"] == _LIVE).any())
         sent = self._totals[self._ranks]
         received = recs["num_received_reqs"]
         restarted = received < self._last_received  # its counter began again at 0
@@ -118,7 +121,12 @@ class ClientDispatch:
         """The engine index (into the client's core_engines) for a request vLLM leaves to balancing."""
         holder = self.request
         holder.input_ids = request.prompt_token_ids or ()
-        return self.dispatcher.dispatch(holder)
+        index = self.dispatcher.dispatch(holder)
+        if not self.reader.any_live:
+            # no engine publishes (none yet, or their plugin is off): the board knows nothing of load
+            self.dispatcher.retract(index, holder)
+            raise UnavailableError(f"no engine of {list(self.ranks)} is live on board {self.board.name!r}")
+        return index
 
     def charge(self, index: int, request: Any) -> None:
         """A request vLLM routed itself (explicit rank, late-interaction index): counted as load."""
@@ -154,6 +162,9 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
     method = dispatch_method(environ)
     if method is None:
         return None
+    if method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
+        raise InvalidInputError(f"{ENV_METHOD}=follow_bootstrap_room follows SGLang's PD bootstrap rooms, which vLLM's "
+                                f"requests do not carry: pick another method (docs/INTEGRATIONS.md, vLLM)")
     config = client.vllm_config
     name = board_name(environ, getattr(config.model_config, "served_model_name", None))
     if name is None:

@@ -135,7 +135,24 @@ def test_a_bad_method_or_no_board_is_refused_with_the_fix(monkeypatch, board_nam
     monkeypatch.setenv("DPBOARD_METHOD", "fastest")
     with pytest.raises(InvalidInputError, match="DPBOARD_METHOD='fastest'"):
         dispatch.client_dispatch(client)
+    monkeypatch.setenv("DPBOARD_METHOD", "follow_bootstrap_room")
+    with pytest.raises(InvalidInputError, match="which vLLM's requests do not carry"):
+        dispatch.client_dispatch(client)
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     monkeypatch.delenv("DPBOARD_VLLM_BOARD")
     with pytest.raises(InvalidInputError, match="DPBOARD_VLLM_BOARD=NAME"):
         dispatch.client_dispatch(client)
+
+
+def test_while_no_engine_is_live_vllms_own_pick_decides(board_name, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
+    Board.create(board_name, 3).close()  # nobody publishes: every slot EMPTY
+    client = make_client(vllm_config(3), 3, client_index=1, client_count=3)
+    client.lb_engines = [[0, 4, 0.2], [0, 0, 0.0], [0, 9, 0.2]]
+    state = with_board(client, board_name)
+    try:
+        engine = client.get_core_engine_for_request(engine_request("a", 8))
+        assert engine == client.core_engines[1]  # vLLM's score: the empty engine
+        assert client.reqs_in_flight == {"a": engine} and state.sent.totals()[1, 0] == 1
+    finally:
+        state.close()
