@@ -161,21 +161,10 @@ def take_in(engine: EngineCoreProc, request: EngineCoreRequest) -> None:
 
 def make_client(config: Any, n_engines: int, *, client_index: int = 0, client_count: int = 1,
                 first_rank: int = 0) -> Any:
-    """A DPLBAsyncMPClient of vLLM's class, not connected: the attributes its ``__init__`` sets for
-    balancing (core_client.py:1713-1749, and MPClient's ``core_engines``, 738-755); ``lb_engines``
-    is what the coordinator last published, [waiting, running, kv usage] per engine."""
-    from collections import Counter
-
+    """A DPLBAsyncMPClient of vLLM's class, not connected (dpboard.bench.dispatch.unconnected_client)."""
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
-    client = object.__new__(DPLBAsyncMPClient)
-    client.vllm_config = config
-    client.client_count = client_count
-    client.client_index = client_index
-    client.reqs_in_flight = {}
-    client.streaming_reqs = set()
-    client.engine_inflight = Counter()
-    client.core_engines = [rank.to_bytes(2, "little") for rank in range(first_rank, first_rank + n_engines)]
-    client.lb_engines = [[0, 0, 0.0] for _ in range(n_engines)]
-    client.eng_start_index = (n_engines * client_index) // client_count
-    return client
+    from dpboard.bench.dispatch import unconnected_client
+
+    return unconnected_client(DPLBAsyncMPClient, config, n_engines, client_index=client_index,
+                              client_count=client_count, first_rank=first_rank)
