@@ -25,7 +25,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import Request
 
@@ -94,6 +94,15 @@ class TinyScheduler:
         return bool(self.requests)
 
     def step(self) -> tuple[dict, bool]:
+        """Admit, decode one token each, free the finished; their ids go to client 0 as vLLM's
+        outputs do (``EngineCoreOutputs.finished_requests``)."""
+        done = len(self.finished)
+        executed = self._step()
+        if len(self.finished) > done:
+            return {0: EngineCoreOutputs(finished_requests=set(self.finished[done:]))}, executed
+        return {}, executed
+
+    def _step(self) -> bool:
         pool = self.kv_cache_manager.block_pool
         while self.waiting:
             request = self.waiting.peek_request()
@@ -112,7 +121,7 @@ class TinyScheduler:
                 pool.free_blocks(self.blocks.pop(request.request_id))
                 del self.requests[request.request_id]
                 self.finished.append(request.request_id)
-        return {}, bool(self.running)
+        return bool(self.running)
 
 
 @dataclass
@@ -137,6 +146,15 @@ def make_engine(config: Any, scheduler: TinyScheduler) -> EngineCoreProc:
     engine.step_fn = scheduler.step
     engine.check_for_draft_tokens = False
     engine.async_scheduling = False
+    # what run_busy_loop reads (core.py:1172-1290 sets them)
+    engine.input_queue = queue.Queue()
+    engine.aborts_queue = queue.Queue()
+    engine.process_input_queue_block = True
+    engine._idle_state_callbacks = []
+    engine.engines_running = False
+    engine.batch_queue = None
+    engine.publish_dp_lb_stats = False
+    engine.enable_fault_tolerance = False
     return engine
 
 

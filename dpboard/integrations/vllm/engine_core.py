@@ -2,8 +2,8 @@
 
 plugin.py's ``register()`` (the ``vllm.general_plugins`` entry point) calls ``patch()`` on
 ``vllm.v1.engine.core.EngineCoreProc``, the engine-core process's class (``DPEngineCoreProc``
-inherits it). Nothing is read at registration: the board is opened by the engine core on its first
-request or step, from its own ``VllmConfig``, and only when the environment names a board
+inherits it). Nothing is read at registration: the board is opened by the engine core when its busy loop
+first waits for work (``_process_input_queue``), or on its first request or step, from its own ``VllmConfig``, and only when the environment names a board
 (``DPBOARD_VLLM_BOARD=NAME`` or ``DPBOARD_VLLM=1``, as for the stat logger; settings.py).
 
 What an engine core publishes, at the end of every engine step (``_process_engine_step``), read
@@ -57,6 +57,7 @@ def patch(cls: type, add: Any) -> None:
     original_intake = cls._handle_client_request
     original_errors = {name: getattr(cls, name) for name in INPUT_THREAD_ANSWERS}
     original_step = cls._process_engine_step
+    original_wait = cls._process_input_queue
 
     def _handle_client_request(self: Any, request_type: Any, request: Any) -> None:
         if request_type is add:
@@ -85,7 +86,13 @@ def patch(cls: type, add: Any) -> None:
             publisher.publish_from(self.scheduler)
         return executed
 
+    def _process_input_queue(self: Any) -> None:
+        # the busy loop's first call, before an idle engine blocks on its queue: the slot from the start
+        engine_publisher(self)
+        return original_wait(self)
+
     cls._handle_client_request = _handle_client_request
+    cls._process_input_queue = _process_input_queue
     for name in INPUT_THREAD_ANSWERS:
         setattr(cls, name, answered_by_input_thread(name))
     cls._process_engine_step = _process_engine_step
