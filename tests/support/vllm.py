@@ -32,6 +32,8 @@ import sys
 import types
 from typing import Any
 
+from tests.support.wheels import wheel_missing
+
 VLLM_VERSION = "0.33.0"
 TORCH_VERSION = "2.14.0"  # the torch the vLLM 0.33.0 wheel requires (its METADATA)
 HOW_TO_GET = (f"install vLLM's wheel alone: `.venv/bin/pip install --no-deps vllm=={VLLM_VERSION}` "
@@ -48,15 +50,13 @@ STAND_INS: dict[str, str] = {
 
 def vllm_missing() -> str | None:
     """Why the vLLM tests cannot run here (None when they can)."""
-    if importlib.util.find_spec("vllm") is None:  # find_spec does not run vllm/__init__.py
-        return f"vLLM is not installed: {HOW_TO_GET}"
-    version = importlib.metadata.version("vllm")
-    if version != VLLM_VERSION:
-        return f"vLLM {version} is installed; these tests are for {VLLM_VERSION}: {HOW_TO_GET}"
-    for name in STAND_INS:
-        if importlib.util.find_spec(name) is not None and name not in sys.modules:
-            return (f"{name} is installed in this environment; the vLLM tests run vLLM's wheel without it "
-                    f"(`pip uninstall {name}`)")
+    missing = wheel_missing("vllm", VLLM_VERSION, "vLLM", HOW_TO_GET)
+    if missing:
+        return missing
+    installed = [name for name in STAND_INS if name not in sys.modules and importlib.util.find_spec(name)]
+    if installed:
+        return (f"{', '.join(installed)} installed in this environment: the vLLM tests run vLLM's wheel without "
+                f"them (`pip uninstall {' '.join(installed)}`)")
     return None
 
 

@@ -27,6 +27,7 @@ them in the API-server process (paths in the 0.33.0 wheel):
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ from typing import Any
 from dpboard.board import validate_name
 from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
+from dpboard.options import seconds
 
 ENV_BOARD = "DPBOARD_VLLM_BOARD"
 ENV_ENABLE = "DPBOARD_VLLM"
@@ -162,10 +164,6 @@ def stale_after(environ: Mapping[str, str] = os.environ) -> float:
     if not raw:
         return DEFAULT_STALE_AFTER
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InvalidInputError(f"{ENV_STALE_AFTER}={raw!r} must be a number of seconds > 0 "
-                                f"(default {DEFAULT_STALE_AFTER})")
-    return value
+        return seconds()(raw)
+    except argparse.ArgumentTypeError as e:
+        raise InvalidInputError(f"{ENV_STALE_AFTER}: {e} (default {DEFAULT_STALE_AFTER})") from None

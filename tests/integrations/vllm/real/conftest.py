@@ -3,8 +3,6 @@ dpboard's general plugin loaded by vLLM's own loader, once, as every vLLM proces
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.support import vllm as sv
@@ -26,16 +24,10 @@ __all__ = ["vllm_config"]
 def loaded_plugins() -> None:
     """vLLM's ``load_general_plugins()`` with VLLM_PLUGINS=dpboard. DPBOARD_METHOD is set while it
     runs so that the API-server patch is registered too; each client reads it again when built."""
-    saved = {key: os.environ.get(key) for key in ("VLLM_PLUGINS", "DPBOARD_METHOD")}
-    os.environ.update(VLLM_PLUGINS="dpboard", DPBOARD_METHOD="inflight_requests")
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_PLUGINS", "dpboard")
+        env.setenv("DPBOARD_METHOD", "inflight_requests")
         plugins.load_general_plugins()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ keeping vLLM's own rules, and exactly as vLLM does without it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 
 import pytest
@@ -26,11 +27,25 @@ def with_board(client, board_name):
     return state
 
 
-def publish(board, rank, *, running=0, waiting=0, received=0):
-    writer = board.writer(rank)
-    writer.publish(LoadSnapshot(dp_rank=rank, num_running_reqs=running, num_waiting_reqs=waiting,
-                                max_total_num_tokens=1000, num_received_reqs=received))
-    return writer
+@contextlib.contextmanager
+def engines_on_board(board_name, running, *, n_engines=None, first_rank=0):
+    """A board whose engines publish ``running`` requests each, and a client over ``n_engines`` of
+    them from ``first_rank`` (all by default) picking through it; yields (client, state)."""
+    board = Board.create(board_name, len(running))
+    writers = []
+    for rank, load in enumerate(running):
+        writers.append(board.writer(rank))
+        writers[-1].publish(LoadSnapshot(dp_rank=rank, num_running_reqs=load, max_total_num_tokens=1000))
+    client = make_client(vllm_config(len(running)), n_engines or len(running), first_rank=first_rank)
+    state = with_board(client, board_name)
+    try:
+        yield client, state
+    finally:
+        state.close()
+        for w in writers:
+            w.close()
+        board.close()
+        board.unlink()
 
 
 def test_the_plugin_wraps_vllms_client():
@@ -56,11 +71,7 @@ def test_without_dpboard_method_vllms_pick_is_untouched(monkeypatch):
 
 def test_dpboard_method_picks_the_least_loaded_engine_on_the_board(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
-    board = Board.create(board_name, 4)
-    writers = [publish(board, r, running=load) for r, load in enumerate([5, 1, 3, 2])]
-    client = make_client(vllm_config(4), 4)
-    state = with_board(client, board_name)
-    try:
+    with engines_on_board(board_name, [5, 1, 3, 2]) as (client, state):
         picks = [client.get_core_engine_for_request(engine_request(f"r{i}", 8)) for i in range(4)]
         ranks = [int.from_bytes(e, "little") for e in picks]
         # running 5,1,3,2; each pick adds one; equal loads go to the first rank after the last pick
@@ -69,21 +80,11 @@ def test_dpboard_method_picks_the_least_loaded_engine_on_the_board(board_name, m
         assert client.reqs_in_flight == {f"r{i}": picks[i] for i in range(4)}
         assert state.sent.totals()[:, 0].tolist() == [0, 2, 1, 1]
         assert client.lb_engines == [[0, 0, 0.0]] * 4  # vLLM's coordinator counts are not touched
-    finally:
-        state.close()
-        for w in writers:
-            w.close()
-        board.close()
-        board.unlink()
 
 
 def test_vllms_own_routing_rules_hold_with_dpboard_method(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
-    board = Board.create(board_name, 4)
-    writers = [publish(board, r, running=load) for r, load in enumerate([0, 9, 9, 9])]
-    client = make_client(vllm_config(4), 4)
-    state = with_board(client, board_name)
-    try:
+    with engines_on_board(board_name, [0, 9, 9, 9]) as (client, state):
         # an explicit data_parallel_rank is kept, and charged
         assert client.get_core_engine_for_request(engine_request("x", 8, data_parallel_rank=2)) == client.core_engines[2]
         # streaming input: the session's later chunks go where its first went, and count as sent there
@@ -104,30 +105,14 @@ def test_vllms_own_routing_rules_hold_with_dpboard_method(board_name, monkeypatc
         outputs = EngineCoreOutputs(engine_index=2, finished_requests={"x"})
         asyncio.run(DPLBAsyncMPClient.process_engine_outputs(client, outputs))
         assert "x" not in client.reqs_in_flight and client.engine_inflight[client.core_engines[2]] == 0
-    finally:
-        state.close()
-        for w in writers:
-            w.close()
-        board.close()
-        board.unlink()
 
 
 def test_hybrid_client_maps_its_local_engines_to_their_global_slots(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
-    board = Board.create(board_name, 8)
-    writers = [publish(board, r, running=9) for r in range(8)]
-    writers[6].publish(LoadSnapshot(dp_rank=6, max_total_num_tokens=1000))  # idle
-    client = make_client(vllm_config(8), 4, first_rank=4)  # this node's engines: ranks 4..7
-    state = with_board(client, board_name)
-    try:
+    # this node's engines: ranks 4..7; rank 6 idle
+    with engines_on_board(board_name, [9, 9, 9, 9, 9, 9, 0, 9], n_engines=4, first_rank=4) as (client, state):
         assert client.get_core_engine_for_request(engine_request("a", 8)) == (6).to_bytes(2, "little")
         assert state.sent.totals()[6, 0] == 1
-    finally:
-        state.close()
-        for w in writers:
-            w.close()
-        board.close()
-        board.unlink()
 
 
 def test_a_bad_method_or_no_board_is_refused_with_the_fix(monkeypatch, board_name):
