@@ -105,3 +105,18 @@ def test_an_idle_engine_stays_live_and_a_dead_one_goes_stale(board_name):
     time.sleep(0.8)
     assert reader.status(1) is SlotStatus.STALE
     board.close()
+
+
+def test_an_engine_on_another_node_stamps_its_node_for_the_relay(board_name, monkeypatch):
+    monkeypatch.setenv("DPBOARD_VLLM_NODE_ID", "2")
+    engine = make_engine(vllm_config(4, 3), TinyScheduler())
+    try:
+        take_in(engine, engine_request("a", 4))
+        engine._process_engine_step()
+        board = Board.attach(board_name)
+        assert board.node_id == 2  # the engine core created its node's board
+        snap = board.reader().read(3)
+        assert (snap.node_id, snap.num_received_reqs) == (2, 1)  # what `dpboard relay --node-id 2` forwards
+        board.close()
+    finally:
+        close(engine)
