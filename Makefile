@@ -8,7 +8,9 @@ DEMO_ARGS ?= --duration 20
 # `pip check` do not report the engine's own (uninstalled) dependencies. tests/conftest.py puts
 # the folder on sys.path and PYTHONPATH. Another engine is one more entry of ENGINE_WHEELS.
 SGLANG_VERSION ?= 0.5.23
-ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION)
+# The vLLM release the vLLM plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
+VLLM_VERSION ?= 0.33.0
+ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION) vllm==$(VLLM_VERSION)
 ENGINE_DIR := $(VENV)/engines
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h

@@ -15,6 +15,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(verdicts))
     print()
     print(prefix_index_table(max(args.ranks), 200 if args.quick else 2000, rng))
+    print()
+    print(vllm_pick_table(VLLM_ENGINES, 100 if args.quick else 1000, rng))
     write_json(args.json, {"machine": machine_line(), "quick": args.quick, "dispatch": figures})
     return 0
 
@@ -264,6 +267,110 @@ def prefix_index_table(n_ranks: int, repeats: int, rng: random.Random) -> str:
     return (f"### prefix index, per request ({n_ranks} ranks, {DEFAULT_BLOCK_SIZE}-token blocks, "
             f"{len(index._holders)} blocks indexed)\n\n"
             + markdown_table(["prompt tokens", "what", "p50", "p99"], rows))
+
+
+# -- vLLM's API-server pick, with and without the board ------------------------------------------------
+
+VLLM_ENGINES = (16, 64, 256)
+
+
+def unconnected_client(cls: type, vllm_config: object, n_engines: int, *, client_index: int = 0,
+                       client_count: int = 1, first_rank: int = 0) -> object:
+    """A vLLM ``DPLBAsyncMPClient`` (``cls``) not connected to engines: the attributes its
+    ``__init__`` sets for balancing (vllm/v1/engine/core_client.py:1713-1749 in 0.33.0, and MPClient's
+    ``core_engines``, 738-755); ``lb_engines`` is what vLLM's coordinator last published."""
+    from collections import Counter
+
+    client = object.__new__(cls)
+    client.vllm_config = vllm_config
+    client.client_count = client_count
+    client.client_index = client_index
+    client.reqs_in_flight = {}
+    client.streaming_reqs = set()
+    client.engine_inflight = Counter()
+    client.core_engines = [rank.to_bytes(2, "little") for rank in range(first_rank, first_rank + n_engines)]
+    client.lb_engines = [[0, 0, 0.0] for _ in range(n_engines)]
+    client.eng_start_index = (n_engines * client_index) // client_count
+    return client
+
+
+def _time_picks(pick: Callable, client: Any, reqs: Sequence, counts: list, blocks: int,
+                refresh_board: Callable) -> np.ndarray:
+    samples = np.empty(blocks)
+    t = time.perf_counter_ns
+    for b in range(blocks):
+        # vLLM finished the last block's requests, and its coordinator published its counts again
+        client.reqs_in_flight.clear()
+        client.engine_inflight.clear()
+        client.lb_engines = [list(c) for c in counts]
+        if b % 16 == 0:
+            refresh_board()
+        a = t()
+        for req in reqs:
+            pick(client, req)
+        samples[b] = (t() - a) / len(reqs)
+    return samples
+
+
+def vllm_pick_table(engine_counts: Sequence[int], blocks: int, rng: random.Random) -> str:
+    """One ``get_core_engine_for_request`` of vLLM's ``DPLBAsyncMPClient``, in this process: vLLM's own
+    scoring loop over the coordinator's counts, beside the same call through dpboard's plugin with
+    ``DPBOARD_METHOD=inflight_requests`` (the Dispatcher over a real board, and the sent record)."""
+    try:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.core_client import DPLBAsyncMPClient
+        from vllm.v1.pool.late_interaction import get_late_interaction_engine_index
+    except Exception as e:  # no vLLM here, or one that cannot import (no torch)
+        return (f"### vLLM's pick\n\nvLLM's client does not import in this process ({type(e).__name__}: {e}); "
+                f"these rows need vLLM 0.33.0 installed beside dpboard.\n")
+    from types import SimpleNamespace
+
+    from dpboard.integrations.vllm import dispatch
+
+    dispatch.patch(DPLBAsyncMPClient, get_late_interaction_engine_index)
+    vllm_pick = DPLBAsyncMPClient._dpboard_original_pick
+    rows = []
+    for n in engine_counts:
+        name = f"bench-vllm-{os.getpid()}-{n}"
+        config = SimpleNamespace(model_config=SimpleNamespace(served_model_name=None),
+                                 parallel_config=SimpleNamespace(data_parallel_size=n))
+        with Board.create(name, n_slots=n) as board:
+            writers = [board.writer(r) for r in range(n)]
+            _publish_all(board, writers, rng)
+            ours = unconnected_client(DPLBAsyncMPClient, config, n)
+            state = dispatch.client_dispatch(ours, {"DPBOARD_VLLM_BOARD": name, "DPBOARD_METHOD": "inflight_requests"})
+            setattr(ours, dispatch.STATE, state)
+            theirs = unconnected_client(DPLBAsyncMPClient, config, n)
+            counts = [[rng.randint(0, 50), rng.randint(0, 50), rng.random()] for _ in range(n)]
+            reqs = [EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[0] * rng.randint(16, 4096),
+                                      mm_features=None, sampling_params=SamplingParams(max_tokens=16),
+                                      pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+                                      data_parallel_rank=None) for i in range(256)]
+
+            again = functools.partial(_publish_all, board, writers, rng)
+            plugin_pick = DPLBAsyncMPClient.get_core_engine_for_request
+            try:
+                _time_picks(plugin_pick, ours, reqs, counts, 5, again)  # warm both up
+                _time_picks(vllm_pick, theirs, reqs, counts, 5, again)
+                ours_s = np.concatenate([_time_picks(plugin_pick, ours, reqs, counts, blocks // 2, again)
+                                         for _ in range(2)])
+                base_s = np.concatenate([_time_picks(vllm_pick, theirs, reqs, counts, blocks // 2, again)
+                                         for _ in range(2)])
+            finally:
+                state.sent.unlink()
+                state.close()
+                for w in writers:
+                    w.close()
+        rows.append([n, fmt_ns(pct(ours_s, 50)), fmt_ns(pct(ours_s, 90)), fmt_ns(pct(ours_s, 99)),
+                     fmt_ns(pct(base_s, 50)), fmt_ns(pct(base_s, 90)), fmt_ns(pct(base_s, 99)),
+                     f"{pct(base_s, 50) / pct(ours_s, 50):.1f}x"])
+    return ("### vLLM's pick, per request (`DPLBAsyncMPClient.get_core_engine_for_request`, one API server)\n\n"
+            "through dpboard = the plugin with DPBOARD_METHOD=inflight_requests (Dispatcher over a real board, "
+            "the sent record); vLLM = its own scoring loop over the coordinator's counts; both in this process, "
+            "vLLM's bookkeeping included.\n\n"
+            + markdown_table(["engines", "through dpboard p50", "p90", "p99", "vLLM's loop p50", "p90", "p99",
+                              "speed-up p50"], rows))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tests.support.wheels import wheel_missing
+
 SGLANG_VERSION = "0.5.23"
 HOW_TO_GET = (f"install SGLang's wheel alone: `.venv/bin/pip install --no-deps --target .venv/engines sglang=={SGLANG_VERSION}` "
               f"(`make test` does it)")
@@ -38,12 +40,7 @@ HOW_TO_GET = (f"install SGLang's wheel alone: `.venv/bin/pip install --no-deps -
 
 def sglang_missing() -> str | None:
     """Why the SGLang tests cannot run here (None when they can)."""
-    if importlib.util.find_spec("sglang") is None:  # find_spec does not run sglang/__init__.py
-        return f"SGLang is not installed: {HOW_TO_GET}"
-    version = importlib.metadata.version("sglang")
-    if version != SGLANG_VERSION:
-        return f"SGLang {version} is installed; these tests are for {SGLANG_VERSION}: {HOW_TO_GET}"
-    return None
+    return wheel_missing("sglang", SGLANG_VERSION, "SGLang", HOW_TO_GET)
 
 
 def sglang_root() -> Path:

@@ -1,13 +1,18 @@
-"""vLLM's engines on a board: a stat-logger plugin (entry-point group ``vllm.stat_logger_plugins``).
+"""vLLM's engines on a board, both ways (docs/INTEGRATIONS.md, vLLM).
 
-- ``settings.py`` — ``VllmBoardSettings`` and ``settings_from_config``: whether the plugin is on, the
-  board's name and shape, and each engine's KV capacity, read from a ``VllmConfig`` and the
-  environment (no vLLM import).
-- ``engines.py`` — ``EngineBoard``: one slot per DP engine, written from plain numbers (running,
-  waiting, KV usage, prefix-cache and generation counts); keeps idle engines live (no vLLM import).
-- ``stat_logger.py`` — ``DpboardStatLogger``, the class vLLM loads: a thin
-  ``AggregateStatLoggerBase`` that hands each engine's ``SchedulerStats`` to ``EngineBoard``. The
-  only module that imports vLLM, and only vLLM's loader imports it.
+- ``plugin.py`` — ``register()``, the ``vllm.general_plugins`` entry point vLLM runs in every
+  process: it patches the engine core's class, and with ``DPBOARD_METHOD`` the API server's
+  load-balancing client, in whichever process loads them.
+- ``engine_core.py`` — ``EnginePublisher``: each engine core publishes its scheduler's load and the
+  requests it took in into its rank's slot, at every step, and keeps an idle engine live.
+- ``dispatch.py`` — ``ClientDispatch``: ``DPLBAsyncMPClient.get_core_engine_for_request`` picks
+  through dpboard's ``Dispatcher``, keeping vLLM's routing rules, with every API server's in-flight
+  requests from the sent record beside the board (``dpboard.board.sent``).
+- ``settings.py`` — what the environment asks for (board, method, publisher, node id) and what a
+  ``VllmConfig`` says, read by attribute (no vLLM import).
+- ``stat_logger.py`` and ``engines.py`` — the other publisher (``DPBOARD_VLLM_PUBLISHER=stat_logger``):
+  a ``vllm.stat_logger_plugins`` class in the API server, republishing the stats engines send it.
 
-docs/INTEGRATIONS.md says how to run it and what it can and cannot report.
+Only ``stat_logger.py`` imports vLLM at module level; the others reach vLLM's classes through the
+modules vLLM itself loaded.
 """

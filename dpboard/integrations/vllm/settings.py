@@ -1,9 +1,10 @@
 """What the vLLM plugin publishes where, read from a ``VllmConfig`` and the environment.
 
-The plugin is off unless the environment asks for it, because vLLM loads every installed stat-logger
-plugin into every ``vllm serve``: ``DPBOARD_VLLM_BOARD=NAME`` publishes into board NAME, and
+The plugin is off unless the environment asks for it, because vLLM loads every installed plugin into
+every ``vllm serve``: ``DPBOARD_VLLM_BOARD=NAME`` publishes into board NAME, and
 ``DPBOARD_VLLM=1`` into ``vllm-<served model name>``. ``DPBOARD_VLLM_NODE_ID=K`` stamps node K on
-the slots (for ``dpboard relay`` on node K; default 0). Both names are stable across the API-server
+the slots (for ``dpboard relay`` on node K; default 0). ``DPBOARD_VLLM_PUBLISHER`` says who writes
+the slots: ``engines`` (the default; engine_core.py) or ``stat_logger`` (stat_logger.py). Both names are stable across the API-server
 processes and restarts of one deployment; vLLM's own ``instance_id`` is not (``VllmConfig``
 sets it to ``time.time_ns()`` in each process, vllm/config/vllm.py:1513 in 0.33.0).
 
@@ -26,6 +27,7 @@ them in the API-server process (paths in the 0.33.0 wheel):
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -33,11 +35,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpboard.board import validate_name
+from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
+from dpboard.options import seconds
 
 ENV_BOARD = "DPBOARD_VLLM_BOARD"
 ENV_ENABLE = "DPBOARD_VLLM"
 ENV_NODE_ID = "DPBOARD_VLLM_NODE_ID"
+ENV_PUBLISHER = "DPBOARD_VLLM_PUBLISHER"
+PUBLISHERS = ("engines", "stat_logger")
+ENV_METHOD = "DPBOARD_METHOD"
+ENV_STALE_AFTER = "DPBOARD_STALE_AFTER"
+# Engine cores publish at every step and every 0.25 s while idle: a second of silence is a stuck or
+# dead engine core (or one step longer than that).
+DEFAULT_STALE_AFTER = 1.0
 DERIVED_PREFIX = "vllm-"
 _NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -70,6 +81,17 @@ def board_name(environ: Mapping[str, str], served_model_name: str | None) -> str
     return (DERIVED_PREFIX + _NOT_IN_A_NAME.sub("-", served_model_name).strip("-"))[:64]
 
 
+def publisher(environ: Mapping[str, str] = os.environ) -> str:
+    """Who writes the slots: ``engines`` (the default: each engine core, from its scheduler) or
+    ``stat_logger`` (the API server, from the stats the engines send it). One of them: both would
+    claim the same slots."""
+    value = environ.get(ENV_PUBLISHER, "").strip().lower() or PUBLISHERS[0]
+    if value not in PUBLISHERS:
+        raise InvalidInputError(f"{ENV_PUBLISHER}={value!r}: use one of {', '.join(PUBLISHERS)} "
+                                f"(default {PUBLISHERS[0]})")
+    return value
+
+
 def node_id(environ: Mapping[str, str]) -> int:
     raw = environ.get(ENV_NODE_ID, "").strip() or "0"
     try:
@@ -98,7 +120,7 @@ def settings_from_config(vllm_config: Any, engine_indexes: Sequence[int],
                          environ: Mapping[str, str] = os.environ) -> VllmBoardSettings | None:
     """The plugin's settings for one API server, or None when the environment leaves it off."""
     name = board_name(environ, getattr(vllm_config.model_config, "served_model_name", None))
-    if name is None:
+    if name is None or publisher(environ) != "stat_logger":
         return None
     parallel = vllm_config.parallel_config
     api_servers = getattr(parallel, "_api_process_count", 1)
@@ -124,3 +146,24 @@ def settings_from_config(vllm_config: Any, engine_indexes: Sequence[int],
         max_running_requests=int(getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0),
         node_id=node_id(environ),
     )
+
+
+def dispatch_method(environ: Mapping[str, str] = os.environ) -> LoadBalanceMethod | None:
+    """DPBOARD_METHOD: the method the API servers pick engines by; None leaves vLLM's own pick."""
+    raw = environ.get(ENV_METHOD, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_load_balance_method(raw)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{ENV_METHOD}={raw!r}: {e}; unset it to keep vLLM's own pick") from None
+
+
+def stale_after(environ: Mapping[str, str] = os.environ) -> float:
+    raw = environ.get(ENV_STALE_AFTER, "").strip()
+    if not raw:
+        return DEFAULT_STALE_AFTER
+    try:
+        return seconds()(raw)
+    except argparse.ArgumentTypeError as e:
+        raise InvalidInputError(f"{ENV_STALE_AFTER}: {e} (default {DEFAULT_STALE_AFTER})") from None

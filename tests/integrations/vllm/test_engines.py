@@ -1,4 +1,4 @@
-"""The vLLM plugin's core, without vLLM: settings read from a config shaped like vLLM 0.33.0's, and
+"""The vLLM stat logger's core, without vLLM: settings read by attribute from a config's fields, and
 EngineBoard writing a real board under an injected clock."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,6 @@ from dpboard.integrations.vllm.settings import (
     engine_capacity_tokens,
     settings_from_config,
 )
-from tests.support import vllm_contract as vllm
 from tests.support.names import ROOT
 from tests.support.procutil import read_line
 
@@ -32,12 +32,23 @@ class FakeClock:
         return self.now
 
 
-def config(dp: int = 4, **cache: object) -> vllm.VllmConfig:
-    return vllm.VllmConfig(
-        model_config=vllm.ModelConfig(served_model_name="org/Model-8B"),
-        cache_config=vllm.CacheConfig(**cache),
-        parallel_config=vllm.ParallelConfig(data_parallel_size=dp),
-        scheduler_config=vllm.SchedulerConfig(max_num_seqs=256),
+STAT_LOGGER = {"DPBOARD_VLLM_PUBLISHER": "stat_logger"}
+
+
+def cache_config(block_size: int = 16, num_gpu_blocks: int | None = None,
+                 kv_cache_size_tokens: int | None = None) -> SimpleNamespace:
+    """The CacheConfig fields the settings read (vLLM's own CacheConfig is tested in tests/integrations/vllm/real)."""
+    return SimpleNamespace(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                           kv_cache_size_tokens=kv_cache_size_tokens)
+
+
+def config(dp: int = 4, **cache: object) -> SimpleNamespace:
+    """A VllmConfig's fields as settings.py reads them, by attribute (it imports no vLLM)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name="org/Model-8B"),
+        cache_config=cache_config(**cache),
+        parallel_config=SimpleNamespace(data_parallel_size=dp, _api_process_count=1),
+        scheduler_config=SimpleNamespace(max_num_seqs=256),
     )
 
 
@@ -62,15 +73,15 @@ def test_board_name_explicit_or_after_the_served_model():
 
 def test_capacity_is_per_engine():
     # vLLM's own per-engine figure first; num_gpu_blocks in the API server is the sum over its engines.
-    assert engine_capacity_tokens(vllm.CacheConfig(block_size=16, num_gpu_blocks=4000, kv_cache_size_tokens=15000), 4) == 15000
-    assert engine_capacity_tokens(vllm.CacheConfig(block_size=16, num_gpu_blocks=4000), 4) == 16000
-    assert engine_capacity_tokens(vllm.CacheConfig(block_size=16, num_gpu_blocks=4000), 1) == 64000
-    assert engine_capacity_tokens(vllm.CacheConfig(block_size=16), 4) == 0
+    assert engine_capacity_tokens(cache_config(block_size=16, num_gpu_blocks=4000, kv_cache_size_tokens=15000), 4) == 15000
+    assert engine_capacity_tokens(cache_config(block_size=16, num_gpu_blocks=4000), 4) == 16000
+    assert engine_capacity_tokens(cache_config(block_size=16, num_gpu_blocks=4000), 1) == 64000
+    assert engine_capacity_tokens(cache_config(block_size=16), 4) == 0
 
 
 def test_settings_from_config():
     settings = settings_from_config(config(dp=4, block_size=32, num_gpu_blocks=800), [2, 3],
-                                    environ={"DPBOARD_VLLM_BOARD": "b"})
+                                    environ={"DPBOARD_VLLM_BOARD": "b", **STAT_LOGGER})
     assert settings == VllmBoardSettings(board="b", n_slots=4, engine_indexes=(2, 3), capacity_tokens=400 * 32,
                                          max_running_requests=256)
 
@@ -79,21 +90,21 @@ def test_more_than_one_api_server_is_refused_with_the_fix():
     cfg = config()
     cfg.parallel_config._api_process_count = 4
     with pytest.raises(InvalidInputError) as e:
-        settings_from_config(cfg, [0, 1, 2, 3], environ={"DPBOARD_VLLM_BOARD": "b"})
+        settings_from_config(cfg, [0, 1, 2, 3], environ={"DPBOARD_VLLM_BOARD": "b", **STAT_LOGGER})
     assert "--api-server-count 1" in str(e.value) and "runs 4 API servers" in str(e.value)
 
 
 def test_node_id_from_the_environment():
-    env = {"DPBOARD_VLLM_BOARD": "b", "DPBOARD_VLLM_NODE_ID": "3"}
+    env = {"DPBOARD_VLLM_BOARD": "b", "DPBOARD_VLLM_NODE_ID": "3", **STAT_LOGGER}
     assert settings_from_config(config(), [0], environ=env).node_id == 3
-    assert settings_from_config(config(), [0], environ={"DPBOARD_VLLM_BOARD": "b"}).node_id == 0
+    assert settings_from_config(config(), [0], environ={"DPBOARD_VLLM_BOARD": "b", **STAT_LOGGER}).node_id == 0
     with pytest.raises(InvalidInputError, match="DPBOARD_VLLM_NODE_ID='x' is not a node id"):
         settings_from_config(config(), [0], environ={**env, "DPBOARD_VLLM_NODE_ID": "x"})
 
 
 def test_engine_outside_the_dp_size_is_refused():
     with pytest.raises(InvalidInputError, match=r"\[0, 4\] are not DP ranks of a data_parallel_size 4"):
-        settings_from_config(config(dp=4), [0, 4], environ={"DPBOARD_VLLM_BOARD": "b"})
+        settings_from_config(config(dp=4), [0, 4], environ={"DPBOARD_VLLM_BOARD": "b", **STAT_LOGGER})
 
 
 # -- the hit rate window ----------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""The API-server side, opt-in with ``DPBOARD_METHOD``: vLLM's load-balancing client picks its engine
+through dpboard's ``Dispatcher`` reading the board.
+
+``vllm.v1.engine.core_client.DPLBAsyncMPClient`` (vLLM 0.33.0; one per API-server process under
+internal or hybrid load balancing) picks an engine in ``get_core_engine_for_request``. With
+``DPBOARD_METHOD`` set, ``patch()`` wraps two of its methods:
+
+- ``__init__`` (after): a ``ClientDispatch`` for the client: a ``Dispatcher`` with that method over
+  the engines the client manages (``core_engines``, in rank order; an engine's identity is its global
+  DP rank, 2 bytes little-endian), reading the board through ``GlobalInflightReader``, and this API
+  server's row of the board's sent record (row ``client_index``, of ``client_count`` rows).
+- ``get_core_engine_for_request``: vLLM's rules, in vLLM's order (core_client.py:1751-1802), with only
+  the load-balancing loop replaced by the dispatcher's pick (vLLM's loop again while no engine of
+  the client's is LIVE on the board: none has published yet, or the engine-side plugin is off):
+  a resumable request opens or keeps a streaming-input session (``streaming_reqs``); a request id
+  already in flight goes back to its engine (streaming-input affinity); an explicit
+  ``data_parallel_rank``, else vLLM's late-interaction engine index, is taken as it is (and charged
+  to the dispatcher); the chosen engine is recorded in ``reqs_in_flight`` and ``engine_inflight``,
+  which vLLM's abort routing and ``process_engine_outputs`` keep using unchanged. Every request
+  handed to an engine, affinity ones included, is counted in this server's row of the sent record:
+  each is one ``ADD`` the engine core counts at its intake.
+
+Without ``DPBOARD_METHOD`` nothing is patched: vLLM's pick runs as shipped.
+
+The in-flight count that every server sees is global: ``GlobalInflightReader`` adds to each
+engine's waiting requests ``sum over the sent record's rows - the engine's num_received_reqs``
+(never below 0), and to its queued tokens that many times the mean tokens of the requests sent to
+it. The dispatcher's own in-flight ledger is therefore off (``inflight_accounting=False``): between
+two reads of the board its picks are charged speculatively, and each read replaces them with the
+exact global count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dpboard.board import Board, BoardReader
+from dpboard.board.sent import SentRecord, SentWriter
+from dpboard.controller import Dispatcher, LoadBalanceMethod
+from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.integrations.vllm.settings import (
+    DEFAULT_STALE_AFTER,
+    ENV_METHOD,
+    board_name,
+    dispatch_method,
+    stale_after,
+)
+from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
+
+log = logging.getLogger("dpboard.vllm")
+
+_LIVE = int(SlotStatus.LIVE)
+STATE = "_dpboard_dispatch"  # the client's attribute holding its ClientDispatch
+CORE_CLIENT = "vllm.v1.engine.core_client"
+
+
+class GlobalInflightReader:
+    """The board's records of the engines ``ranks`` (in the client's order), each with the requests
+    in flight to it from every sender added to its waiting requests and its queued tokens."""
+
+    def __init__(self, reader: BoardReader, sent: SentRecord, ranks: Sequence[int]) -> None:
+        self._reader = reader
+        self._sent = sent
+        self._ranks = np.asarray(ranks, np.intp)
+        n = len(self._ranks)
+        self._board = np.zeros(reader.n_slots, SNAPSHOT_DTYPE)
+        self._totals = np.zeros((sent.slots, 2), np.int64)
+        self._records = np.zeros(n, SNAPSHOT_DTYPE)
+        self._base = np.zeros(n, np.int64)  # requests sent before an engine's restart: never received
+        self._last_received = np.zeros(n, np.int64)
+        self.in_flight = np.zeros(n, np.int64)
+        self.any_live = False  # at the last read: whether any of the engines' slots was LIVE
+
+    def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._records if out is None else out
+        self._reader.read_array(self._board)
+        self._sent.totals(self._totals)
+        n = len(self._ranks)
+        recs = out[:n]
+        recs[:] = self._board[self._ranks]
+        self.any_live = bool((recs["status"] == _LIVE).any())
+        sent = self._totals[self._ranks]
+        received = recs["num_received_reqs"]
+        restarted = received < self._last_received  # its counter began again at 0
+        if restarted.any():
+            self._base[restarted] = sent[restarted, 0] - received[restarted]
+        self._last_received[:] = received
+        np.maximum(sent[:, 0] - received - self._base, 0, out=self.in_flight)
+        mean = np.divide(sent[:, 1], sent[:, 0], out=np.zeros(n), where=sent[:, 0] > 0)
+        recs["num_waiting_reqs"] += self.in_flight
+        recs["num_total_tokens"] += (self.in_flight * mean).astype(np.int64)
+        # a send by any server changes the record, so the dispatcher takes it up at its next read
+        recs["publish_seq"] += sent[:, 0].astype(recs["publish_seq"].dtype)
+        return out
+
+
+class ClientDispatch:
+    """What one DPLBAsyncMPClient decides with: the dispatcher, and this server's sent row."""
+
+    def __init__(self, method: Any, board: Board, sent: SentRecord, row: SentWriter, ranks: Sequence[int],
+                 stale_after: float = DEFAULT_STALE_AFTER) -> None:
+        self.board = board
+        self.sent = sent
+        self.row = row
+        self.ranks = tuple(int(r) for r in ranks)
+        outside = [r for r in self.ranks if not 0 <= r < board.n_slots]
+        if outside:
+            raise InvalidInputError(f"vLLM engines of DP ranks {outside} have no slot on board {board.name!r} "
+                                    f"({board.n_slots} slots)")
+        self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks)
+        self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.reader, inflight_accounting=False)
+        self.request = _Request()
+        self.warned = False
+
+    def pick(self, request: Any) -> int:
+        """The engine index (into the client's core_engines) for a request vLLM leaves to balancing."""
+        holder = self.request
+        holder.input_ids = request.prompt_token_ids or ()
+        index = self.dispatcher.dispatch(holder)
+        if not self.reader.any_live:
+            # no engine publishes (none yet, or their plugin is off): the board knows nothing of load
+            self.dispatcher.retract(index, holder)
+            raise UnavailableError(f"no engine of {list(self.ranks)} is live on board {self.board.name!r}")
+        return index
+
+    def charge(self, index: int, request: Any) -> None:
+        """A request vLLM routed itself (explicit rank, late-interaction index): counted as load."""
+        if self.dispatcher.budget is not None:
+            self.dispatcher.budget.charge(index, len(request.prompt_token_ids or ()))
+
+    def sent_to(self, index: int, request: Any) -> None:
+        self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
+
+    def warn_unavailable(self) -> None:
+        if not self.warned:
+            self.warned = True
+            log.warning("dpboard: no engine of %s is live on board %r; vLLM's own pick decides until one is",
+                        list(self.ranks), self.board.name)
+
+    def close(self) -> None:
+        self.sent.close()
+        self.board.close()
+
+
+class _Request:
+    """The one request object the dispatcher reads (its tokens); reused for every pick."""
+
+    __slots__ = ("input_ids", "routed_dp_rank")
+
+    def __init__(self) -> None:
+        self.input_ids: Sequence[int] = ()
+        self.routed_dp_rank = None
+
+
+def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> ClientDispatch | None:
+    """The ClientDispatch of a just-built DPLBAsyncMPClient, or None when DPBOARD_METHOD is unset."""
+    method = dispatch_method(environ)
+    if method is None:
+        return None
+    if method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
+        raise InvalidInputError(f"{ENV_METHOD}=follow_bootstrap_room follows SGLang's PD bootstrap rooms, which vLLM's "
+                                f"requests do not carry: pick another method (docs/INTEGRATIONS.md, vLLM)")
+    config = client.vllm_config
+    name = board_name(environ, getattr(config.model_config, "served_model_name", None))
+    if name is None:
+        raise InvalidInputError(f"{ENV_METHOD}={method.value} dispatches from a board: name it with "
+                                f"DPBOARD_VLLM_BOARD=NAME (or DPBOARD_VLLM=1), in the engines' environment too")
+    stale = stale_after(environ)
+    n_slots = int(config.parallel_config.data_parallel_size)
+    ranks = [int.from_bytes(identity, "little") for identity in client.core_engines]
+    board = Board.create(name, n_slots, exist_ok=True)
+    try:
+        sent = SentRecord.open(name, int(client.client_count), n_slots)
+        try:
+            row = sent.row(int(client.client_index))
+            state = ClientDispatch(method, board, sent, row, ranks, stale)
+        except BaseException:
+            sent.close()
+            raise
+    except BaseException:
+        board.close()
+        raise
+    log.info("dpboard: API server %d picks engines %s by %s over board %r", client.client_index, ranks,
+             state.dispatcher.method.value, name)
+    return state
+
+
+def patch(cls: type, late_interaction_index: Any) -> None:
+    """Wrap ``DPLBAsyncMPClient`` (``cls``): see the module's docstring. Once per class."""
+    if getattr(cls, "_dpboard_patched", False):
+        return
+    original_init = cls.__init__
+    original_pick = cls.get_core_engine_for_request
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        setattr(self, STATE, client_dispatch(self))
+
+    def get_core_engine_for_request(self: Any, request: Any) -> Any:
+        state: ClientDispatch | None = getattr(self, STATE, None)
+        if state is None:
+            return original_pick(self, request)
+        if request.resumable:
+            self.streaming_reqs.add(request.request_id)
+        else:
+            self.streaming_reqs.discard(request.request_id)  # its session's final request, if any
+        engine = self.reqs_in_flight.get(request.request_id)
+        if engine is not None:  # streaming-input affinity
+            state.sent_to(self.core_engines.index(engine), request)
+            return engine
+        index = request.data_parallel_rank
+        if index is None:
+            index = late_interaction_index(request.pooling_params, len(self.core_engines))
+        if index is None:
+            try:
+                index = state.pick(request)
+            except UnavailableError:
+                # no engine is live on the board (all stale or never published): vLLM's own pick,
+                # so that the request still goes somewhere vLLM will answer it from
+                state.warn_unavailable()
+                engine = original_pick(self, request)
+                state.sent_to(self.core_engines.index(engine), request)
+                return engine
+        else:
+            state.charge(index, request)
+        engine = self.core_engines[index]
+        self.reqs_in_flight[request.request_id] = engine
+        self.engine_inflight[engine] += 1
+        state.sent_to(index, request)
+        return engine
+
+    cls.__init__ = __init__
+    cls.get_core_engine_for_request = get_core_engine_for_request
+    cls._dpboard_original_pick = original_pick
+    cls._dpboard_patched = True

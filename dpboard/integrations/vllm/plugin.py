@@ -1,0 +1,103 @@
+"""``register()``: the ``vllm.general_plugins`` entry point, which vLLM runs in every process it starts.
+
+Two vLLM modules get dpboard's hooks, each when it is loaded and in whichever process loads it:
+
+- ``vllm.v1.engine.core`` (the engine-core processes; engine_core.py): each engine core publishes
+  its scheduler's load into its rank's slot, with the requests it took in.
+- ``vllm.v1.engine.core_client`` (the API servers; dispatch.py), only while ``DPBOARD_METHOD`` is set:
+  ``DPLBAsyncMPClient`` picks its engines through dpboard's Dispatcher.
+
+vLLM runs the general plugins early in the API server (while it parses its engine arguments, before
+``core_client`` is imported) and from ``EngineCore.__init__`` in an engine core (``core`` is loaded
+then). So a module already loaded is patched at once, and one not yet loaded is patched as soon as
+it is, by a finder on ``sys.meta_path`` that adds the patch after the module's own code runs; a
+process that never loads it (a worker) is never touched and imports nothing more.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from dpboard.integrations.vllm.settings import dispatch_method
+
+CORE = "vllm.v1.engine.core"
+CORE_CLIENT = "vllm.v1.engine.core_client"
+
+
+def patch_core(module: ModuleType) -> None:
+    from dpboard.integrations.vllm import engine_core
+
+    engine_core.patch(module.EngineCoreProc, module.EngineCoreRequestType.ADD)
+
+
+def patch_core_client(module: ModuleType) -> None:
+    from dpboard.integrations.vllm import dispatch
+
+    dispatch.patch(module.DPLBAsyncMPClient, module.get_late_interaction_engine_index)
+
+
+def register() -> None:
+    """Patch now what is loaded, and the rest when it loads (see the module's docstring)."""
+    dispatch_method()  # a bad DPBOARD_METHOD stops vLLM here, with its message, in every process
+    targets: dict[str, Callable[[ModuleType], None]] = {CORE: patch_core}
+    if dispatch_method() is not None:
+        targets[CORE_CLIENT] = patch_core_client
+    later = {}
+    for name, patch in targets.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            later[name] = patch
+    if later:
+        _AfterImport.install(later)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after its module's own code, the first time the module is imported."""
+
+    _lock = threading.Lock()
+    _installed: _AfterImport | None = None
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Callable[[ModuleType], None]] = {}
+
+    @classmethod
+    def install(cls, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        with cls._lock:
+            if cls._installed is None:
+                cls._installed = cls()
+                sys.meta_path.insert(0, cls._installed)
+            cls._installed.pending.update(patches)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        patch = self.pending.pop(name, None)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, patch: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)

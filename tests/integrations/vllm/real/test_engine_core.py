@@ -1,0 +1,122 @@
+"""Engine side: vLLM's engine-core intake and step, patched by dpboard's general plugin, publish each
+engine's load into its rank's slot with an exact count of the requests it took in."""
+
+from __future__ import annotations
+
+import time
+
+import vllm.v1.engine.core as core
+
+from dpboard.board import Board
+from dpboard.integrations.vllm import engine_core
+from dpboard.snapshot import SlotStatus
+from tests.integrations.vllm.real.conftest import vllm_config
+from tests.support.procutil import wait_until
+from tests.support.vllm_engine import TinyScheduler, engine_request, make_engine, take_in
+
+
+def close(engine) -> None:
+    publisher = engine.__dict__.get(engine_core.STATE)
+    if publisher:
+        publisher.close()
+
+
+def test_vllm_loads_the_plugin_into_the_engine_core_class():
+    assert core.EngineCoreProc._dpboard_patched
+    # DPEngineCoreProc (data parallel) inherits the patched methods
+    assert core.DPEngineCoreProc._process_engine_step is core.EngineCoreProc._process_engine_step
+
+
+def test_no_board_named_nothing_published(monkeypatch):
+    monkeypatch.delenv("DPBOARD_VLLM_BOARD", raising=False)
+    monkeypatch.delenv("DPBOARD_VLLM", raising=False)
+    scheduler = TinyScheduler()
+    engine = make_engine(vllm_config(2, 1), scheduler)
+    take_in(engine, engine_request("a", 10))
+    engine._process_engine_step()
+    assert engine.__dict__[engine_core.STATE] is None
+    assert len(scheduler.running) == 1  # vLLM's own work goes on untouched
+
+
+def test_each_step_publishes_the_scheduler_and_the_exact_received_count(board_name):
+    scheduler = TinyScheduler(num_gpu_blocks=9, block_size=16)  # 8 usable blocks: 128 tokens
+    engine = make_engine(vllm_config(3, 2), scheduler)
+    try:
+        for i in range(3):
+            take_in(engine, engine_request(f"r{i}", 40, max_tokens=8))  # 3 blocks each: two fit
+        board = Board.attach(board_name)
+        reader = board.reader()
+        engine._process_engine_step()
+        snap = reader.read(2)
+        assert reader.status(2) is SlotStatus.LIVE
+        assert snap.num_received_reqs == 3
+        assert (snap.num_running_reqs, snap.num_waiting_reqs) == (2, 1)
+        assert snap.max_total_num_tokens == 8 * 16
+        assert snap.num_used_tokens == 6 * 16
+        assert snap.num_total_tokens == 6 * 16 + 40  # plus the prompt still waiting for admission
+        status, _, detail = reader.read_detail(2)
+        assert detail.num_waiting_uncached_tokens == 40
+        assert detail.token_usage == scheduler.kv_cache_manager.block_pool.get_usage()
+        take_in(engine, engine_request("r3", 5, max_tokens=1))
+        assert reader.read(2).num_received_reqs == 3  # taken in, published with the queue it joins
+        engine._process_engine_step()
+        assert reader.read(2).num_received_reqs == 4
+        while scheduler.has_requests():
+            engine._process_engine_step()
+        snap = reader.read(2)
+        assert (snap.num_running_reqs, snap.num_waiting_reqs, snap.num_used_tokens) == (0, 0, 0)
+        assert snap.num_received_reqs == 4
+        board.close()
+    finally:
+        close(engine)
+
+
+def test_refused_and_malformed_requests_count_as_received(board_name):
+    scheduler = TinyScheduler()
+    engine = make_engine(vllm_config(2, 0), scheduler)
+    sent_errors = []
+    engine._send_error_outputs_to_client = lambda ids, client: sent_errors.append(ids)
+    engine._send_finish_outputs_to_client = lambda ids, client, *args: sent_errors.append(ids)
+    try:
+        take_in(engine, engine_request("ok", 4))
+        engine._handle_request_preproc_error(engine_request("bad", 4))  # the input thread answers it
+        engine.reject_new_requests = True  # paused: vLLM refuses new requests with an error
+        take_in(engine, engine_request("paused", 4))
+        engine._process_engine_step()
+        reader = Board.attach(board_name).reader()
+        assert reader.read(0).num_received_reqs == 3
+        assert sent_errors == [["bad"], ["paused"]]
+    finally:
+        close(engine)
+
+
+def test_an_idle_engine_stays_live_and_a_dead_one_goes_stale(board_name):
+    engine = make_engine(vllm_config(2, 1), TinyScheduler())
+    take_in(engine, engine_request("a", 4, max_tokens=1))
+    engine._process_engine_step()  # finished: idle from here on, blocked on its input queue
+    board = Board.attach(board_name)
+    reader = board.reader(stale_after=0.6)
+    try:
+        first = reader.read(1).publish_seq
+        assert wait_until(lambda: reader.read(1).publish_seq >= first + 3, timeout=10)
+        assert reader.status(1) is SlotStatus.LIVE
+    finally:
+        close(engine)
+    time.sleep(0.8)
+    assert reader.status(1) is SlotStatus.STALE
+    board.close()
+
+
+def test_an_engine_on_another_node_stamps_its_node_for_the_relay(board_name, monkeypatch):
+    monkeypatch.setenv("DPBOARD_VLLM_NODE_ID", "2")
+    engine = make_engine(vllm_config(4, 3), TinyScheduler())
+    try:
+        take_in(engine, engine_request("a", 4))
+        engine._process_engine_step()
+        board = Board.attach(board_name)
+        assert board.node_id == 2  # the engine core created its node's board
+        snap = board.reader().read(3)
+        assert (snap.node_id, snap.num_received_reqs) == (2, 1)  # what `dpboard relay --node-id 2` forwards
+        board.close()
+    finally:
+        close(engine)

@@ -1,0 +1,188 @@
+"""A vLLM engine core without a model: vLLM 0.33.0's own ``EngineCoreProc`` request intake and engine
+step, around a scheduler that holds vLLM's own request queues and block pool.
+
+Import after ``tests.support.vllm.install()``. ``EngineCoreProc.__init__`` loads a model on a GPU
+(executor, KV-cache profiling, the handshake with the API server), so ``make_engine`` builds the
+object without it and sets the attributes the intake (``_handle_client_request``, ``add_request``)
+and the step loop (``_process_engine_step``, ``post_step``) read. Those methods are vLLM's.
+
+``TinyScheduler`` stands in for vLLM's ``Scheduler`` (whose constructor needs a model's config):
+vLLM's ``create_request_queue`` for its waiting queues, vLLM's ``BlockPool`` for its KV blocks, and
+vLLM's own ``Scheduler.get_request_counts`` and ``has_request``; its ``step`` admits the oldest
+waiting request that fits (its prompt's blocks from the pool), gives each running request one token,
+and frees a request's blocks when it has its ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
+from vllm.v1.request import Request
+
+ADD = EngineCoreRequestType.ADD
+
+
+@dataclass
+class ModelConfig:
+    """Stand-in for vLLM's ModelConfig, which reads a model's files from the Hugging Face hub; the
+    plugin reads one field of it."""
+
+    served_model_name: str | None = "m"
+
+
+@dataclass
+class Config:
+    """Stand-in for VllmConfig, whose __post_init__ detects the GPU platform; it holds vLLM's own
+    ParallelConfig, CacheConfig and SchedulerConfig."""
+
+    parallel_config: Any
+    cache_config: Any
+    scheduler_config: Any
+    model_config: ModelConfig
+
+
+def vllm_config(dp: int, rank: int = 0, *, api_servers: int = 1, served_model_name: str | None = "m",
+                max_num_seqs: int = 64, block_size: int = 16, num_gpu_blocks: int | None = None,
+                kv_cache_size_tokens: int | None = None) -> Config:
+    """A deployment's config as a process of it holds it (the cache sizes as the API server has them
+    after the engines' handshake, core_client.py:873-889)."""
+    parallel = ParallelConfig(data_parallel_size=dp, data_parallel_rank=rank)
+    parallel._api_process_count = api_servers
+    cache = CacheConfig(block_size=block_size)
+    cache.num_gpu_blocks = num_gpu_blocks
+    cache.kv_cache_size_tokens = kv_cache_size_tokens
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=4096, is_encoder_decoder=False)
+    return Config(parallel, cache, scheduler, ModelConfig(served_model_name))
+
+
+class TinyScheduler:
+    get_request_counts = Scheduler.get_request_counts
+    has_request = Scheduler.has_request
+
+    def __init__(self, num_gpu_blocks: int = 65, block_size: int = 16) -> None:
+        self.block_size = block_size
+        self.kv_cache_manager = _KVCacheManager(BlockPool(num_gpu_blocks, enable_caching=False,
+                                                          hash_block_size=block_size))
+        self.waiting = create_request_queue(SchedulingPolicy.FCFS)
+        self.kv_holding_waiting = create_request_queue(SchedulingPolicy.FCFS)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.blocks: dict[str, list] = {}
+        self.finished: list[str] = []
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def get_kv_connector(self) -> None:
+        return None
+
+    def get_ec_connector(self) -> None:
+        return None
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> tuple[dict, bool]:
+        """Admit, decode one token each, free the finished; their ids go to client 0 as vLLM's
+        outputs do (``EngineCoreOutputs.finished_requests``)."""
+        done = len(self.finished)
+        executed = self._step()
+        if len(self.finished) > done:
+            return {0: EngineCoreOutputs(finished_requests=set(self.finished[done:]))}, executed
+        return {}, executed
+
+    def _step(self) -> bool:
+        pool = self.kv_cache_manager.block_pool
+        while self.waiting:
+            request = self.waiting.peek_request()
+            need = math.ceil((request.num_tokens + request.max_tokens) / self.block_size)
+            if need > pool.get_num_free_blocks():
+                break
+            self.waiting.pop_request()
+            self.blocks[request.request_id] = pool.get_new_blocks(need)
+            request.num_computed_tokens = request.num_tokens
+            self.running.append(request)
+        for request in list(self.running):
+            request.append_output_token_ids(7)
+            request.num_computed_tokens = request.num_tokens
+            if request.num_output_tokens >= request.max_tokens:
+                self.running.remove(request)
+                pool.free_blocks(self.blocks.pop(request.request_id))
+                del self.requests[request.request_id]
+                self.finished.append(request.request_id)
+        return bool(self.running)
+
+
+@dataclass
+class _KVCacheManager:
+    block_pool: BlockPool
+
+
+@dataclass
+class EngineParts:
+    config: Any
+    outputs: queue.Queue = field(default_factory=queue.Queue)
+
+
+def make_engine(config: Any, scheduler: TinyScheduler) -> EngineCoreProc:
+    """An EngineCoreProc of vLLM's class, not started: its intake and step run on ``scheduler``."""
+    engine = object.__new__(EngineCoreProc)
+    engine.vllm_config = config
+    engine.scheduler = scheduler
+    engine.shutdown_state = EngineShutdownState.RUNNING
+    engine.reject_new_requests = False
+    engine.output_queue = queue.Queue()
+    engine.step_fn = scheduler.step
+    engine.check_for_draft_tokens = False
+    engine.async_scheduling = False
+    # what run_busy_loop reads (core.py:1172-1290 sets them)
+    engine.input_queue = queue.Queue()
+    engine.aborts_queue = queue.Queue()
+    engine.process_input_queue_block = True
+    engine._idle_state_callbacks = []
+    engine.engines_running = False
+    engine.batch_queue = None
+    engine.publish_dp_lb_stats = False
+    engine.enable_fault_tolerance = False
+    return engine
+
+
+def engine_request(request_id: str, prompt_len: int, max_tokens: int = 4, *, data_parallel_rank: int | None = None,
+                   resumable: bool = False, client_index: int = 0) -> EngineCoreRequest:
+    """An EngineCoreRequest as an API server sends it."""
+    return EngineCoreRequest(
+        request_id=request_id, prompt_token_ids=list(range(1, prompt_len + 1)), mm_features=None,
+        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None, arrival_time=0.0,
+        lora_request=None, cache_salt=None, data_parallel_rank=data_parallel_rank, resumable=resumable,
+        client_index=client_index,
+    )
+
+
+def take_in(engine: EngineCoreProc, request: EngineCoreRequest) -> None:
+    """What the engine core's input thread then its busy loop do with an ADD (core.py:2000-2012, 1751-1760)."""
+    engine._handle_client_request(ADD, (Request.from_engine_core_request(request, None), 0))
+
+
+# -- the API server's side -------------------------------------------------------------------------
+
+
+def make_client(config: Any, n_engines: int, *, client_index: int = 0, client_count: int = 1,
+                first_rank: int = 0) -> Any:
+    """A DPLBAsyncMPClient of vLLM's class, not connected (dpboard.bench.dispatch.unconnected_client)."""
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+    from dpboard.bench.dispatch import unconnected_client
+
+    return unconnected_client(DPLBAsyncMPClient, config, n_engines, client_index=client_index,
+                              client_count=client_count, first_rank=first_rank)
