@@ -16,6 +16,9 @@ Refresh rules (SPEC 5.3, 5.4):
 - in-flight accounting: the budget is always *snapshot + what is in flight*: ``in_flight = sent -
   received`` requests, and their tokens come from the ring (the cumulative tokens after each send),
   so a refresh never erases requests still on their way, and never counts one twice.
+- with ``by_headroom`` (``inflight_ttft``) the backlog also keeps the prompts of ours that a rank
+  admitted since its previous snapshot: the batch it is prefilling, which its queued figure leaves
+  out (``_count_prefilling``).
 """
 
 from __future__ import annotations
