@@ -16,6 +16,9 @@ Refresh rules (docs/DISPATCH.md, rule 6 and "What dpboard adds, and why"):
 - in-flight accounting: the budget is always *snapshot + what is in flight*: ``in_flight = sent -
   received`` requests, and their tokens come from the ring (the cumulative tokens after each send),
   so a refresh never erases requests still on their way, and never counts one twice.
+- with ``by_headroom`` (``inflight_ttft``) the backlog also keeps the prompts of ours that a rank
+  admitted since its previous snapshot: the batch it is prefilling, which its queued figure leaves
+  out (``_count_prefilling``).
 """
 
 from __future__ import annotations
@@ -317,6 +320,13 @@ class DPBudget:
         # received = received_base + (requests of ours the rank has acknowledged)
         self.received_base = np.zeros(n, np.int64)
         self.acked = np.zeros(n, np.int64)
+        # inflight_ttft: the prompts of ours each rank took out of its waiting queue since its
+        # previous snapshot, i.e. the batch it is prefilling now, which the engine's queued-prefill
+        # figure leaves out until their first tokens (see _count_prefilling)
+        self.count_prefilling = bool(by_headroom) and self.inflight_accounting
+        self.snap_waiting = np.zeros(n, np.int64)
+        self.admitted = np.zeros(n, np.int64)
+        self.prefilling = np.zeros(n, np.int64)
         self.status = np.zeros(n, np.uint8)  # the SlotStatus seen at the last refresh
         self._ranks = np.arange(n)
         core_type = ArgminCore if (use_extension and ArgminCore is not None) else PyArgminCore
@@ -375,6 +385,7 @@ class DPBudget:
                 known = reported >= 0
                 self.snap_backlog[idx[known]] = reported[known]
             self.snap_received[idx] = sel["num_received_reqs"]
+            self.snap_waiting[idx] = sel["num_waiting_reqs"]
             self.capacity[idx] = sel["max_total_num_tokens"]
             if not self.inflight_accounting:
                 # SGLang: a new snapshot overwrites the speculative charges of its rank
@@ -383,6 +394,30 @@ class DPBudget:
                 self.backlog[idx] = self.snap_backlog[idx]
         if self.inflight_accounting:
             self._recompute_with_in_flight()
+            if self.count_prefilling and changed.any():
+                self._count_prefilling(np.flatnonzero(changed))
+            if self.count_prefilling:
+                self.backlog[:] = saturating_add(self.backlog, self.prefilling)
+
+    def _count_prefilling(self, idx: np.ndarray) -> None:
+        """The prompt tokens of ours that each rank in ``idx`` admitted since its previous snapshot.
+
+        A rank publishes as it starts a step, after forming its batch: the requests it admitted
+        since its previous snapshot are the batch it is prefilling now, no longer in its waiting
+        queue nor in its queued-prefill figure, yet still ahead of a new request's first token.
+        Waiting requests are the last ones received (first come, first served), so the rank has
+        admitted ``acked - waiting`` of ours; the ring gives their cumulative tokens. A decode step
+        admits nothing, so its snapshot clears the figure. When the ring no longer remembers the
+        earlier count (about ``ledger_capacity`` requests queued), the batch counts as nothing."""
+        acked = self.acked[idx]
+        now = np.clip(acked - self.snap_waiting[idx], 0, acked)
+        before = self.admitted[idx]
+        cap = self.ring.shape[1]
+        ranks = self._ranks[idx]
+        known = (now > before) & (self.sent_reqs[idx] - before < cap)
+        tokens = self.ring[ranks, now % cap] - self.ring[ranks, before % cap]
+        self.prefilling[idx] = np.where(known, np.maximum(tokens, 0), 0)
+        self.admitted[idx] = now
 
     def _recompute_with_in_flight(self) -> None:
         acked = self.snap_received - self.received_base

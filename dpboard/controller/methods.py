@@ -75,7 +75,9 @@ class LoadBalanceMethod(str, enum.Enum):
         to free KV: it comes after every rank that can, and among such ranks the one with the
         fewest ``tokens + uncached`` frees room first. While any rank has room the method is
         ``inflight_cache`` over those ranks (``inflight_backlog`` for a request without prompt
-        blocks)."""
+        blocks). Its backlog also keeps the batch a rank is prefilling (the requests of ours the
+        rank took out of its waiting queue since its previous snapshot), which the engine's queued
+        figure leaves out though it is still ahead of a new request's first token."""
         return self is LoadBalanceMethod.INFLIGHT_TTFT
 
     @property

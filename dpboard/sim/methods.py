@@ -90,9 +90,11 @@ def make_policy(
         ) from e
     try:
         method = resolve_load_balance_method(name)
-    except ValueError as e:
-        known = ", ".join([*controller_methods(), *PEERS, VLLM_BOARD])
-        raise InvalidInputError(f"unknown dispatch method {name!r} ({e}); use one of {known}") from None
+    except ValueError:
+        # one list of what this function accepts (the resolver's own message lists only its own names)
+        from dpboard.controller.methods import AUTO
+        known = ", ".join([AUTO, *controller_methods(), *PEERS, VLLM_BOARD])
+        raise InvalidInputError(f"unknown dispatch method {name!r}; use one of {known}") from None
     kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s}
     kwargs.update(options)
     accepted = inspect.signature(Dispatcher).parameters

@@ -11,7 +11,7 @@ import pytest
 
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod
-from dpboard.snapshot import SEQ_OFFSET, slot_offset
+from dpboard.snapshot import SEQ_OFFSET, LoadSnapshot, slot_offset
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 from tests.support.procutil import wait_until
 from tests.support.raw import raw_segment
@@ -352,3 +352,44 @@ def test_charges_saturate_at_the_top(use_extension):
         budget.charge(1, 2**32 + 1)
     with pytest.raises(ValueError, match=r"estimated tokens must be in \[0, 4294967296\]"):
         budget.dispatch(M.TOTAL_TOKENS, 2**40)
+
+
+@pytest.mark.parametrize("use_extension", [True, False])
+def test_inflight_ttft_keeps_the_batch_being_prefilled_in_the_backlog(use_extension):
+    def budget(by_headroom: bool) -> DPBudget:
+        return DPBudget(2, by_backlog=True, by_headroom=by_headroom, inflight_accounting=True,
+                        use_extension=use_extension)
+
+    def publish(b: DPBudget, seq: int, *, waiting: int, used: int, waiting_tokens: int) -> list[int]:
+        """Rank 0 publishes as it starts a step; rank 1 is idle. Returns the backlogs."""
+        b.update_budget([
+            LoadSnapshot(dp_rank=0, num_waiting_reqs=waiting, num_used_tokens=used,
+                         num_total_tokens=used + waiting_tokens, max_total_num_tokens=10_000,
+                         num_received_reqs=3, publish_seq=seq, timestamp_ns=seq),
+            LoadSnapshot(dp_rank=1, max_total_num_tokens=10_000, publish_seq=seq, timestamp_ns=seq),
+        ])
+        return b.backlog.tolist()
+
+    ttft, backlog = budget(True), budget(False)
+    for b in (ttft, backlog):
+        for tokens in (100, 200, 300):
+            b.charge(0, tokens)
+    # all three received and waiting: the engine's figure holds them all
+    assert publish(ttft, 1, waiting=3, used=0, waiting_tokens=600) == [600, 0]
+    # a prefill step took the first two (FCFS): the engine reports only the third as queued, while
+    # the 300 tokens of the batch are still ahead of a new request's first token
+    assert publish(ttft, 2, waiting=1, used=300, waiting_tokens=300) == [600, 0]
+    assert publish(backlog, 1, waiting=3, used=0, waiting_tokens=600) == [600, 0]
+    assert publish(backlog, 2, waiting=1, used=300, waiting_tokens=300) == [300, 0]
+    # a decode step admits nothing: the batch has given its first tokens
+    assert publish(ttft, 3, waiting=1, used=302, waiting_tokens=300) == [300, 0]
+    # a refresh without a new snapshot changes nothing
+    assert publish(ttft, 3, waiting=1, used=302, waiting_tokens=300) == [300, 0]
+    # the third request's prefill
+    assert publish(ttft, 4, waiting=0, used=602, waiting_tokens=0) == [300, 0]
+    # a retraction puts a request back in the queue: nothing counts as newly admitted
+    assert publish(ttft, 5, waiting=1, used=302, waiting_tokens=300) == [300, 0]
+    assert publish(ttft, 6, waiting=1, used=303, waiting_tokens=300) == [300, 0]
+    # new sends add on top, as in-flight tokens, until the rank counts them
+    ttft.charge(0, 50)
+    assert ttft.backlog.tolist() == [350, 0]

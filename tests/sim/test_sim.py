@@ -365,8 +365,14 @@ def test_sim_board_delays_visibility():
 
 def test_bad_methods_and_settings_are_named():
     trace = small_trace(duration=0.5)
-    with pytest.raises(ValueError, match="unknown dispatch method 'fastest'"):
+    with pytest.raises(ValueError, match="unknown dispatch method 'fastest'") as bad:
         Simulation(trace, "fastest", SimConfig(n_ranks=4))
+    # the message names one list, and every name in it is a method the simulation runs
+    listed = str(bad.value).split("use one of ", 1)[1].split(", ")
+    assert "auto" in listed and "inflight_ttft" in listed and "dynamo_kv" in listed
+    assert "expected one of" not in str(bad.value)
+    for name in listed:
+        Simulation(trace, name, SimConfig(n_ranks=4))
     with pytest.raises(ValueError, match="Dispatcher has no option 'turbo'"):
         Simulation(trace, "total_tokens:turbo=1", SimConfig(n_ranks=4))
     with pytest.raises(ValueError, match="not key=value"):

@@ -55,9 +55,9 @@ def test_inflight_ttft_on_an_unseen_trace():
            for m, r in zip(METHODS, simulate(trace, METHODS, config), strict=True)}
     ttft = p99.pop("inflight_ttft")
     dynamo = p99.pop("dynamo_kv")
-    # within 2 % of the best of SGLang's methods, vLLM (as vllm serve runs it, and one API server),
-    # the gateway and dpboard's other methods
-    assert ttft <= 1.02 * min(p99.values()), (ttft, p99)
-    # Dynamo's router does better here (docs/DISPATCH.md, "Where inflight_ttft loses"): the bar does
-    # not hold against it on this trace
+    # below the best of SGLang's methods, vLLM (as vllm serve runs it, and one API server), the
+    # gateway and dpboard's other methods
+    assert ttft < min(p99.values()), (ttft, p99)
+    # Dynamo's router still does better here, by about 3 % (docs/DISPATCH.md, "Where inflight_ttft
+    # loses"): the bar does not hold against it on this trace
     assert dynamo < ttft, (dynamo, ttft)
