@@ -95,7 +95,7 @@ def resolve_backends(spec: str) -> list[str]:
 
     if "cupy" in chosen and not loads_cuda.cupy_available():
         raise UnavailableError("--backends cupy: CuPy with a GPU is not available here: install "
-                               "'dpboard[cuda13]' or 'dpboard[cuda12]' on a GPU machine, or leave cupy out "
+                               "the cuda13 or cuda12 extra (pip install -e '.[cuda13]') on a GPU machine, or leave cupy out "
                                "(--host-overhead measures the cupy path's host side without a GPU)")
     if "numba-cuda" in chosen and not _numba_cuda_usable():
         raise UnavailableError("--backends numba-cuda: no CUDA GPU for numba-cuda here: run it on a GPU machine, "

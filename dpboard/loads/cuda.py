@@ -72,12 +72,12 @@ _S_LAUNCH_ID, _S_PUBLISHED, _S_BAD_REQ, _S_BAD_PAGE, _S_BAD_SEQLEN, _S_PUBLISH_S
 
 _NO_CUPY = (
     "backend 'cupy' needs CuPy and an NVIDIA GPU: install the CUDA extra for the machine's CUDA "
-    "(pip install 'dpboard[cuda13]' or 'dpboard[cuda12]') on a machine with a GPU, or use backend='numba' "
+    "(the cuda13 or cuda12 extra: pip install -e '.[cuda13]') on a machine with a GPU, or use backend='numba' "
     "on a CPU-only machine"
 )
 _NO_GPU_NUMBA = (
     "backend 'numba-cuda' finds no CUDA GPU (numba.cuda.is_available() is False): use backend='numba' "
-    "on a CPU-only machine, install the CUDA extra (pip install 'dpboard[cuda13]' or 'dpboard[cuda12]') where a GPU exists, or set "
+    "on a CPU-only machine, install the cuda13 or cuda12 extra (pip install -e '.[cuda13]') where a GPU exists, or set "
     "NUMBA_ENABLE_CUDASIM=1 before importing numba to run the kernels in Numba's simulator (slow; for tests)"
 )
 
@@ -333,7 +333,7 @@ def _compile_failure(error: BaseException) -> str:
         f"{numba_cuda} cannot compile dpboard's kernels with numpy {numpy.__version__} "
         f"({type(error).__name__}: {error}): numba-cuda 0.30 and older fail on numpy 2.5 (np.row_stack is gone); "
         f"install numpy<2.5 beside them (pip install 'numpy<2.5') or a numba-cuda that supports this numpy, or "
-        f"use backend='cupy' (pip install 'dpboard[cuda13]' or 'dpboard[cuda12]')"
+        f"use backend='cupy' (the cuda13 or cuda12 extra: pip install -e '.[cuda13]')"
     )
 
 

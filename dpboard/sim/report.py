@@ -256,7 +256,7 @@ def plot(results: list[RunResult], trace: Trace, config: SimConfig, path: str) -
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise UnavailableError(f"--plot needs matplotlib ({e}): pip install 'dpboard[plot]'") from e
+        raise UnavailableError(f"--plot needs matplotlib ({e}): pip install -e '.[plot]' (or matplotlib)") from e
     fig, (ax_ttft, ax_imb) = plt.subplots(1, 2, figsize=(13, 4.8))
     for result in results:
         ttft = np.sort([r.first_token_s - r.arrival_s for r in result.requests])

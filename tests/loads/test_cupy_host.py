@@ -169,7 +169,7 @@ def test_publishers_left_open_are_closed_at_exit(gpu, board_name):
 def test_cupy_without_cupy_is_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     monkeypatch.setattr(loads_cuda, "_runners", {})
-    with pytest.raises(UnavailableError, match=r"dpboard\[cuda"):
+    with pytest.raises(UnavailableError, match=r"cuda13 or cuda12 extra"):
         compute_loads(*on_device(tables()), page_size=16, backend="cupy")
 
 
