@@ -25,7 +25,13 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+)
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import Request
 
@@ -79,6 +85,7 @@ class TinyScheduler:
         self.requests: dict[str, Request] = {}
         self.blocks: dict[str, list] = {}
         self.finished: list[str] = []
+        self.tokens: dict[str, list[int]] = {}
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -94,12 +101,16 @@ class TinyScheduler:
         return bool(self.requests)
 
     def step(self) -> tuple[dict, bool]:
-        """Admit, decode one token each, free the finished; their ids go to client 0 as vLLM's
-        outputs do (``EngineCoreOutputs.finished_requests``)."""
+        """Admit, decode one token each, free the finished; each finished request goes to client 0
+        as vLLM's outputs do: its tokens with a finish reason (``EngineCoreOutput``) and its id in
+        ``EngineCoreOutputs.finished_requests``."""
         done = len(self.finished)
         executed = self._step()
         if len(self.finished) > done:
-            return {0: EngineCoreOutputs(finished_requests=set(self.finished[done:]))}, executed
+            ids = self.finished[done:]
+            outputs = [EngineCoreOutput(request_id=rid, new_token_ids=self.tokens.pop(rid),
+                                        finish_reason=FinishReason.LENGTH) for rid in ids]
+            return {0: EngineCoreOutputs(outputs=outputs, finished_requests=set(ids))}, executed
         return {}, executed
 
     def _step(self) -> bool:
@@ -120,6 +131,7 @@ class TinyScheduler:
                 self.running.remove(request)
                 pool.free_blocks(self.blocks.pop(request.request_id))
                 del self.requests[request.request_id]
+                self.tokens[request.request_id] = list(request.output_token_ids)
                 self.finished.append(request.request_id)
         return bool(self.running)
 
@@ -186,3 +198,117 @@ def make_client(config: Any, n_engines: int, *, client_index: int = 0, client_co
 
     return unconnected_client(DPLBAsyncMPClient, config, n_engines, client_index=client_index,
                               client_count=client_count, first_rank=first_rank)
+
+
+class OutputsDecoder:
+    """Stand-in for vLLM's ``MsgpackDecoder(EngineCoreOutputs)``, which cannot be built without torch
+    (msgspec refuses the stand-in ``torch.Tensor`` field types): the frames vLLM's ``MsgpackEncoder``
+    wrote, decoded by msgspec without a type, fields named by vLLM's own ``__struct_fields__``; it
+    keeps what the engine core above sends (index, timestamp, finished ids, each output's id, tokens
+    and finish reason). ``strict=False``: vLLM's structs omit trailing default fields."""
+
+    def decode(self, frames: Any) -> EngineCoreOutputs:
+        import msgspec
+
+        first = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+        doc = dict(zip(EngineCoreOutputs.__struct_fields__, msgspec.msgpack.decode(first), strict=False))
+        outputs = []
+        for raw in doc["outputs"] or ():
+            out = dict(zip(EngineCoreOutput.__struct_fields__, raw, strict=False))
+            reason = out["finish_reason"]
+            outputs.append(EngineCoreOutput(request_id=out["request_id"], new_token_ids=out["new_token_ids"],
+                                            finish_reason=None if reason is None else FinishReason(reason)))
+        finished = doc["finished_requests"]
+        return EngineCoreOutputs(engine_index=doc["engine_index"], outputs=outputs, timestamp=doc["timestamp"],
+                                 finished_requests=None if finished is None else set(finished))
+
+
+# -- an API server's client over running engine-core processes --------------------------------------
+
+
+def engine_manager(processes: list, shutdown_timeout: float | None = None) -> Any:
+    """vLLM's ``CoreEngineProcManager`` over engine-core processes already started (its ``__init__``
+    builds each one's launch arguments from a full ``VllmConfig``): the attributes it sets
+    (vllm/v1/engine/utils.py:247-300 in 0.33.0); its liveness monitor and shutdown are vLLM's."""
+    import threading
+    import weakref
+
+    from vllm.v1.engine.utils import CoreEngineProcManager
+    from vllm.v1.utils import shutdown
+
+    manager = object.__new__(CoreEngineProcManager)
+    manager._request_shutdown_timeout = shutdown_timeout
+    manager.processes = processes
+    manager._finalizer = weakref.finalize(manager, shutdown, processes)
+    manager.manager_stopped = threading.Event()
+    manager.failed_proc_name = None
+    manager._coord_store = None
+    return manager
+
+
+def connect_client(client: Any, ctx: Any, manager: Any, input_socket: Any, output_socket: Any) -> None:
+    """What ``MPClient.__init__`` and ``DPAsyncMPClient.__init__`` set once the engines are up
+    (vllm/v1/engine/core_client.py:640-790, 1469-1520 in 0.33.0): vLLM's ``BackgroundResources``
+    holding the engine manager and the sockets, its finalizer, the encoder, the outputs queue; then
+    vLLM's ``start_engine_core_monitor``. The decoder is ``OutputsDecoder`` (see there). No DP
+    coordinator runs: it feeds only vLLM's own ``lb_engines`` counts, which a pick through the board
+    does not read, so its stats address has no publisher."""
+    import asyncio
+    import weakref
+
+    import zmq
+    from vllm.utils.network_utils import get_open_zmq_inproc_path, get_open_zmq_ipc_path, make_zmq_socket
+    from vllm.v1.engine.core_client import BackgroundResources
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    client.ctx = ctx
+    client.resources = BackgroundResources(ctx=ctx, engine_manager=manager, input_socket=input_socket,
+                                           output_socket=output_socket)
+    client._finalizer = weakref.finalize(client, client.resources)
+    client.input_socket = input_socket
+    client.encoder = MsgpackEncoder()
+    client.decoder = OutputsDecoder()
+    client.utility_results = {}
+    client.outputs_queue = asyncio.Queue()
+    client.current_wave = 0
+    client.engines_running = False
+    client.engine_ranks_managed = list(range(len(client.core_engines)))
+    client.stats_update_address = get_open_zmq_ipc_path()
+    client.scale_sock_addr = get_open_zmq_inproc_path()
+    client.scale_send_socket = client.resources.scale_send_socket = make_zmq_socket(
+        ctx, client.scale_sock_addr, zmq.PAIR, bind=True)
+    client.start_engine_core_monitor()
+
+
+class _Renderer:
+    """Stand-in for vLLM's renderer (it holds the model's tokenizer and multimodal processors): the
+    output handler reads its multimodal cache, which a text-only server has none of."""
+
+    mm_processor_cache = None
+
+    def stat_mm_cache(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+def make_async_llm(client: Any, config: Any) -> Any:
+    """vLLM's ``AsyncLLM`` around ``client``, built without ``__init__`` (which builds the renderer
+    and the input processor from the model): the attributes its output handler and ``_add_request``
+    read, with vLLM's own ``OutputProcessor`` (no tokenizer: outputs are token ids)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    llm = object.__new__(AsyncLLM)
+    llm.vllm_config = config
+    llm.scheduler_config = config.scheduler_config
+    llm.engine_core = client
+    llm.output_processor = OutputProcessor(None, log_stats=False)
+    llm.admission_stats = None
+    llm.log_stats = False
+    llm.log_requests = False
+    llm.logger_manager = None
+    llm.renderer = _Renderer()
+    llm.output_handler = None
+    return llm

@@ -7,6 +7,15 @@ step 5 ms as a model's would be). Its stdin plays the input socket: one JSON req
 ``{"id": ..., "tokens": N, "max_tokens": M}``, handed to the engine as its input thread does (an
 ``ADD`` on ``input_queue``); its stdout plays the output socket: ``{"finished": [ids]}`` per outputs
 message. ``{"ready": true}`` first, once the busy loop waits for work.
+
+``serve(rank, dp, input_address, output_address)`` runs the same engine core as the target of a
+process vLLM's way (``multiprocessing`` spawn, as ``CoreEngineProcManager`` starts engine cores) and
+talks vLLM's ZMQ sockets as ``EngineCoreProc`` does: a DEALER with the engine's identity on the API
+server's ROUTER input socket (an empty message first, as the engine's handshake ends), a PUSH on
+its PULL output socket, every ``EngineCoreOutputs`` encoded by vLLM's ``MsgpackEncoder``. One
+stand-in: an ADD's payload is decoded by msgspec without a type, fields named by vLLM's own
+``EngineCoreRequest.__struct_fields__``, because vLLM's ``MsgpackDecoder(EngineCoreRequest)``
+cannot be built without torch (msgspec refuses the stand-in ``torch.Tensor`` field types).
 """
 
 from __future__ import annotations
@@ -19,15 +28,13 @@ import time
 from tests.support import vllm as sv
 
 
-def main() -> int:
-    rank, dp = int(sys.argv[1]), int(sys.argv[2])
+def _engine(rank: int, dp: int):
     sv.install()
     import vllm.v1.engine.core  # noqa: F401  (loaded before the plugins, as in an engine core)
     from vllm.plugins import load_general_plugins
-    from vllm.v1.request import Request
 
     load_general_plugins()
-    from tests.support.vllm_engine import ADD, TinyScheduler, engine_request, make_engine, vllm_config
+    from tests.support.vllm_engine import TinyScheduler, make_engine, vllm_config
 
     scheduler = TinyScheduler(num_gpu_blocks=1025)
     model_step = scheduler.step
@@ -38,6 +45,15 @@ def main() -> int:
 
     engine = make_engine(vllm_config(dp, rank), scheduler)
     engine.step_fn = step
+    return engine
+
+
+def main() -> int:
+    rank, dp = int(sys.argv[1]), int(sys.argv[2])
+    engine = _engine(rank, dp)
+    from vllm.v1.request import Request
+
+    from tests.support.vllm_engine import ADD, engine_request
 
     def intake() -> None:
         for line in sys.stdin:
@@ -55,6 +71,45 @@ def main() -> int:
     print(json.dumps({"ready": True}), flush=True)
     engine.run_busy_loop()
     return 0
+
+
+def serve(rank: int, dp: int, input_address: str, output_address: str) -> None:
+    engine = _engine(rank, dp)
+    import msgspec
+    import zmq
+    from vllm.utils.network_utils import make_zmq_socket
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from tests.support.vllm_engine import ADD, engine_request
+
+    ctx = zmq.Context()
+    fields = EngineCoreRequest.__struct_fields__
+
+    def intake() -> None:
+        socket = make_zmq_socket(ctx, input_address, zmq.DEALER, identity=rank.to_bytes(2, "little"), bind=False)
+        socket.send(b"")
+        while True:
+            kind, *payload = socket.recv_multipart()
+            if kind != ADD.value:
+                continue
+            doc = dict(zip(fields, msgspec.msgpack.decode(payload[0]), strict=False))
+            request = engine_request(doc["request_id"], len(doc["prompt_token_ids"]),
+                                     doc["sampling_params"]["max_tokens"])
+            engine.input_queue.put_nowait((ADD, (Request.from_engine_core_request(request, None), 0)))
+
+    def output() -> None:
+        socket = make_zmq_socket(ctx, output_address, zmq.PUSH, bind=False)
+        encoder = MsgpackEncoder()
+        while True:
+            _, outputs = engine.output_queue.get()
+            outputs.engine_index = rank
+            socket.send_multipart(encoder.encode(outputs))
+
+    threading.Thread(target=intake, daemon=True).start()
+    threading.Thread(target=output, daemon=True).start()
+    engine.run_busy_loop()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,16 @@
-"""An engine core killed mid-stream: its slot goes stale, the API server's picks through the board
-leave it, and every request is answered: finished by a live engine, or still in vLLM's
-``reqs_in_flight`` under the dead engine, which vLLM's engine-death path answers with an error."""
+"""An engine core killed mid-stream, two ways an API server can hold it.
+
+Engines the API server started (vLLM's ``CoreEngineProcManager``): vLLM's own death path runs. Its
+monitor thread sees the process end, marks the client dead and shuts it down (the live engine is
+stopped too); the output task is cancelled and puts ``EngineDeadError`` on the outputs queue;
+``AsyncLLM``'s output handler hands it to every pending request (``OutputProcessor.propagate_error``);
+a request added after that is refused with it. Every request is answered: finished, or
+``EngineDeadError``.
+
+Engines the API server did not start (another node's, or ``--data-parallel-external-lb``): vLLM's
+monitor watches only the processes its manager started, so nothing in vLLM 0.33.0 answers the dead
+engine's requests; the board is what notices: its slot goes stale and later picks leave it.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +25,16 @@ import threading
 import time
 
 import pytest
+import zmq
+import zmq.asyncio
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.network_utils import get_open_zmq_ipc_path, make_zmq_socket
+from vllm.utils.system_utils import get_mp_context
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import DPLBAsyncMPClient
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.engine.output_processor import RequestOutputCollector
 
 from dpboard.board import Board
 from dpboard.integrations.vllm import dispatch
@@ -24,14 +42,115 @@ from dpboard.snapshot import SlotStatus
 from tests.integrations.vllm.real.conftest import vllm_config
 from tests.support.names import ROOT
 from tests.support.procutil import kill, read_line, wait_until
-from tests.support.vllm_engine import make_client
+from tests.support.vllm_engine import connect_client, engine_manager, make_async_llm, make_client
+from tests.support.vllm_engine_proc import serve
 
 pytestmark = pytest.mark.timeout(240)
 STALE_AFTER = 1.0
 REQUESTS = 90
+KILL_AT = 30
+TOKENS = 10
 
 
 def test_an_engine_killed_mid_stream_leaves_no_request_unanswered(board_name, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", str(STALE_AFTER))
+    monkeypatch.setenv("VLLM_PLUGINS", "dpboard")  # the spawned engine cores load dpboard's plugin
+    procs: list = []
+    try:
+        asyncio.run(asyncio.wait_for(_serve_and_kill(board_name, procs), timeout=200))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+
+
+async def _serve_and_kill(board_name: str, procs: list) -> None:
+    config = vllm_config(2)
+    ctx = zmq.asyncio.Context()
+    input_address, output_address = get_open_zmq_ipc_path(), get_open_zmq_ipc_path()
+    input_socket = make_zmq_socket(ctx, input_address, zmq.ROUTER, bind=True)
+    output_socket = make_zmq_socket(ctx, output_address, zmq.PULL, bind=True)
+    context = get_mp_context()
+    procs.extend(context.Process(target=serve, name=f"EngineCore_DP{rank}",
+                                 args=(rank, 2, input_address, output_address)) for rank in range(2))
+    for proc in procs:
+        proc.start()
+    ready = set()
+    while len(ready) < 2:  # each engine's first message on the input socket ends its handshake
+        identity, _ = await asyncio.wait_for(input_socket.recv_multipart(), timeout=120)
+        ready.add(identity)
+    reader = Board.attach(board_name).reader(stale_after=STALE_AFTER)
+    assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(2)), timeout=30)
+
+    client = make_client(config, 2)
+    state = dispatch.client_dispatch(client)
+    setattr(client, dispatch.STATE, state)
+    connect_client(client, ctx, engine_manager(procs), input_socket, output_socket)
+    llm = make_async_llm(client, config)
+    llm._run_output_handler()
+    picked: dict[str, int] = {}
+    pick = client.get_core_engine_for_request
+
+    def recording_pick(request):
+        engine = pick(request)
+        picked[request.external_req_id] = int.from_bytes(engine, "little")
+        return engine
+
+    client.get_core_engine_for_request = recording_pick
+    answers: dict[str, object] = {}
+
+    async def generate(rid: str) -> None:  # what AsyncLLM.generate does with a request's collector
+        from tests.support.vllm_engine import engine_request
+
+        request = engine_request(rid, 32, TOKENS)
+        InputProcessor.assign_request_id(request)  # vLLM's internal id: rid and 8 random characters
+        collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, request.request_id)
+        try:
+            await llm._add_request(request, None, None, 0, collector)
+            while not (out := await collector.get()).finished:
+                pass
+            answers[rid] = out.outputs[0].token_ids
+        except EngineDeadError as e:
+            answers[rid] = e
+
+    try:
+        tasks = []
+        killed_at = None
+        for i in range(REQUESTS):
+            rid = f"r{i}"
+            tasks.append(asyncio.create_task(generate(rid)))
+            await asyncio.sleep(0.02)
+            # killed mid-stream: just after it was sent a request, which takes it TOKENS steps
+            if killed_at is None and i >= KILL_AT and picked.get(rid) == 1:
+                finished_before = {r for r, a in answers.items() if isinstance(a, list)}
+                os.kill(procs[1].pid, signal.SIGKILL)
+                killed_at = i
+        assert killed_at is not None, picked
+        done, pending = await asyncio.wait(tasks, timeout=60)
+        assert not pending, f"{len(pending)} requests left unanswered"
+    finally:
+        state.close()
+        client.shutdown()
+    # every request was answered: its tokens, or vLLM's engine-dead error
+    assert set(answers) == {f"r{i}" for i in range(REQUESTS)}
+    finished = {rid for rid, a in answers.items() if isinstance(a, list)}
+    dead = {rid for rid, a in answers.items() if isinstance(a, EngineDeadError)}
+    assert finished | dead == set(answers) and all(len(answers[rid]) == TOKENS for rid in finished)
+    # both engines served before the kill; requests the killed engine held got the error
+    assert {picked[rid] for rid in finished_before} == {0, 1}
+    assert picked[f"r{killed_at}"] == 1 and f"r{killed_at}" in dead
+    # vLLM's monitor marked the client dead and stopped the live engine; later requests were refused
+    assert client.resources.engine_dead and llm.errored
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert wait_until(lambda: procs[0].exitcode is not None, timeout=30)
+    assert all(isinstance(answers[f"r{i}"], EngineDeadError) for i in range(REQUESTS - 10, REQUESTS))
+    assert wait_until(lambda: reader.status(1) is SlotStatus.STALE, timeout=30)
+
+
+def test_an_engine_the_server_did_not_start_is_left_by_picks_once_stale(board_name, monkeypatch):
+    """No vLLM monitor watches it: the board is what notices it died."""
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     monkeypatch.setenv("DPBOARD_STALE_AFTER", str(STALE_AFTER))
     env = {**os.environ, "VLLM_PLUGINS": "dpboard"}
