@@ -38,7 +38,7 @@ def _drain(sock: zmq.Socket, quiet: float = 0.3, bound: float = 10.0) -> list[di
     return got
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # five processes start; a loaded 2-core machine takes its time
 def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path):
     """Rank 0 publishes on node0; ranks 1 and 2 live on node 1 and reach node0 only through a relay
     into the controller's own collector. Rank 1 is heavily loaded, rank 2 idle, rank 0 in between:
@@ -64,7 +64,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
                  "--board", name0, "--collect-bind", loads_ep, "--stats-json", "--log-every", "60"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(controller)
-            wait_for(lambda: board_lock_path(name0).exists() or controller.poll() is not None, 20,
+            wait_for(lambda: board_lock_path(name0).exists() or controller.poll() is not None, 60,
                   "the controller to own the collector")
             assert controller.poll() is None, controller.communicate()[1]
             relay = subprocess.Popen(
@@ -73,7 +73,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             procs.append(relay)
             reader0 = board0.reader()
-            wait_for(lambda: all(s is not None for s in reader0.read_all()), 20,
+            wait_for(lambda: all(s is not None for s in reader0.read_all()), 60,
                   "the relayed ranks to appear on node0's board")
             snaps = reader0.read_all()
             assert snaps[1].num_total_tokens == 900_000 and snaps[1].node_id == 1
@@ -95,7 +95,7 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
             for i in range(count):
                 push.send(encode_request(f"r{i}", input_ids=list(range(10))))
             got = [[] for _ in range(n)]
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while sum(map(len, got)) < count and time.monotonic() < deadline:
                 for r, sock in enumerate(workers):
                     while sock.poll(0):
