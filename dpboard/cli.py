@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("dpboard.views.inspect", "show a board's header, slot summary and collector counters"),
     "dump": ("dpboard.views.inspect", "print every slot of a board once (table or --json)"),
     "clean": ("dpboard.views.inspect", "remove boards that are not alive: creator dead and no fresh slot "
-              "(--force: also live ones)"),
+              "(--force: also live ones); without a name, also lock files no live process holds"),
     "top": ("dpboard.views.top", "live terminal view of a board"),
     "serve": ("dpboard.views.serve", "HTTP exporter: a live page at /, /v1/loads, /metrics, /healthz"),
     "controller": ("dpboard.controller.process", "run the ZMQ data-parallel controller"),

@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, UnavailableError
@@ -157,15 +158,21 @@ class OwnerLock:
         self._fd: int | None = None
         # A file unlinked by its previous owner between our open and our flock would give us a lock
         # nobody else can see: open again until the locked file is the one the path names.
-        for _ in range(_OPEN_ATTEMPTS):
+        for attempt in range(_OPEN_ATTEMPTS):
             fd = open_owned(path, f"the lock file of {what}")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 holder = _read_pid(fd)
+                replaced = not _same_file(fd, path)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
+                if (replaced or not _alive(holder)) and attempt < _OPEN_ATTEMPTS - 1:
+                    # held for a moment by `dpboard clean` removing an abandoned file, or by a
+                    # starter that has not written its pid yet: look again shortly (bounded)
+                    time.sleep(0.001)
+                    continue
                 who = f"pid {holder}" if holder else "a process that is still starting"
                 raise busy(f"{what} already has {role}: {who} (lock {path}); {hint}") from None
             if _same_file(fd, path):
@@ -195,6 +202,47 @@ class OwnerLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def remove_abandoned_locks(min_age: float = 10.0) -> list[Path]:
+    """Remove this user's lock files that no live process holds: an owner killed with SIGKILL loses
+    its flock with its life but leaves the file. Taking the flock is the test; the file is unlinked
+    while it is held, so every later taker opens a fresh one. A file younger than ``min_age`` seconds
+    is left alone (its owner may be between creating and locking it), and ``OwnerLock`` looks again
+    when it meets a lock held by no live pid, which is what this function's brief hold looks like."""
+    removed = []
+    now = time.time()
+    for path in sorted(LOCK_DIR.glob(f"{LOCK_PREFIX}*.lock")):
+        try:
+            if now - path.lstat().st_mtime < min_age:
+                continue
+            fd = open_owned(path, f"lock file {path.name}", create=False)
+        except (DpboardError, OSError):
+            continue  # another user's file, or one that vanished meanwhile: not ours to remove
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live owner holds it
+        try:
+            if _same_file(fd, path):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -108,17 +108,23 @@ def test_write_new_file_never_replaces_anything(tmp_path, victim):
     assert fresh.read_bytes() == b"data" and stat.S_IMODE(fresh.stat().st_mode) == 0o644
 
 
-def test_an_owner_lock_names_its_holder_and_dies_with_it(shared_path):
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """A process holding the OwnerLock of ``path`` until killed."""
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import sys
 from pathlib import Path
 from dpboard.ownership import OwnerLock
-lock = OwnerLock(Path({str(shared_path)!r}), "thing")
+lock = OwnerLock(Path({str(path)!r}), "thing")
 print("held", flush=True)
 sys.stdin.read()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_an_owner_lock_names_its_holder_and_dies_with_it(shared_path):
+    holder = _hold_lock(shared_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(OwnerBusyError, match=rf"thing already has owner: pid {holder.pid} \(lock {shared_path}\)"):
             OwnerLock(shared_path, "thing")
     finally:
@@ -127,6 +133,57 @@ sys.stdin.read()
     with OwnerLock(shared_path, "thing") as lock:
         assert lock.held and shared_path.read_text() == f"{os.getpid()}\n"
     assert not shared_path.exists()
+
+
+def test_clean_removes_the_lock_files_that_killed_owners_left_and_nothing_else(shared_path):
+    dead, live = shared_path, shared_path.with_name(f"dpboard-test.{new_board_name()}.lock")
+    young = shared_path.with_name(f"dpboard-test.{new_board_name()}.lock")
+    theirs = shared_path.with_name(f"dpboard-test.{new_board_name()}.lock")
+    killed, holder = _hold_lock(dead), _hold_lock(live)
+    try:
+        killed.kill()  # SIGKILL: the kernel drops its flock, the file stays
+        killed.wait(10)
+        young.write_text("1\n")  # an owner may be between creating and locking this one
+        as_nobody(lambda: os.close(os.open(theirs, os.O_CREAT | os.O_WRONLY, 0o600)))
+        old = dead.stat().st_mtime - 3600
+        for path in (dead, live, theirs):
+            os.utime(path, (old, old), follow_symlinks=False)
+        out = subprocess.run([sys.executable, "-m", "dpboard", "clean"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"removed {dead} (a lock no live process holds)" in out.stdout
+        assert not dead.exists()
+        assert live.exists() and young.exists() and theirs.exists()
+        assert str(live) not in out.stdout and str(young) not in out.stdout and str(theirs) not in out.stdout
+        with pytest.raises(OwnerBusyError, match=f"pid {holder.pid}"):  # still its holder's
+            OwnerLock(live, "thing")
+    finally:
+        for p in (killed, holder):
+            p.kill()
+            p.wait(10)
+        for path in (live, young, theirs):
+            path.unlink(missing_ok=True)
+
+
+def test_a_lock_held_a_moment_by_its_remover_is_taken_once_it_is_gone(shared_path):
+    """`dpboard clean` holds an abandoned lock (its recorded pid dead) while it unlinks it; an owner
+    starting in that moment takes a fresh lock instead of reporting the dead pid as busy."""
+    shared_path.write_text("999999999\n")  # no such pid
+    remover = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({str(shared_path)!r}, os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+time.sleep(0.03)
+os.unlink({str(shared_path)!r})
+os.close(fd)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert remover.stdout.readline().strip() == "holding"
+        with OwnerLock(shared_path, "thing") as lock:
+            assert lock.held and shared_path.read_text() == f"{os.getpid()}\n"
+    finally:
+        remover.kill()
+        remover.wait(10)
 
 
 @pytest.mark.parametrize("endpoint", [

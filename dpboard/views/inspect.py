@@ -12,7 +12,7 @@ from typing import Any
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path, validate_name
 from dpboard.options import count, seconds
-from dpboard.ownership import user_name
+from dpboard.ownership import remove_abandoned_locks, user_name
 from dpboard.views.rows import fmt_age, slot_rows, status_counts, status_of
 
 
@@ -149,10 +149,13 @@ def run_dump(args: argparse.Namespace) -> int:
 
 def run_clean(args: argparse.Namespace) -> int:
     removed = clean_boards(args.name, force=args.force, stale_after=args.stale_after)
-    if removed:
-        for name in removed:
-            print(f"removed {segment_path(name)}")
-    else:
+    for name in removed:
+        print(f"removed {segment_path(name)}")
+    # a whole clean also takes the lock files that owners killed with SIGKILL left behind
+    locks = remove_abandoned_locks() if args.name is None else []
+    for path in locks:
+        print(f"removed {path} (a lock no live process holds)")
+    if not removed and not locks:
         print("nothing to remove: every board is alive (its creator runs, or a slot was published within "
               f"{args.stale_after:g} s); use --force to remove one anyway")
     return 0
