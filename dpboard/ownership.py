@@ -168,7 +168,7 @@ class OwnerLock:
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                if (replaced or not _alive(holder)) and attempt < _OPEN_ATTEMPTS - 1:
+                if (replaced or not pid_alive(holder)) and attempt < _OPEN_ATTEMPTS - 1:
                     # held for a moment by `dpboard clean` removing an abandoned file, or by a
                     # starter that has not written its pid yet: look again shortly (bounded)
                     time.sleep(0.001)
@@ -233,15 +233,16 @@ def remove_abandoned_locks(min_age: float = 10.0) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
+def pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists (ours or another user's)."""
+    if not 0 < pid < 2**31:  # a corrupt record: no process has such a pid (and os.kill would overflow)
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's live process
+        pass  # exists, owned by someone else
     return True
 
 

@@ -6,8 +6,9 @@ in clock ticks since boot beside the pid, and a process counts as alive only whe
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from dpboard.ownership import pid_alive
 
 
 def process_start_ticks(pid: int) -> int:
@@ -22,14 +23,8 @@ def process_start_ticks(pid: int) -> int:
 
 def process_alive(pid: int, start_ticks: int = 0) -> bool:
     """True when ``pid`` runs (and, when ``start_ticks`` is given, started at that time)."""
-    if not 0 < pid < 2**31:  # a corrupt record: no process has such a pid (and os.kill would overflow)
+    if not pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
     if start_ticks:
         return process_start_ticks(pid) == start_ticks
     return True
