@@ -158,8 +158,7 @@ def _fallback_pick(controller: Any, dispatcher: Dispatcher, req: Any, why: Dpboa
         ranks = [r for r in range(min(n, len(controller.workers))) if controller.workers[r] is not None] or [0]
     budget = dispatcher.budget
     if budget is None:  # round robin or room: SGLang's round robin over what is there
-        rank = ranks[count % len(ranks)]
-        return rank
+        return ranks[count % len(ranks)]
     tokens, requests = budget.total_tokens, budget.total_requests
     rank = min(ranks, key=lambda r: (int(tokens[r]), int(requests[r])))
     try:
