@@ -12,6 +12,7 @@ requests per rank.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ MAX_RANKS = 256
 SETTLE_TIMEOUT = 3.0  # seconds for in-flight requests to reach their schedulers at the end
 READY_TIMEOUT = 120.0  # seconds for every scheduler to publish its first snapshot (cold Numba cache)
 STOP_TIMEOUT = 5.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,6 +158,24 @@ class RunStats:
 # -- processes -------------------------------------------------------------------------------------
 
 
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when the demo dies, even by SIGKILL, so
+    that no scheduler or controller is left running with ppid 1 (Linux ``PR_SET_PDEATHSIG``). The
+    libc call is looked up here, before the fork: the child only makes the system call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the children's own --duration bound remains
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the demo died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 class Cluster:
     """The demo's child processes: schedulers and the controller. Every one is stopped by ``stop()``."""
 
@@ -166,7 +187,8 @@ class Cluster:
         log = self.workdir / f"{label}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                    env=env, start_new_session=True)  # Ctrl-C reaches the demo only
+                                    env=env, start_new_session=True,  # Ctrl-C reaches the demo only
+                                    preexec_fn=_die_with_parent(os.getpid()))
         self.procs.append((label, proc, log))
 
     def check(self) -> None:
@@ -287,8 +309,11 @@ class DemoRun:
             with Live(console=console, screen=True, auto_refresh=False) as live:
                 while (now := time.monotonic()) < end and not stop.is_set():
                     frame = self._tick()
+                    # The width, as top passes it: at 80 columns the table then drops whole columns
+                    # instead of cutting every heading to an ellipsis.
                     live.update(render(frame, max_rows=max(console.size.height - 7, 1),
-                                       hint=hint.format(left=end - now)), refresh=True)
+                                       hint=hint.format(left=end - now), width=console.size.width),
+                                refresh=True)
                     stop.wait(min(args.interval, max(0.0, end - time.monotonic())))
             return
         next_print = self.started
