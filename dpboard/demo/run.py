@@ -31,6 +31,7 @@ from dpboard.board import Board
 from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, fraction, milliseconds, positive, seconds
+from dpboard.processes import module_command
 from dpboard.stopping import StopFlag
 from dpboard.views.rows import status_of
 from dpboard.views.top import render, render_text
@@ -186,7 +187,7 @@ class Cluster:
     def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = self.workdir / f"{label}.log"
         with open(log, "wb") as err:
-            proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+            proc = subprocess.Popen(module_command(*argv), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     env=env, start_new_session=True,  # Ctrl-C reaches the demo only
                                     preexec_fn=_die_with_parent(os.getpid()))
         self.procs.append((label, proc, log))
@@ -215,7 +216,7 @@ class Cluster:
 def _controller_argv(args: argparse.Namespace, board: str, requests: str, schedulers: list[str]) -> list[str]:
     # --duration bounds the controller even if the demo itself is killed without a chance to stop it.
     bound = READY_TIMEOUT + args.duration + 60
-    return ["-m", "dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
+    return ["dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
             "--method", args.method, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
 
 
@@ -267,7 +268,7 @@ class DemoRun:
         env = {**os.environ, "NUMBA_NUM_THREADS": "1"}  # N schedulers share the cores: one thread each
         for r in range(args.ranks):
             self.cluster.start(f"scheduler-{r}", [
-                "-m", "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
+                "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
                 self.sched_eps[r], "--results", self.results_ep, "--num-pages", str(args.num_pages),
                 "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed)],
                 env=env)
