@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from dpboard.errors import InvalidInputError
@@ -79,8 +80,6 @@ class SchedulerModel:
     def receive_frame(self, raw: bytes, now: float) -> str | None:
         """A frame from the controller. One this rank cannot use is counted as received and dropped:
         returns why (None when it was taken)."""
-        import msgpack
-
         try:
             req = msgpack.unpackb(raw)  # the options every scheduler uses: the controller checks frames by them
         except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
@@ -276,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    import msgpack
     import zmq
 
     from dpboard.board import Board
