@@ -173,3 +173,25 @@ def test_a_request_that_kills_its_receivers_is_redelivered_at_most_n_times(board
             for p in procs:
                 kill(p)
             ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("101", "argument --max-redeliveries: 101 is outside [0, 100]"),
+    ("-1", "argument --max-redeliveries: -1 is outside [0, 100]"),
+    ("two", "argument --max-redeliveries"),
+])
+def test_a_bad_max_redeliveries_is_refused_at_start(tmp_path, value, words):
+    res = subprocess.run(CLI + ["--input", f"ipc://{tmp_path}/in", "--workers", f"ipc://{tmp_path}/w0",
+                                "--max-redeliveries", value, "--duration", "0.5"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("value", [True, -1, 101, 1.0])
+def test_the_library_refuses_a_bad_max_redeliveries(tmp_path, value):
+    from dpboard.controller import DataParallelController, Dispatcher
+    from dpboard.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"max_redeliveries must be an int in 0\.\.100"):
+        DataParallelController(Dispatcher("round_robin", 1), [f"ipc://{tmp_path}/w0"], f"ipc://{tmp_path}/in",
+                               max_redeliveries=value)
