@@ -166,8 +166,7 @@ class LoadsServer(ThreadingHTTPServer):
             super().__init__((host, port), _Handler)
         except OSError as e:
             self.watch.close()
-            raise UnavailableError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port "
-                               f"(0 picks a free one)") from None
+            raise UnavailableError(_listen_failure(host, port, e)) from None
 
     @property
     def url(self) -> str:
@@ -259,6 +258,16 @@ class LoadsServer(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], OSError):
             return  # a client that went away, or a connection the cap closed: nothing to report
         super().handle_error(request, client_address)
+
+
+def _listen_failure(host: str, port: int, error: OSError) -> str:
+    """Why ``(host, port)`` cannot be listened on, blaming the option that is wrong."""
+    if isinstance(error, socket.gaierror):
+        return (f"--host {host!r} is neither an IP address nor a name this machine resolves ({error.strerror}): "
+                f"give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host!r} is not an address of this machine: give one of its own, or 0.0.0.0 for all"
+    return f"cannot listen on {host}:{port}: {error.strerror}; pick another --port (0 picks a free one)"
 
 
 class _HeaderDeadlineReader(io.RawIOBase):
