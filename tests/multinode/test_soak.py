@@ -228,6 +228,11 @@ def test_the_deployment_holds_for_minutes(tmp_path):
             stop(proc)
             assert proc.returncode == 0, (name, d.output(name, "err")[-2000:])
             assert "Traceback" not in d.output(name, "err")
+        # their status lines (every 5 s) kept coming: the loops ran the whole time, not just the processes
+        periods = int(SOAK_SECONDS / 5.0 * 0.8)
+        assert d.output("collect").count(" ok, ") >= periods, d.output("collect")[-2000:]
+        for k in REMOTE_RANKS:
+            assert d.output(f"relay-{k}").count(" dropped; snapshots ") >= periods, d.output(f"relay-{k}")[-2000:]
     finally:
         if generator is not None:
             generator.stop()
