@@ -10,6 +10,10 @@ happens, and each exit must be bounded. One flag holds all three::
 
 Outside the main thread no handler can be installed; the flag then ends on its duration or
 ``set()`` only.
+
+A flag may share its caller's event (``StopFlag(5.0, event=outer.event)``: a bounded inner loop that
+still ends on the caller's stop). Its own deadline therefore only ever ends itself: it never sets the
+event, which would end the caller's loop too. Signals and ``set()`` do set the event, and end both.
 """
 
 from __future__ import annotations
@@ -53,13 +57,11 @@ class StopFlag:
         self.event.set()
 
     def is_set(self) -> bool:
-        """True once a stop was asked for or the duration has passed."""
+        """True once a stop was asked for or the duration has passed. The duration ends this flag
+        only: the event (which a caller may share) is left as it is."""
         if self.event.is_set():
             return True
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            self.event.set()
-            return True
-        return False
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def remaining(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (None: no deadline), at most ``cap``; 0 once stopped."""
