@@ -98,23 +98,33 @@ def recount(queue: Any) -> None:
     queue.__dict__[TOTAL] = sum(tokens.values())
 
 
-def count(queue: Any) -> Any:
-    """Give ``queue`` (a vLLM ``RequestQueue``) its counted class, in place; once."""
-    if TOTAL not in queue.__dict__:
+def count(queue: Any) -> Any | None:
+    """Give ``queue`` (a vLLM ``RequestQueue``) its counted class, in place; once. None for a queue
+    that cannot take it (another scheduler's, without an instance ``__dict__`` or of a built-in type)."""
+    if TOTAL in getattr(queue, "__dict__", ()):
+        return queue
+    try:
         cls = counted_class(type(queue))
         queue.__dict__[TOKENS], queue.__dict__[TOTAL] = {}, 0
         queue.__class__ = cls
-        recount(queue)  # after the class: a request another thread adds meanwhile is in the walk
+    except (AttributeError, TypeError):
+        for key in (TOKENS, TOTAL):
+            getattr(queue, "__dict__", {}).pop(key, None)
+        return None
+    recount(queue)  # after the class: a request another thread adds meanwhile is in the walk
     return queue
 
 
 def queued_tokens(scheduler: Any) -> int:
-    """The prefill still to do of the requests waiting in ``scheduler``'s two queues."""
+    """The prefill still to do of the requests waiting in ``scheduler``'s two queues (a walk of a
+    queue that ``count`` cannot keep)."""
     total = 0
     for name in ("waiting", "kv_holding_waiting"):
         queue = getattr(scheduler, name, None)
-        if queue is not None:
-            total += count(queue).queued_tokens()
+        if queue is None:
+            continue
+        counted = count(queue)
+        total += counted.queued_tokens() if counted is not None else sum(remaining(r) for r in queue)
     return total
 
 

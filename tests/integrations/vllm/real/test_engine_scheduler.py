@@ -152,3 +152,18 @@ def test_the_kept_waiting_figure_equals_a_walk_after_adds_preemptions_finishes_a
             seen["finished"] += sum(o.finish_reason is not None for eco in outputs.values() for o in eco.outputs)
         assert waiting.queued_tokens(scheduler) == waiting.walk(scheduler), (policy, n)
     assert all(seen.values()), seen
+
+
+def test_a_queue_that_cannot_be_counted_is_walked():
+    """A scheduler class of one's own (``--scheduler-cls``) may keep its waiting requests in a plain
+    deque: it cannot take the counted class, and its figure is a walk, still exact."""
+    from collections import deque
+
+    config = engine_config()
+    scheduler = make_scheduler(config, kv_cache_config(65))
+    engine = make_engine(config, scheduler)
+    scheduler.waiting = deque()
+    for i in range(3):
+        scheduler.waiting.append(as_request(engine, engine_request(f"w{i}", 10 * (i + 1), first_token=100 * i)))
+    assert waiting.queued_tokens(scheduler) == 60 == waiting.walk(scheduler)
+    assert type(scheduler.waiting) is deque
