@@ -167,3 +167,11 @@ def test_a_queue_that_cannot_be_counted_is_walked():
         scheduler.waiting.append(as_request(engine, engine_request(f"w{i}", 10 * (i + 1), first_token=100 * i)))
     assert waiting.queued_tokens(scheduler) == 60 == waiting.walk(scheduler)
     assert type(scheduler.waiting) is deque
+
+
+def test_capacity_vllm_left_unset_is_vllms_own_function_over_the_schedulers_groups():
+    config = engine_config(max_model_len=1024, max_num_batched_tokens=64)
+    scheduler = make_scheduler(config, kv_cache_config(129, sliding_window=32))
+    expected = config.cache_config.kv_cache_size_tokens  # what vLLM's engine core set
+    config.cache_config.kv_cache_size_tokens = None
+    assert engine_core.capacity_tokens(config, scheduler) == expected < 128 * 16
