@@ -20,6 +20,7 @@ TOPICS = {
     "kernels": "loads from KV page tables: every backend vs the NumPy reference",
     "dispatch": "one dispatch decision and batches vs a pure-Python budget",
     "relay": "write-to-visible latency through relay and collector",
+    "sglang_loads": "SGLang's own get_loads by waiting requests, beside the board write",
 }
 
 
