@@ -526,7 +526,7 @@ def run_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
-    print(f"dpboard serve: board {args.name!r} on {server.url} (the live page at /; /v1/loads, /metrics, "
+    print(f"dpboard serve: board {args.name!r} on {server.url} (the live page at /; /v1/loads, /v1/board, /metrics, "
           f"/healthz)", flush=True)
     started = time.monotonic()
     try:
