@@ -15,7 +15,8 @@ compiled from the wheel); the queue is a Python list, as SGLang's ``waiting_queu
 the scheduler (statistics, memory, the pool's stats, the parallel and LoRA contexts) is a stand-in
 holding the values a plain deployment reports, without disaggregation, speculation or LoRA, and
 with SGLang's default of no waiting-queue prefix matching. ``PoolStats`` and
-``DisaggregationMode`` are compiled from the wheel too.
+``DisaggregationMode`` are compiled from the wheel too. As ``timeit``, the timed calls run with
+the garbage collector off.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import ast
 import dataclasses
 import enum
 import functools
+import gc
 import logging
 import os
 import sys
@@ -186,9 +188,16 @@ def measure(quick: bool = False, waiting: tuple[int, ...] = WAITING) -> dict[str
             k = max(20, calls // (1 + n // 1_000)) if n else calls  # fewer calls where each is long
             for _ in range(min(k, 50)):
                 inquirer.get_loads()  # warm
-            loads_ns = per_call_ns(inquirer.get_loads, k)
-            publish_ns = per_call_ns(lambda: writer.publish(fields), calls)
-            plugin_ns = per_call_ns(lambda snap=snap: plugin.write(snap), calls)
+            # as timeit: no garbage collection inside the timed calls (a full collection walks every
+            # object of the process, a pause that belongs to no one call)
+            gc.collect()
+            gc.disable()
+            try:
+                loads_ns = per_call_ns(inquirer.get_loads, k)
+                publish_ns = per_call_ns(lambda: writer.publish(fields), calls)
+                plugin_ns = per_call_ns(lambda snap=snap: plugin.write(snap), calls)
+            finally:
+                gc.enable()
             rows.append({"waiting": n, "calls": k, "num_waiting_reqs": snap.num_waiting_reqs,
                          "num_total_tokens": snap.num_total_tokens, "get_loads_ns": _summary(loads_ns),
                          "board_publish_ns": _summary(publish_ns), "plugin_write_ns": _summary(plugin_ns)})
