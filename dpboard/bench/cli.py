@@ -21,6 +21,7 @@ TOPICS = {
     "dispatch": "one dispatch decision and batches vs a pure-Python budget",
     "relay": "write-to-visible latency through relay and collector",
     "engine": "vLLM engine step: dpboard's publish beside vLLM's own step, at 0 to 10,000 waiting",
+    "sglang_loads": "SGLang's own get_loads by waiting requests, beside the board write",
 }
 
 

@@ -8,8 +8,11 @@
   under names that follow Prometheus's rules, plus the series SGLang's model gateway reads when it
   falls back from ``/v1/loads`` (``dpboard.views.metrics``).
 - ``GET /healthz`` — 200 while the board is attached, 503 while it is gone.
+- ``GET /v1/board`` — what ``dpboard top --json`` shows of one read, every slot (stale ones with
+  their last snapshot) and the board's header (``board_document``); no rates: a reader derives
+  them from each row's ``publish_seq``, ``num_received_reqs`` and ``monotonic_ns`` between reads.
 - ``GET /`` — the live page (``live.html`` beside this module): what ``dpboard top`` shows, in a
-  browser, its script reading ``/v1/loads`` about once a second. One file, no external asset.
+  browser, its script reading ``/v1/board`` about once a second. One file, no external asset.
 
 Bad query parameters get a 400 whose JSON body says what was wrong and what is accepted. The
 server is a stdlib ``ThreadingHTTPServer``; a lock serialises reads of the board (the reader's
@@ -176,6 +179,11 @@ class LoadsServer(ThreadingHTTPServer):
     def sample(self) -> Frame:
         with self._lock:
             return self.watch.sample()
+
+    def frame(self) -> Frame:
+        """One read of the board that moves no viewer's rates or history (``BoardWatch.frame``)."""
+        with self._lock:
+            return self.watch.frame()
 
     def loads_reply(self, render: Any) -> tuple[Any, str | None]:
         """``render(records)`` of one detailed read of every slot, under the lock (the read's array
@@ -353,10 +361,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, f"malformed query string {parts.query!r}: use name=value pairs joined by '&'")
             return
         route = {"/v1/loads": self._loads, "/metrics": self._metrics, "/healthz": self._healthz,
+                 "/v1/board": self._board,
                  "/": self._page}.get(parts.path.rstrip("/") or "/")
         if route is None:
             self._error(404, f"no such path {parts.path!r}: this server has / (the live page), /v1/loads, "
-                             f"/metrics and /healthz")
+                             f"/v1/board, /metrics and /healthz")
             return
         try:
             route(query)
@@ -420,8 +429,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send(200, body, PROMETHEUS_CONTENT_TYPE if fmt == "prometheus" else "application/json")
 
+    def _board(self, query: dict[str, list[str]]) -> None:
+        if query:
+            raise BadRequest(f"/v1/board takes no query parameters (got {sorted(query)[0]!r})")
+        frame = self.server.frame()
+        if frame.gone:
+            self._error(503, frame.gone)
+            return
+        self._send_json(200, board_document(frame))
+
     def _page(self, query: dict[str, list[str]]) -> None:
-        """The live page: one self-contained HTML file whose script reads /v1/loads once a second."""
+        """The live page: one self-contained HTML file whose script reads /v1/board once a second."""
         if query:
             raise BadRequest(f"/ takes no query parameters (got {sorted(query)[0]!r})")
         self._send(200, live_page(), "text/html; charset=utf-8")
@@ -441,6 +459,20 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send_json(200, {"status": "ok", "board": frame.board, "n_slots": frame.n_slots,
                               "slots": frame.counts, "version": dpboard.__version__})
+
+
+def board_document(frame: Frame) -> dict[str, Any]:
+    """``/v1/board``: ``dpboard top --json``'s frame without the rates and the history (they are a
+    viewer's, between two of its reads), plus ``version``. Every slot is a row: a STALE one keeps
+    its last snapshot; an EMPTY or TORN one has zeros and ``age_s`` null."""
+    doc = frame.as_dict()
+    for key in ("publish_rate", "request_rate"):
+        del doc[key]
+    for row in doc["ranks"]:
+        row.pop("publish_rate", None)
+        row.pop("history", None)
+    doc["version"] = dpboard.__version__
+    return doc
 
 
 @functools.cache
@@ -494,7 +526,7 @@ def run_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
-    print(f"dpboard serve: board {args.name!r} on {server.url} (the live page at /; /v1/loads, /metrics, "
+    print(f"dpboard serve: board {args.name!r} on {server.url} (the live page at /; /v1/loads, /v1/board, /metrics, "
           f"/healthz)", flush=True)
     started = time.monotonic()
     try:

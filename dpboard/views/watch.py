@@ -213,14 +213,28 @@ class BoardWatch:
         return self._reader.read_detailed_array(self._detailed)
 
     def sample(self) -> Frame:
-        """Read every slot once and derive what the views show."""
+        """Read every slot once and derive what the views show, the rates and the history from this
+        sample and the one before (one viewer's: each call moves them on)."""
+        frame = self.frame()
+        if frame.gone is not None:
+            return frame
+        self._rates(frame, time.monotonic())
+        for row, hist in zip(frame.rows, self.history, strict=True):
+            hist.append(row["num_total_tokens"] if status_of(row).has_snapshot else 0)
+            row["history"] = list(hist)
+        return frame
+
+    def frame(self) -> Frame:
+        """One read of every slot and what follows from it alone: no rates, no history, and nothing
+        of this watch changed, so that any number of readers (``dpboard serve``'s ``/v1/board``)
+        may call it; a reader derives rates from the rows' own ``publish_seq``,
+        ``num_received_reqs`` and ``monotonic_ns`` between two frames."""
         self._follow()
         now_wall = time.time_ns()
         if self._board is None or self._reader is None:
             return Frame(board=self.name, wall_time_ns=now_wall, stale_after=self.stale_after, gone=self._gone)
         board = self._board
         rows = slot_rows(self._reader)
-        now = time.monotonic()
         header = board.header
         frame = Frame(
             board=board.name, wall_time_ns=now_wall, n_slots=board.n_slots, generation=board.generation,
@@ -235,10 +249,6 @@ class BoardWatch:
                 "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
                 "num_active_tokens", "max_total_num_tokens", "num_received_reqs")},
         }
-        self._rates(frame, now)
-        for row, hist in zip(rows, self.history, strict=True):
-            hist.append(row["num_total_tokens"] if status_of(row).has_snapshot else 0)
-            row["history"] = list(hist)
         return frame
 
     def _rates(self, frame: Frame, now: float) -> None:

@@ -32,14 +32,14 @@ def test_bench_all_help_is_its_own():
     assert "bench board" not in out.stdout
 
 
-@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "all"])
+@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "sglang_loads", "all"])
 def test_every_topic_takes_quick_and_json_file(topic):
     out = dpboard("bench", topic, "--help")
     assert out.returncode == 0 and "--quick" in out.stdout and "--json FILE" in out.stdout
     assert "``" not in out.stdout
 
 
-@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "all"])
+@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "sglang_loads", "all"])
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(topic, tmp_path):
     out = dpboard("bench", topic, "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -59,6 +59,24 @@ def test_bench_dispatch_json_file_holds_the_figures_it_printed(tmp_path):
         assert row["method"] in out.stdout and row["dpboard_ns"]["50"] > 0 and row["baseline_ns"]["50"] > 0
 
 
+def test_bench_sglang_loads_times_sglangs_own_get_loads_beside_the_board_write(tmp_path):
+    """SGLang's get_loads, compiled from its wheel, over 0 to 10,000 waiting requests: one row each,
+    printed and in the JSON, each row the snapshot SGLang's code built from that queue."""
+    path = tmp_path / "sglang_loads.json"
+    out = dpboard("bench", "sglang_loads", "--quick", "--json", str(path), timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "SGLang 0.5.23" in out.stdout and "BoardWriter.publish p50" in out.stdout
+    doc = json.loads(path.read_text())
+    assert [row["waiting"] for row in doc["rows"]] == [0, 100, 1_000, 10_000]
+    for row in doc["rows"]:
+        assert f"\n| {row['waiting']:,} | " in out.stdout
+        assert row["num_waiting_reqs"] == row["waiting"]  # SGLang's own count of the queue it walked
+        # KV in use (300,000 tokens, the allocator's number) plus every waiting request's seqlen
+        assert (row["num_total_tokens"] > 300_000) == (row["waiting"] > 0)
+        for key in ("get_loads_ns", "board_publish_ns", "plugin_write_ns"):
+            assert 0 < row[key]["50"] <= row[key]["99"]
+
+
 @pytest.mark.timeout(900)
 def test_bench_all_json_file_holds_every_topic(tmp_path):
     path = tmp_path / "all.json"
@@ -68,3 +86,4 @@ def test_bench_all_json_file_holds_every_topic(tmp_path):
     assert set(doc) == set(TOPICS)
     assert doc["board"]["dpboard"] and doc["dispatch"]["dispatch"] and doc["relay"]["relay"]["samples"] > 0
     assert doc["kernels"]  # one row per backend and size
+    assert [row["waiting"] for row in doc["sglang_loads"]["rows"]] == [0, 100, 1_000, 10_000]

@@ -128,7 +128,9 @@ def test_live_page_shows_the_board_and_follows_a_change(chromium, board_name, tm
             # a phone: the page fits its width, the wide columns are gone, the rows stay
             phone = chromium.open(url + "/", width=390, height=844, mobile=True)
             phone.wait_for("document.querySelectorAll('#rows tr').length === 8")
-            assert phone.evaluate("document.documentElement.scrollWidth") <= 390
+            assert phone.evaluate("document.documentElement.scrollWidth") <= 390, phone.evaluate(
+                "JSON.stringify(Array.from(document.querySelectorAll('#rows tr:first-child td, #heads th'), "
+                "c => [c.textContent, Math.round(c.getBoundingClientRect().width)]))")
             assert phone.evaluate("getComputedStyle(document.querySelector('tr[data-rank=\"0\"] "
                                   "td[data-key=\"writer_pid\"]')).display") == "none"
             assert phone.evaluate(cell(2, "num_total_tokens")) == fmt_count(120_000)

@@ -232,7 +232,7 @@ def test_one_rank_keeps_the_boards_imbalance(served):
 def test_the_root_is_the_live_page(served):
     _, url = served
     status, ctype, body = get(f"{url}/")
-    assert status == 200 and ctype == "text/html; charset=utf-8" and "/v1/loads" in body
+    assert status == 200 and ctype == "text/html; charset=utf-8" and "/v1/board" in body and "/v1/doctor" in body
     assert get(f"{url}/?x=1")[0] == 400
 
 
