@@ -70,6 +70,7 @@ class GlobalInflightReader:
         n = len(self._ranks)
         self._board = np.zeros(reader.n_slots, SNAPSHOT_DTYPE)
         self._totals = np.zeros((sent.slots, 2), np.int64)
+        self._departed = np.zeros((sent.slots, 2), np.int64)
         self._records = np.zeros(n, SNAPSHOT_DTYPE)
         self._base = np.zeros(n, np.int64)  # requests sent before an engine's restart: never received
         self._last_received = np.zeros(n, np.int64)
@@ -79,13 +80,19 @@ class GlobalInflightReader:
     def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
         out = self._records if out is None else out
         self._reader.read_array(self._board)
-        self._sent.totals(self._totals)
+        self._sent.totals(self._totals, self._departed)
         n = len(self._ranks)
         recs = out[:n]
         recs[:] = self._board[self._ranks]
         self.any_live = bool((recs["status"] == _LIVE).any())
         sent = self._totals[self._ranks]
         received = recs["num_received_reqs"]
+        departed = self._departed[self._ranks, 0]
+        if departed.any():
+            # rows that stopped counting (their server died or left): what they sent that is still in
+            # flight now never arrives; what arrived stays in the engine's received count (docs/INTEGRATIONS.md)
+            pending = np.maximum(sent[:, 0] + departed - received - self._base, 0)
+            self._base -= departed - np.minimum(departed, pending)
         restarted = received < self._last_received  # its counter began again at 0
         if restarted.any():
             self._base[restarted] = sent[restarted, 0] - received[restarted]
@@ -175,7 +182,7 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
     ranks = [int.from_bytes(identity, "little") for identity in client.core_engines]
     board = Board.create(name, n_slots, exist_ok=True)
     try:
-        sent = SentRecord.open(name, int(client.client_count), n_slots)
+        sent = SentRecord.open(name, int(client.client_count), n_slots, generation=board.generation)
         try:
             row = sent.row(int(client.client_index))
             state = ClientDispatch(method, board, sent, row, ranks, stale)
