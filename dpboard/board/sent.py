@@ -132,6 +132,8 @@ class SentRecord:
         self._last = np.zeros((rows, slots, 2), np.int64)
         self._weighted = np.zeros((rows, slots, 2), np.int64)
         self._next_liveness = 0.0
+        self._stale = np.zeros(rows, bool)
+        self.torn = False  # at the last read: some counted row was read at an older, last whole value
         self._row_writers: dict[int, SentWriter] = {}
 
     # -- opening ------------------------------------------------------------------------------
@@ -211,7 +213,8 @@ class SentRecord:
         """Per slot, (sent requests, sent tokens) summed over the rows whose holder runs, each row at
         its last whole value. ``departed`` (same shape, optional) receives the last counts of the
         rows that stopped counting since the previous call: their holder died or closed, or a new
-        holder took the row. Never raises on a torn row."""
+        holder took the row. Never raises on a torn row; ``torn`` then says that a counted row was
+        taken at its last whole value (which may lag)."""
         out = np.zeros((self.slots, 2), np.int64) if out is None else out
         if departed is not None:
             departed.fill(0)
@@ -233,6 +236,9 @@ class SentRecord:
         if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_INTERVAL
             self._check_holders(departed)
+        np.logical_not(self._whole, out=self._stale)
+        np.logical_and(self._stale, self._counted, out=self._stale)
+        self.torn = bool(self._stale.any())
         np.multiply(self._last, self._counted_rows, out=self._weighted)
         np.sum(self._weighted, axis=0, out=out)
         return out

@@ -70,9 +70,9 @@ class GlobalInflightReader:
         n = len(self._ranks)
         self._board = np.zeros(reader.n_slots, SNAPSHOT_DTYPE)
         self._totals = np.zeros((sent.slots, 2), np.int64)
-        self._departed = np.zeros((sent.slots, 2), np.int64)
         self._records = np.zeros(n, SNAPSHOT_DTYPE)
-        self._base = np.zeros(n, np.int64)  # requests sent before an engine's restart: never received
+        self._base = np.zeros(n, np.int64)  # sent, never to be received (before an engine restart), less
+        # what engines received from rows that no longer count
         self._last_received = np.zeros(n, np.int64)
         self.in_flight = np.zeros(n, np.int64)
         self.any_live = False  # at the last read: whether any of the engines' slots was LIVE
@@ -80,22 +80,20 @@ class GlobalInflightReader:
     def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
         out = self._records if out is None else out
         self._reader.read_array(self._board)
-        self._sent.totals(self._totals, self._departed)
+        self._sent.totals(self._totals)
         n = len(self._ranks)
         recs = out[:n]
         recs[:] = self._board[self._ranks]
         self.any_live = bool((recs["status"] == _LIVE).any())
         sent = self._totals[self._ranks]
         received = recs["num_received_reqs"]
-        departed = self._departed[self._ranks, 0]
-        if departed.any():
-            # rows that stopped counting (their server died or left): what they sent that is still in
-            # flight now never arrives; what arrived stays in the engine's received count (docs/INTEGRATIONS.md)
-            pending = np.maximum(sent[:, 0] + departed - received - self._base, 0)
-            self._base -= departed - np.minimum(departed, pending)
         restarted = received < self._last_received  # its counter began again at 0
         if restarted.any():
             self._base[restarted] = sent[restarted, 0] - received[restarted]
+        if not self._sent.torn:
+            # live rows sent fewer than the engine received: it received requests of rows that no
+            # longer count (a dead API server's that arrived); they stay out (docs/INTEGRATIONS.md)
+            np.minimum(self._base, sent[:, 0] - received, out=self._base)
         self._last_received[:] = received
         np.maximum(sent[:, 0] - received - self._base, 0, out=self.in_flight)
         mean = np.divide(sent[:, 1], sent[:, 0], out=np.zeros(n), where=sent[:, 0] > 0)
