@@ -149,3 +149,29 @@ def test_a_sigkilled_api_server_leaves_no_phantom_in_flight_and_restarts_with_an
         for proc in procs:
             kill(proc)
         engines.close()
+
+
+def test_a_sender_killed_mid_add_never_fails_a_request(board_name):
+    """A sender SIGKILLed between the two seq increments of add() left its row odd: a running API
+    server failed 50 of 200 requests over one second, and restarts failed with TornReadError."""
+    from tests.board.test_sent_record import _SENDER
+
+    engines = Engines(board_name)
+    procs = []
+    try:
+        torn = subprocess.Popen([sys.executable, "-c", _SENDER, board_name, str(engines.board.generation), "2",
+                                 str(ENGINES), "1", "2", "30", "tear-kill"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(torn)
+        assert read_line(torn, timeout=60).strip() == "sent"
+        torn.wait(30)
+        procs.append(server(board_name, 0, 2))
+        sent = [0] * ENGINES
+        for _ in range(20):
+            sent = [a + b for a, b in zip(sent, sends(procs[-1], 10), strict=True)]
+        assert sum(sent) == 200
+        until(procs[-1], sent)  # its own 200 in flight; nothing of the dead, torn row
+    finally:
+        for proc in procs:
+            kill(proc)
+        engines.close()
