@@ -9,7 +9,9 @@ the first sender. docs/FORMAT.md ("The sent record") has it byte by byte.
 Layout (little-endian): a 64-byte header (``SENT_HEADER_DTYPE``: magic ``DPBSENT\\0``, version, rows,
 slots, row size, creator pid, the board's generation, creator start ticks), then ``rows`` rows of
 ``row_size`` bytes: ``seq`` (u64), ``holder`` (the owner word of a board slot: pid and start ticks;
-0 while free), 16 reserved bytes, then per slot ``sent_reqs`` and ``sent_tokens`` (i64 each).
+0 while free), ``shared`` (1 once ``base`` holds something), 8 reserved bytes, then per slot
+``sent_reqs`` and ``sent_tokens`` (i64 each), then per slot ``base`` (i64: what the holder's reader
+takes out of that slot's in-flight count, for readers that start later).
 
 A row belongs to a live process, as a board slot does. A process takes row ``index`` with an
 open-file-description lock on the row's bytes (the kernel drops it when the process dies, so a
@@ -63,8 +65,9 @@ SENT_HEADER_DTYPE = np.dtype({
     "offsets": [0, 8, 12, 16, 20, 24, 32, 40],
     "itemsize": SENT_HEADER_SIZE,
 })
-ROW_HEADER = 32  # seq, holder, reserved
+ROW_HEADER = 32  # seq, holder, shared, reserved
 HOLDER_WORD = 1
+SHARED_WORD = 2  # 1 once the holder has shared its base
 COUNTS_WORD = ROW_HEADER // 8
 MAX_ROWS = 4096
 MAX_SLOTS = 1 << 16
@@ -83,7 +86,7 @@ def sent_path(board: str) -> str:
 
 
 def row_size(slots: int) -> int:
-    raw = ROW_HEADER + 16 * slots
+    raw = ROW_HEADER + 24 * slots
     return (raw + 63) // 64 * 64
 
 
@@ -201,9 +204,11 @@ class SentRecord:
         if not seq[0] & 1:
             seq += 1  # odd: a write is under way (already odd when the last holder died mid-add)
         self._holder[index] = pack_owner(pid, process_start_ticks(pid))
-        self._table[index, COUNTS_WORD:] = 0
+        self._table[index, SHARED_WORD:] = 0
         seq += 1  # even again: a consistent row of a new holder
-        writer = SentWriter(seq, self._table[index, COUNTS_WORD: COUNTS_WORD + 2 * self.slots].reshape(self.slots, 2))
+        base = COUNTS_WORD + 2 * self.slots
+        writer = SentWriter(seq, self._table[index, COUNTS_WORD: base].reshape(self.slots, 2),
+                            self._table[index, SHARED_WORD: SHARED_WORD + 1], self._table[index, base: base + self.slots])
         self._row_writers[index] = writer
         return writer
 
@@ -242,6 +247,17 @@ class SentRecord:
         np.multiply(self._last, self._counted_rows, out=self._weighted)
         np.sum(self._weighted, axis=0, out=out)
         return out
+
+    def peer_base(self, out: np.ndarray) -> bool:
+        """Copy into ``out`` (one int64 per slot) the base that the holder of another counted row
+        shared (``SentWriter.share``); False when none has. A reader that starts late takes it up:
+        its peers have seen what it has not (a dead server's requests that arrived)."""
+        base = COUNTS_WORD + 2 * self.slots
+        for i in np.flatnonzero(self._counted):
+            if int(i) not in self._row_writers and self._table[i, SHARED_WORD] == 1:
+                np.copyto(out, self._table[i, base: base + self.slots])
+                return True
+        return False
 
     def holders(self) -> list[tuple[int, int, bool]]:
         """(pid, start ticks, alive) of every row's holder as the record says now; (0, 0, False): free."""
@@ -287,12 +303,22 @@ class SentRecord:
 
 
 class SentWriter:
-    """One sender's row: ``add(slot, tokens)`` counts one request sent to ``slot``."""
+    """One sender's row: ``add(slot, tokens)`` counts one request sent to ``slot``; ``share`` makes
+    its reader's base known to readers that start later."""
 
-    def __init__(self, seq: np.ndarray, counts: np.ndarray) -> None:
+    def __init__(self, seq: np.ndarray, counts: np.ndarray, shared: np.ndarray, base: np.ndarray) -> None:
         self._seq = seq
         self._counts = counts
+        self._shared = shared
+        self._base = base
         self.closed = False
+
+    def share(self, slots: np.ndarray, base: np.ndarray) -> None:
+        """Publish ``base[i]`` for slot ``slots[i]``: requests its reader takes out of the slot's
+        in-flight count. Word by word, outside the seqlock: each word is whole, and a peer that
+        takes them up reads them once, at its start."""
+        self._base[slots] = base
+        self._shared[0] = 1
 
     def add(self, slot: int, tokens: int) -> None:
         seq = self._seq

@@ -119,6 +119,16 @@ def test_a_sigkilled_api_server_leaves_no_phantom_in_flight_and_restarts_with_an
         until(s0, [0] * ENGINES)  # the lost ones left with its row
         sent0 = sends(s0, 6)
         until(s0, sent0)  # exact again: what server 1's requests that arrived counted stays out
+        procs[1] = s1 = server(board_name, 1, 2)  # server 1 alone again, beside the running ones
+        assert in_flight(s1) == sent0  # server 0's, exactly: nothing inherited, nothing missed
+        more = sends(s1, 4)
+        both = [a + b for a, b in zip(sent0, more, strict=True)]
+        until(s0, both)
+        until(s1, both)
+        engines.take_in(both)
+        until(s0, [0] * ENGINES)
+        until(s1, [0] * ENGINES)
+        kill(s1)
         # vLLM stops a deployment whose API server died: everything again, fresh engines, same shape
         kill(s0)
         engines.restart()
