@@ -27,10 +27,10 @@ from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, U
 
 LOCK_DIR = Path("/dev/shm")
 LOCK_PREFIX = "dpboard-"
-LOCK_KINDS = ("endpoint", "collector.board")  # every kind of lock file; `clean` matches exactly these
-# what lock_path makes, and nothing else: a sent record of a board named `m.lock` (dpboard-sent.m.lock)
-# is not a lock file
-LOCK_FILE = re.compile(r"dpboard-(?:endpoint|collector\.board)\.[A-Za-z0-9_.-]{0,80}\.[0-9a-f]{8}\.lock")
+_LOCK_KIND = re.compile(r"[a-z]+(?:\.[a-z]+)*")  # endpoint, collector.board, ...: never "sent"
+# what lock_path makes, and nothing else: a board's sent record (dpboard-sent.<board>) is never taken
+# for a lock file, even of a board named `m.lock` or `x.0123abcd.lock`
+LOCK_FILE = re.compile(r"dpboard-(?!sent\.)[a-z]+(?:\.[a-z]+)*\.[A-Za-z0-9_.-]{0,80}\.[0-9a-f]{8}\.lock")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _OPEN_ATTEMPTS = 100  # a file replaced between our open and our lock: open again, a bounded number of times
 IPC_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -145,8 +145,9 @@ def write_new_file(path: str | os.PathLike[str], data: bytes, what: str, *, mode
 
 def lock_path(kind: str, key: str) -> Path:
     """``/dev/shm/dpboard-<kind>.<readable key>.<hash>.lock``: one file per thing that has one owner."""
-    if kind not in LOCK_KINDS:
-        raise InvalidInputError(f"lock kind {kind!r} is not one of {LOCK_KINDS}")
+    if not _LOCK_KIND.fullmatch(kind) or kind == "sent" or kind.startswith("sent."):
+        raise InvalidInputError(f"lock kind {kind!r}: lower-case words joined by dots, and not 'sent' (the sent "
+                                f"records' prefix)")
     readable = _SAFE.sub("_", key)[:80]
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
