@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dpboard.board.sent import SENT_PREFIX
+from dpboard.ownership import lock_path
 from tests.support.names import ROOT
 from tests.support.procutil import kill, read_line
 
@@ -115,6 +116,11 @@ try:
         fd = os.open("/dev/shm/{SENT_PREFIX}theirs", os.O_CREAT | os.O_WRONLY, 0o600)
         os.close(fd)
     as_nobody(plant)
+    from dpboard.ownership import lock_path
+    abandoned = lock_path("collector.board", "gone")  # its collector was killed: no live holder
+    fd = os.open(abandoned, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.write(fd, b"999999999 1\n")
+    os.close(fd)
     old = time.time() - 3600  # mmap writes leave the mtime old: as a record written for hours
     for name in os.listdir("/dev/shm"):
         os.utime("/dev/shm/" + name, (old, old))
@@ -136,13 +142,13 @@ def test_clean_of_lock_files_keeps_a_live_record_named_like_a_lock():
     sent record of board `m.lock` (mmap writes leave its mtime old), and its two servers stopped
     seeing each other's sends."""
     out = _in_private_shm(_LOCK_NAMED_RECORD.replace("WHOLE", "False"))
-    assert out["locks"] == []
+    assert out["locks"] == [lock_path("collector.board", "gone").name]  # a real abandoned lock goes
     assert "dpboard-sent.m.lock" in out["after_locks"]
 
 
 def test_a_whole_clean_removes_only_the_dead_deployments_record():
     out = _in_private_shm(_LOCK_NAMED_RECORD.replace("WHOLE", "True"))
-    assert out["locks"] == []
+    assert out["locks"] == [lock_path("collector.board", "gone").name]
     assert out["boards"] == []  # m.lock's creator runs
     assert out["records"] == ["gone"]  # the dead deployment's record, whose board is gone
     assert out["left"] == ["dpboard-sent.m.lock", "dpboard-sent.theirs", "dpboard.m.lock"]  # not another user's
