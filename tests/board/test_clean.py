@@ -119,7 +119,7 @@ try:
     from dpboard.ownership import lock_path
     abandoned = lock_path("collector.board", "gone")  # its collector was killed: no live holder
     fd = os.open(abandoned, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    os.write(fd, b"999999999 1\n")
+    os.write(fd, b"999999999 1\\n")
     os.close(fd)
     old = time.time() - 3600  # mmap writes leave the mtime old: as a record written for hours
     for name in os.listdir("/dev/shm"):
