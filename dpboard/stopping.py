@@ -1,9 +1,9 @@
-"""``StopFlag``: when a long-running loop must end — SIGTERM or SIGINT, a duration, or ``set()``.
+"""``StopFlag``: when a long-running loop must end — SIGTERM, SIGINT or SIGHUP, a duration, or ``set()``.
 
 Every long-running command (``dpboard collect``, ``relay``, ``controller``) loops until one of these
 happens, and each exit must be bounded. One flag holds all three::
 
-    with StopFlag(duration=args.duration) as stop:   # installs SIGTERM/SIGINT handlers (main thread)
+    with StopFlag(duration=args.duration) as stop:   # installs SIGTERM/SIGINT/SIGHUP handlers (main thread)
         while not stop.is_set():
             work(timeout=stop.remaining(cap=0.1))
     # the previous signal handlers are back here
@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: a closed terminal must clean up as Ctrl-C does, not leave boards and children behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopFlag:
@@ -34,6 +35,8 @@ class StopFlag:
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: the hang-up stays ignored, as asked
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
