@@ -27,6 +27,10 @@ from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, U
 
 LOCK_DIR = Path("/dev/shm")
 LOCK_PREFIX = "dpboard-"
+_LOCK_KIND = re.compile(r"[a-z]+(?:\.[a-z]+)*")  # endpoint, collector.board, ...: never "sent"
+# what lock_path makes, and nothing else: a board's sent record (dpboard-sent.<board>) is never taken
+# for a lock file, even of a board named `m.lock` or `x.0123abcd.lock`
+LOCK_FILE = re.compile(r"dpboard-(?!sent\.)[a-z]+(?:\.[a-z]+)*\.[A-Za-z0-9_.-]{0,80}\.[0-9a-f]{8}\.lock")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _OPEN_ATTEMPTS = 100  # a file replaced between our open and our lock: open again, a bounded number of times
 IPC_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -111,7 +115,11 @@ def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, 
                                         f"or remove the file if nobody uses it") from None
             raise
         try:
-            check_owned(os.fstat(fd), path, what)
+            st = os.fstat(fd)
+            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode):
+                os.close(fd)  # unlinked between our open and this look (`dpboard clean`): open again
+                continue
+            check_owned(st, path, what)
         except BaseException:
             os.close(fd)
             raise
@@ -137,6 +145,9 @@ def write_new_file(path: str | os.PathLike[str], data: bytes, what: str, *, mode
 
 def lock_path(kind: str, key: str) -> Path:
     """``/dev/shm/dpboard-<kind>.<readable key>.<hash>.lock``: one file per thing that has one owner."""
+    if not _LOCK_KIND.fullmatch(kind) or kind == "sent" or kind.startswith("sent."):
+        raise InvalidInputError(f"lock kind {kind!r}: lower-case words joined by dots, and not 'sent' (the sent "
+                                f"records' prefix)")
     readable = _SAFE.sub("_", key)[:80]
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
@@ -163,21 +174,25 @@ class OwnerLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                holder = _read_pid(fd)
+                holder, holder_ticks = _read_owner(fd)
                 replaced = not _same_file(fd, path)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                if (replaced or not pid_alive(holder)) and attempt < _OPEN_ATTEMPTS - 1:
-                    # held for a moment by `dpboard clean` removing an abandoned file, or by a
-                    # starter that has not written its pid yet: look again shortly (bounded)
+                # Only an owner the file names with its start time, and that runs, is one for sure. The
+                # flock may be `dpboard clean`'s, held a moment while it removes an abandoned file that
+                # names a dead owner, or a pid alone (an older dpboard's file; pid 1 of a container's
+                # earlier run), or nobody yet (a starter about to write its pid): look again (bounded).
+                sure = bool(holder_ticks) and process_alive(holder, holder_ticks)
+                if (replaced or not sure) and attempt < _OPEN_ATTEMPTS - 1:
                     time.sleep(0.001)
                     continue
                 who = f"pid {holder}" if holder else "a process that is still starting"
                 raise busy(f"{what} already has {role}: {who} (lock {path}); {hint}") from None
             if _same_file(fd, path):
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                pid = os.getpid()
+                os.pwrite(fd, f"{pid} {process_start_ticks(pid)}\n".encode(), 0)
                 self._fd = fd
                 return
             os.close(fd)
@@ -213,6 +228,8 @@ def remove_abandoned_locks(min_age: float = 10.0) -> list[Path]:
     removed = []
     now = time.time()
     for path in sorted(LOCK_DIR.glob(f"{LOCK_PREFIX}*.lock")):
+        if not LOCK_FILE.fullmatch(path.name):
+            continue  # not a lock file (a board's sent record may end in .lock too)
         try:
             if now - path.lstat().st_mtime < min_age:
                 continue
@@ -246,6 +263,30 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start_ticks(pid: int) -> int:
+    """Start time of a process in clock ticks since boot (0 when it does not exist)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return 0
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    try:
+        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return 0
+
+
+def process_alive(pid: int, start_ticks: int = 0) -> bool:
+    """True when ``pid`` runs (and, when ``start_ticks`` is given, started at that time): a pid
+    alone is no identity, pids are recycled."""
+    if not pid_alive(pid):
+        return False
+    if start_ticks:
+        return process_start_ticks(pid) == start_ticks
+    return True
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
@@ -254,11 +295,13 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
 
 
-def _read_pid(fd: int) -> int:
+def _read_owner(fd: int) -> tuple[int, int]:
+    """(pid, start ticks) a lock file holds; ticks 0 in a file of an older dpboard (pid only)."""
     try:
-        return int(os.pread(fd, 32, 0).split()[0])
+        words = os.pread(fd, 64, 0).split()
+        return int(words[0]), int(words[1]) if len(words) > 1 else 0
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, 0
 
 
 # -- endpoints ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from tests.support.other_user import as_nobody
 @pytest.fixture
 def shared_path():
     """A fresh path in /dev/shm (the shared directory locks live in), removed afterwards."""
-    path = LOCK_DIR / f"dpboard-test.{new_board_name()}.lock"
+    path = lock_path("endpoint", f"test-{new_board_name()}")
     yield path
     path.unlink(missing_ok=True)
 
@@ -131,14 +131,14 @@ def test_an_owner_lock_names_its_holder_and_dies_with_it(shared_path):
         holder.kill()  # no clean exit: the kernel drops the lock, the file stays
         holder.wait(10)
     with OwnerLock(shared_path, "thing") as lock:
-        assert lock.held and shared_path.read_text() == f"{os.getpid()}\n"
+        assert lock.held and shared_path.read_text().split()[0] == str(os.getpid())
     assert not shared_path.exists()
 
 
 def test_clean_removes_the_lock_files_that_killed_owners_left_and_nothing_else(shared_path):
-    dead, live = shared_path, shared_path.with_name(f"dpboard-test.{new_board_name()}.lock")
-    young = shared_path.with_name(f"dpboard-test.{new_board_name()}.lock")
-    theirs = shared_path.with_name(f"dpboard-test.{new_board_name()}.lock")
+    dead, live = shared_path, lock_path("endpoint", f"test-{new_board_name()}")
+    young = lock_path("endpoint", f"test-{new_board_name()}")
+    theirs = lock_path("endpoint", f"test-{new_board_name()}")
     killed, holder = _hold_lock(dead), _hold_lock(live)
     try:
         killed.kill()  # SIGKILL: the kernel drops its flock, the file stays
@@ -180,7 +180,7 @@ os.close(fd)
     try:
         assert remover.stdout.readline().strip() == "holding"
         with OwnerLock(shared_path, "thing") as lock:
-            assert lock.held and shared_path.read_text() == f"{os.getpid()}\n"
+            assert lock.held and shared_path.read_text().split()[0] == str(os.getpid())
     finally:
         remover.kill()
         remover.wait(10)

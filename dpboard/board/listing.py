@@ -23,7 +23,13 @@ import posix_ipc
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.segment import DEFAULT_STALE_AFTER, check_stale_after, unlink_if_generation
+from dpboard.board.segment import (
+    DEFAULT_STALE_AFTER,
+    check_stale_after,
+    read_segment_header,
+    unlink_if_generation,
+)
+from dpboard.board.sent import SENT_PREFIX, record_state, remove_record
 from dpboard.errors import AccessDeniedError, NotFoundError
 from dpboard.snapshot import (
     FIELD_INDEX,
@@ -193,4 +199,48 @@ def clean_boards(name: str | None = None, *, force: bool = False,
         # Only the incarnation that was listed: a board re-created since then under that name stays.
         if unlink_if_generation("/" + SEGMENT_PREFIX + entry.name, entry.header.generation):
             removed.append(entry.name)
+    return removed
+
+
+ABANDONED_RECORD_AGE = 10.0  # seconds: a record without a whole header younger than this may be being created
+
+
+def clean_sent_records(name: str | None = None, *, force: bool = False) -> list[str]:
+    """Unlink sent records (``/dev/shm/dpboard-sent.<board>``) that no board uses any more: of a
+    board that is gone or was created again since (another generation), or damaged, and whose rows
+    no live process holds. ``force`` also removes held ones; ``name``: only that board's record.
+    Only this user's records are looked at. Returns the boards whose record was removed (run it
+    after ``clean_boards``, so that a board removed there takes its record with it)."""
+    if name is not None:
+        validate_name(name)
+        paths = [SHM_DIR / (SENT_PREFIX + name)]
+    else:
+        paths = sorted(SHM_DIR.glob(SENT_PREFIX + "*"))
+    removed = []
+    now = time.time()
+    for path in paths:
+        board = path.name[len(SENT_PREFIX):]
+        try:
+            validate_name(board)
+        except ValueError:
+            continue  # not a name dpboard gives: not ours to judge
+        state = record_state(str(path))
+        if state is None:
+            continue  # gone, or not a file of ours (another user's, a link): left alone
+        generation, live = state
+        if live and not force:
+            continue  # an API server still writes it
+        if generation is None:  # no whole header: its creator may be writing it this moment
+            try:
+                young = now - path.lstat().st_mtime < ABANDONED_RECORD_AGE
+            except OSError:
+                continue
+            if young and not force:
+                continue
+        else:
+            header = read_segment_header("/" + SEGMENT_PREFIX + board)
+            if header is not None and header.generation == generation and not force:
+                continue  # its board is there: the next API server of that deployment takes its rows
+        if remove_record(str(path), force=force):
+            removed.append(board)
     return removed

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path, validate_name
+from dpboard.board.listing import clean_sent_records
+from dpboard.board.sent import sent_path
+from dpboard.errors import NotFoundError
 from dpboard.options import count, seconds
 from dpboard.ownership import remove_abandoned_locks, user_name
 from dpboard.views.rows import fmt_age, slot_rows, status_counts, status_of
@@ -148,15 +152,25 @@ def run_dump(args: argparse.Namespace) -> int:
 
 
 def run_clean(args: argparse.Namespace) -> int:
-    removed = clean_boards(args.name, force=args.force, stale_after=args.stale_after)
+    try:
+        removed = clean_boards(args.name, force=args.force, stale_after=args.stale_after)
+    except NotFoundError:
+        if args.name is None or not os.path.lexists(sent_path(args.name)):
+            raise
+        removed = []  # the board is gone, its sent record is not
     for name in removed:
         print(f"removed {segment_path(name)}")
+    # then the sent records (vLLM's API servers) of boards that are gone, the ones just removed included
+    records = clean_sent_records(args.name, force=args.force)
+    for name in records:
+        print(f"removed {sent_path(name)} (the sent record of board {name!r}, held by no live process)")
     # a whole clean also takes the lock files that owners killed with SIGKILL left behind
     locks = remove_abandoned_locks() if args.name is None else []
     for path in locks:
         print(f"removed {path} (a lock no live process holds)")
-    if not removed and not locks:
+    if not removed and not records and not locks:
         print("nothing to remove: every board is alive (its creator runs, or a slot was published within "
-              f"{args.stale_after:g} s); use --force to remove one anyway")
+              f"{args.stale_after:g} s) and every sent record has its board or a live sender; use --force to "
+              "remove one anyway")
     return 0
 

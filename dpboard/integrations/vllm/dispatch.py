@@ -63,16 +63,21 @@ class GlobalInflightReader:
     """The board's records of the engines ``ranks`` (in the client's order), each with the requests
     in flight to it from every sender added to its waiting requests and its queued tokens."""
 
-    def __init__(self, reader: BoardReader, sent: SentRecord, ranks: Sequence[int]) -> None:
+    def __init__(self, reader: BoardReader, sent: SentRecord, ranks: Sequence[int],
+                 row: SentWriter | None = None) -> None:
         self._reader = reader
         self._sent = sent
+        self._row = row  # where this server shares its base with servers that start later
         self._ranks = np.asarray(ranks, np.intp)
         n = len(self._ranks)
         self._board = np.zeros(reader.n_slots, SNAPSHOT_DTYPE)
         self._totals = np.zeros((sent.slots, 2), np.int64)
         self._records = np.zeros(n, SNAPSHOT_DTYPE)
-        self._base = np.zeros(n, np.int64)  # requests sent before an engine's restart: never received
+        self._base = np.zeros(n, np.int64)  # sent, never to be received (before an engine restart), less
+        # what engines received from rows that no longer count
         self._last_received = np.zeros(n, np.int64)
+        self._peer = np.zeros(sent.slots, np.int64)
+        self._first = True
         self.in_flight = np.zeros(n, np.int64)
         self.any_live = False  # at the last read: whether any of the engines' slots was LIVE
 
@@ -86,10 +91,20 @@ class GlobalInflightReader:
         self.any_live = bool((recs["status"] == _LIVE).any())
         sent = self._totals[self._ranks]
         received = recs["num_received_reqs"]
+        if self._first:  # a server that starts beside running ones takes up what they have seen
+            self._first = False
+            if self._sent.peer_base(self._peer):
+                self._base[:] = self._peer[self._ranks]
         restarted = received < self._last_received  # its counter began again at 0
         if restarted.any():
             self._base[restarted] = sent[restarted, 0] - received[restarted]
+        if not self._sent.torn:
+            # live rows sent fewer than the engine received: it received requests of rows that no
+            # longer count (a dead API server's that arrived); they stay out (docs/INTEGRATIONS.md)
+            np.minimum(self._base, sent[:, 0] - received, out=self._base)
         self._last_received[:] = received
+        if self._row is not None:
+            self._row.share(self._ranks, self._base)
         np.maximum(sent[:, 0] - received - self._base, 0, out=self.in_flight)
         mean = np.divide(sent[:, 1], sent[:, 0], out=np.zeros(n), where=sent[:, 0] > 0)
         recs["num_waiting_reqs"] += self.in_flight
@@ -112,7 +127,7 @@ class ClientDispatch:
         if outside:
             raise InvalidInputError(f"vLLM engines of DP ranks {outside} have no slot on board {board.name!r} "
                                     f"({board.n_slots} slots)")
-        self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks)
+        self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks, row)
         self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.reader, inflight_accounting=False)
         self.request = _Request()
         self.warned = False
@@ -175,7 +190,7 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
     ranks = [int.from_bytes(identity, "little") for identity in client.core_engines]
     board = Board.create(name, n_slots, exist_ok=True)
     try:
-        sent = SentRecord.open(name, int(client.client_count), n_slots)
+        sent = SentRecord.open(name, int(client.client_count), n_slots, generation=board.generation)
         try:
             row = sent.row(int(client.client_index))
             state = ClientDispatch(method, board, sent, row, ranks, stale)
