@@ -53,7 +53,8 @@ class BoardListing:
     error: str | None = None
     owner_uid: int | None = None
     mode: int | None = None
-    last_publish_age: float | None = None  # seconds since the latest publish into any slot (None: never)
+    last_publish_age: float | None = None  # seconds since the latest publish into any slot (None: never;
+    #                                         negative: stamped ahead of this node's clock)
     stale_after: float = DEFAULT_STALE_AFTER
 
     @property
@@ -62,7 +63,8 @@ class BoardListing:
 
     @property
     def recently_published(self) -> bool:
-        return self.last_publish_age is not None and self.last_publish_age <= self.stale_after
+        # A stamp from the future is not a recent publish, as readers hold (docs/FORMAT.md, "Liveness").
+        return self.last_publish_age is not None and -self.stale_after <= self.last_publish_age <= self.stale_after
 
     @property
     def alive(self) -> bool | None:
@@ -106,7 +108,7 @@ def _last_publish_age(mm: mmap.mmap, n_slots: int) -> float | None:
     if not whole.any():
         return None
     latest = int(stamps[whole].max())
-    return max(0.0, (time.monotonic_ns() - latest) / 1e9)
+    return (time.monotonic_ns() - latest) / 1e9  # negative: a stamp ahead of this clock (not recent)
 
 
 def read_listing(name: str, *, stale_after: float = DEFAULT_STALE_AFTER) -> BoardListing:

@@ -168,7 +168,9 @@ def run_clean(args: argparse.Namespace) -> int:
     locks = remove_abandoned_locks() if args.name is None else []
     for path in locks:
         print(f"removed {path} (a lock no live process holds)")
-    if not removed and not records and not locks:
+    if not removed and not records and not locks and args.name is None and not list_boards():
+        print("nothing to remove: there are no boards on this machine")
+    elif not removed and not records and not locks:
         print("nothing to remove: every board is alive (its creator runs, or a slot was published within "
               f"{args.stale_after:g} s) and every sent record has its board or a live sender; use --force to "
               "remove one anyway")

@@ -190,3 +190,23 @@ def test_an_owner_starting_while_clean_removes_its_abandoned_lock_retries():
     "has 0 hard links" or "already has owner: pid 1"."""
     out = _in_private_shm(_RACE.replace("ROUNDS", "3000"))
     assert out["failures"] == []
+
+
+_EMPTY_MACHINE = """
+import json, subprocess, sys
+from dpboard import Board
+first = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean"], capture_output=True, text=True, timeout=60)
+board = Board.create("lonely", n_slots=1)
+board.writer(0).publish_values(0, 0, 0, 0, 0, 1, 0)
+second = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean"], capture_output=True, text=True, timeout=60)
+board.close(); board.unlink()
+print(json.dumps({"first": first.stdout, "second": second.stdout, "codes": [first.returncode, second.returncode]}))
+"""
+
+
+def test_clean_on_a_machine_without_boards_says_there_are_none():
+    out = _in_private_shm(_EMPTY_MACHINE)
+    assert out["codes"] == [0, 0]
+    assert out["first"].strip() == "nothing to remove: there are no boards on this machine", out
+    assert "every board is alive" in out["second"], out  # a live board: the other message
+

@@ -169,3 +169,21 @@ def test_the_reader_threshold_stays_in_range(board_name):
                 reader.stale_after_ns = bad
         reader.stale_after_ns = 2 * 10**9
         assert reader.stale_after == 2.0
+
+
+def test_a_board_whose_only_stamp_is_from_the_future_is_not_alive_to_ls_and_clean(board_name):
+    """`ls` and `clean` judge a board by its latest publish: a stamp ahead by more than the stale
+    threshold is no recent publish, so a board whose creator is dead is cleaned."""
+    made = subprocess.run([sys.executable, "-c", "import sys; from dpboard import Board; "
+                           "import os; Board.create(sys.argv[1], n_slots=1); os._exit(0)", board_name],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert made.returncode == 0, made.stderr  # its creator has exited: only a fresh slot keeps it alive
+    publish_from_the_future(board_name)
+    listed = subprocess.run([sys.executable, "-m", "dpboard.cli", "ls", "--json"], capture_output=True,
+                            text=True, timeout=60)
+    entry = next(b for b in json.loads(listed.stdout) if b["name"] == board_name)
+    assert entry["alive"] is False, entry
+    assert entry["last_publish_age_s"] < -(AHEAD_S - 60)
+    cleaned = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", board_name], capture_output=True,
+                             text=True, timeout=60)
+    assert cleaned.returncode == 0 and "removed" in cleaned.stdout, cleaned.stdout + cleaned.stderr
