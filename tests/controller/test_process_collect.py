@@ -51,13 +51,27 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
     worker_eps = [f"ipc://{tmp_path}/w{r}" for r in range(n)]
     ctx = zmq.Context()
     procs: list[subprocess.Popen] = []
+    publishing = threading.Event()
+    publisher: threading.Thread | None = None
     with Board.create(name0, n_slots=n) as board0, Board.create(name1, n_slots=n, node_id=1) as board1:
         try:
-            board0.writer(0).publish(LoadSnapshot(dp_rank=0, num_running_reqs=2, num_total_tokens=5000,
-                                                  num_used_tokens=5000, max_total_num_tokens=10**6))
-            board1.writer(1).publish(LoadSnapshot(dp_rank=1, num_running_reqs=50, num_total_tokens=900_000,
-                                                  num_used_tokens=900_000, max_total_num_tokens=10**6))
-            board1.writer(2).publish(LoadSnapshot(dp_rank=2, max_total_num_tokens=10**6))
+            # The ranks keep publishing, as schedulers do: on a busy machine the controller's start
+            # can take longer than the stale threshold, and a rank published once would be stale by then.
+            loads = [(board0.writer(0), LoadSnapshot(dp_rank=0, num_running_reqs=2, num_total_tokens=5000,
+                                                     num_used_tokens=5000, max_total_num_tokens=10**6)),
+                     (board1.writer(1), LoadSnapshot(dp_rank=1, num_running_reqs=50, num_total_tokens=900_000,
+                                                     num_used_tokens=900_000, max_total_num_tokens=10**6)),
+                     (board1.writer(2), LoadSnapshot(dp_rank=2, max_total_num_tokens=10**6))]
+
+            def publish_until_the_end() -> None:
+                while not publishing.wait(0.05):
+                    for writer, snap in loads:
+                        writer.publish(snap)
+
+            for writer, snap in loads:
+                writer.publish(snap)
+            publisher = threading.Thread(target=publish_until_the_end, daemon=True)
+            publisher.start()
             workers = [bound_pull(ctx, ep) for ep in worker_eps]
             controller = subprocess.Popen(
                 [*CLI, "controller", "--input", in_ep, "--workers", *worker_eps, "--method", "total_tokens",
@@ -112,6 +126,9 @@ def test_controller_hosts_the_collector_and_dispatches_on_relayed_loads(tmp_path
             assert not board_lock_path(name0).exists()
             assert not endpoint_lock_path(loads_ep).exists()
         finally:
+            publishing.set()
+            if publisher is not None:
+                publisher.join(timeout=10)
             for p in procs:
                 kill(p)
             ctx.destroy(linger=0)
