@@ -74,6 +74,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunked-prefill-size", type=int, default=None, help="prompt tokens per prefill step, 0 = off (default: the profile's)"
     )
+    p.add_argument(
+        "--dp-attention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ranks step in lockstep as SGLang's DP attention runs them: a step lasts as long as the "
+        "slowest rank's, one rank's prefill makes it an extend step for all, idle ranks run idle "
+        "batches (default: the profile's dp_attention; on for deepseek-v3-dp-attention-h100)",
+    )
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=None, help="goodput: time-to-first-token SLO, ms (default: the profile's)"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="goodput: time-per-output-token SLO, ms (default: the profile's)"
+    )
     p.add_argument("--cadence", default="sglang", choices=CADENCES, help="publish cadence (default sglang)")
     p.add_argument("--publish-every", type=int, default=15, help="sglang cadence: decode steps per publish")
     p.add_argument("--publish-period", type=float, default=0.01, help="period cadence: seconds per publish")
@@ -133,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
     if args.seed < 0:
         raise InvalidInputError(f"--seed must be >= 0, got {args.seed}")
     profile = profile_from_args(args)
+    dp_attention = profile.dp_attention if args.dp_attention is None else args.dp_attention
     config = SimConfig(
         n_ranks=ranks,
         rank=profile.rank,
@@ -147,6 +162,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         refresh_interval_s=args.refresh_interval,
         sample_period_s=args.sample_period,
         queued_prefill=args.queued_prefill,
+        lockstep=profile.lockstep if dp_attention else None,
+        slo_ttft_s=profile.slo_ttft_s if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+        slo_tpot_s=profile.slo_tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
     ).validate()
     if args.trace_file:
         if args.duration is not None:
@@ -218,9 +236,13 @@ def _command_line(args: argparse.Namespace) -> str:
         ("--visibility-delay", args.visibility_delay, 0.0),
         ("--refresh-interval", args.refresh_interval, 0.02),
         ("--queued-prefill", args.queued_prefill, "sglang"),
+        ("--slo-ttft-ms", args.slo_ttft_ms, None),
+        ("--slo-tpot-ms", args.slo_tpot_ms, None),
     ):
         if value != default:
             parts.append(f"{flag} {value}")
+    if args.dp_attention is not None:
+        parts.append("--dp-attention" if args.dp_attention else "--no-dp-attention")
     if args.no_spread:
         parts.append("--no-spread")
     if args.methods:

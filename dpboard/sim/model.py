@@ -213,6 +213,10 @@ class RankModel:
         self.finished: list[SimRequest] = []
         self.retracted = 0
         self.busy_s = 0.0  # time spent in steps (for utilisation)
+        # The batch of the step under way, as SGLang's DP-attention gather counts it: prompt tokens
+        # computed (prefill) or requests (decode), and the KV a decode batch holds.
+        self.step_tokens = 0
+        self.step_kv_tokens = 0
         self.on_first_token: RequestHook | None = None
         self.on_finish: RequestHook | None = None
         # SGLang's windowed prefix-cache hit rate (metrics_reporter.py _CacheHitRateWindow): the
@@ -336,13 +340,20 @@ class RankModel:
             tokens = self._form_prefill_batch(now_s)
             if tokens:
                 self.state = PREFILL
+                self.step_tokens = tokens
+                self.step_kv_tokens = 0
                 return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens
         if self.running:
             self._make_decode_room()
             self.state = DECODE
             kv = self.private_tokens + self.cache.locked_tokens
-            return cfg.decode_base_s + cfg.decode_s_per_request * len(self.running) + cfg.decode_s_per_kv_token * kv
+            batch = len(self.running)
+            self.step_tokens = batch
+            self.step_kv_tokens = kv
+            return cfg.decode_base_s + cfg.decode_s_per_request * batch + cfg.decode_s_per_kv_token * kv
         self.state = IDLE
+        self.step_tokens = 0
+        self.step_kv_tokens = 0
         return None
 
     def end_step(self, now_s: float) -> int:

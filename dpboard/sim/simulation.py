@@ -48,6 +48,7 @@ from dpboard.sim.model import (
     SimRequest,
 )
 from dpboard.sim.policy import Policy, SimBoard
+from dpboard.sim.stepping import LockstepCost, RankGroup
 from dpboard.sim.trace import Trace
 
 CADENCES = ("step", "sglang", "period")
@@ -98,6 +99,9 @@ class SimConfig:
     sample_period_s: float = 0.05  # metrics over time
     drain_limit_s: float = 3600.0  # bound: a run not drained this long after its last arrival is an error
     queued_prefill: str = SGLANG_REPORT  # how ranks report their queued prefill: SGLang's figure, or "exact"
+    lockstep: LockstepCost | None = None  # DP attention: all ranks step together (None: independent ranks)
+    slo_ttft_s: float = 1.0  # goodput: a request meets its SLOs with TTFT and TPOT at most these
+    slo_tpot_s: float = 0.1
 
     def validate(self) -> SimConfig:
         if self.n_ranks < 1:
@@ -112,8 +116,14 @@ class SimConfig:
             raise InvalidInputError(
                 f"--queued-prefill {self.queued_prefill!r}: use one of {', '.join(QUEUED_PREFILL_REPORTS)}"
             )
+        if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
+            raise InvalidInputError(
+                f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {self.slo_ttft_s * 1e3:g} and {self.slo_tpot_s * 1e3:g}"
+            )
         self.rank.validate()
         self.publish.validate()
+        if self.lockstep is not None:
+            self.lockstep.validate(self.rank)
         return self
 
 
@@ -132,6 +142,14 @@ class RunResult:
     evicted_tokens: int  # prefix-cache tokens evicted to make room
     end_s: float
     wall_s: float
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+    lockstep: bool = False
+    group_steps: int = 0  # steps run, over all groups
+    rank_steps: int = 0  # rank-steps in those steps (a lockstep step of n ranks counts n)
+    idle_rank_steps: int = 0  # rank-steps spent in an idle batch while another rank of the group worked
+    extend_steps: int = 0  # lockstep steps in which some rank extended
+    eager_decode_rank_steps: int = 0  # decode rank-steps run without their CUDA graph (an extend step)
 
 
 SIM_OPTIONS = ("cadence", "publish_every")
@@ -209,6 +227,14 @@ class Simulation:
         self.method = method
         self.now = 0.0
         self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
+        if config.lockstep is None:
+            self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
+        else:
+            self.groups = [RankGroup(0, list(self.ranks), config.lockstep)]
+        self._group_of = [0] * config.n_ranks
+        for group in self.groups:
+            for rank in group.ranks:
+                self._group_of[rank.rank] = group.gid
         self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
         self.policy: Policy = make_policy(
             policy_spec,
@@ -289,29 +315,37 @@ class Simulation:
             self._kv_pending.append((r, kind, ids))
             self._push(self.now + delay, _KV_EVENT)
 
-    def _start_step(self, r: int) -> None:
-        rank = self.ranks[r]
-        duration = rank.begin_step(self.now)
-        if self.policy.wants_rank_steps:
-            self.policy.on_rank_step(rank, self.now)
+    def _start_step(self, g: int) -> None:
+        """Start group ``g``'s next step (a rank alone, or a lockstep group), publishing as each
+        member's cadence says."""
+        group = self.groups[g]
+        duration = group.begin(self.now)
+        policy = self.policy
         cadence = self.config.publish.cadence
-        if duration is None:
-            if cadence != "period":  # SGLang publishes on every idle loop; beats keep it fresh
+        for rank in group.ranks:
+            r = rank.rank
+            if policy.wants_rank_steps:
+                policy.on_rank_step(rank, self.now)
+            if rank.state == IDLE:
+                if cadence == "period":
+                    continue
+                # SGLang publishes on every idle loop (and a rank in an idle batch loops with its
+                # group); beats keep an idle group's ranks fresh
                 self._publish(r)
-                self._idle_epoch[r] += 1
-                self._push(self.now + self.config.publish.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
-            return
-        if cadence == "step":
-            self._publish(r)
-        elif cadence == "sglang":
-            if rank.state == PREFILL:
+                if duration is None:
+                    self._idle_epoch[r] += 1
+                    self._push(self.now + self.config.publish.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
+            elif cadence == "step":
                 self._publish(r)
-            else:
-                self._decode_since_publish[r] += 1
-                if self._decode_since_publish[r] >= self.config.publish.every_decode_steps:
+            elif cadence == "sglang":
+                if rank.state == PREFILL:
                     self._publish(r)
-        rank.busy_s += duration
-        self._push(self.now + duration, _STEP_END, r)
+                else:
+                    self._decode_since_publish[r] += 1
+                    if self._decode_since_publish[r] >= self.config.publish.every_decode_steps:
+                        self._publish(r)
+        if duration is not None:
+            self._push(self.now + duration, _STEP_END, g)
 
     # -- event handlers ------------------------------------------------------------------------
 
@@ -322,15 +356,16 @@ class Simulation:
         self._push(t + self.config.send_delay_s, _RECEIVE, rid, rank)
 
     def _on_receive(self, t: float, rid: int, r: int) -> None:
-        rank = self.ranks[r]
-        rank.receive(self.requests[rid], t)
-        if rank.state == IDLE:
-            self._idle_epoch[r] += 1  # cancels its idle beat
-            self._start_step(r)
+        self.ranks[r].receive(self.requests[rid], t)
+        group = self.groups[self._group_of[r]]
+        if not group.busy:
+            for rank in group.ranks:
+                self._idle_epoch[rank.rank] += 1  # cancels its idle beat
+            self._start_step(group.gid)
 
-    def _on_step_end(self, t: float, r: int, _: int) -> None:
-        self._finished += self.ranks[r].end_step(t)
-        self._start_step(r)
+    def _on_step_end(self, t: float, g: int, _: int) -> None:
+        self._finished += self.groups[g].end(t)
+        self._start_step(g)
 
     def _on_publish_tick(self, t: float, r: int, _: int) -> None:
         self._publish(r)
@@ -409,6 +444,14 @@ class Simulation:
             evicted_tokens=sum(rank.cache.evicted_tokens for rank in self.ranks),
             end_s=self.now,
             wall_s=wall_s,
+            slo_ttft_s=self.config.slo_ttft_s,
+            slo_tpot_s=self.config.slo_tpot_s,
+            lockstep=self.config.lockstep is not None,
+            group_steps=sum(g.steps for g in self.groups),
+            rank_steps=sum(g.rank_steps for g in self.groups),
+            idle_rank_steps=sum(g.idle_rank_steps for g in self.groups),
+            extend_steps=sum(g.extend_steps for g in self.groups),
+            eager_decode_rank_steps=sum(g.eager_decode_rank_steps for g in self.groups),
         )
 
 
