@@ -10,10 +10,12 @@ import sys
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import output_file
 from dpboard.sim import report as sim_report
+from dpboard.sim.pd import simulate_any
 from dpboard.sim.profile import Profile, load_profile, load_profile_file, profile_names
-from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods, simulate
+from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods
 from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
 from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
+from dpboard.sim.transfer import parse_pd
 
 DEFAULT_SCENARIO = "bursty"
 SCENARIO_PROFILE = "synthetic"  # the model the synthetic scenarios were made for
@@ -83,6 +85,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "batches (default: the profile's dp_attention; on for deepseek-v3-dp-attention-h100)",
     )
     p.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="PD disaggregation: P prefill ranks and D decode ranks (each pool its own controller, in "
+        "lockstep under --dp-attention), KV transfer between them; a method is then PREFILL/DECODE "
+        "(e.g. follow_bootstrap_room/round_robin, SGLang's auto), a single name both sides",
+    )
+    p.add_argument(
         "--slo-ttft-ms", type=float, default=None, help="goodput: time-to-first-token SLO, ms (default: the profile's)"
     )
     p.add_argument(
@@ -147,6 +157,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
     if args.seed < 0:
         raise InvalidInputError(f"--seed must be >= 0, got {args.seed}")
     profile = profile_from_args(args)
+    pd = None
+    if args.pd:
+        n_prefill, n_decode = parse_pd(args.pd)
+        if args.ranks not in (8, n_prefill + n_decode):
+            raise InvalidInputError(f"--ranks {args.ranks} and --pd {args.pd} disagree: leave --ranks out with --pd")
+        pd = profile.pd(n_prefill, n_decode)
+        ranks = pd.n_ranks
     dp_attention = profile.dp_attention if args.dp_attention is None else args.dp_attention
     config = SimConfig(
         n_ranks=ranks,
@@ -165,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         lockstep=profile.lockstep if dp_attention else None,
         slo_ttft_s=profile.slo_ttft_s if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=profile.slo_tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
+        pd=pd,
     ).validate()
     if args.trace_file:
         if args.duration is not None:
@@ -178,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
             window=window,
             spread=not args.no_spread,
             load=args.load,
+            pd=(pd.n_prefill, pd.n_decode) if pd is not None else None,
         )
         return config, trace, profile
     if args.window or args.no_spread:
@@ -199,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     methods = split_methods(args.methods) if args.methods else default_methods()
     if not methods:
         raise InvalidInputError("--methods is empty: name at least one method, e.g. --methods total_tokens,vllm")
-    results = simulate(trace, methods, config)
+    results = simulate_any(trace, methods, config)
     summaries = [sim_report.summarize(r) for r in results]
     # With --json - the JSON owns stdout; the table goes to stderr so a pipe gets pure JSON.
     human = sys.stderr if args.json == "-" else sys.stdout
@@ -236,6 +255,7 @@ def _command_line(args: argparse.Namespace) -> str:
         ("--visibility-delay", args.visibility_delay, 0.0),
         ("--refresh-interval", args.refresh_interval, 0.02),
         ("--queued-prefill", args.queued_prefill, "sglang"),
+        ("--pd", args.pd, None),
         ("--slo-ttft-ms", args.slo_ttft_ms, None),
         ("--slo-tpot-ms", args.slo_tpot_ms, None),
     ):

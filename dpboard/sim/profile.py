@@ -24,6 +24,10 @@ their units in the name:
                           (no CUDA graph; optional, 0)
 ``slo_ttft_ms``           goodput: the time-to-first-token SLO (optional, default 1000)
 ``slo_tpot_ms``           goodput: the time-per-output-token SLO (optional, default 100)
+``kv_bytes_per_token``    PD: KV bytes a prompt token sends to the decode side (optional, 131072)
+``kv_link_gbps``          PD: a prefill rank's link to the decode side, GB/s (optional, 40)
+``kv_transfer_ms``        PD: fixed cost of one KV transfer (optional, 1)
+``bootstrap_rtt_ms``      PD: one round trip to the bootstrap server (optional, 2)
 ========================  =====================================================================
 
 The lockstep terms are used with ``dp_attention = 1`` or ``dpboard sim --dp-attention``
@@ -42,6 +46,7 @@ from pathlib import Path
 from dpboard.errors import InvalidInputError, NotFoundError
 from dpboard.sim.model import RankConfig
 from dpboard.sim.stepping import LockstepCost
+from dpboard.sim.transfer import PdConfig
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 SUFFIX = ".profile"
@@ -68,6 +73,10 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "eager_decode_ms": ("eager_decode_s", 1e3, False, 0.0),
     "slo_ttft_ms": ("slo_ttft_s", 1e3, False, 1000.0),
     "slo_tpot_ms": ("slo_tpot_s", 1e3, False, 100.0),
+    "kv_bytes_per_token": ("kv_bytes_per_token", 1, False, 131072.0),
+    "kv_link_gbps": ("kv_link_bytes_per_s", 1e-9, False, 40.0),
+    "kv_transfer_ms": ("kv_transfer_base_s", 1e3, False, 1.0),
+    "bootstrap_rtt_ms": ("bootstrap_rtt_s", 1e3, False, 2.0),
 }
 _TEXT = ("name", "description", "source")
 _OPTIONAL = ("max_prefill_tokens", *_RUN)
@@ -84,6 +93,22 @@ class Profile:
     lockstep: LockstepCost = LockstepCost()  # the lockstep terms (used with DP attention)
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
+    # PD disaggregation's transfer terms (dpboard.sim.transfer)
+    kv_bytes_per_token: float = 131072.0
+    kv_link_bytes_per_s: float = 40e9
+    kv_transfer_base_s: float = 0.001
+    bootstrap_rtt_s: float = 0.002
+
+    def pd(self, n_prefill: int, n_decode: int) -> PdConfig:
+        """``--pd n_prefill:n_decode`` with this profile's transfer terms."""
+        return PdConfig(
+            n_prefill=n_prefill,
+            n_decode=n_decode,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_link_bytes_per_s=self.kv_link_bytes_per_s,
+            kv_transfer_base_s=self.kv_transfer_base_s,
+            bootstrap_rtt_s=self.bootstrap_rtt_s,
+        ).validate()
 
     def as_dict(self) -> dict[str, str]:
         return {"name": self.name, "description": self.description, "source": self.source, "path": self.path}
@@ -148,6 +173,8 @@ def load_profile_file(path: str | Path) -> Profile:
         raise InvalidInputError(f"profile file {p}, line {lines['dp_attention']}: dp_attention is 0 or 1")
     if not (run["slo_ttft_s"] > 0 and run["slo_tpot_s"] > 0):
         raise InvalidInputError(f"profile file {p}: slo_ttft_ms and slo_tpot_ms must be > 0")
+    if not run["kv_link_bytes_per_s"] > 0:
+        raise InvalidInputError(f"profile file {p}: kv_link_gbps must be > 0")
     try:
         rank = RankConfig(**fields).validate()  # type: ignore[arg-type]
         lockstep = LockstepCost(
@@ -167,4 +194,8 @@ def load_profile_file(path: str | Path) -> Profile:
         lockstep=lockstep,
         slo_ttft_s=float(run["slo_ttft_s"]),
         slo_tpot_s=float(run["slo_tpot_s"]),
+        kv_bytes_per_token=float(run["kv_bytes_per_token"]),
+        kv_link_bytes_per_s=float(run["kv_link_bytes_per_s"]),
+        kv_transfer_base_s=float(run["kv_transfer_base_s"]),
+        bootstrap_rtt_s=float(run["bootstrap_rtt_s"]),
     )

@@ -131,8 +131,22 @@ def summarize(result: RunResult) -> dict[str, Any]:
     span = result.end_s - float(arrival.min()) if arrival.size else 0.0
     output_tokens = sum(r.output_len for r in reqs)
     good = int(goodput_mask(result).sum()) if reqs else 0
+    pd = result.pd
+    summary_pd: dict[str, Any] = {}
+    if pd is not None:
+        per_prefill = pd["prefill_requests_per_rank"]
+        summary_pd = {
+            "prefill_method": pd["prefill_method"],
+            "decode_method": pd["decode_method"],
+            "n_prefill": pd["n_prefill"],
+            "n_decode": pd["n_decode"],
+            "transfer_p50_ms": pd["transfer_p50_ms"],
+            "transfer_p99_ms": pd["transfer_p99_ms"],
+            "prefill_requests_per_rank_min": min(per_prefill),
+            "prefill_requests_per_rank_max": max(per_prefill),
+        }
     return {
-        "method": result.method,
+        "method": f"{pd['prefill_method']}/{pd['decode_method']}" if pd is not None else result.method,
         "requests": len(reqs),
         "ttft_p50_ms": _pct(ttft, 50) * 1e3,
         "ttft_p90_ms": _pct(ttft, 90) * 1e3,
@@ -164,6 +178,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "publishes": result.publishes,
         "board_reads": result.board_reads,
         "wall_s": result.wall_s,
+        **summary_pd,
     }
 
 
@@ -200,6 +215,13 @@ def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = Non
     chunk = f"chunked prefill {rank.chunked_prefill_size}" if rank.chunked_prefill_size else "no chunked prefill"
     named = f"profile {profile}: " if profile else ""
     stepping = "in lockstep (DP attention)" if config.lockstep is not None else "stepping independently"
+    pd = config.pd
+    if pd is not None:
+        stepping += (
+            f", PD {pd.n_prefill} prefill : {pd.n_decode} decode (each pool its own controller; KV "
+            f"{pd.kv_bytes_per_token:g} B per token over {pd.kv_link_bytes_per_s / 1e9:g} GB/s + "
+            f"{pd.kv_transfer_base_s * 1e3:g} ms, bootstrap round trip {pd.bootstrap_rtt_s * 1e3:g} ms)"
+        )
     slo = f"; goodput SLOs TTFT {config.slo_ttft_s * 1e3:g} ms, TPOT {config.slo_tpot_s * 1e3:g} ms"
     return (
         f"{describe_trace(trace)}\n"

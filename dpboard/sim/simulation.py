@@ -50,6 +50,7 @@ from dpboard.sim.model import (
 from dpboard.sim.policy import Policy, SimBoard
 from dpboard.sim.stepping import LockstepCost, RankGroup
 from dpboard.sim.trace import Trace
+from dpboard.sim.transfer import PdConfig
 
 CADENCES = ("step", "sglang", "period")
 SEED_METHODS = ("round_robin", "total_requests", "total_tokens")
@@ -102,6 +103,7 @@ class SimConfig:
     lockstep: LockstepCost | None = None  # DP attention: all ranks step together (None: independent ranks)
     slo_ttft_s: float = 1.0  # goodput: a request meets its SLOs with TTFT and TPOT at most these
     slo_tpot_s: float = 0.1
+    pd: PdConfig | None = None  # PD disaggregation: prefill and decode pools (n_ranks is their sum)
 
     def validate(self) -> SimConfig:
         if self.n_ranks < 1:
@@ -124,6 +126,12 @@ class SimConfig:
         self.publish.validate()
         if self.lockstep is not None:
             self.lockstep.validate(self.rank)
+        if self.pd is not None:
+            self.pd.validate()
+            if self.pd.n_ranks != self.n_ranks:
+                raise InvalidInputError(
+                    f"--pd {self.pd.n_prefill}:{self.pd.n_decode} is {self.pd.n_ranks} ranks, the run has {self.n_ranks}"
+                )
         return self
 
 
@@ -150,6 +158,7 @@ class RunResult:
     idle_rank_steps: int = 0  # rank-steps spent in an idle batch while another rank of the group worked
     extend_steps: int = 0  # lockstep steps in which some rank extended
     eager_decode_rank_steps: int = 0  # decode rank-steps run without their CUDA graph (an extend step)
+    pd: dict[str, Any] | None = None  # PD: both sides' methods and the transfer stage's record
 
 
 SIM_OPTIONS = ("cadence", "publish_every")
@@ -211,7 +220,7 @@ class Simulation:
     """One method on one trace. ``run()`` returns a ``RunResult``; a Simulation runs once."""
 
     def __init__(self, trace: Trace, method: str, config: SimConfig):
-        policy_spec, config = split_sim_options(method, config)
+        policy_spec, config = self._split_method(method, config)
         self.config = config.validate()
         if trace.n_ranks != config.n_ranks:
             raise InvalidInputError(
@@ -226,25 +235,13 @@ class Simulation:
         self.trace = trace
         self.method = method
         self.now = 0.0
-        self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
-        if config.lockstep is None:
-            self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
-        else:
-            self.groups = [RankGroup(0, list(self.ranks), config.lockstep)]
+        self._build(policy_spec)
+        index = {id(rank): r for r, rank in enumerate(self.ranks)}
+        self._members = [[index[id(rank)] for rank in group.ranks] for group in self.groups]
         self._group_of = [0] * config.n_ranks
-        for group in self.groups:
-            for rank in group.ranks:
-                self._group_of[rank.rank] = group.gid
-        self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
-        self.policy: Policy = make_policy(
-            policy_spec,
-            label=method,
-            n_ranks=config.n_ranks,
-            board=self.board,
-            clock=self.clock,
-            refresh_interval_s=config.refresh_interval_s,
-            seed=trace.seed,
-        )
+        for group, members in zip(self.groups, self._members, strict=True):
+            for r in members:
+                self._group_of[r] = group.gid
         self._wire_policy()
         self.requests = [
             SimRequest(i, a, p, o, b, ids)
@@ -265,7 +262,7 @@ class Simulation:
         self._decode_since_publish = [0] * config.n_ranks
         self._idle_epoch = [0] * config.n_ranks
         self._kv_pending: deque[tuple[int, int, list[int]]] = deque()
-        self._sampler = _Sampler(config.n_ranks)
+        self._sampler = _Sampler(len(self._sampled))
         self._finished = 0
         self._ran = False
         # One handler per event kind, indexed by the kind.
@@ -283,15 +280,43 @@ class Simulation:
     def clock(self) -> float:
         return self.now
 
+    def _split_method(self, method: str, config: SimConfig) -> tuple[Any, SimConfig]:
+        return split_sim_options(method, config)
+
+    def _build(self, policy_spec: Any) -> None:
+        """The ranks, their groups, the board and the policy; per rank (the simulation's index) the
+        board it publishes to, the policy that dispatches to it and its publish settings."""
+        config = self.config
+        self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
+        if config.lockstep is None:
+            self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
+        else:
+            self.groups = [RankGroup(0, list(self.ranks), config.lockstep)]
+        self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
+        self.policy: Policy = make_policy(
+            policy_spec,
+            label=self.method,
+            n_ranks=config.n_ranks,
+            board=self.board,
+            clock=self.clock,
+            refresh_interval_s=config.refresh_interval_s,
+            seed=self.trace.seed,
+        )
+        self._board_of = [self.board] * config.n_ranks
+        self._policy_of = [self.policy] * config.n_ranks
+        self._pub = [config.publish] * config.n_ranks
+        self._sampled = self.ranks  # the ranks whose tokens the metrics over time follow
+        self._tick = [(self.policy, self.ranks)]  # policies that tick, with the ranks they look at
+
     def _wire_policy(self) -> None:
         """Give the policy the signals its own system gives it, and nothing else."""
-        policy = self.policy
-        for rank in self.ranks:
+        for r, rank in enumerate(self.ranks):
+            policy = self._policy_of[r]
             if policy.wants_request_events:
                 rank.on_first_token = policy.on_first_token
                 rank.on_finish = policy.on_finish
             if policy.wants_kv_events:
-                rank.cache.listener = functools.partial(self._kv_event, rank.rank)
+                rank.cache.listener = functools.partial(self._kv_event, r)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -303,14 +328,16 @@ class Simulation:
         self._publish_seq[r] += 1
         self._decode_since_publish[r] = 0
         rank = self.ranks[r]
-        self.board.publish(r, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens)
+        self._board_of[r].publish(
+            rank.rank, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens
+        )
 
     def _kv_event(self, r: int, kind: int, ids: list[int]) -> None:
         """A rank's prefix cache stored or dropped blocks: the router hears of it after the
         visibility delay (the events travel like the snapshots)."""
-        delay = self.config.publish.visibility_delay_s
+        delay = self._pub[r].visibility_delay_s
         if delay == 0.0:
-            self.policy.on_kv_event(r, kind, ids)
+            self._policy_of[r].on_kv_event(self.ranks[r].rank, kind, ids)
         else:
             self._kv_pending.append((r, kind, ids))
             self._push(self.now + delay, _KV_EVENT)
@@ -320,12 +347,12 @@ class Simulation:
         member's cadence says."""
         group = self.groups[g]
         duration = group.begin(self.now)
-        policy = self.policy
-        cadence = self.config.publish.cadence
-        for rank in group.ranks:
-            r = rank.rank
+        for rank, r in zip(group.ranks, self._members[g], strict=True):
+            policy = self._policy_of[r]
             if policy.wants_rank_steps:
                 policy.on_rank_step(rank, self.now)
+            pub = self._pub[r]
+            cadence = pub.cadence
             if rank.state == IDLE:
                 if cadence == "period":
                     continue
@@ -334,7 +361,7 @@ class Simulation:
                 self._publish(r)
                 if duration is None:
                     self._idle_epoch[r] += 1
-                    self._push(self.now + self.config.publish.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
+                    self._push(self.now + pub.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
             elif cadence == "step":
                 self._publish(r)
             elif cadence == "sglang":
@@ -342,7 +369,7 @@ class Simulation:
                     self._publish(r)
                 else:
                     self._decode_since_publish[r] += 1
-                    if self._decode_since_publish[r] >= self.config.publish.every_decode_steps:
+                    if self._decode_since_publish[r] >= pub.every_decode_steps:
                         self._publish(r)
         if duration is not None:
             self._push(self.now + duration, _STEP_END, g)
@@ -357,11 +384,15 @@ class Simulation:
 
     def _on_receive(self, t: float, rid: int, r: int) -> None:
         self.ranks[r].receive(self.requests[rid], t)
-        group = self.groups[self._group_of[r]]
-        if not group.busy:
-            for rank in group.ranks:
-                self._idle_epoch[rank.rank] += 1  # cancels its idle beat
-            self._start_step(group.gid)
+        self._wake(self._group_of[r])
+
+    def _wake(self, g: int) -> None:
+        """A member of group ``g`` has new work: an idle group starts a step now (a busy one
+        finds the work when its step ends)."""
+        if not self.groups[g].busy:
+            for r in self._members[g]:
+                self._idle_epoch[r] += 1  # cancels its idle beat
+            self._start_step(g)
 
     def _on_step_end(self, t: float, g: int, _: int) -> None:
         self._finished += self.groups[g].end(t)
@@ -369,24 +400,25 @@ class Simulation:
 
     def _on_publish_tick(self, t: float, r: int, _: int) -> None:
         self._publish(r)
-        self._push(t + self.config.publish.period_s, _PUBLISH_TICK, r)
+        self._push(t + self._pub[r].period_s, _PUBLISH_TICK, r)
 
     def _on_idle_beat(self, t: float, r: int, epoch: int) -> None:
         if self.ranks[r].state == IDLE and epoch == self._idle_epoch[r]:
             self._publish(r)
-            self._push(t + self.config.publish.idle_publish_s, _IDLE_BEAT, r, epoch)
+            self._push(t + self._pub[r].idle_publish_s, _IDLE_BEAT, r, epoch)
 
     def _on_sample(self, t: float, _a: int, _b: int) -> None:
-        self._sampler.take(t, self.ranks)
+        self._sampler.take(t, self._sampled)
         self._push(t + self.config.sample_period_s, _SAMPLE)
 
-    def _on_policy_tick(self, t: float, _a: int, _b: int) -> None:
-        self.policy.on_tick(t, self.ranks)
-        self._push(t + self.policy.tick_period_s, _POLICY_TICK)
+    def _on_policy_tick(self, t: float, i: int, _b: int) -> None:
+        policy, ranks = self._tick[i]
+        policy.on_tick(t, ranks)
+        self._push(t + policy.tick_period_s, _POLICY_TICK, i)
 
     def _on_kv_event(self, t: float, _a: int, _b: int) -> None:
         r, kind, ids = self._kv_pending.popleft()
-        self.policy.on_kv_event(r, kind, ids)
+        self._policy_of[r].on_kv_event(self.ranks[r].rank, kind, ids)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -396,14 +428,16 @@ class Simulation:
             self._push(req.arrival_s, _ARRIVE, req.rid)
         for r in range(cfg.n_ranks):
             self._publish(r)  # every rank announces itself (empty) at start, as a live scheduler would
-            if cfg.publish.cadence == "period":
-                self._push(cfg.publish.period_s * (r + 1) / cfg.n_ranks, _PUBLISH_TICK, r)
+            pub = self._pub[r]
+            if pub.cadence == "period":
+                self._push(pub.period_s * (r + 1) / cfg.n_ranks, _PUBLISH_TICK, r)
             else:
                 self._idle_epoch[r] += 1
-                self._push(cfg.publish.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
+                self._push(pub.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
         self._push(0.0, _SAMPLE)
-        if self.policy.tick_period_s > 0:
-            self._push(0.0, _POLICY_TICK)
+        for i, (policy, _) in enumerate(self._tick):
+            if policy.tick_period_s > 0:
+                self._push(0.0, _POLICY_TICK, i)
 
     def run(self) -> RunResult:
         if self._ran:

@@ -37,6 +37,10 @@
 # slo_tpot_ms: the blog's ITL of "about 100 ms" at its decode operating point; slo_ttft_ms: the top
 #   of the 2-5 s TTFT it lists among its limitations. A request meets both when it is served at
 #   least as well as the blog's deployment served it.
+# PD (--pd P:D): kv_bytes_per_token: MLA caches 61 layers x (512 + 64) x 2 B = 70,272 B per token.
+#   kv_link_gbps: the blog's nodes give each H100 its own 400 Gb/s InfiniBand NIC (50 GB/s); 40 GB/s
+#   is 80 % of it. kv_transfer_ms, bootstrap_rtt_ms: a transfer's setup and one HTTP round trip to
+#   the bootstrap server, about a millisecond or two on a LAN: estimates, not measurements.
 name = deepseek-v3-dp-attention-h100
 description = DeepSeek-V3 FP8, SGLang DP attention + EP, one H100 per DP rank
 source = LMSYS blog 2025-05-05 "Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 GPUs" (per node / 8); sgl-project/sglang#6017
@@ -54,3 +58,7 @@ moe_decode_token_us = 56
 eager_decode_ms = 12
 slo_ttft_ms = 5000
 slo_tpot_ms = 100
+kv_bytes_per_token = 70272
+kv_link_gbps = 40
+kv_transfer_ms = 1
+bootstrap_rtt_ms = 2
