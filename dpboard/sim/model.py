@@ -238,6 +238,7 @@ class RankModel:
         self._finish_heap: list[tuple[int, int, int]] = []  # (finish_step, rid, epoch)
         self.private_tokens = 0  # KV held outside the prefix cache (running and prefilling requests)
         self.decode_steps = 0
+        self.decoded_tokens = 0  # tokens its decode steps gave (first tokens, from prefill, not counted)
         self.state = IDLE
         self._prefill_batch: list[tuple[SimRequest, int]] = []  # (request, tokens computed this step)
         self._chunked: SimRequest | None = None  # the request whose prompt is split across steps
@@ -647,6 +648,7 @@ class RankModel:
 
     def _end_decode(self, now_s: float) -> None:
         self.decode_steps += 1
+        self.decoded_tokens += len(self.running)
         self.private_tokens += len(self.running)
         heap = self._finish_heap
         while heap and heap[0][0] <= self.decode_steps:

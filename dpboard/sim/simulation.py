@@ -159,6 +159,7 @@ class RunResult:
     extend_steps: int = 0  # lockstep steps in which some rank extended
     eager_decode_rank_steps: int = 0  # decode rank-steps run without their CUDA graph (an extend step)
     pd: dict[str, Any] | None = None  # PD: both sides' methods and the transfer stage's record
+    sample_decoded: np.ndarray | None = None  # per sample: output tokens the sampled ranks' decode steps gave so far
 
 
 SIM_OPTIONS = ("cadence", "publish_every")
@@ -194,6 +195,7 @@ class _Sampler:
         self.t: list[float] = []
         self.tokens: list[list[int]] = []
         self.idle_while_queued: list[bool] = []
+        self.decoded: list[int] = []
 
     def take(self, t: float, ranks: list[RankModel]) -> None:
         any_idle = False
@@ -206,6 +208,7 @@ class _Sampler:
         self.t.append(t)
         self.tokens.append([rank.total_tokens for rank in ranks])
         self.idle_while_queued.append(any_idle and any_queued)
+        self.decoded.append(sum(rank.decoded_tokens for rank in ranks))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(self.t)
@@ -486,6 +489,7 @@ class Simulation:
             idle_rank_steps=sum(g.idle_rank_steps for g in self.groups),
             extend_steps=sum(g.extend_steps for g in self.groups),
             eager_decode_rank_steps=sum(g.eager_decode_rank_steps for g in self.groups),
+            sample_decoded=np.asarray(self._sampler.decoded, dtype=np.int64),
         )
 
 
