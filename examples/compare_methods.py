@@ -17,6 +17,15 @@ them; the rank model is ``--profile`` (default ``llama3.1-8b-h100``, as ``dpboar
 Method specs are those of ``dpboard sim --methods`` (``NAME[:key=value;...]``, with ``cadence=`` to
 give one method its own publish cadence).
 
+``--dp-attention`` steps the ranks in lockstep (the profile's setting by default), ``--pd P:D`` splits
+prefill from decode (methods are then ``PREFILL/DECODE``), ``--chunked-prefill-size`` overrides the
+profile's, ``--json PATH`` keeps every seed's summary; the DP-attention and PD cells of
+docs/DISPATCH.md were run with them:
+
+    python examples/compare_methods.py --trace-file traces/azure2023_conv.csv --pd 8:16 \\
+        --profile deepseek-v3-dp-attention-h100 --load 0.9 --seeds 3 \\
+        --methods follow_bootstrap_room/round_robin,total_tokens,inflight_cache:cadence=step
+
 ``--index-check`` looks at the controller's prefix index (methods that keep one: ``inflight_cache``)
 against the ranks' true prefix caches, on the same traces:
 

@@ -185,3 +185,23 @@ def test_cli_pd_names_both_methods():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode != 0 and "leave --ranks out with --pd" in bad.stderr
+
+
+def test_compare_methods_runs_pd_and_lockstep_cells(tmp_path):
+    import json
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "compare_methods.py"
+    out = tmp_path / "cell.json"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--trace", "steady", "--load", "0.05", "--pd", "1:2", "--dp-attention",
+         "--seeds", "2", "--methods", "auto,total_tokens", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "PD 1:2, lockstep (DP attention)" in proc.stdout and "goodput req/s" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["pd"] == "1:2" and doc["dp_attention"] is True
+    runs = doc["runs"]["auto"]
+    assert len(runs) == 2 and runs[0]["method"] == "follow_bootstrap_room/round_robin"
+    assert all(r["idle_rank_step_share"] > 0 and r["goodput_rps"] > 0 for r in runs)
