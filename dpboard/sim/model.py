@@ -432,10 +432,6 @@ class RankModel:
         self._ready.append(req)
         return 0
 
-    @property
-    def has_ready(self) -> bool:
-        return bool(self._ready)
-
     def _queue_tokens(self, req: SimRequest) -> None:
         """Count a request that joins the waiting queue (new, or retracted)."""
         self.waiting_tokens += req.seqlen
