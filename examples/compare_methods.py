@@ -17,6 +17,15 @@ them; the rank model is ``--profile`` (default ``llama3.1-8b-h100``, as ``dpboar
 Method specs are those of ``dpboard sim --methods`` (``NAME[:key=value;...]``, with ``cadence=`` to
 give one method its own publish cadence).
 
+``--dp-attention`` steps the ranks in lockstep (the profile's setting by default), ``--pd P:D`` splits
+prefill from decode (methods are then ``PREFILL/DECODE``), ``--chunked-prefill-size`` overrides the
+profile's, ``--json PATH`` keeps every seed's summary; the DP-attention and PD cells of
+docs/DISPATCH.md were run with them:
+
+    python examples/compare_methods.py --trace-file traces/azure2023_conv.csv --pd 8:16 \\
+        --profile deepseek-v3-dp-attention-h100 --load 0.9 --seeds 3 \\
+        --methods follow_bootstrap_room/round_robin,total_tokens,inflight_cache:cadence=step
+
 ``--index-check`` looks at the controller's prefix index (methods that keep one: ``inflight_cache``)
 against the ranks' true prefix caches, on the same traces:
 
@@ -35,6 +44,8 @@ against the ranks' true prefix caches, on the same traces:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 import numpy as np
@@ -42,12 +53,15 @@ import numpy as np
 from dpboard.errors import DpboardError
 from dpboard.options import count, positive
 from dpboard.sim.cli import FILE_PROFILE, SCENARIO_PROFILE, split_methods
+from dpboard.sim.pd import make_simulation
 from dpboard.sim.prefix_cache import prefix_tokens
 from dpboard.sim.profile import load_profile
 from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation
 from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
 from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
+from dpboard.sim.transfer import parse_pd
+from dpboard.sim.workload import offered_load, pd_offered_load
 
 METRICS = (
     ("p50 TTFT ms", "ttft_p50_ms", "{:.0f}"),
@@ -56,6 +70,9 @@ METRICS = (
     ("imbalance", "imbalance_mean", "{:.3f}"),
     ("imbalance p99", "imbalance_p99", "{:.3f}"),
     ("cache hit", "cache_hit_rate", "{:.1%}"),
+    ("p99 TPOT ms", "tpot_p99_ms", "{:.0f}"),
+    ("goodput req/s", "goodput_rps", "{:.2f}"),
+    ("idle rank-steps", "idle_rank_step_share", "{:.1%}"),
 )
 DEFAULT_METHODS = (
     "total_requests,total_tokens,vllm,cache_aware,dynamo_kv,inflight_requests,inflight_tokens,inflight_backlog,"
@@ -149,9 +166,25 @@ def shared_prefix(trace: Trace) -> tuple[int, ...]:
     return tuple(common)
 
 
+def scenario_trace(name: str, ranks: int, seed: int, load: float | None, profile, pd) -> Trace:
+    """A synthetic scenario. With its own profile (``synthetic``) ``--load`` multiplies its rates, as
+    ``dpboard sim --load`` does; with another profile its arrival times are scaled so that the work
+    it offers is that share of the profile's capacity (the busier pool's with ``--pd``), as a trace
+    file's are: the scenarios' rates were set for the synthetic rank."""
+    if profile.name == SCENARIO_PROFILE or load is None:
+        return generate_trace(scenario(name).scaled(load=1.0 if load is None else load), ranks, seed)
+    trace = generate_trace(scenario(name), ranks, seed)
+    span = trace.spec.duration_s if trace.spec is not None else float(trace.arrival_s.max())
+    if pd is not None:
+        natural = pd_offered_load(trace.prompt_len, trace.output_len, span, pd.n_prefill, pd.n_decode, profile.rank)
+    else:
+        natural = offered_load(trace.prompt_len, trace.output_len, span, ranks, profile.rank)
+    return dataclasses.replace(trace, arrival_s=trace.arrival_s * (natural / load))
+
+
 def runs_of(method: str, trace: Trace, config: SimConfig, index_check: bool):
     """(label, simulation, probe or None) for the method, and with --index-check its two variants."""
-    sim = Simulation(trace, method, config)
+    sim = make_simulation(trace, method, config)
     if not (index_check and keeps_prefix_index(method)):
         yield method, sim, None
         return
@@ -192,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cadence", default="sglang", choices=("step", "sglang", "period"),
                    help="publish cadence of the methods that do not name their own")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated specs, as dpboard sim --methods")
+    p.add_argument("--dp-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="ranks in lockstep as DP attention runs them (default: the profile's)")
+    p.add_argument("--pd", metavar="P:D", default=None,
+                   help="PD disaggregation: P prefill and D decode ranks (methods are PREFILL/DECODE, as dpboard sim)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="prompt tokens per prefill step per rank, 0 = off (default: the profile's)")
+    p.add_argument("--json", metavar="PATH", help="write every seed's summary of every method here")
     p.add_argument("--index-check", action="store_true",
                    help="the prefix index against the ranks' true caches, and two variants of the method (see above)")
     args = p.parse_args(argv)
@@ -202,17 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.index_check and not any(keeps_prefix_index(m) for m in methods):
         p.error("--index-check needs a method that keeps a prefix index among --methods (inflight_cache)")
     profile = load_profile(args.profile or (FILE_PROFILE if args.trace_file else SCENARIO_PROFILE))
-    config = SimConfig(n_ranks=args.ranks, rank=profile.rank, publish=PublishConfig(cadence=args.cadence))
+    if args.chunked_prefill_size is not None:
+        rank = dataclasses.replace(profile.rank, chunked_prefill_size=args.chunked_prefill_size).validate()
+        profile = dataclasses.replace(profile, rank=rank)
+    pd = profile.pd(*parse_pd(args.pd)) if args.pd else None
+    if pd is not None:
+        args.ranks = pd.n_ranks
+    dp_attention = profile.dp_attention if args.dp_attention is None else args.dp_attention
+    config = SimConfig(
+        n_ranks=args.ranks, rank=profile.rank, publish=PublishConfig(cadence=args.cadence),
+        lockstep=profile.lockstep if dp_attention else None, pd=pd,
+        slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s,
+    )  # fmt: skip
     trace_file = read_trace_file(args.trace_file) if args.trace_file else None
     window = parse_window(args.window) if args.window else (None, None)
     per_method: dict[str, list[dict]] = {}
     probes: dict[str, list[IndexProbe]] = {}
     for seed in range(args.seeds):
         if trace_file is not None:
-            trace = shape_trace(trace_file, n_ranks=args.ranks, seed=seed, rank=profile.rank, window=window, load=args.load)
+            trace = shape_trace(trace_file, n_ranks=args.ranks, seed=seed, rank=profile.rank, window=window,
+                                load=args.load, pd=(pd.n_prefill, pd.n_decode) if pd is not None else None)  # fmt: skip
         else:
-            spec = scenario(args.trace or "bursty").scaled(load=1.0 if args.load is None else args.load)
-            trace = generate_trace(spec, args.ranks, seed)
+            trace = scenario_trace(args.trace or "bursty", args.ranks, seed, args.load, profile, pd)
         for method in methods:
             for label, sim, probe in runs_of(method, trace, config, args.index_check):
                 per_method.setdefault(label, []).append(summarize(sim.run()))
@@ -221,10 +272,17 @@ def main(argv: list[str] | None = None) -> int:
 
     name = args.trace_file or args.trace or "bursty"
     load = f", load {args.load:g}" if args.load is not None else ""
+    stepping = ", lockstep (DP attention)" if dp_attention else ""
+    split = f", PD {pd.n_prefill}:{pd.n_decode}" if pd is not None else ""
     print(
-        f"{name}{load}, {args.ranks} ranks, profile {profile.name}, seeds 0..{args.seeds - 1}, cadence "
+        f"{name}{load}, {args.ranks} ranks{split}{stepping}, profile {profile.name}, seeds 0..{args.seeds - 1}, cadence "
         f"{args.cadence} (unless a method names its own); mean over seeds [min–max]\n"
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trace": name, "load": args.load, "ranks": args.ranks, "pd": args.pd,
+                       "dp_attention": dp_attention, "profile": profile.name, "seeds": args.seeds,
+                       "runs": per_method}, f, indent=1)  # fmt: skip
     print("| method | " + " | ".join(m[0] for m in METRICS) + " |")
     print("|---|" + "---:|" * len(METRICS))
     means: dict[str, dict[str, float]] = {}

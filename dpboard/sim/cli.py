@@ -10,10 +10,12 @@ import sys
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import output_file
 from dpboard.sim import report as sim_report
+from dpboard.sim.pd import simulate_any
 from dpboard.sim.profile import Profile, load_profile, load_profile_file, profile_names
-from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods, simulate
+from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods
 from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
 from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
+from dpboard.sim.transfer import parse_pd
 
 DEFAULT_SCENARIO = "bursty"
 SCENARIO_PROFILE = "synthetic"  # the model the synthetic scenarios were made for
@@ -74,6 +76,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunked-prefill-size", type=int, default=None, help="prompt tokens per prefill step, 0 = off (default: the profile's)"
     )
+    p.add_argument(
+        "--dp-attention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ranks step in lockstep as SGLang's DP attention runs them: a step lasts as long as the "
+        "slowest rank's, one rank's prefill makes it an extend step for all, idle ranks run idle "
+        "batches (default: the profile's dp_attention; on for deepseek-v3-dp-attention-h100)",
+    )
+    p.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="PD disaggregation: P prefill ranks and D decode ranks (each pool its own controller, in "
+        "lockstep under --dp-attention), KV transfer between them; a method is then PREFILL/DECODE "
+        "(e.g. follow_bootstrap_room/round_robin, SGLang's auto), a single name both sides",
+    )
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=None, help="goodput: time-to-first-token SLO, ms (default: the profile's)"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="goodput: time-per-output-token SLO, ms (default: the profile's)"
+    )
     p.add_argument("--cadence", default="sglang", choices=CADENCES, help="publish cadence (default sglang)")
     p.add_argument("--publish-every", type=int, default=15, help="sglang cadence: decode steps per publish")
     p.add_argument("--publish-period", type=float, default=0.01, help="period cadence: seconds per publish")
@@ -133,6 +157,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
     if args.seed < 0:
         raise InvalidInputError(f"--seed must be >= 0, got {args.seed}")
     profile = profile_from_args(args)
+    pd = None
+    if args.pd:
+        n_prefill, n_decode = parse_pd(args.pd)
+        if args.ranks not in (8, n_prefill + n_decode):
+            raise InvalidInputError(f"--ranks {args.ranks} and --pd {args.pd} disagree: leave --ranks out with --pd")
+        pd = profile.pd(n_prefill, n_decode)
+        ranks = pd.n_ranks
+    dp_attention = profile.dp_attention if args.dp_attention is None else args.dp_attention
     config = SimConfig(
         n_ranks=ranks,
         rank=profile.rank,
@@ -147,6 +179,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         refresh_interval_s=args.refresh_interval,
         sample_period_s=args.sample_period,
         queued_prefill=args.queued_prefill,
+        lockstep=profile.lockstep if dp_attention else None,
+        slo_ttft_s=profile.slo_ttft_s if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+        slo_tpot_s=profile.slo_tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
+        pd=pd,
     ).validate()
     if args.trace_file:
         if args.duration is not None:
@@ -160,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
             window=window,
             spread=not args.no_spread,
             load=args.load,
+            pd=(pd.n_prefill, pd.n_decode) if pd is not None else None,
         )
         return config, trace, profile
     if args.window or args.no_spread:
@@ -181,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     methods = split_methods(args.methods) if args.methods else default_methods()
     if not methods:
         raise InvalidInputError("--methods is empty: name at least one method, e.g. --methods total_tokens,vllm")
-    results = simulate(trace, methods, config)
+    results = simulate_any(trace, methods, config)
     summaries = [sim_report.summarize(r) for r in results]
     # With --json - the JSON owns stdout; the table goes to stderr so a pipe gets pure JSON.
     human = sys.stderr if args.json == "-" else sys.stdout
@@ -218,9 +255,14 @@ def _command_line(args: argparse.Namespace) -> str:
         ("--visibility-delay", args.visibility_delay, 0.0),
         ("--refresh-interval", args.refresh_interval, 0.02),
         ("--queued-prefill", args.queued_prefill, "sglang"),
+        ("--pd", args.pd, None),
+        ("--slo-ttft-ms", args.slo_ttft_ms, None),
+        ("--slo-tpot-ms", args.slo_tpot_ms, None),
     ):
         if value != default:
             parts.append(f"{flag} {value}")
+    if args.dp_attention is not None:
+        parts.append("--dp-attention" if args.dp_attention else "--no-dp-attention")
     if args.no_spread:
         parts.append("--no-spread")
     if args.methods:

@@ -45,6 +45,13 @@ EXACT_REPORT = "exact"
 QUEUED_PREFILL_REPORTS = (SGLANG_REPORT, EXACT_REPORT)
 HIT_RATE_WINDOW_S = 15.0  # SGLang's SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS default
 
+# What a rank serves: both phases, or one side of PD disaggregation.
+BOTH = "both"
+PREFILL_ROLE = "prefill"
+DECODE_ROLE = "decode"
+ROLES = (BOTH, PREFILL_ROLE, DECODE_ROLE)
+RESERVED_DECODE_TOKENS = 512  # SGLang's --num-reserved-decode-tokens default: a PD decode rank's room per request
+
 # What a rank is doing.
 IDLE = 0
 PREFILL = 1
@@ -129,6 +136,9 @@ class SimRequest:
         "held_blocks",
         "private_kv",
         "queued_uncached",
+        "prefill_rank",
+        "prefilled_s",
+        "kv_ready_s",
     )
 
     def __init__(
@@ -163,6 +173,11 @@ class SimRequest:
         self.held_blocks = 0  # leading block_ids pinned in the rank's cache
         self.private_kv = 0  # KV tokens reserved outside the prefix cache at admission (during prefill)
         self.queued_uncached = 0  # its part of the rank's waiting_uncached while it waits
+        # PD disaggregation: the prefill rank, the end of its prefill there, the arrival of its KV on
+        # the decode rank (its first token reaches the client with it)
+        self.prefill_rank = -1
+        self.prefilled_s = -1.0
+        self.kv_ready_s = -1.0
 
     @property
     def block_hashes(self) -> tuple[int, ...]:
@@ -184,15 +199,32 @@ class RankModel:
     """One DP rank: waiting queue, running batch, KV pool with a prefix cache, and the step it is in.
 
     ``on_first_token`` and ``on_finish``, when set, are called with each request as its first token
-    comes and as it finishes (a router that tracks its requests listens to them)."""
+    comes and as it finishes (a router that tracks its requests listens to them).
+
+    ``role`` is what the rank serves. ``both`` (the default) prefills and decodes. Under PD
+    disaggregation a ``prefill`` rank holds a request in its bootstrap queue (``hold``) until the
+    decode side has pre-allocated its KV (``release``), prefills it, and hands it off at the end of
+    its prefill (``handed_off``; its KV is freed, the transfer is the simulation's). A ``decode`` rank
+    takes a request into its pre-allocation queue (``receive_remote``), reserves its KV when it has
+    room (``preallocate``, the transfer queue), and runs it from the step after its KV has arrived
+    (``kv_arrived``), as SGLang's decode scheduler does (``sglang/srt/disaggregation/decode.py``)."""
 
     def __init__(
-        self, rank: int, config: RankConfig, cache: PrefixCache | None = None, *, queued_prefill: str = SGLANG_REPORT
+        self,
+        rank: int,
+        config: RankConfig,
+        cache: PrefixCache | None = None,
+        *,
+        queued_prefill: str = SGLANG_REPORT,
+        role: str = BOTH,
     ):
         if queued_prefill not in QUEUED_PREFILL_REPORTS:
             raise InvalidInputError(
                 f"queued prefill report {queued_prefill!r} is not one of {', '.join(QUEUED_PREFILL_REPORTS)}"
             )
+        if role not in ROLES:
+            raise InvalidInputError(f"rank role {role!r} is not one of {', '.join(ROLES)}")
+        self.role = role
         self.rank = rank
         self.config = config.validate()
         self.queued_prefill = queued_prefill
@@ -206,6 +238,7 @@ class RankModel:
         self._finish_heap: list[tuple[int, int, int]] = []  # (finish_step, rid, epoch)
         self.private_tokens = 0  # KV held outside the prefix cache (running and prefilling requests)
         self.decode_steps = 0
+        self.decoded_tokens = 0  # tokens its decode steps gave (first tokens, from prefill, not counted)
         self.state = IDLE
         self._prefill_batch: list[tuple[SimRequest, int]] = []  # (request, tokens computed this step)
         self._chunked: SimRequest | None = None  # the request whose prompt is split across steps
@@ -213,6 +246,10 @@ class RankModel:
         self.finished: list[SimRequest] = []
         self.retracted = 0
         self.busy_s = 0.0  # time spent in steps (for utilisation)
+        # The batch of the step under way, as SGLang's DP-attention gather counts it: prompt tokens
+        # computed (prefill) or requests (decode), and the KV a decode batch holds.
+        self.step_tokens = 0
+        self.step_kv_tokens = 0
         self.on_first_token: RequestHook | None = None
         self.on_finish: RequestHook | None = None
         # SGLang's windowed prefix-cache hit rate (metrics_reporter.py _CacheHitRateWindow): the
@@ -225,6 +262,16 @@ class RankModel:
         self._step_total = 0
         # The part of a chunked prompt whose KV is not allocated yet: SGLang allocates chunk by chunk.
         self._unallocated = 0
+        # PD prefill: the bootstrap queue (requests whose decode side has not pre-allocated yet)
+        self.bootstrap_reqs = 0
+        self.bootstrap_tokens = 0
+        self.handed_off: list[SimRequest] = []  # prefilled since the simulation last took them
+        # PD decode: pre-allocation queue, transfer queue (KV reserved, not arrived), arrived
+        self.prealloc: deque[SimRequest] = deque()
+        self.prealloc_tokens = 0
+        self.transfer: dict[int, SimRequest] = {}
+        self.transfer_tokens = 0
+        self._ready: list[SimRequest] = []
 
     # -- what the rank is ----------------------------------------------------------------------
 
@@ -237,7 +284,9 @@ class RankModel:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """SGLang's num_waiting_reqs: the waiting queue, plus the bootstrap queue of a PD prefill
+        rank or the pre-allocation and transfer queues of a PD decode rank (load_inquirer.py)."""
+        return len(self.waiting) + self.bootstrap_reqs + len(self.prealloc) + len(self.transfer)
 
     @property
     def used_tokens(self) -> int:
@@ -246,8 +295,18 @@ class RankModel:
 
     @property
     def total_tokens(self) -> int:
-        """SGLang's num_total_tokens: KV in use plus the seqlens of requests still waiting for KV."""
-        return self.private_tokens + self.cache.locked_tokens + self.waiting_tokens
+        """SGLang's num_total_tokens: KV in use plus the seqlens of requests still waiting for KV
+        (the bootstrap queue of a PD prefill rank and the pre-allocation queue of a decode rank
+        included; the transfer queue's KV is reserved, so it is in use)."""
+        return (
+            self.private_tokens + self.cache.locked_tokens + self.waiting_tokens + self.bootstrap_tokens
+            + self.prealloc_tokens
+        )  # fmt: skip
+
+    @property
+    def awaiting_kv_tokens(self) -> int:
+        """A PD decode rank's requests whose KV has not arrived: pre-allocation and transfer queues."""
+        return self.prealloc_tokens + self.transfer_tokens
 
     @property
     def kv_usage(self) -> float:
@@ -276,14 +335,14 @@ class RankModel:
         the simulated clock."""
         now_ns = int(round(now_s * 1e9))
         used = self.reported_used_tokens
-        total = used + self.waiting_tokens
+        total = used + self.waiting_tokens + self.bootstrap_tokens + self.prealloc_tokens
         return LoadSnapshot(
             dp_rank=self.rank,
             num_running_reqs=self.reported_running,
             num_waiting_reqs=self.num_waiting,
             num_used_tokens=used,
             num_total_tokens=total,
-            num_active_tokens=total,
+            num_active_tokens=max(0, total - self.awaiting_kv_tokens),
             max_total_num_tokens=self.config.kv_capacity,
             num_received_reqs=self.received,
             timestamp_ns=now_ns,
@@ -296,11 +355,82 @@ class RankModel:
     # -- events --------------------------------------------------------------------------------
 
     def receive(self, req: SimRequest, now_s: float) -> None:
-        req.rank = self.rank
-        req.received_s = now_s
+        if self.role == PREFILL_ROLE:
+            req.prefill_rank = self.rank
+        else:
+            req.rank = self.rank
+            req.received_s = now_s
         self.received += 1
         self.waiting.append(req)
         self._queue_tokens(req)
+
+    # -- PD disaggregation ---------------------------------------------------------------------
+
+    def hold(self, req: SimRequest) -> None:
+        """A PD prefill rank: the request waits in the bootstrap queue for its decode side."""
+        req.prefill_rank = self.rank
+        self.received += 1
+        self.bootstrap_reqs += 1
+        self.bootstrap_tokens += req.seqlen
+
+    def release(self, req: SimRequest, now_s: float) -> None:
+        """A PD prefill rank: the decode side has pre-allocated; the request joins the waiting queue."""
+        self.bootstrap_reqs -= 1
+        self.bootstrap_tokens -= req.seqlen
+        self.received -= 1  # counted once, by receive
+        self.receive(req, now_s)
+
+    def receive_remote(self, req: SimRequest, now_s: float) -> None:
+        """A PD decode rank: the request joins the pre-allocation queue."""
+        req.rank = self.rank
+        req.received_s = now_s
+        self.received += 1
+        self.prealloc.append(req)
+        self.prealloc_tokens += req.seqlen
+
+    def preallocate(self) -> list[SimRequest]:
+        """A PD decode rank, between steps: reserve KV (the prompt, its first token, and SGLang's
+        reserved decode room per request) for queued requests in order while the pool and the
+        running limit allow. Returns the requests now in the transfer queue."""
+        cfg = self.config
+        done: list[SimRequest] = []
+        queue = self.prealloc
+        while queue:
+            req = queue[0]
+            active = len(self.running) + len(self.transfer) + len(self._ready)
+            if active >= cfg.max_running:
+                break
+            need = req.seqlen + 1
+            reserve = RESERVED_DECODE_TOKENS * (active + 1)
+            short = self.private_tokens + self.cache.tokens + need + reserve - cfg.kv_capacity
+            if short > 0:
+                short -= self.cache.evict(short)
+                if short > 0 and active > 0:
+                    break  # a request alone on the rank is admitted however long: it fits the pool
+            queue.popleft()
+            self.prealloc_tokens -= req.seqlen
+            self.private_tokens += need
+            req.private_kv = need
+            self.transfer[req.rid] = req
+            self.transfer_tokens += req.seqlen
+            done.append(req)
+        return done
+
+    def kv_arrived(self, req: SimRequest, now_s: float) -> int:
+        """A PD decode rank: the request's KV (and its first token) arrived. It joins the running
+        batch at the next step; returns 1 if it ended there (a one-token answer), else 0."""
+        del self.transfer[req.rid]
+        self.transfer_tokens -= req.seqlen
+        req.generated = 1
+        req.kv_ready_s = now_s
+        req.first_token_s = now_s
+        if self.on_first_token is not None:
+            self.on_first_token(req)
+        if req.generated >= req.output_len:
+            self._finish(req, now_s)
+            return 1
+        self._ready.append(req)
+        return 0
 
     def _queue_tokens(self, req: SimRequest) -> None:
         """Count a request that joins the waiting queue (new, or retracted)."""
@@ -332,17 +462,30 @@ class RankModel:
     def begin_step(self, now_s: float) -> float | None:
         """Choose the next step and return its duration, or None when there is nothing to do."""
         cfg = self.config
+        if self._ready:  # PD decode: requests whose KV arrived join the batch (no compute: prebuilt)
+            for req in self._ready:
+                req.finish_step = self.decode_steps + (req.output_len - req.generated)
+                self.running[req.rid] = req
+                heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
+            self._ready.clear()
         if self._chunked is not None or (self.waiting and len(self.running) < cfg.max_running):
             tokens = self._form_prefill_batch(now_s)
             if tokens:
                 self.state = PREFILL
+                self.step_tokens = tokens
+                self.step_kv_tokens = 0
                 return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens
         if self.running:
             self._make_decode_room()
             self.state = DECODE
             kv = self.private_tokens + self.cache.locked_tokens
-            return cfg.decode_base_s + cfg.decode_s_per_request * len(self.running) + cfg.decode_s_per_kv_token * kv
+            batch = len(self.running)
+            self.step_tokens = batch
+            self.step_kv_tokens = kv
+            return cfg.decode_base_s + cfg.decode_s_per_request * batch + cfg.decode_s_per_kv_token * kv
         self.state = IDLE
+        self.step_tokens = 0
+        self.step_kv_tokens = 0
         return None
 
     def end_step(self, now_s: float) -> int:
@@ -428,6 +571,9 @@ class RankModel:
             if req.prefill_left > 0:
                 continue  # chunked: the rest comes in the next steps
             self._cache_prompt(req)
+            if self.role == PREFILL_ROLE:
+                self._hand_off(req, now_s)
+                continue
             req.generated += 1
             self.private_tokens += 1
             if req.first_token_s < 0:
@@ -440,6 +586,16 @@ class RankModel:
                 req.finish_step = self.decode_steps + (req.output_len - req.generated)
                 self.running[req.rid] = req
                 heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
+
+    def _hand_off(self, req: SimRequest, now_s: float) -> None:
+        """A PD prefill rank: the prompt is done; its KV goes to the decode side (freed here)."""
+        req.prefilled_s = now_s
+        self._drop_kv(req)
+        self.handed_off.append(req)
+        if self.on_first_token is not None:
+            self.on_first_token(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def _note_hits(self, now_s: float) -> None:
         """Add this prefill step to the 15 s hit-rate window, as SGLang does after each prefill batch."""
@@ -488,6 +644,7 @@ class RankModel:
 
     def _end_decode(self, now_s: float) -> None:
         self.decode_steps += 1
+        self.decoded_tokens += len(self.running)
         self.private_tokens += len(self.running)
         heap = self._finish_heap
         while heap and heap[0][0] <= self.decode_steps:

@@ -16,7 +16,22 @@ their units in the name:
 ``decode_step_ms``        fixed cost of a decode step
 ``decode_request_us``     decode cost per request in the batch
 ``decode_kv_token_ns``    decode cost per KV token the batch holds
+``dp_attention``          1: the ranks step in lockstep, as DP attention runs them (optional, default 0)
+``moe_prefill_token_us``  lockstep: the routed-expert part of ``prefill_token_us``, spread over
+                          the group (optional, default 0)
+``moe_decode_token_us``   lockstep: the routed-expert part of ``decode_request_us`` (optional, 0)
+``eager_decode_ms``       lockstep: what a decode batch pays in a step where another rank extends
+                          (no CUDA graph; optional, 0)
+``slo_ttft_ms``           goodput: the time-to-first-token SLO (optional, default 1000)
+``slo_tpot_ms``           goodput: the time-per-output-token SLO (optional, default 100)
+``kv_bytes_per_token``    PD: KV bytes a prompt token sends to the decode side (optional, 131072)
+``kv_link_gbps``          PD: a prefill rank's link to the decode side, GB/s (optional, 40)
+``kv_transfer_ms``        PD: fixed cost of one KV transfer (optional, 1)
+``bootstrap_rtt_ms``      PD: one round trip to the bootstrap server (optional, 2)
 ========================  =====================================================================
+
+The lockstep terms are used with ``dp_attention = 1`` or ``dpboard sim --dp-attention``
+(``dpboard.sim.stepping`` gives the step's formula).
 
 The profiles shipped with dpboard are in ``dpboard/sim/profiles/``; ``load_profile_file`` reads a
 user's own.
@@ -30,6 +45,8 @@ from pathlib import Path
 
 from dpboard.errors import InvalidInputError, NotFoundError
 from dpboard.sim.model import RankConfig
+from dpboard.sim.stepping import LockstepCost
+from dpboard.sim.transfer import PdConfig
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 SUFFIX = ".profile"
@@ -47,8 +64,22 @@ _NUMERIC: dict[str, tuple[str, float, bool]] = {
     "decode_request_us": ("decode_s_per_request", 1e6, False),
     "decode_kv_token_ns": ("decode_s_per_kv_token", 1e9, False),
 }
+# key -> (Profile field, divisor to the field's unit, whole number?, default): the run's terms that
+# are not the rank's own.
+_RUN: dict[str, tuple[str, float, bool, float]] = {
+    "dp_attention": ("dp_attention", 1, True, 0),
+    "moe_prefill_token_us": ("moe_prefill_s_per_token", 1e6, False, 0.0),
+    "moe_decode_token_us": ("moe_decode_s_per_token", 1e6, False, 0.0),
+    "eager_decode_ms": ("eager_decode_s", 1e3, False, 0.0),
+    "slo_ttft_ms": ("slo_ttft_s", 1e3, False, 1000.0),
+    "slo_tpot_ms": ("slo_tpot_s", 1e3, False, 100.0),
+    "kv_bytes_per_token": ("kv_bytes_per_token", 1, False, 131072.0),
+    "kv_link_gbps": ("kv_link_bytes_per_s", 1e-9, False, 40.0),
+    "kv_transfer_ms": ("kv_transfer_base_s", 1e3, False, 1.0),
+    "bootstrap_rtt_ms": ("bootstrap_rtt_s", 1e3, False, 2.0),
+}
 _TEXT = ("name", "description", "source")
-_OPTIONAL = ("max_prefill_tokens",)
+_OPTIONAL = ("max_prefill_tokens", *_RUN)
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,26 @@ class Profile:
     source: str
     path: str
     rank: RankConfig
+    dp_attention: bool = False  # the ranks step in lockstep unless told otherwise
+    lockstep: LockstepCost = LockstepCost()  # the lockstep terms (used with DP attention)
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+    # PD disaggregation's transfer terms (dpboard.sim.transfer)
+    kv_bytes_per_token: float = 131072.0
+    kv_link_bytes_per_s: float = 40e9
+    kv_transfer_base_s: float = 0.001
+    bootstrap_rtt_s: float = 0.002
+
+    def pd(self, n_prefill: int, n_decode: int) -> PdConfig:
+        """``--pd n_prefill:n_decode`` with this profile's transfer terms."""
+        return PdConfig(
+            n_prefill=n_prefill,
+            n_decode=n_decode,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_link_bytes_per_s=self.kv_link_bytes_per_s,
+            kv_transfer_base_s=self.kv_transfer_base_s,
+            bootstrap_rtt_s=self.bootstrap_rtt_s,
+        ).validate()
 
     def as_dict(self) -> dict[str, str]:
         return {"name": self.name, "description": self.description, "source": self.source, "path": self.path}
@@ -92,8 +143,8 @@ def load_profile_file(path: str | Path) -> Profile:
         key, value = key.strip(), value.strip()
         if not eq or not key:
             raise InvalidInputError(f"profile file {p}, line {number}: {raw.strip()!r} is not 'key = value'")
-        if key not in _NUMERIC and key not in _TEXT:
-            known = ", ".join([*_TEXT, *_NUMERIC])
+        if key not in _NUMERIC and key not in _TEXT and key not in _RUN:
+            known = ", ".join([*_TEXT, *_NUMERIC, *_RUN])
             raise InvalidInputError(f"profile file {p}, line {number}: unknown key {key!r} (keys: {known})")
         if key in values:
             raise InvalidInputError(f"profile file {p}, line {number}: {key!r} given twice (first on line {lines[key]})")
@@ -102,23 +153,49 @@ def load_profile_file(path: str | Path) -> Profile:
     missing = [k for k in (*_TEXT, *_NUMERIC) if k not in values and k not in _OPTIONAL]
     if missing:
         raise InvalidInputError(f"profile file {p}: missing {', '.join(missing)}")
-    fields: dict[str, int | float] = {}
-    for key, (field, unit, whole) in _NUMERIC.items():
-        if key not in values:
-            continue
+    def number(key: str, unit: float, whole: bool) -> int | float:
         text = values[key]
         try:
-            number = float(text)
+            value = float(text)
         except ValueError:
-            number = math.nan
-        if not math.isfinite(number) or number < 0 or (whole and number != int(number)):
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (whole and value != int(value)):
             kind = "a whole number >= 0" if whole else "a number >= 0"
             raise InvalidInputError(f"profile file {p}, line {lines[key]}: {key} = {text!r} is not {kind}")
-        fields[field] = int(number) if whole else number / unit
+        return int(value) if whole else value / unit
+
+    fields = {field: number(key, unit, whole) for key, (field, unit, whole) in _NUMERIC.items() if key in values}
+    run = {
+        field: (number(key, unit, whole) if key in values else (default if whole else default / unit))
+        for key, (field, unit, whole, default) in _RUN.items()
+    }
+    if run["dp_attention"] not in (0, 1):
+        raise InvalidInputError(f"profile file {p}, line {lines['dp_attention']}: dp_attention is 0 or 1")
+    if not (run["slo_ttft_s"] > 0 and run["slo_tpot_s"] > 0):
+        raise InvalidInputError(f"profile file {p}: slo_ttft_ms and slo_tpot_ms must be > 0")
+    if not run["kv_link_bytes_per_s"] > 0:
+        raise InvalidInputError(f"profile file {p}: kv_link_gbps must be > 0")
     try:
         rank = RankConfig(**fields).validate()  # type: ignore[arg-type]
+        lockstep = LockstepCost(
+            moe_prefill_s_per_token=run["moe_prefill_s_per_token"],
+            moe_decode_s_per_token=run["moe_decode_s_per_token"],
+            eager_decode_s=run["eager_decode_s"],
+        ).validate(rank)
     except InvalidInputError as e:
         raise InvalidInputError(f"profile file {p}: {e}") from None
     return Profile(
-        name=values["name"], description=values["description"], source=values["source"], path=str(p), rank=rank
+        name=values["name"],
+        description=values["description"],
+        source=values["source"],
+        path=str(p),
+        rank=rank,
+        dp_attention=bool(run["dp_attention"]),
+        lockstep=lockstep,
+        slo_ttft_s=float(run["slo_ttft_s"]),
+        slo_tpot_s=float(run["slo_tpot_s"]),
+        kv_bytes_per_token=float(run["kv_bytes_per_token"]),
+        kv_link_bytes_per_s=float(run["kv_link_bytes_per_s"]),
+        kv_transfer_base_s=float(run["kv_transfer_base_s"]),
+        bootstrap_rtt_s=float(run["bootstrap_rtt_s"]),
     )

@@ -10,7 +10,16 @@ Metrics per method:
 - idle while queued = share of the loaded samples in that window in which some rank is idle while
   another has requests waiting that it has not admitted yet;
 - cache hit rate = prompt tokens the rank's prefix cache held when the request was first admitted,
-  over all prompt tokens (0 for a trace without block ids).
+  over all prompt tokens (0 for a trace without block ids);
+- time per output token (TPOT) of a request = (its finish - its first token) / (output tokens - 1),
+  for requests of two tokens or more; p50 and p99 over requests;
+- output tokens per second = every request's output tokens over the run (first arrival to last
+  finish);
+- goodput = requests per second over the same span that met both SLOs (TTFT <= ``slo_ttft``, and
+  TPOT <= ``slo_tpot`` where it has one);
+- idle rank-step share = rank-steps spent in an idle batch (DP attention: nothing to do while
+  another rank of the group worked) over all rank-steps; 0 for independent ranks, which do not step
+  when idle.
 """
 
 from __future__ import annotations
@@ -79,6 +88,27 @@ def imbalance_stats(result: RunResult) -> tuple[float, float]:
     return weighted, _pct(peak[busy] / mean[busy], 99)
 
 
+def tpot_s(result: RunResult) -> np.ndarray:
+    """Per request of two output tokens or more: (finish - first token) / (output tokens - 1)."""
+    return np.array(
+        [(r.finished_s - r.first_token_s) / (r.output_len - 1) for r in result.requests if r.output_len > 1],
+        dtype=np.float64,
+    )
+
+
+def goodput_mask(result: RunResult) -> np.ndarray:
+    """Per request: did it meet both SLOs (a one-token answer has no TPOT to miss)?"""
+    ttft_slo, tpot_slo = result.slo_ttft_s, result.slo_tpot_s
+    return np.array(
+        [
+            r.first_token_s - r.arrival_s <= ttft_slo
+            and (r.output_len <= 1 or (r.finished_s - r.first_token_s) / (r.output_len - 1) <= tpot_slo)
+            for r in result.requests
+        ],
+        dtype=bool,
+    )
+
+
 def summarize(result: RunResult) -> dict[str, Any]:
     reqs = result.requests
     arrival = np.fromiter((r.arrival_s for r in reqs), np.float64, len(reqs))
@@ -97,8 +127,26 @@ def summarize(result: RunResult) -> dict[str, Any]:
     in_window = result.sample_t <= last_arrival
     loaded = result.sample_tokens[in_window].sum(axis=1) > 0
     iwq = result.sample_idle_while_queued[in_window][loaded]
+    tpot = tpot_s(result)
+    span = result.end_s - float(arrival.min()) if arrival.size else 0.0
+    output_tokens = sum(r.output_len for r in reqs)
+    good = int(goodput_mask(result).sum()) if reqs else 0
+    pd = result.pd
+    summary_pd: dict[str, Any] = {}
+    if pd is not None:
+        per_prefill = pd["prefill_requests_per_rank"]
+        summary_pd = {
+            "prefill_method": pd["prefill_method"],
+            "decode_method": pd["decode_method"],
+            "n_prefill": pd["n_prefill"],
+            "n_decode": pd["n_decode"],
+            "transfer_p50_ms": pd["transfer_p50_ms"],
+            "transfer_p99_ms": pd["transfer_p99_ms"],
+            "prefill_requests_per_rank_min": min(per_prefill),
+            "prefill_requests_per_rank_max": max(per_prefill),
+        }
     return {
-        "method": result.method,
+        "method": f"{pd['prefill_method']}/{pd['decode_method']}" if pd is not None else result.method,
         "requests": len(reqs),
         "ttft_p50_ms": _pct(ttft, 50) * 1e3,
         "ttft_p90_ms": _pct(ttft, 90) * 1e3,
@@ -111,6 +159,17 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "imbalance_p99": imbalance_p99,
         "idle_while_queued": float(iwq.mean()) if iwq.size else 0.0,
         "cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "tpot_p50_ms": _pct(tpot, 50) * 1e3,
+        "tpot_p99_ms": _pct(tpot, 99) * 1e3,
+        "output_tokens_per_s": output_tokens / span if span > 0 else float("nan"),
+        "goodput_rps": good / span if span > 0 else float("nan"),
+        "goodput_share": good / len(reqs) if reqs else float("nan"),
+        "slo_ttft_ms": result.slo_ttft_s * 1e3,
+        "slo_tpot_ms": result.slo_tpot_s * 1e3,
+        "lockstep": result.lockstep,
+        "idle_rank_step_share": result.idle_rank_steps / result.rank_steps if result.rank_steps else 0.0,
+        "extend_step_share": result.extend_steps / result.group_steps if result.group_steps else 0.0,
+        "eager_decode_rank_steps": result.eager_decode_rank_steps,
         "evicted_tokens": result.evicted_tokens,
         "requests_per_rank_min": int(per_rank.min()),
         "requests_per_rank_max": int(per_rank.max()),
@@ -119,6 +178,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "publishes": result.publishes,
         "board_reads": result.board_reads,
         "wall_s": result.wall_s,
+        **summary_pd,
     }
 
 
@@ -154,11 +214,20 @@ def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = Non
     rank = config.rank
     chunk = f"chunked prefill {rank.chunked_prefill_size}" if rank.chunked_prefill_size else "no chunked prefill"
     named = f"profile {profile}: " if profile else ""
+    stepping = "in lockstep (DP attention)" if config.lockstep is not None else "stepping independently"
+    pd = config.pd
+    if pd is not None:
+        stepping += (
+            f", PD {pd.n_prefill} prefill : {pd.n_decode} decode (each pool its own controller; KV "
+            f"{pd.kv_bytes_per_token:g} B per token over {pd.kv_link_bytes_per_s / 1e9:g} GB/s + "
+            f"{pd.kv_transfer_base_s * 1e3:g} ms, bootstrap round trip {pd.bootstrap_rtt_s * 1e3:g} ms)"
+        )
+    slo = f"; goodput SLOs TTFT {config.slo_ttft_s * 1e3:g} ms, TPOT {config.slo_tpot_s * 1e3:g} ms"
     return (
         f"{describe_trace(trace)}\n"
-        f"{config.n_ranks} ranks, {named}KV {rank.kv_capacity} tokens, max running {rank.max_running}, {chunk}; "
+        f"{config.n_ranks} ranks {stepping}, {named}KV {rank.kv_capacity} tokens, max running {rank.max_running}, {chunk}; "
         f"publish {cadence}{own}, visible after {pub.visibility_delay_s * 1e3:g} ms; refresh at most every "
-        f"{config.refresh_interval_s * 1e3:g} ms\n"
+        f"{config.refresh_interval_s * 1e3:g} ms{slo}\n"
     )
 
 
@@ -171,6 +240,10 @@ _COLUMNS = (
     ("imbalance p99", "imbalance_p99", "{:.3f}"),
     ("idle while queued", "idle_while_queued", "{:.1%}"),
     ("cache hit", "cache_hit_rate", "{:.1%}"),
+    ("p99 TPOT ms", "tpot_p99_ms", "{:.1f}"),
+    ("out tok/s", "output_tokens_per_s", "{:.0f}"),
+    ("goodput req/s", "goodput_rps", "{:.2f}"),
+    ("idle rank-steps", "idle_rank_step_share", "{:.1%}"),
     ("reqs/rank", None, None),
 )
 
@@ -207,12 +280,13 @@ def to_json(
     for result, summary in zip(results, summaries, strict=True):
         t, ratio = imbalance_series(result)
         ttft = np.array([r.first_token_s - r.arrival_s for r in result.requests])
+        tpot = tpot_s(result)
+        quantiles = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
         runs.append(
             {
                 "summary": summary,
-                "ttft_quantiles_ms": {
-                    str(q): _pct(ttft, q) * 1e3 for q in (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
-                },
+                "ttft_quantiles_ms": {str(q): _pct(ttft, q) * 1e3 for q in quantiles},
+                "tpot_quantiles_ms": {str(q): _pct(tpot, q) * 1e3 for q in quantiles},
                 "imbalance_series": {"t_s": t.round(4).tolist(), "max_over_mean": ratio.round(4).tolist()},
             }
         )

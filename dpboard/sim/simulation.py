@@ -48,7 +48,9 @@ from dpboard.sim.model import (
     SimRequest,
 )
 from dpboard.sim.policy import Policy, SimBoard
+from dpboard.sim.stepping import LockstepCost, RankGroup
 from dpboard.sim.trace import Trace
+from dpboard.sim.transfer import PdConfig
 
 CADENCES = ("step", "sglang", "period")
 SEED_METHODS = ("round_robin", "total_requests", "total_tokens")
@@ -98,6 +100,10 @@ class SimConfig:
     sample_period_s: float = 0.05  # metrics over time
     drain_limit_s: float = 3600.0  # bound: a run not drained this long after its last arrival is an error
     queued_prefill: str = SGLANG_REPORT  # how ranks report their queued prefill: SGLang's figure, or "exact"
+    lockstep: LockstepCost | None = None  # DP attention: all ranks step together (None: independent ranks)
+    slo_ttft_s: float = 1.0  # goodput: a request meets its SLOs with TTFT and TPOT at most these
+    slo_tpot_s: float = 0.1
+    pd: PdConfig | None = None  # PD disaggregation: prefill and decode pools (n_ranks is their sum)
 
     def validate(self) -> SimConfig:
         if self.n_ranks < 1:
@@ -112,8 +118,20 @@ class SimConfig:
             raise InvalidInputError(
                 f"--queued-prefill {self.queued_prefill!r}: use one of {', '.join(QUEUED_PREFILL_REPORTS)}"
             )
+        if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
+            raise InvalidInputError(
+                f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {self.slo_ttft_s * 1e3:g} and {self.slo_tpot_s * 1e3:g}"
+            )
         self.rank.validate()
         self.publish.validate()
+        if self.lockstep is not None:
+            self.lockstep.validate(self.rank)
+        if self.pd is not None:
+            self.pd.validate()
+            if self.pd.n_ranks != self.n_ranks:
+                raise InvalidInputError(
+                    f"--pd {self.pd.n_prefill}:{self.pd.n_decode} is {self.pd.n_ranks} ranks, the run has {self.n_ranks}"
+                )
         return self
 
 
@@ -132,6 +150,16 @@ class RunResult:
     evicted_tokens: int  # prefix-cache tokens evicted to make room
     end_s: float
     wall_s: float
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+    lockstep: bool = False
+    group_steps: int = 0  # steps run, over all groups
+    rank_steps: int = 0  # rank-steps in those steps (a lockstep step of n ranks counts n)
+    idle_rank_steps: int = 0  # rank-steps spent in an idle batch while another rank of the group worked
+    extend_steps: int = 0  # lockstep steps in which some rank extended
+    eager_decode_rank_steps: int = 0  # decode rank-steps run without their CUDA graph (an extend step)
+    pd: dict[str, Any] | None = None  # PD: both sides' methods and the transfer stage's record
+    sample_decoded: np.ndarray | None = None  # per sample: output tokens the sampled ranks' decode steps gave so far
 
 
 SIM_OPTIONS = ("cadence", "publish_every")
@@ -167,6 +195,7 @@ class _Sampler:
         self.t: list[float] = []
         self.tokens: list[list[int]] = []
         self.idle_while_queued: list[bool] = []
+        self.decoded: list[int] = []
 
     def take(self, t: float, ranks: list[RankModel]) -> None:
         any_idle = False
@@ -179,6 +208,7 @@ class _Sampler:
         self.t.append(t)
         self.tokens.append([rank.total_tokens for rank in ranks])
         self.idle_while_queued.append(any_idle and any_queued)
+        self.decoded.append(sum(rank.decoded_tokens for rank in ranks))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(self.t)
@@ -193,7 +223,7 @@ class Simulation:
     """One method on one trace. ``run()`` returns a ``RunResult``; a Simulation runs once."""
 
     def __init__(self, trace: Trace, method: str, config: SimConfig):
-        policy_spec, config = split_sim_options(method, config)
+        policy_spec, config = self._split_method(method, config)
         self.config = config.validate()
         if trace.n_ranks != config.n_ranks:
             raise InvalidInputError(
@@ -208,17 +238,13 @@ class Simulation:
         self.trace = trace
         self.method = method
         self.now = 0.0
-        self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
-        self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
-        self.policy: Policy = make_policy(
-            policy_spec,
-            label=method,
-            n_ranks=config.n_ranks,
-            board=self.board,
-            clock=self.clock,
-            refresh_interval_s=config.refresh_interval_s,
-            seed=trace.seed,
-        )
+        self._build(policy_spec)
+        index = {id(rank): r for r, rank in enumerate(self.ranks)}
+        self._members = [[index[id(rank)] for rank in group.ranks] for group in self.groups]
+        self._group_of = [0] * config.n_ranks
+        for group, members in zip(self.groups, self._members, strict=True):
+            for r in members:
+                self._group_of[r] = group.gid
         self._wire_policy()
         self.requests = [
             SimRequest(i, a, p, o, b, ids)
@@ -239,7 +265,7 @@ class Simulation:
         self._decode_since_publish = [0] * config.n_ranks
         self._idle_epoch = [0] * config.n_ranks
         self._kv_pending: deque[tuple[int, int, list[int]]] = deque()
-        self._sampler = _Sampler(config.n_ranks)
+        self._sampler = _Sampler(len(self._sampled))
         self._finished = 0
         self._ran = False
         # One handler per event kind, indexed by the kind.
@@ -257,15 +283,43 @@ class Simulation:
     def clock(self) -> float:
         return self.now
 
+    def _split_method(self, method: str, config: SimConfig) -> tuple[Any, SimConfig]:
+        return split_sim_options(method, config)
+
+    def _build(self, policy_spec: Any) -> None:
+        """The ranks, their groups, the board and the policy; per rank (the simulation's index) the
+        board it publishes to, the policy that dispatches to it and its publish settings."""
+        config = self.config
+        self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
+        if config.lockstep is None:
+            self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
+        else:
+            self.groups = [RankGroup(0, list(self.ranks), config.lockstep)]
+        self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
+        self.policy: Policy = make_policy(
+            policy_spec,
+            label=self.method,
+            n_ranks=config.n_ranks,
+            board=self.board,
+            clock=self.clock,
+            refresh_interval_s=config.refresh_interval_s,
+            seed=self.trace.seed,
+        )
+        self._board_of = [self.board] * config.n_ranks
+        self._policy_of = [self.policy] * config.n_ranks
+        self._pub = [config.publish] * config.n_ranks
+        self._sampled = self.ranks  # the ranks whose tokens the metrics over time follow
+        self._tick = [(self.policy, self.ranks)]  # policies that tick, with the ranks they look at
+
     def _wire_policy(self) -> None:
         """Give the policy the signals its own system gives it, and nothing else."""
-        policy = self.policy
-        for rank in self.ranks:
+        for r, rank in enumerate(self.ranks):
+            policy = self._policy_of[r]
             if policy.wants_request_events:
                 rank.on_first_token = policy.on_first_token
                 rank.on_finish = policy.on_finish
             if policy.wants_kv_events:
-                rank.cache.listener = functools.partial(self._kv_event, rank.rank)
+                rank.cache.listener = functools.partial(self._kv_event, r)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -277,41 +331,51 @@ class Simulation:
         self._publish_seq[r] += 1
         self._decode_since_publish[r] = 0
         rank = self.ranks[r]
-        self.board.publish(r, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens)
+        self._board_of[r].publish(
+            rank.rank, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens
+        )
 
     def _kv_event(self, r: int, kind: int, ids: list[int]) -> None:
         """A rank's prefix cache stored or dropped blocks: the router hears of it after the
         visibility delay (the events travel like the snapshots)."""
-        delay = self.config.publish.visibility_delay_s
+        delay = self._pub[r].visibility_delay_s
         if delay == 0.0:
-            self.policy.on_kv_event(r, kind, ids)
+            self._policy_of[r].on_kv_event(self.ranks[r].rank, kind, ids)
         else:
             self._kv_pending.append((r, kind, ids))
             self._push(self.now + delay, _KV_EVENT)
 
-    def _start_step(self, r: int) -> None:
-        rank = self.ranks[r]
-        duration = rank.begin_step(self.now)
-        if self.policy.wants_rank_steps:
-            self.policy.on_rank_step(rank, self.now)
-        cadence = self.config.publish.cadence
-        if duration is None:
-            if cadence != "period":  # SGLang publishes on every idle loop; beats keep it fresh
+    def _start_step(self, g: int) -> None:
+        """Start group ``g``'s next step (a rank alone, or a lockstep group), publishing as each
+        member's cadence says."""
+        group = self.groups[g]
+        duration = group.begin(self.now)
+        for rank, r in zip(group.ranks, self._members[g], strict=True):
+            policy = self._policy_of[r]
+            if policy.wants_rank_steps:
+                policy.on_rank_step(rank, self.now)
+            pub = self._pub[r]
+            cadence = pub.cadence
+            if rank.state == IDLE:
+                if cadence == "period":
+                    continue
+                # SGLang publishes on every idle loop (and a rank in an idle batch loops with its
+                # group); beats keep an idle group's ranks fresh
                 self._publish(r)
-                self._idle_epoch[r] += 1
-                self._push(self.now + self.config.publish.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
-            return
-        if cadence == "step":
-            self._publish(r)
-        elif cadence == "sglang":
-            if rank.state == PREFILL:
+                if duration is None:
+                    self._idle_epoch[r] += 1
+                    self._push(self.now + pub.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
+            elif cadence == "step":
                 self._publish(r)
-            else:
-                self._decode_since_publish[r] += 1
-                if self._decode_since_publish[r] >= self.config.publish.every_decode_steps:
+            elif cadence == "sglang":
+                if rank.state == PREFILL:
                     self._publish(r)
-        rank.busy_s += duration
-        self._push(self.now + duration, _STEP_END, r)
+                else:
+                    self._decode_since_publish[r] += 1
+                    if self._decode_since_publish[r] >= pub.every_decode_steps:
+                        self._publish(r)
+        if duration is not None:
+            self._push(self.now + duration, _STEP_END, g)
 
     # -- event handlers ------------------------------------------------------------------------
 
@@ -322,36 +386,42 @@ class Simulation:
         self._push(t + self.config.send_delay_s, _RECEIVE, rid, rank)
 
     def _on_receive(self, t: float, rid: int, r: int) -> None:
-        rank = self.ranks[r]
-        rank.receive(self.requests[rid], t)
-        if rank.state == IDLE:
-            self._idle_epoch[r] += 1  # cancels its idle beat
-            self._start_step(r)
+        self.ranks[r].receive(self.requests[rid], t)
+        self._wake(self._group_of[r])
 
-    def _on_step_end(self, t: float, r: int, _: int) -> None:
-        self._finished += self.ranks[r].end_step(t)
-        self._start_step(r)
+    def _wake(self, g: int) -> None:
+        """A member of group ``g`` has new work: an idle group starts a step now (a busy one
+        finds the work when its step ends)."""
+        if not self.groups[g].busy:
+            for r in self._members[g]:
+                self._idle_epoch[r] += 1  # cancels its idle beat
+            self._start_step(g)
+
+    def _on_step_end(self, t: float, g: int, _: int) -> None:
+        self._finished += self.groups[g].end(t)
+        self._start_step(g)
 
     def _on_publish_tick(self, t: float, r: int, _: int) -> None:
         self._publish(r)
-        self._push(t + self.config.publish.period_s, _PUBLISH_TICK, r)
+        self._push(t + self._pub[r].period_s, _PUBLISH_TICK, r)
 
     def _on_idle_beat(self, t: float, r: int, epoch: int) -> None:
         if self.ranks[r].state == IDLE and epoch == self._idle_epoch[r]:
             self._publish(r)
-            self._push(t + self.config.publish.idle_publish_s, _IDLE_BEAT, r, epoch)
+            self._push(t + self._pub[r].idle_publish_s, _IDLE_BEAT, r, epoch)
 
     def _on_sample(self, t: float, _a: int, _b: int) -> None:
-        self._sampler.take(t, self.ranks)
+        self._sampler.take(t, self._sampled)
         self._push(t + self.config.sample_period_s, _SAMPLE)
 
-    def _on_policy_tick(self, t: float, _a: int, _b: int) -> None:
-        self.policy.on_tick(t, self.ranks)
-        self._push(t + self.policy.tick_period_s, _POLICY_TICK)
+    def _on_policy_tick(self, t: float, i: int, _b: int) -> None:
+        policy, ranks = self._tick[i]
+        policy.on_tick(t, ranks)
+        self._push(t + policy.tick_period_s, _POLICY_TICK, i)
 
     def _on_kv_event(self, t: float, _a: int, _b: int) -> None:
         r, kind, ids = self._kv_pending.popleft()
-        self.policy.on_kv_event(r, kind, ids)
+        self._policy_of[r].on_kv_event(self.ranks[r].rank, kind, ids)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -361,14 +431,16 @@ class Simulation:
             self._push(req.arrival_s, _ARRIVE, req.rid)
         for r in range(cfg.n_ranks):
             self._publish(r)  # every rank announces itself (empty) at start, as a live scheduler would
-            if cfg.publish.cadence == "period":
-                self._push(cfg.publish.period_s * (r + 1) / cfg.n_ranks, _PUBLISH_TICK, r)
+            pub = self._pub[r]
+            if pub.cadence == "period":
+                self._push(pub.period_s * (r + 1) / cfg.n_ranks, _PUBLISH_TICK, r)
             else:
                 self._idle_epoch[r] += 1
-                self._push(cfg.publish.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
+                self._push(pub.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
         self._push(0.0, _SAMPLE)
-        if self.policy.tick_period_s > 0:
-            self._push(0.0, _POLICY_TICK)
+        for i, (policy, _) in enumerate(self._tick):
+            if policy.tick_period_s > 0:
+                self._push(0.0, _POLICY_TICK, i)
 
     def run(self) -> RunResult:
         if self._ran:
@@ -409,6 +481,15 @@ class Simulation:
             evicted_tokens=sum(rank.cache.evicted_tokens for rank in self.ranks),
             end_s=self.now,
             wall_s=wall_s,
+            slo_ttft_s=self.config.slo_ttft_s,
+            slo_tpot_s=self.config.slo_tpot_s,
+            lockstep=self.config.lockstep is not None,
+            group_steps=sum(g.steps for g in self.groups),
+            rank_steps=sum(g.rank_steps for g in self.groups),
+            idle_rank_steps=sum(g.idle_rank_steps for g in self.groups),
+            extend_steps=sum(g.extend_steps for g in self.groups),
+            eager_decode_rank_steps=sum(g.eager_decode_rank_steps for g in self.groups),
+            sample_decoded=np.asarray(self._sampler.decoded, dtype=np.int64),
         )
 
 

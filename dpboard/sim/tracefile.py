@@ -40,7 +40,7 @@ from dpboard.errors import InvalidInputError, NotFoundError
 from dpboard.sim.model import RankConfig
 from dpboard.sim.prefix_cache import BLOCK_TOKENS
 from dpboard.sim.trace import BlockTable, Trace
-from dpboard.sim.workload import offered_load
+from dpboard.sim.workload import offered_load, pd_offered_load
 
 AZURE = "azure"
 MOONCAKE = "mooncake"
@@ -409,11 +409,12 @@ def shape_trace(
     window: tuple[float | None, float | None] = (None, None),
     spread: bool = True,
     load: float | None = None,
+    pd: tuple[int, int] | None = None,
 ) -> Trace:
     """The run's trace from a file: spread (bucketed formats), window, then time-scaled to ``load``.
 
-    ``load`` is the offered work per rank as a share of a rank's capacity (``dpboard.sim.workload``);
-    None keeps the file's own timing."""
+    ``load`` is the offered work per rank as a share of a rank's capacity (``dpboard.sim.workload``),
+    with ``pd`` (prefill, decode ranks) that of the busier pool; None keeps the file's own timing."""
     if n_ranks < 1:
         raise InvalidInputError(f"a trace needs at least one rank, got n_ranks={n_ranks}")
     if load is not None and not (math.isfinite(load) and load > 0):
@@ -441,7 +442,10 @@ def shape_trace(
     blocks = tf.blocks.take(order) if tf.blocks is not None else None
     # The span the requests were offered over: the window when it is closed, else up to the last one.
     span = (end - lo) if end is not None else float(times[-1])
-    natural = offered_load(prompt, output, span, n_ranks, rank)
+    if pd is not None:
+        natural = pd_offered_load(prompt, output, span, pd[0], pd[1], rank)
+    else:
+        natural = offered_load(prompt, output, span, n_ranks, rank)
     scale = 1.0
     if load is not None:
         if not math.isfinite(natural) or natural <= 0:

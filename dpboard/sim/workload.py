@@ -16,6 +16,9 @@ A request's work is its prompt tokens times the prefill cost plus its output tok
 ``span`` seconds is the sum of the work over ``n * span``: 1.0 keeps every rank busy all the time
 at its best batch. Prefix-cache hits are not subtracted (this is the work offered, before any reuse),
 and batches below ``B`` cost more per token, so a run at load 0.9 can saturate.
+
+Under PD disaggregation (``pd_offered_load``) the load is that of the busier pool: the prompts' work
+over the prefill ranks, or the outputs' over the decode ranks.
 """
 
 from __future__ import annotations
@@ -62,3 +65,16 @@ def offered_load(
     if span_s <= 0:
         return float("inf") if prompt_len.size else 0.0
     return offered_work_s(rank, prompt_len, output_len) / (n_ranks * span_s)
+
+
+def pd_offered_load(
+    prompt_len: np.ndarray, output_len: np.ndarray, span_s: float, n_prefill: int, n_decode: int, rank: RankConfig
+) -> float:
+    """PD disaggregation: the busier pool's share of its capacity, the prompts' work over the
+    prefill ranks or the outputs' over the decode ranks, at the same saturation costs."""
+    if span_s <= 0:
+        return float("inf") if prompt_len.size else 0.0
+    costs = token_costs(rank, prompt_len, output_len)
+    prefill = float(prompt_len.sum()) * costs.prefill_s / (n_prefill * span_s)
+    decode = float((output_len - 1).sum()) * costs.decode_s / (n_decode * span_s)
+    return max(prefill, decode)

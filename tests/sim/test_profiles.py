@@ -90,3 +90,57 @@ def test_cli_takes_a_profile_file_and_its_overrides(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "profile mine: KV 50000 tokens, max running 64, no chunked prefill" in proc.stdout
+
+
+def test_dp_attention_and_slo_fields_and_their_defaults(tmp_path):
+    path = tmp_path / "mine.profile"
+    path.write_text(GOOD)
+    plain = load_profile_file(path)
+    assert not plain.dp_attention and plain.lockstep.moe_prefill_s_per_token == 0.0
+    assert (plain.slo_ttft_s, plain.slo_tpot_s) == (1.0, 0.1)
+    path.write_text(
+        GOOD + "dp_attention = 1\nmoe_prefill_token_us = 25\nmoe_decode_token_us = 10\neager_decode_ms = 3\n"
+        "slo_ttft_ms = 2500\nslo_tpot_ms = 80\n"
+    )
+    mine = load_profile_file(path)
+    assert mine.dp_attention
+    assert mine.lockstep.moe_prefill_s_per_token == pytest.approx(25e-6)
+    assert mine.lockstep.moe_decode_s_per_token == pytest.approx(10e-6)
+    assert mine.lockstep.eager_decode_s == pytest.approx(3e-3)
+    assert (mine.slo_ttft_s, mine.slo_tpot_s) == pytest.approx((2.5, 0.08))
+    deepseek = load_profile("deepseek-v3-dp-attention-h100")
+    assert deepseek.dp_attention and deepseek.slo_tpot_s == pytest.approx(0.1)
+    assert not load_profile("llama3.1-8b-h100").dp_attention and not load_profile("synthetic").dp_attention
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("dp_attention = 2\n", "dp_attention is 0 or 1"),
+        ("moe_prefill_token_us = 50\n", "moe_prefill_token_us is part of prefill_token_us"),
+        ("slo_tpot_ms = 0\n", "slo_ttft_ms and slo_tpot_ms must be > 0"),
+    ],
+)
+def test_bad_lockstep_fields_are_named(tmp_path, extra, words):
+    path = tmp_path / "bad.profile"
+    path.write_text(GOOD + extra)
+    with pytest.raises(InvalidInputError, match=words):
+        load_profile_file(path)
+
+
+def test_cli_dp_attention_follows_the_profile_unless_told(tmp_path):
+    def header(*extra: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dpboard.cli", "sim", "--trace", "steady", "--ranks", "2", "--duration", "0.5",
+             "--load", "0.1", "--methods", "round_robin", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert "2 ranks stepping independently" in header()
+    assert "2 ranks in lockstep (DP attention)" in header("--dp-attention")
+    deepseek = header("--profile", "deepseek-v3-dp-attention-h100")
+    assert "in lockstep (DP attention)" in deepseek and "TTFT 5000 ms, TPOT 100 ms" in deepseek
+    assert "stepping independently" in header("--profile", "deepseek-v3-dp-attention-h100", "--no-dp-attention")
+    assert "TPOT 40 ms" in header("--slo-tpot-ms", "40")

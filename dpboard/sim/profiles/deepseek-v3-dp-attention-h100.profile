@@ -18,9 +18,29 @@
 # kv_capacity_tokens: 256 requests x 2,000 tokens = 512k sat at the ceiling in the blog's decode
 #   run; the memory left after ~30 GB of per-rank weights is 31-38 GB = 0.45-0.55M MLA tokens.
 #
-# The blog ran prefill and decode on separate nodes (PD disaggregation); this profile puts both on
-# one rank, and the simulator does not model the lockstep of MoE DP ranks (all ranks step together
-# for the expert all-to-all).
+# DP attention (dp_attention = 1): the ranks step in lockstep (dpboard/sim/stepping.py). What a
+# step shares across the group is the routed experts, which expert parallelism spreads over it.
+# Their part of the per-token cost comes from DeepSeek-V3's published shapes (config.json of
+# deepseek-ai/DeepSeek-V3: hidden 7168, 61 layers of which 3 dense (FFN 18432) and 58 MoE with 8 of
+# 256 routed experts and 1 shared expert of 2048, MLA with q_lora 1536, kv_lora 512, 128 heads):
+# weights touched per token = routed 20.4B + shared 2.6B + dense FFN 1.2B + MLA 11.4B + head 0.9B
+# = 36.6B (DeepSeek's "37B activated"), so the routed experts are 55.8 % of a token's matmuls.
+# moe_prefill_token_us: the blog's per-node prefill figures fall with the prompt length (8 GPUs /
+#   57,674, 54,543, 50,302 tok/s = 138.7, 146.7, 159.0 us per token at 1K, 2K, 4K): 6.6 ns per
+#   token of context is attention; the rest at 2K, 133 us, is matmuls, 55.8 % of it routed: 74 us.
+# moe_decode_token_us: 55.8 % of decode_request_us (the batch-proportional part): 56 us. The step
+#   floor (decode_step_ms, prefill_step_ms) is shared: DeepEP's all-to-all latency and the expert
+#   weight reads happen once per step whatever the split.
+# eager_decode_ms: no published figure. SGLang runs a decode without its CUDA graph when any rank
+#   extends (can_run_decode_cuda_graph is the min over ranks); 61 layers x ~20 kernels launched at
+#   ~10 us each is ~12 ms: an estimate, not a measurement.
+# slo_tpot_ms: the blog's ITL of "about 100 ms" at its decode operating point; slo_ttft_ms: the top
+#   of the 2-5 s TTFT it lists among its limitations. A request meets both when it is served at
+#   least as well as the blog's deployment served it.
+# PD (--pd P:D): kv_bytes_per_token: MLA caches 61 layers x (512 + 64) x 2 B = 70,272 B per token.
+#   kv_link_gbps: the blog's nodes give each H100 its own 400 Gb/s InfiniBand NIC (50 GB/s); 40 GB/s
+#   is 80 % of it. kv_transfer_ms, bootstrap_rtt_ms: a transfer's setup and one HTTP round trip to
+#   the bootstrap server, about a millisecond or two on a LAN: estimates, not measurements.
 name = deepseek-v3-dp-attention-h100
 description = DeepSeek-V3 FP8, SGLang DP attention + EP, one H100 per DP rank
 source = LMSYS blog 2025-05-05 "Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 GPUs" (per node / 8); sgl-project/sglang#6017
@@ -32,3 +52,13 @@ prefill_token_us = 147
 decode_step_ms = 50
 decode_request_us = 100
 decode_kv_token_ns = 30
+dp_attention = 1
+moe_prefill_token_us = 74
+moe_decode_token_us = 56
+eager_decode_ms = 12
+slo_ttft_ms = 5000
+slo_tpot_ms = 100
+kv_bytes_per_token = 70272
+kv_link_gbps = 40
+kv_transfer_ms = 1
+bootstrap_rtt_ms = 2

@@ -22,6 +22,8 @@
 # decode_request_us: 15 GFLOP per sequence at 60 % of 989 TFLOPS = 25 us.
 # decode_kv_token_ns: reading 128 KiB per KV token at 80 % of 3.35 TB/s = 49 ns.
 #   Check: 256 sequences of 1k tokens -> 6.5 + 6.4 + 12.5 = 25 ms per step, 10k output tok/s.
+# slo_ttft_ms, slo_tpot_ms (goodput): an interactive chat's 1 s to the first token and 100 ms per
+#   token after it (about reading speed); chosen, not measured.
 name = llama3.1-8b-h100
 description = Llama-3.1-8B-Instruct BF16, one H100 80 GB per rank (TP 1), SGLang defaults
 source = TensorRT-LLM perf-overview.md (Llama 3.1 8B, H100); vLLM nightly benchmark build 9515 (latency_llama8B_tp1); SGLang server_args defaults; roofline arithmetic (see the comments)
@@ -33,3 +35,5 @@ prefill_token_us = 32
 decode_step_ms = 6.5
 decode_request_us = 25
 decode_kv_token_ns = 49
+slo_ttft_ms = 1000
+slo_tpot_ms = 100
