@@ -12,7 +12,9 @@ The config is read by attribute, so this module imports no vLLM. The fields, as 
 them in the API-server process (paths in the 0.33.0 wheel):
 
 - ``parallel_config.data_parallel_size`` (config/parallel.py:147): the board's slots, one per
-  global DP rank; engine indexes are global ranks (v1/engine/core_client.py:738-747).
+  global DP rank; engine indexes are global ranks (v1/engine/core_client.py:738-747). In an engine
+  core of a dense model vLLM resets it to 1 (and ``data_parallel_rank`` to 0): ``engine_slot`` reads
+  what vLLM keeps there instead.
 - ``parallel_config._api_process_count`` (config/parallel.py:447; set per API server by
   entrypoints/launchers/api_server/entry.py:57): more than one API server splits each engine's steps
   between them (v1/core/sched/scheduler.py:2669-2674 sends a step's stats to one front-end only).
@@ -101,6 +103,34 @@ def node_id(environ: Mapping[str, str]) -> int:
     if value < 0:
         raise InvalidInputError(f"{ENV_NODE_ID}={raw!r} is not a node id: use an integer >= 0 (node0 is 0)")
     return value
+
+
+def engine_slot(parallel_config: Any) -> tuple[int, int]:
+    """An engine core's slot and the board's size: (its global DP rank, the launch's DP size).
+
+    Read in the engine-core process, where vLLM 0.33.0's ``run_engine_core`` (v1/engine/core.py:1552-1562)
+    has set ``data_parallel_index`` to the engine's global DP rank on both of its paths (the same number
+    as the engine's ``engine_index``, its ZMQ identity, which the API server's ``core_engines`` hold):
+
+    - a MoE model (``DPEngineCoreProc``) keeps ``data_parallel_size`` and ``data_parallel_rank``;
+    - a dense model is made an independent DP = 1 engine (``reconfigure_for_independent_dp_rank``,
+      config/parallel.py:1191-1200: ``data_parallel_size`` 1, ``data_parallel_rank`` 0). The launch's
+      size survives in ``elastic_ep_max_dp_size``: ``ParallelConfig.__post_init__`` set it to
+      ``data_parallel_size`` (parallel.py:1036-1040) when the config was built from the command line, and
+      the reconfigure leaves it alone. Only elastic EP sets it otherwise (to its maximum), and elastic EP
+      needs a MoE model (``enable_eplb``), whose DP fields are kept: there the current size is the size.
+    """
+    size = int(parallel_config.data_parallel_size)
+    if not getattr(parallel_config, "enable_elastic_ep", False):
+        launched = getattr(parallel_config, "elastic_ep_max_dp_size", None)
+        if isinstance(launched, int) and launched > size:
+            size = launched
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    rank = int(parallel_config.data_parallel_rank if rank is None else rank)
+    if not 0 <= rank < size:
+        raise InvalidInputError(f"vLLM engine core of DP rank {rank} is outside its data_parallel_size {size}: "
+                                f"this vLLM keeps its DP fields where dpboard does not look (docs/INTEGRATIONS.md, vLLM)")
+    return rank, size
 
 
 def engine_capacity_tokens(cache_config: Any, n_engines: int) -> int:
