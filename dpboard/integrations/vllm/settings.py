@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,9 @@ ENV_PUBLISHER = "DPBOARD_VLLM_PUBLISHER"
 PUBLISHERS = ("engines", "stat_logger")
 ENV_METHOD = "DPBOARD_METHOD"
 ENV_STALE_AFTER = "DPBOARD_STALE_AFTER"
+ENV_PREFIX = "DPBOARD_"  # every setting above starts with it
+# vLLM's own, additive list of the prefixes its Ray backend copies to its actors (vllm/ray/ray_env.py)
+ENV_RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 # Engine cores publish at every step and every 0.25 s while idle: a second of silence is a stuck or
 # dead engine core (or one step longer than that).
 DEFAULT_STALE_AFTER = 1.0
@@ -176,6 +179,25 @@ def settings_from_config(vllm_config: Any, engine_indexes: Sequence[int],
         max_running_requests=int(getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0),
         node_id=node_id(environ),
     )
+
+
+def carry_to_ray(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Add ``DPBOARD_`` to ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` when a DPBOARD_ setting is set.
+
+    With ``--data-parallel-backend ray`` vLLM 0.33.0 starts each engine core as a Ray actor whose
+    environment holds only what ``get_env_vars_to_copy`` names (vllm/ray/ray_env.py:55-120; called by
+    ``CoreEngineActorManager``, v1/engine/utils.py:533): vLLM's registered variables, those starting with
+    ``VLLM_``, ``NCCL_``, ``HF_`` and a few more prefixes, and those starting with a prefix listed in
+    this variable (comma-separated, added to vLLM's own). Without it the actors see no DPBOARD_
+    setting and publish nothing. The API server runs the plugins while it parses its arguments, before
+    it creates the actors, and reads the variable when it creates them (vLLM caches its environment
+    only in engine cores and workers), so setting it here is in time. A prefix already listed is kept.
+    """
+    if not any(name.startswith(ENV_PREFIX) for name in environ):
+        return
+    listed = [prefix.strip() for prefix in environ.get(ENV_RAY_PREFIXES, "").split(",") if prefix.strip()]
+    if ENV_PREFIX not in listed:
+        environ[ENV_RAY_PREFIXES] = ",".join([*listed, ENV_PREFIX])
 
 
 def dispatch_method(environ: Mapping[str, str] = os.environ) -> LoadBalanceMethod | None:
