@@ -22,7 +22,8 @@ command a line:
 
 At EOF on stdin it shuts the client down (vLLM stops its engine cores) and exits 0.
 
-SPEC_JSON: ``{"moe": bool, "dp": N}``.
+SPEC_JSON: ``{"moe": bool, "dp": N, "parallel": {ParallelConfig fields}}`` (``parallel`` optional: see
+``vllm_config``).
 
 The stand-ins, each where vLLM needs a GPU, a model or torch (docs/INTEGRATIONS.md lists them):
 
@@ -255,8 +256,11 @@ def make_executor_class() -> type:
     return StandInExecutor
 
 
-def vllm_config(model: Path, dp: int) -> Any:
-    """The config ``vllm serve MODEL --data-parallel-size DP`` builds on one node (internal load balancing)."""
+def vllm_config(model: Path, dp: int, parallel: dict[str, Any] | None = None) -> Any:
+    """The config ``vllm serve MODEL --data-parallel-size DP`` builds: on one node with internal load
+    balancing by default; ``parallel`` sets more of ParallelConfig's fields, as vLLM's ``--data-parallel-*``
+    options do (``data_parallel_size_local``, ``data_parallel_rank`` for ``--data-parallel-start-rank``,
+    ``data_parallel_hybrid_lb``, ``data_parallel_master_ip``, ``data_parallel_rpc_port``)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -268,7 +272,7 @@ def vllm_config(model: Path, dp: int) -> Any:
 
     model = ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=2048, dtype="float16",
                         served_model_name="stand-in")
-    return VllmConfig(model_config=model, parallel_config=ParallelConfig(data_parallel_size=dp, data_parallel_size_local=dp),
+    return VllmConfig(model_config=model, parallel_config=ParallelConfig(**{"data_parallel_size": dp, "data_parallel_size_local": dp, **(parallel or {})}),
                       cache_config=CacheConfig(block_size=BLOCK_SIZE), device_config=DeviceConfig(device="cpu"),
                       scheduler_config=SchedulerConfig(max_num_seqs=64, max_model_len=2048, is_encoder_decoder=False))
 
@@ -292,7 +296,7 @@ async def serve(spec: dict[str, Any]) -> int:
 
     model = model_dir(bool(spec["moe"]))
     try:
-        config = vllm_config(model, int(spec["dp"]))
+        config = vllm_config(model, int(spec["dp"]), spec.get("parallel"))
     finally:
         shutil.rmtree(model)  # read: ModelConfig holds the model's config from here on
     client = EngineCoreClient.make_async_mp_client(config, make_executor_class(), log_stats=False)

@@ -26,16 +26,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
-from dpboard.board import Board
-from dpboard.board.sent import SentRecord
+from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board
+from dpboard.board.sent import SENT_PREFIX, SentRecord
 from dpboard.snapshot import SlotStatus
-from tests.support.names import ROOT
+from tests.support.names import ROOT, new_board_name
 from tests.support.procutil import read_line, wait_until
 
 DP = 4
@@ -65,60 +67,131 @@ def test_a_dense_engines_slot_survives_vllms_reconfigure():
         engine_slot(broken)
 
 
-def ask(proc: subprocess.Popen, command: dict) -> dict:
-    proc.stdin.write(json.dumps(command) + "\n")
-    proc.stdin.flush()
-    return json.loads(read_line(proc, timeout=60))
+class ApiServer:
+    """One ``python -m tests.support.vllm_startup`` process (an API server and the engine cores and DP
+    coordinator vLLM starts for it), in a session of its own so that all of them are killed with it."""
+
+    def __init__(self, spec: dict, env: dict[str, str]) -> None:
+        self.logs = tempfile.TemporaryFile("w+")
+        self.engine_pids: list[int] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_startup", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.logs, text=True,
+                                     cwd=ROOT, env={**os.environ, "VLLM_PLUGINS": "dpboard", **env},
+                                     start_new_session=True)
+
+    def ready(self) -> dict:
+        ready = json.loads(read_line(self.proc, timeout=240))
+        assert ready.get("ready"), (ready, self.tail())
+        self.engine_pids = ready["engine_pids"]
+        return ready
+
+    def ask(self, command: dict) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(read_line(self.proc, timeout=60))
+
+    def close_stdin(self) -> None:
+        self.proc.stdin.close()  # the API server shuts down: vLLM stops its engine cores
+
+    def stopped(self) -> None:
+        assert self.proc.wait(timeout=60) == 0, self.tail()
+        assert wait_until(lambda: not any(_alive(pid) for pid in self.engine_pids), timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None or any(_alive(pid) for pid in self.engine_pids):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+        self.logs.close()
+
+    def tail(self) -> str:
+        self.logs.seek(0)
+        return self.logs.read()[-4000:]
+
+
+def live_slots(name: str, ranks: list[int], server: ApiServer) -> np.ndarray:
+    """Board ``name``'s records once the slots ``ranks`` are LIVE (the others must be EMPTY)."""
+    board = Board.attach(name)
+    try:
+        assert board.n_slots == DP
+        reader = board.reader(stale_after=2.0)
+        # every engine core's busy loop opened its own slot and keeps it live while idle
+        assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in ranks), timeout=60), \
+            ([reader.status(r) for r in range(DP)], server.tail())
+        assert [reader.status(r) for r in range(DP) if r not in ranks] == [SlotStatus.EMPTY] * (DP - len(ranks))
+        return reader.read_array()
+    finally:
+        board.close()
+
+
+def sent_totals(name: str) -> list[int]:
+    record = SentRecord.open(name, 1, DP)
+    try:
+        return record.totals()[:, 0].tolist()
+    finally:
+        record.close()
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_vllms_own_start_up_gives_four_live_slots_and_picks_across_them(board_name, moe):
-    env = {**os.environ, "VLLM_PLUGINS": "dpboard", "DPBOARD_METHOD": "inflight_requests",
-           "DPBOARD_VLLM_BOARD": board_name}
-    with tempfile.TemporaryFile("w+") as logs:
-        # its own session: the engine cores and the coordinator it starts are killed with it
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_startup", json.dumps({"moe": moe, "dp": DP})],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs, text=True, cwd=ROOT,
-                                env=env, start_new_session=True)
-        try:
-            ready = json.loads(read_line(proc, timeout=240))
-            assert ready.get("ready"), (ready, _tail(logs))
-            assert ready["client"] == "DPLBAsyncMPClient" and ready["engines"] == list(range(DP))
-            engine_pids = ready["engine_pids"]
+    server = ApiServer({"moe": moe, "dp": DP}, {"DPBOARD_METHOD": "inflight_requests", "DPBOARD_VLLM_BOARD": board_name})
+    try:
+        ready = server.ready()
+        assert ready["client"] == "DPLBAsyncMPClient" and ready["engines"] == list(range(DP))
+        records = live_slots(board_name, list(range(DP)), server)
+        assert records["dp_rank"].tolist() == list(range(DP))
+        assert records["writer_pid"].tolist() == server.engine_pids  # slot r: the process EngineCore_DP{r}
+        assert (records["max_total_num_tokens"] > 0).all()  # from the engine's own KV cache
+        # the API server's picks through the board: the least in-flight engine each time, all four
+        ranks = server.ask({"op": "pick", "n": 2 * DP})["ranks"]
+        assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
+        assert sent_totals(board_name) == [2] * DP
+        server.close_stdin()
+        server.stopped()
+    finally:
+        server.kill()
 
-            board = Board.attach(board_name)
-            try:
-                assert board.n_slots == DP
-                reader = board.reader(stale_after=2.0)
-                # every engine core's busy loop opened its own slot and keeps it live while idle
-                assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(DP)), timeout=60), \
-                    ([reader.status(r) for r in range(DP)], _tail(logs))
-                records = reader.read_array()
-                assert records["dp_rank"].tolist() == list(range(DP))
-                assert records["writer_pid"].tolist() == engine_pids  # slot r: the process EngineCore_DP{r}
-                assert (records["max_total_num_tokens"] > 0).all()  # from the engine's own KV cache
-            finally:
-                board.close()
 
-            # the API server's picks through the board: the least in-flight engine each time, all four
-            ranks = ask(proc, {"op": "pick", "n": 2 * DP})["ranks"]
-            assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
-            record = SentRecord.open(board_name, 1, DP)
-            try:
-                assert record.totals()[:, 0].tolist() == [2] * DP
-            finally:
-                record.close()
-
-            proc.stdin.close()  # the API server shuts down: vLLM stops its engine cores
-            assert proc.wait(timeout=60) == 0, _tail(logs)
-            assert wait_until(lambda: not any(_alive(pid) for pid in engine_pids), timeout=30)
-        finally:
-            if proc.poll() is None or any(_alive(pid) for pid in locals().get("engine_pids", ())):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait(timeout=10)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_hybrid_load_balancing_each_node_picks_its_engines_from_its_own_board(board_name, moe):
+    """``--data-parallel-hybrid-lb`` on two "nodes" (one machine, a board name each, as boards are
+    node-local): node 0 (ranks 0-1, the coordinator, the handshake with every engine) and node 1
+    (``--data-parallel-start-rank 2``), over TCP on 127.0.0.1 as across machines."""
+    boards = [board_name, new_board_name()]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rpc_port = s.getsockname()[1]
+    local = DP // 2
+    servers = []
+    try:
+        for node, name in enumerate(boards):
+            parallel = {"data_parallel_size_local": local, "data_parallel_rank": node * local,
+                        "data_parallel_hybrid_lb": True, "data_parallel_master_ip": "127.0.0.1",
+                        "data_parallel_rpc_port": rpc_port}
+            servers.append(ApiServer({"moe": moe, "dp": DP, "parallel": parallel},
+                                     {"DPBOARD_METHOD": "inflight_requests", "DPBOARD_VLLM_BOARD": name,
+                                      "DPBOARD_VLLM_NODE_ID": str(node)}))
+        for node, (name, server) in enumerate(zip(boards, servers, strict=True)):
+            mine = list(range(node * local, (node + 1) * local))
+            ready = server.ready()
+            assert ready["client"] == "DPLBAsyncMPClient" and ready["engines"] == mine
+            records = live_slots(name, mine, server)
+            assert records["writer_pid"][mine].tolist() == server.engine_pids
+            assert records["node_id"][mine].tolist() == [node] * local
+            ranks = server.ask({"op": "pick", "n": 2 * local})["ranks"]
+            assert sorted(ranks) == sorted(mine * 2), ranks
+            assert sent_totals(name) == [2 if r in mine else 0 for r in range(DP)]
+        for server in servers:
+            server.close_stdin()
+        for server in servers:
+            server.stopped()
+    finally:
+        for server in servers:
+            server.kill()
+        for path in (SHM_DIR / f"{SEGMENT_PREFIX}{boards[1]}", SHM_DIR / f"{SENT_PREFIX}{boards[1]}"):
+            path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -127,8 +200,3 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def _tail(logs) -> str:
-    logs.seek(0)
-    return logs.read()[-4000:]
