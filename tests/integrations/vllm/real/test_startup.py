@@ -111,16 +111,16 @@ class ApiServer:
         return self.logs.read()[-4000:]
 
 
-def live_slots(name: str, ranks: list[int], server: ApiServer) -> np.ndarray:
+def live_slots(name: str, ranks: list[int], server: ApiServer, dp: int = DP) -> np.ndarray:
     """Board ``name``'s records once the slots ``ranks`` are LIVE (the others must be EMPTY)."""
     board = Board.attach(name)
     try:
-        assert board.n_slots == DP
+        assert board.n_slots == dp
         reader = board.reader(stale_after=2.0)
         # every engine core's busy loop opened its own slot and keeps it live while idle
         assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in ranks), timeout=60), \
-            ([reader.status(r) for r in range(DP)], server.tail())
-        assert [reader.status(r) for r in range(DP) if r not in ranks] == [SlotStatus.EMPTY] * (DP - len(ranks))
+            ([reader.status(r) for r in range(dp)], server.tail())
+        assert [reader.status(r) for r in range(dp) if r not in ranks] == [SlotStatus.EMPTY] * (dp - len(ranks))
         return reader.read_array()
     finally:
         board.close()
@@ -192,6 +192,38 @@ def test_hybrid_load_balancing_each_node_picks_its_engines_from_its_own_board(bo
             server.kill()
         for path in (SHM_DIR / f"{SEGMENT_PREFIX}{boards[1]}", SHM_DIR / f"{SENT_PREFIX}{boards[1]}"):
             path.unlink(missing_ok=True)
+
+
+def test_external_load_balancing_each_rank_publishes_its_own_slot(board_name):
+    """``--data-parallel-external-lb``: one API server per rank (``--data-parallel-rank R``), each with
+    its one engine core (rank 0's front-end also handshakes with the others', over TCP); vLLM picks
+    nothing here (``DPAsyncMPClient``), so the board is for the router in front. DP = 2 on one node.
+    A MoE model only: vLLM 0.33.0's ``EngineArgs`` refuses external DP for a dense one ("Non-MoE models
+    do not support external data parallel mode", engine/arg_utils.py:2455-2465)."""
+    moe = True
+    dp = 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rpc_port = s.getsockname()[1]
+    servers = []
+    try:
+        for rank in range(dp):
+            parallel = {"data_parallel_size_local": 1, "data_parallel_rank": rank, "data_parallel_external_lb": True,
+                        "data_parallel_master_ip": "127.0.0.1", "data_parallel_rpc_port": rpc_port}
+            servers.append(ApiServer({"moe": moe, "dp": dp, "parallel": parallel}, {"DPBOARD_VLLM_BOARD": board_name}))
+        for rank, server in enumerate(servers):
+            ready = server.ready()
+            assert ready["client"] == "DPAsyncMPClient" and ready["engines"] == [rank]
+        records = live_slots(board_name, list(range(dp)), servers[0], dp)
+        assert records["dp_rank"].tolist() == list(range(dp))
+        assert records["writer_pid"].tolist() == [server.engine_pids[0] for server in servers]
+        for server in servers:
+            server.close_stdin()
+        for server in servers:
+            server.stopped()
+    finally:
+        for server in servers:
+            server.kill()
 
 
 def _alive(pid: int) -> bool:
