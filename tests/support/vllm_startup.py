@@ -22,8 +22,9 @@ command a line:
 
 At EOF on stdin it shuts the client down (vLLM stops its engine cores) and exits 0.
 
-SPEC_JSON: ``{"moe": bool, "dp": N, "parallel": {ParallelConfig fields}}`` (``parallel`` optional: see
-``vllm_config``).
+SPEC_JSON: ``{"moe": bool, "dp": N, "parallel": {ParallelConfig fields}, "headless": bool}`` (``parallel``
+optional: see ``vllm_config``; ``headless``: ``vllm serve --headless``, engine cores and no API server,
+``headless()``).
 
 The stand-ins, each where vLLM needs a GPU, a model or torch (docs/INTEGRATIONS.md lists them):
 
@@ -299,6 +300,8 @@ async def serve(spec: dict[str, Any]) -> int:
         config = vllm_config(model, int(spec["dp"]), spec.get("parallel"))
     finally:
         shutil.rmtree(model)  # read: ModelConfig holds the model's config from here on
+    if spec.get("headless"):
+        return headless(config)
     client = EngineCoreClient.make_async_mp_client(config, make_executor_class(), log_stats=False)
     try:
         say({"ready": True, "pid": os.getpid(), "client": type(client).__name__,
@@ -317,6 +320,29 @@ async def serve(spec: dict[str, Any]) -> int:
                 say({"ranks": ranks})
     finally:
         client.shutdown()
+    return 0
+
+
+def headless(config: Any) -> int:
+    """``vllm serve --headless`` on a node of its own (entrypoints/cli/serve.py ``run_headless``): its
+    engine cores started by vLLM's ``CoreEngineProcManager`` as remote engines (``local_client=False``) of
+    the front-end at ``data_parallel_master_ip:data_parallel_rpc_port``; no API server."""
+    from vllm.utils.network_utils import get_tcp_uri
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    parallel = config.parallel_config
+    manager = CoreEngineProcManager(
+        local_engine_count=parallel.data_parallel_size_local, start_index=parallel.data_parallel_rank,
+        local_start_index=0, vllm_config=config, local_client=False,
+        handshake_address=get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port),
+        executor_class=make_executor_class(), log_stats=False)
+    try:
+        say({"ready": True, "pid": os.getpid(), "client": None,
+             "engines": list(range(parallel.data_parallel_rank, parallel.data_parallel_rank + len(manager.processes))),
+             "engine_pids": [p.pid for p in manager.processes]})
+        sys.stdin.read()  # until EOF (run_headless waits on the engines' liveness instead)
+    finally:
+        manager.shutdown()
     return 0
 
 

@@ -38,7 +38,7 @@ from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board
 from dpboard.board.sent import SENT_PREFIX, SentRecord
 from dpboard.snapshot import SlotStatus
 from tests.support.names import ROOT, new_board_name
-from tests.support.procutil import read_line, wait_until
+from tests.support.procutil import read_line, stop, wait_until
 
 DP = 4
 pytestmark = pytest.mark.timeout(300)
@@ -191,6 +191,59 @@ def test_hybrid_load_balancing_each_node_picks_its_engines_from_its_own_board(bo
         for server in servers:
             server.kill()
         for path in (SHM_DIR / f"{SEGMENT_PREFIX}{boards[1]}", SHM_DIR / f"{SENT_PREFIX}{boards[1]}"):
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_several_nodes_headless_engines_reach_node0_through_the_relay(board_name, moe, tmp_path):
+    """Internal load balancing over two "nodes": node 0's ``vllm serve`` (ranks 0-1, every API-server
+    pick) and node 1's ``vllm serve --headless --data-parallel-start-rank 2`` (ranks 2-3), handshaking
+    over TCP; node 1's engine cores publish into node 1's board (its own name here, one machine), and
+    ``dpboard relay`` brings their slots to node 0's ``dpboard collect``, where the API server picks
+    across all four."""
+    node1_board = new_board_name()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rpc_port = s.getsockname()[1]
+    endpoint = f"ipc://{tmp_path}/collector"
+    cli = [sys.executable, "-m", "dpboard.cli"]
+    local = DP // 2
+    common = {"data_parallel_size_local": local, "data_parallel_master_ip": "127.0.0.1",
+              "data_parallel_rpc_port": rpc_port}
+    servers: list[ApiServer] = []
+    tools: list[subprocess.Popen] = []
+    try:
+        tools.append(subprocess.Popen([*cli, "collect", "--board", board_name, "--bind", endpoint, "--n-slots", str(DP),
+                                       "--local-ranks", *map(str, range(local)), "--quiet"], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        servers.append(ApiServer({"moe": moe, "dp": DP, "parallel": common},
+                                 {"DPBOARD_METHOD": "inflight_requests", "DPBOARD_VLLM_BOARD": board_name}))
+        servers.append(ApiServer({"moe": moe, "dp": DP, "headless": True,
+                                  "parallel": {**common, "data_parallel_rank": local}},
+                                 {"DPBOARD_VLLM_BOARD": node1_board, "DPBOARD_VLLM_NODE_ID": "1"}))
+        node0, node1 = servers
+        assert node1.ready()["engines"] == list(range(local, DP))
+        ready = node0.ready()  # once vLLM's handshake with all four engine cores is done
+        assert ready["client"] == "DPLBAsyncMPClient" and ready["engines"] == list(range(DP))
+        live_slots(node1_board, list(range(local, DP)), node1)
+        tools.append(subprocess.Popen([*cli, "relay", "--board", node1_board, "--to", endpoint, "--node-id", "1",
+                                       "--remote-board", board_name, "--quiet"], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        records = live_slots(board_name, list(range(DP)), node0)
+        assert records["writer_pid"].tolist() == node0.engine_pids + node1.engine_pids
+        assert records["node_id"].tolist() == [0] * local + [1] * local
+        ranks = node0.ask({"op": "pick", "n": 2 * DP})["ranks"]
+        assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
+        for server in servers:
+            server.close_stdin()
+        for server in servers:
+            server.stopped()
+    finally:
+        for server in servers:
+            server.kill()
+        for proc in reversed(tools):
+            stop(proc)
+        for path in (SHM_DIR / f"{SEGMENT_PREFIX}{node1_board}", SHM_DIR / f"{SENT_PREFIX}{node1_board}"):
             path.unlink(missing_ok=True)
 
 
