@@ -19,6 +19,8 @@ command a line:
 
 - ``{"op": "pick", "n": K}``: K requests through the client's ``get_core_engine_for_request`` (with
   ``DPBOARD_METHOD``, dpboard's pick over the board); answers the DP ranks picked.
+- ``{"op": "send", "n": K, "tokens": T, "max_tokens": M}``: K requests of T prompt tokens sent to the
+  engines (``generate``); answers the rank each went to and the tokens each got back, once all finished.
 
 At EOF on stdin it shuts the client down (vLLM stops its engine cores) and exits 0.
 
@@ -38,13 +40,15 @@ The stand-ins, each where vLLM needs a GPU, a model or torch (docs/INTEGRATIONS.
   in-process (its interfaces), never runs it.
 - the executor: ``StandInExecutor``, a subclass of vLLM's ``Executor`` answering the workers' RPCs
   that ``EngineCore.__init__`` makes (one full-attention KV spec per layer, the memory for
-  ``NUM_BLOCKS`` blocks, the layouts); it never executes a batch: the engines here take no request.
+  ``NUM_BLOCKS`` blocks, the layouts), and each batch vLLM's scheduler schedules with the model's
+  output: token ``TOKEN`` for every request whose prompt is computed (``execute_model``).
 - the device: ``DeviceConfig(device="cpu")``, since there is no GPU platform to detect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import shutil
@@ -65,6 +69,7 @@ NUM_KV_HEADS = 1
 DTYPE_BYTES = 2
 ARCHITECTURE = "StandInForCausalLM"
 STORE_WAIT = 60.0
+TOKEN = 7  # what the stand-in model samples
 
 
 def install() -> None:
@@ -229,6 +234,50 @@ def make_executor_class() -> type:
         def _init_executor(self) -> None:
             self.spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
                                           dtype=torch.float16)
+            self.prompt_tokens: dict[str, int] = {}
+            self.pending: collections.deque = collections.deque()  # executed batches not yet sampled
+
+        def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+            """The model's answer to one scheduled batch: token ``TOKEN`` for each request whose prompt
+            is then computed (a chunk of a longer prompt samples nothing), as a model runner reports it."""
+            from concurrent.futures import Future
+
+            from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+            computed = {}
+            for new in scheduler_output.scheduled_new_reqs:
+                self.prompt_tokens[new.req_id] = len(new.prompt_token_ids or ())
+                computed[new.req_id] = new.num_computed_tokens
+            cached = scheduler_output.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            scheduled = scheduler_output.num_scheduled_tokens
+            req_ids = list(scheduled)
+            sampled = [[TOKEN] if computed[r] + scheduled[r] >= self.prompt_tokens[r] else [] for r in req_ids]
+            for finished in scheduler_output.finished_req_ids:
+                self.prompt_tokens.pop(finished, None)
+            # as a GPU model runner: an empty batch answers an empty output at once; otherwise the
+            # forward pass answers None and sample_tokens the batch's output
+            answer = None
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                answer = EMPTY_MODEL_RUNNER_OUTPUT
+            else:
+                self.pending.append(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                                      req_id_to_index={r: i for i, r in enumerate(req_ids)}))
+            if not non_block:
+                return answer
+            future: Future = Future()
+            future.set_result(answer)
+            return future
+
+        def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+            from concurrent.futures import Future
+
+            output = self.pending.popleft()
+            if not non_block:
+                return output
+            future: Future = Future()
+            future.set_result(output)
+            return future
 
         def collective_rpc(self, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None,
                            non_block: bool = False) -> Any:
@@ -318,9 +367,36 @@ async def serve(spec: dict[str, Any]) -> int:
                     ranks.append(int.from_bytes(engine, "little"))
                     sent += 1
                 say({"ranks": ranks})
+            elif command["op"] == "send":
+                say(await generate(client, command["n"], command["tokens"], command["max_tokens"], sent))
+                sent += command["n"]
     finally:
         client.shutdown()
     return 0
+
+
+async def generate(client: Any, n: int, tokens: int, max_tokens: int, first: int) -> dict[str, Any]:
+    """N requests sent as ``AsyncLLM`` sends them (``add_request_async``: the pick, then an ``ADD`` on
+    the engine's input socket), and their outputs read until every one has finished."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from tests.support.vllm_engine import engine_request
+
+    ranks = {}
+    for i in range(first, first + n):
+        request = engine_request(f"g{i}", tokens, max_tokens)
+        InputProcessor.assign_request_id(request)  # vLLM's internal id, as the input processor sets it
+        await client.add_request_async(request)
+        ranks[request.request_id] = int.from_bytes(client.reqs_in_flight[request.request_id], "little")
+    tokens_out: dict[str, list[int]] = {rid: [] for rid in ranks}
+    finished: set[str] = set()
+    while len(finished) < n:
+        outputs = await asyncio.wait_for(client.get_output_async(), timeout=60)
+        for out in outputs.outputs:
+            tokens_out[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
+    return {"ranks": [ranks[r] for r in ranks], "tokens": [tokens_out[r] for r in ranks]}
 
 
 def headless(config: Any) -> int:

@@ -10,10 +10,12 @@ where dpboard's plugin opens its slot.
 
 Stand-ins (named in tests/support/vllm_startup.py, and only these): the model (a class registered
 with vLLM's ``ModelRegistry`` and a ``config.json``, never run), the executor (a vLLM ``Executor``
-with no workers, answering the RPCs of ``EngineCore.__init__``), ``DeviceConfig(device="cpu")``, and
+with no workers, answering the RPCs of ``EngineCore.__init__`` and each scheduled batch with the
+model's made-up output), ``DeviceConfig(device="cpu")``, and
 torch (tests/support/vllm.py's stand-in package; ``Tensor``, ``nn.Module``, ``dtype``/``float16``,
 ``tensor``, ``distributed.TCPStore``, ``rendezvous``, ``Backend`` and ``DistNetworkError`` given a
-working answer). The engines take no request: the stand-in executor runs no batch.
+working answer). The dense deployment serves requests end to end; the MoE one only picks, since its
+engines' lockstep all-reduce needs torch.distributed.
 
 Before the fix, the dense deployment failed as users saw it: three engine cores died with
 ``BoardError: slot 0 ... held by the writer in live process`` (each read ``data_parallel_rank`` 0
@@ -39,6 +41,7 @@ from dpboard.board.sent import SENT_PREFIX, SentRecord
 from dpboard.snapshot import SlotStatus
 from tests.support.names import ROOT, new_board_name
 from tests.support.procutil import read_line, stop, wait_until
+from tests.support.vllm_startup import TOKEN
 
 DP = 4
 pytestmark = pytest.mark.timeout(300)
@@ -85,10 +88,12 @@ class ApiServer:
         self.engine_pids = ready["engine_pids"]
         return ready
 
-    def ask(self, command: dict) -> dict:
+    def ask(self, command: dict, timeout: float = 60) -> dict:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        return json.loads(read_line(self.proc, timeout=60))
+        answer = json.loads(read_line(self.proc, timeout=timeout))
+        assert "error" not in answer, (answer, self.tail())
+        return answer
 
     def close_stdin(self) -> None:
         self.proc.stdin.close()  # the API server shuts down: vLLM stops its engine cores
@@ -145,9 +150,29 @@ def test_vllms_own_start_up_gives_four_live_slots_and_picks_across_them(board_na
         assert records["writer_pid"].tolist() == server.engine_pids  # slot r: the process EngineCore_DP{r}
         assert (records["max_total_num_tokens"] > 0).all()  # from the engine's own KV cache
         # the API server's picks through the board: the least in-flight engine each time, all four
-        ranks = server.ask({"op": "pick", "n": 2 * DP})["ranks"]
+        if moe:
+            # picks only: a MoE deployment's engines step in lockstep, through an all-reduce over their
+            # DP group that the stand-in torch cannot do
+            ranks = server.ask({"op": "pick", "n": 2 * DP})["ranks"]
+        else:
+            # requests sent as AsyncLLM sends them, run by the engines' real scheduler, all answered
+            answer = server.ask({"op": "send", "n": 2 * DP, "tokens": 40, "max_tokens": 3}, timeout=180)
+            ranks = answer["ranks"]
+            assert answer["tokens"] == [[TOKEN] * 3] * (2 * DP)
+            board = Board.attach(board_name)
+            try:
+                reader = board.reader(stale_after=2.0)
+
+                def settled() -> bool:  # every request received at its engine, none left running or waiting
+                    r = reader.read_array()
+                    return (r["num_received_reqs"].tolist() == [2] * DP and not r["num_running_reqs"].any()
+                            and not r["num_waiting_reqs"].any())
+
+                assert wait_until(settled, timeout=30), reader.read_array()
+            finally:
+                board.close()
         assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
-        assert sent_totals(board_name) == [2] * DP
+        assert sent_totals(board_name) == [2] * DP  # with the received counts above: nothing in flight
         server.close_stdin()
         server.stopped()
     finally:
