@@ -13,7 +13,7 @@ VLLM_VERSION ?= 0.33.0
 ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION) vllm==$(VLLM_VERSION)
 ENGINE_DIR := $(VENV)/engines
 # The C extensions are rebuilt when their sources or the generated layout header change.
-SOURCES := pyproject.toml $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
+SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
 .PHONY: demo test lint bench clean-boards layout wheel
 

@@ -5,6 +5,9 @@ that ``dpboard dump`` or ``dpboard top`` never pay for Numba. A command module p
 ``add_<command>_arguments(parser)`` and ``run_<command>(args) -> int``, or plain ``add_arguments`` and
 ``run`` when it has one command.
 
+Output into a closed pipe (``dpboard ls | head -1``) ends quietly with status 141, as a writer
+killed by SIGPIPE does.
+
 Errors: a ``DpboardError`` (bad input, a board that cannot be used as asked, a busy endpoint, ...)
 and an argument error are printed as one line and exit with status 2. Anything else is a bug: it
 shows its traceback, so that it never passes for a user's mistake.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +25,7 @@ from dpboard import __version__
 from dpboard.errors import DpboardError
 
 USAGE_ERROR = 2  # argparse's own status for a bad command line
+BROKEN_PIPE = 128 + 13  # the status of a writer killed by SIGPIPE, as the shell reports it
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -69,9 +74,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     mod = importlib.import_module(COMMANDS[args.command][0])
     runner = getattr(mod, f"run_{args.command}", None) or mod.run
     try:
-        return int(runner(args) or 0)
+        status = int(runner(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that went away shows here, not at exit
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `dpboard ls | head -1`: the reader has what it wanted. End as a killed writer of a pipe does,
+        # without a traceback, and keep the interpreter's last flush from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
     except DpboardError as e:
         print(f"dpboard {args.command}: {e}", file=sys.stderr)
         return USAGE_ERROR

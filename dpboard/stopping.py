@@ -1,15 +1,19 @@
-"""``StopFlag``: when a long-running loop must end — SIGTERM or SIGINT, a duration, or ``set()``.
+"""``StopFlag``: when a long-running loop must end — SIGTERM, SIGINT or SIGHUP, a duration, or ``set()``.
 
 Every long-running command (``dpboard collect``, ``relay``, ``controller``) loops until one of these
 happens, and each exit must be bounded. One flag holds all three::
 
-    with StopFlag(duration=args.duration) as stop:   # installs SIGTERM/SIGINT handlers (main thread)
+    with StopFlag(duration=args.duration) as stop:   # installs SIGTERM/SIGINT/SIGHUP handlers (main thread)
         while not stop.is_set():
             work(timeout=stop.remaining(cap=0.1))
     # the previous signal handlers are back here
 
 Outside the main thread no handler can be installed; the flag then ends on its duration or
 ``set()`` only.
+
+A flag may share its caller's event (``StopFlag(5.0, event=outer.event)``: a bounded inner loop that
+still ends on the caller's stop). Its own deadline therefore only ever ends itself: it never sets the
+event, which would end the caller's loop too. Signals and ``set()`` do set the event, and end both.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import threading
 import time
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: a closed terminal must clean up as Ctrl-C does, not leave boards and children behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopFlag:
@@ -34,6 +39,8 @@ class StopFlag:
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: the hang-up stays ignored, as asked
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -50,13 +57,11 @@ class StopFlag:
         self.event.set()
 
     def is_set(self) -> bool:
-        """True once a stop was asked for or the duration has passed."""
+        """True once a stop was asked for or the duration has passed. The duration ends this flag
+        only: the event (which a caller may share) is left as it is."""
         if self.event.is_set():
             return True
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            self.event.set()
-            return True
-        return False
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def remaining(self, cap: float | None = None) -> float | None:
         """Seconds until the deadline (None: no deadline), at most ``cap``; 0 once stopped."""

@@ -39,6 +39,7 @@ import sys
 
 import numpy as np
 
+from dpboard.errors import DpboardError
 from dpboard.options import count, positive
 from dpboard.sim.cli import FILE_PROFILE, SCENARIO_PROFILE, split_methods
 from dpboard.sim.prefix_cache import prefix_tokens
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--trace", default=None, choices=sorted(SCENARIOS), help="synthetic scenario (bursty when no --trace-file)")
     source.add_argument("--trace-file", metavar="PATH", help="a real trace (Azure, Mooncake, BurstGPT)")
     p.add_argument("--load", type=positive(100), default=None,
-                   help="--trace-file: offered load per rank (share of capacity; default: the trace as recorded)")
+                   help="offered load per rank, a share of its capacity (default: a --trace-file as recorded, "
+                        "a --trace scenario at 1.0), as dpboard sim --load")
     p.add_argument("--window", metavar="START:END", help="--trace-file: a slice of the file, seconds")
     p.add_argument("--profile", default=None,
                    help=f"rank profile (default as dpboard sim: {SCENARIO_PROFILE}, {FILE_PROFILE} with --trace-file)")
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         if trace_file is not None:
             trace = shape_trace(trace_file, n_ranks=args.ranks, seed=seed, rank=profile.rank, window=window, load=args.load)
         else:
-            trace = generate_trace(scenario(args.trace or "bursty"), args.ranks, seed)
+            spec = scenario(args.trace or "bursty").scaled(load=1.0 if args.load is None else args.load)
+            trace = generate_trace(spec, args.ranks, seed)
         for method in methods:
             for label, sim, probe in runs_of(method, trace, config, args.index_check):
                 per_method.setdefault(label, []).append(summarize(sim.run()))
@@ -259,4 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DpboardError as e:  # a missing trace file, a bad method spec: one line, as dpboard sim
+        print(f"compare_methods.py: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

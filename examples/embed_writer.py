@@ -15,11 +15,13 @@ The board it creates lives as long as this process: it is removed when the run e
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
 from dpboard import Board, LoadPublisher, PageState, ReqState
+from dpboard.errors import DpboardError
 from dpboard.options import count, seconds
 
 
@@ -48,8 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     req_seqlen = np.zeros(args.max_requests, dtype=np.int32)
     page_state = np.zeros(args.num_pages, dtype=np.int8)  # PageState codes
 
-    publisher = LoadPublisher(board, args.rank, (req_state, req_seqlen, page_state),
-                              page_size=args.page_size, backend=args.backend)
+    try:
+        publisher = LoadPublisher(board, args.rank, (req_state, req_seqlen, page_state),
+                                  page_size=args.page_size, backend=args.backend)
+    except BaseException:  # e.g. --backend cupy on a machine without CuPy: leave no board behind
+        board.close()
+        if board.is_owner:
+            board.unlink()
+        raise
     received = 0
     loads = None
     try:
@@ -83,4 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except DpboardError as e:  # a user's mistake or a missing package: one line, as dpboard's commands
+        print(f"embed_writer.py: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

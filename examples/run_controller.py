@@ -23,7 +23,7 @@ import zmq
 from dpboard import Board
 from dpboard.controller import DataParallelController, Dispatcher
 from dpboard.controller.codec import encode_request
-from dpboard.controller.methods import METHOD_CHOICES
+from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.options import count, seconds
 
 
@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         runner.start()
         client = ctx.socket(zmq.PUSH)
         client.connect(f"ipc://{tmp}/in")
+        # follow_bootstrap_room maps each request's room to a rank: give rooms, as a PD router would
+        rooms = resolve_load_balance_method(args.method) is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM
         for i in range(args.requests):
-            client.send(encode_request(f"r{i}", input_ids=[0] * random.choice([30, 30, 30, 3000])))
+            room = random.getrandbits(63) if rooms else None
+            client.send(encode_request(f"r{i}", input_ids=[0] * random.choice([30, 30, 30, 3000]),
+                                       bootstrap_room=room))
             time.sleep(0.002)
         runner.join()
         stop.set()

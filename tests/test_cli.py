@@ -167,3 +167,27 @@ def test_sim_plot_to_a_missing_folder_is_refused_by_the_parser(tmp_path):
     out = dpboard("sim", "--quick", "--plot", str(tmp_path / "no" / "x.png"))
     assert out.returncode == 2 and "argument --plot:" in out.stderr and "does not exist" in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["dump", "{name}", "--json"], ["info", "{name}", "--json"], ["dump", "{name}"],
+                                  ["ls"]])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(board_name, args):
+    """`dpboard ls | head -1`: no traceback, and the status of a writer that SIGPIPE would have killed."""
+    from dpboard import Board, LoadSnapshot
+
+    with Board.create(board_name, n_slots=4096) as board:
+        for rank in range(0, 4096, 7):
+            board.writer(rank).publish(LoadSnapshot(dp_rank=rank, num_running_reqs=rank))
+        proc = subprocess.Popen([sys.executable, "-m", "dpboard.cli", *(a.format(name=board_name) for a in args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout.read(10)
+            proc.stdout.close()  # as `head -c 10` does once it has its bytes
+            err = proc.stderr.read().decode()
+            status = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait(timeout=60)
+        board.unlink()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert status in (0, cli.BROKEN_PIPE), (status, err)

@@ -39,6 +39,7 @@ from dpboard.bench.stats import (
     write_json,
 )
 from dpboard.board import Board
+from dpboard.processes import module_command
 from dpboard.snapshot import SLOT_SIZE, LoadSnapshot
 
 HELPER_MAX_SECONDS = 300.0
@@ -141,7 +142,7 @@ def _helper(role: str, kind: str, target: str, n_slots: int) -> None:
 class _Helper:
     def __init__(self, role: str, kind: str, target: str, n_slots: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dpboard.bench.board", "--helper", role, kind, target, str(n_slots)],
+            module_command("dpboard.bench.board", "--helper", role, kind, target, str(n_slots)),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         line = self.proc.stdout.readline().strip()

@@ -20,6 +20,7 @@ TOPICS = {
     "kernels": "loads from KV page tables: every backend vs the NumPy reference",
     "dispatch": "one dispatch decision and batches vs a pure-Python budget",
     "relay": "write-to-visible latency through relay and collector",
+    "engine": "vLLM engine step: dpboard's publish beside vLLM's own step, at 0 to 10,000 waiting",
 }
 
 

@@ -315,13 +315,24 @@ def _time_picks(pick: Callable, client: Any, reqs: Sequence, counts: list, block
 def vllm_pick_table(engine_counts: Sequence[int], blocks: int, rng: random.Random) -> str:
     """One ``get_core_engine_for_request`` of vLLM's ``DPLBAsyncMPClient``, in this process: vLLM's own
     scoring loop over the coordinator's counts, beside the same call through dpboard's plugin with
-    ``DPBOARD_METHOD=inflight_requests`` (the Dispatcher over a real board, and the sent record)."""
+    ``DPBOARD_METHOD=inflight_requests`` (the Dispatcher over a real board, and the sent record).
+    Where vLLM's wheel is installed without torch, its modules load behind the same named import
+    stand-ins as the vLLM tests (vllm_standins.py), which the pick never calls into."""
+    from dpboard.bench.vllm_standins import vllm_importable
+
+    with vllm_importable() as missing:
+        if missing:
+            return f"### vLLM's pick\n\nno vLLM rows: {missing}\n"
+        return _vllm_pick_table(engine_counts, blocks, rng)
+
+
+def _vllm_pick_table(engine_counts: Sequence[int], blocks: int, rng: random.Random) -> str:
     try:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.core_client import DPLBAsyncMPClient
         from vllm.v1.pool.late_interaction import get_late_interaction_engine_index
-    except Exception as e:  # no vLLM here, or one that cannot import (no torch)
+    except Exception as e:  # a vLLM that cannot import here
         return (f"### vLLM's pick\n\nvLLM's client does not import in this process ({type(e).__name__}: {e}); "
                 f"these rows need vLLM 0.33.0 installed beside dpboard.\n")
     from types import SimpleNamespace

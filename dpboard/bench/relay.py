@@ -42,6 +42,7 @@ from dpboard.bench.stats import add_common_arguments, describe, write_json
 from dpboard.board import Board
 from dpboard.multinode.relay import DEFAULT_TICK_MS
 from dpboard.options import count, milliseconds, positive, seconds
+from dpboard.processes import module_command
 from dpboard.snapshot import (
     DisaggregationDetail,
     LoadDetail,
@@ -206,7 +207,7 @@ def _relay_main(args: argparse.Namespace) -> int:
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dpboard.bench.relay", *argv], stdout=subprocess.PIPE,
+    return subprocess.Popen(module_command("dpboard.bench.relay", *argv), stdout=subprocess.PIPE,
                             text=True)
 
 

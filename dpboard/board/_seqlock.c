@@ -429,12 +429,28 @@ typedef struct {
     int has_out;
 } BoardView;
 
+/* The stamps that read as LIVE: within stale_after of now on either side. A stamp from the future (a
+   writer in a time namespace ahead of ours, a forged slot) is no more current than an old one. As
+   one unsigned range check, stamp - from <= width with from = now - stale_after and width = 2 *
+   stale_after: no signed overflow whatever stamp the writer chose, and no wrap-around while now <
+   2**62 ns and stale_after <= MAX_STALE_AFTER_NS (view_init and the setter hold it there). */
+typedef struct {
+    uint64_t from, width;
+} LiveWindow;
+
+#define MAX_STALE_AFTER_NS 1000000000000000LL /* segment.MAX_STALE_AFTER, 1e6 s */
+
+static inline LiveWindow live_window(long long stale_after) {
+    uint64_t now = (uint64_t)clock_ns(CLOCK_MONOTONIC);
+    return (LiveWindow){now - (uint64_t)stale_after, 2 * (uint64_t)stale_after};
+}
+
 /* Copies slot i into dst[0..12] and returns its status. Bounded by max_retries. */
 /* Copies the fields of a slot into dst[0..NUM_FIELDS) and, when `detail` is not NULL, its detail
    words too, all from one write; returns the slot's status. Bounded by max_retries. Inlined with a
    NULL detail, the dispatch read does no work for the detail. */
-static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *detail, int max_retries, int64_t now,
-                                  int64_t stale_after) {
+static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *detail, int max_retries,
+                                  LiveWindow live) {
     const uint64_t *seqp = (const uint64_t *)slot;
     const int64_t *fields = (const int64_t *)(slot + FIELDS_OFFSET);
     const uint64_t *words = (const uint64_t *)(slot + DETAIL_OFFSET);
@@ -454,7 +470,7 @@ static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *deta
             for (int k = 0; k < DETAIL_WORDS; k++) detail[k] = __atomic_load_n(&words[k], __ATOMIC_RELAXED);
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* [R2] */
         uint64_t s2 = __atomic_load_n(seqp, __ATOMIC_RELAXED);
-        if (s1 == s2) return (now - dst[F_MONOTONIC_NS] > stale_after) ? ST_STALE : ST_LIVE;
+        if (s1 == s2) return ((uint64_t)dst[F_MONOTONIC_NS] - live.from > live.width) ? ST_STALE : ST_LIVE;
         cpu_relax();
     }
     memset(dst, 0, NUM_FIELDS * sizeof(int64_t));
@@ -462,8 +478,8 @@ static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *deta
     return ST_TORN;
 }
 
-static inline int read_slot(const char *slot, int64_t *dst, int max_retries, int64_t now, int64_t stale_after) {
-    return read_slot_words(slot, dst, NULL, max_retries, now, stale_after);
+static inline int read_slot(const char *slot, int64_t *dst, int max_retries, LiveWindow live) {
+    return read_slot_words(slot, dst, NULL, max_retries, live);
 }
 
 static void view_dealloc(BoardView *self) {
@@ -483,6 +499,15 @@ static int get_record_buffer(PyObject *obj, Py_buffer *buf, Py_ssize_t n_slots) 
                      "SNAPSHOT_DTYPE records (%zd bytes), got %zd bytes",
                      n_slots, n_slots * RECORD_SIZE, buf->len);
         PyBuffer_Release(buf);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_stale_after_ns(long long stale_after_ns) {
+    if (stale_after_ns < 1 || stale_after_ns > MAX_STALE_AFTER_NS) {
+        PyErr_Format(PyExc_ValueError, "stale_after_ns must be in 1..%lld (1e6 s), got %lld", MAX_STALE_AFTER_NS,
+                     stale_after_ns);
         return -1;
     }
     return 0;
@@ -512,6 +537,7 @@ static int view_init(BoardView *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "max_retries must be >= 1, got %d", max_retries);
         return -1;
     }
+    if (check_stale_after_ns(stale_after_ns) < 0) return -1;
     /* __init__ again on a live view: emptied first, so that a failure below leaves a view of no
        slots, never pointers into released buffers. */
     self->slots = NULL;
@@ -551,11 +577,10 @@ static int view_init(BoardView *self, PyObject *args, PyObject *kwds) {
 }
 
 static void fill_records(BoardView *self, char *dst) {
-    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    LiveWindow live = live_window(self->stale_after_ns);
     for (Py_ssize_t i = 0; i < self->n_slots; i++) {
         char *rec = dst + i * RECORD_SIZE;
-        int st = read_slot(self->slots + i * SLOT_SIZE, (int64_t *)rec, self->max_retries, now,
-                           self->stale_after_ns);
+        int st = read_slot(self->slots + i * SLOT_SIZE, (int64_t *)rec, self->max_retries, live);
         if (st == ST_EMPTY || st == ST_TORN) ((int64_t *)rec)[F_DP_RANK] = i;
         rec[RECORD_STATUS_OFFSET] = (char)st;
     }
@@ -636,8 +661,7 @@ static int check_rank(BoardView *self, PyObject *arg, Py_ssize_t *rank) {
 static int read_one(BoardView *self, PyObject *arg, int64_t *values) {
     Py_ssize_t r;
     if (check_rank(self, arg, &r) < 0) return -1;
-    return read_slot(self->slots + r * SLOT_SIZE, values, self->max_retries, clock_ns(CLOCK_MONOTONIC),
-                     self->stale_after_ns);
+    return read_slot(self->slots + r * SLOT_SIZE, values, self->max_retries, live_window(self->stale_after_ns));
 }
 
 static PyObject *view_read(BoardView *self, PyObject *arg) {
@@ -676,11 +700,11 @@ static PyObject *view_status(BoardView *self, PyObject *arg) {
 
 static PyObject *view_read_all(BoardView *self, PyObject *unused) {
     int64_t values[NUM_FIELDS];
-    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    LiveWindow live = live_window(self->stale_after_ns);
     PyObject *list = PyList_New(self->n_slots);
     if (list == NULL) return NULL;
     for (Py_ssize_t i = 0; i < self->n_slots; i++) {
-        int st = read_slot(self->slots + i * SLOT_SIZE, values, self->max_retries, now, self->stale_after_ns);
+        int st = read_slot(self->slots + i * SLOT_SIZE, values, self->max_retries, live);
         PyObject *item;
         if (st == ST_EMPTY || st == ST_TORN) {
             item = Py_None;
@@ -702,7 +726,7 @@ static PyObject *view_read_detailed(BoardView *self, PyObject *arg) {
     Py_ssize_t r;
     if (check_rank(self, arg, &r) < 0) return NULL;
     int st = read_slot_words(self->slots + r * SLOT_SIZE, values, detail, self->max_retries,
-                             clock_ns(CLOCK_MONOTONIC), self->stale_after_ns);
+                             live_window(self->stale_after_ns));
     PyObject *snap, *raw;
     if (st == ST_EMPTY || st == ST_TORN) {
         snap = Py_NewRef(Py_None);
@@ -734,11 +758,11 @@ static PyObject *view_read_detailed_array(BoardView *self, PyObject *out) {
         PyBuffer_Release(&buf);
         return NULL;
     }
-    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    LiveWindow live = live_window(self->stale_after_ns);
     for (Py_ssize_t i = 0; i < self->n_slots; i++) {
         char *rec = (char *)buf.buf + i * DPB_DETAILED_RECORD_SIZE;
         int st = read_slot_words(self->slots + i * SLOT_SIZE, (int64_t *)rec, (uint64_t *)(rec + RECORD_SIZE),
-                                 self->max_retries, now, self->stale_after_ns);
+                                 self->max_retries, live);
         if (st == ST_EMPTY || st == ST_TORN) ((int64_t *)rec)[F_DP_RANK] = i;
         memset(rec + RECORD_STATUS_OFFSET, 0, RECORD_SIZE - RECORD_STATUS_OFFSET);
         rec[RECORD_STATUS_OFFSET] = (char)st;
@@ -764,11 +788,32 @@ static PyMethodDef view_methods[] = {
     {NULL}};
 
 static PyMemberDef view_members[] = {
-    {"stale_after_ns", T_LONGLONG, offsetof(BoardView, stale_after_ns), 0,
-     "a snapshot older than this (monotonic ns) reads as STALE"},
     {"max_retries", T_INT, offsetof(BoardView, max_retries), 0,
      "attempts per slot before it is reported TORN"},
     {"n_slots", T_PYSSIZET, offsetof(BoardView, n_slots), READONLY, "number of slots"},
+    {NULL}};
+
+static PyObject *view_get_stale_after_ns(BoardView *self, void *closure) {
+    return PyLong_FromLongLong(self->stale_after_ns);
+}
+
+static int view_set_stale_after_ns(BoardView *self, PyObject *value, void *closure) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "stale_after_ns cannot be deleted");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (check_stale_after_ns(v) < 0) return -1;
+    self->stale_after_ns = v;
+    return 0;
+}
+
+static PyGetSetDef view_getset[] = {
+    {"stale_after_ns", (getter)view_get_stale_after_ns, (setter)view_set_stale_after_ns,
+     "a snapshot older than this, or stamped this far ahead of the reader's clock (monotonic ns), reads "
+     "as STALE; in 1..1e15",
+     NULL},
     {NULL}};
 
 static PyTypeObject BoardViewType = {
@@ -781,6 +826,7 @@ static PyTypeObject BoardViewType = {
     .tp_dealloc = (destructor)view_dealloc,
     .tp_methods = view_methods,
     .tp_members = view_members,
+    .tp_getset = view_getset,
 };
 
 /* The owner word of the slot at `offset`: one aligned 64-bit value, so a reader never sees a new

@@ -1,5 +1,9 @@
 # Types of the C extension dpboard/controller/_prefix.c (chained prompt block hashes).
 from collections.abc import Sequence
+from typing import Any
 
 def hash_token_blocks(ids: Sequence[int], block_size: int, /) -> bytes: ...
 def hash_frame_blocks(frame: bytes | memoryview, block_size: int, /) -> tuple[int, bytes] | None: ...
+def read_request(
+    frame: bytes | memoryview, block_size: int, /
+) -> tuple[Any, int, int | None, int | None, int | None, bytes | None]: ...

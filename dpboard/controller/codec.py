@@ -19,9 +19,10 @@ from dpboard.errors import InvalidInputError
 
 
 class Request:
-    """What the Dispatcher reads of a decoded frame; ``raw`` is what is forwarded."""
+    """What the Dispatcher reads of a decoded frame; ``raw`` is what is forwarded. ``lost`` counts the
+    receivers whose connection broke before they acknowledged it (the controller's redelivery bound)."""
 
-    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw", "block_hashes")
+    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw", "block_hashes", "lost")
 
     def __init__(self, rid: Any, routed_dp_rank: int | None, bootstrap_room: int | None, num_tokens: int,
                  raw: bytes, block_hashes: list[int] | None = None):
@@ -32,10 +33,16 @@ class Request:
         self.raw = raw
         # the prompt's chained block hashes, read from ``raw`` by a controller whose method uses them
         self.block_hashes = block_hashes
+        self.lost = 0
 
 
 class MalformedFrame(InvalidInputError):
-    """A frame that is not a request map; the message says what is wrong with it."""
+    """A frame that is not a request map; the message says what is wrong with it. ``rid`` is the
+    frame's rid when it could be read before the fault (the sender can then be answered), else None."""
+
+    def __init__(self, message: str, rid: Any = None):
+        super().__init__(message)
+        self.rid = rid
 
 
 class RequestRefused(InvalidInputError):
@@ -51,17 +58,20 @@ def decode_request(raw: bytes, block_size: int | None = None) -> Request:
     the request also gets its prompt's chained block hashes.
 
     One parse, in C (``_prefix.read_request``): the five keys the controller reads, the last of a
-    repeated key counting (as msgpack's decoder reads a map), every other value skipped without
-    building an object; nesting deeper than 64 levels, bytes after the map, or an ``input_ids``
-    element that is not an int make the frame malformed, whatever the method. Nothing is built
-    per token, so a frame of millions of empty maps costs what reading its bytes costs."""
+    repeated key counting (as msgpack's decoder reads a map), every other value checked and skipped
+    without building an object. A frame the schedulers' ``msgpack.unpackb`` would refuse is
+    malformed (invalid UTF-8, a key that is not a str or bytes, an ext code msgpack-python does not
+    take, a bad timestamp, more than 1024 levels of nesting, bytes after the map: the reader accepts
+    exactly what msgpack accepts), and so is one whose ``input_ids`` holds anything but ints within
+    int64, whatever the method. Nothing is built per token, so a frame of millions of empty maps
+    costs what reading its bytes costs."""
     try:
         rid, n_ids, num_tokens, routed, room, hashes = read_request(raw, block_size or 0)
     except ValueError as e:
-        raise MalformedFrame(str(e)) from None
+        raise MalformedFrame(str(e.args[0]), e.args[1] if len(e.args) > 1 else None) from None
     if n_ids < 0:
         if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise MalformedFrame("needs input_ids (a list) or num_tokens (an int >= 0)")
+            raise MalformedFrame("needs input_ids (a list) or num_tokens (an int >= 0)", rid)
     else:
         num_tokens = n_ids
     if num_tokens > MAX_REQUEST_TOKENS:

@@ -5,9 +5,10 @@ Tokenizer side --PUSH--> [PULL, bound here] controller --PUSH (connected)--> sch
 A request is one msgpack frame: a map with ``rid`` and ``input_ids`` (a list) or ``num_tokens``, and
 optionally ``routed_dp_rank`` and ``bootstrap_room``; other keys pass through untouched, because the
 controller forwards the frame's original bytes. Replies never pass through the controller. A frame
-that is not such a map is logged, counted and dropped; a request that cannot be dispatched (an
-invalid routed rank, no available rank, a full scheduler pipe) is answered ``{"rid", "error"}`` on
-the error channel if there is one: a PUSH the controller connects to the tokenizer side's bound PULL
+that is not such a map (or not msgpack as the schedulers decode it) is logged, counted and dropped,
+and answered ``{"rid", "error"}`` when its rid could be read; a request that cannot be dispatched (an
+invalid routed rank, no available rank, a full scheduler pipe), or that was lost by more schedulers
+than ``max_redeliveries`` allows, is answered ``{"rid", "error"}`` on the error channel if there is one: a PUSH the controller connects to the tokenizer side's bound PULL
 (connected, so that answers queue from the start instead of being lost before a peer appears).
 Neither ever stops the loop. A request whose send fails is taken back out of the rank's load
 (``Dispatcher.retract``): the rank never got it.
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -44,7 +46,7 @@ from dpboard.controller.methods import (
 )
 from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
-from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, take_endpoint
+from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, lock_path, take_endpoint
 from dpboard.snapshot import SlotStatus
 from dpboard.stopping import StopFlag
 
@@ -64,11 +66,31 @@ CONNECT_WAIT = 2.0  # seconds the controller gives its schedulers to connect bef
 RECONNECT_IVL_MS = 250
 MAX_POLL_INTERVAL = 0.1
 ACK_INTERVAL = 0.01  # seconds between two reads of the board's received counts
+# How many times a request whose receiver's connection broke before it acknowledged the request is
+# sent again. A request that keeps killing its receivers (one a scheduler cannot survive) would
+# otherwise take every rank down in turn; one redelivery covers a receiver that died of something
+# else. Beyond it the request is answered on the error channel.
+DEFAULT_MAX_REDELIVERIES = 1
+MAX_REDELIVERIES = 100
 _LIVE, _STALE, _TORN = int(SlotStatus.LIVE), int(SlotStatus.STALE), int(SlotStatus.TORN)
 
 
 class ControllerBusyError(OwnerBusyError):
-    """Another process already binds the controller's input endpoint."""
+    """Another process already binds the controller's input endpoint, or already controls its board."""
+
+
+def board_lock_path(board_name: str) -> Path:
+    """The lock a controller holds on its board: one controller per board (and so per set of
+    schedulers), since two would each count the other's sends as their own deliveries."""
+    return lock_path("controller.board", board_name)
+
+
+def take_board(board_name: str) -> OwnerLock:
+    """This process is ``board_name``'s one controller; ``ControllerBusyError`` names the other."""
+    return OwnerLock(board_lock_path(board_name), f"board {board_name!r}", busy=ControllerBusyError,
+                     role="a controller",
+                     hint="two controllers sending to the same schedulers disagree about what each received "
+                          "(their ledgers and acknowledgements): stop that one, or give each its own board")
 
 
 class DataParallelController:
@@ -85,6 +107,9 @@ class DataParallelController:
     deliveries and its staleness marks ranks that stopped taking requests (docs/DISPATCH.md,
     "Delivery"). ``redeliver_after`` is how long a rank whose connection broke has to count what it
     received before the rest is sent elsewhere (default: the reader's ``stale_after``, else 1 s).
+    ``max_redeliveries`` bounds how many times one request is sent elsewhere so: a request lost by
+    ``max_redeliveries + 1`` ranks is answered on the error channel instead (counted in
+    ``stats["redelivery_exhausted"]``).
 
     ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
@@ -105,6 +130,7 @@ class DataParallelController:
         collector: Any = None,
         acks: Any = None,
         redeliver_after: float | None = None,
+        max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
     ):
         n = dispatcher.num_workers
         if len(worker_endpoints) != n:
@@ -129,6 +155,10 @@ class DataParallelController:
             raise InvalidInputError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if not 0 < poll_interval <= MAX_POLL_INTERVAL:
             raise InvalidInputError(f"poll_interval must be in (0, {MAX_POLL_INTERVAL}] seconds, got {poll_interval!r}")
+        if (isinstance(max_redeliveries, bool) or not isinstance(max_redeliveries, int)
+                or not 0 <= max_redeliveries <= MAX_REDELIVERIES):
+            raise InvalidInputError(f"max_redeliveries must be an int in 0..{MAX_REDELIVERIES} (times a request "
+                                    f"lost by a dead receiver is sent again), got {max_redeliveries!r}")
         if acks is not None and redeliver_after is None:
             redeliver_after = getattr(acks, "stale_after", 1.0)
         self.dispatcher = dispatcher
@@ -138,6 +168,7 @@ class DataParallelController:
         self.collector = collector
         self.acks = acks
         self.redeliver_after = float(redeliver_after or 1.0)
+        self.max_redeliveries = max_redeliveries
         self.ledger = DeliveryLedger(n) if acks is not None else None
         self._said_uncounted = False
         self.max_batch = max_batch
@@ -158,7 +189,9 @@ class DataParallelController:
             "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
             "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
             "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
-            "malformed": 0,
+            # lost by max_redeliveries + 1 ranks: answered with an error instead of being sent again
+            "redelivery_exhausted": 0,
+            "malformed": 0,  # dropped (and answered, when their rid could be read)
             "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
             "send_dropped": 0,  # a send refused (no connection, or a full queue): tried elsewhere or answered
             "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
@@ -321,6 +354,13 @@ class DataParallelController:
             log.warning("worker %d never acknowledged %d requests before its connection broke: sending them "
                         "to other ranks", rank, len(lost))
         for req in lost:
+            req.lost += 1
+            if req.lost > self.max_redeliveries:
+                self.stats["redelivery_exhausted"] += 1
+                who = "a scheduler whose connection" if req.lost == 1 else f"{req.lost} schedulers whose connections"
+                self._reject(req.rid, f"the request was lost by {who} broke before acknowledging it; it is not sent "
+                                      f"again (max_redeliveries {self.max_redeliveries})")
+                continue
             self.stats["redelivered"] += 1
             self._redeliver(req, tried={rank})
 
@@ -404,7 +444,10 @@ class DataParallelController:
                 self._reject(e.rid, str(e))
             except MalformedFrame as e:
                 self.stats["malformed"] += 1
-                log.warning("dropped a malformed request frame: %s", e)
+                log.warning("dropped a malformed request frame%s: %s",
+                            "" if e.rid is None else f" (rid {e.rid!r}, answered)", e)
+                if e.rid is not None:
+                    self._send_error(e.rid, f"malformed request frame: {e}")
         if not reqs:
             return
         try:
@@ -504,6 +547,9 @@ class DataParallelController:
     def _reject(self, rid: Any, error: str) -> None:
         self.stats["rejected"] += 1
         log.warning("request %r rejected: %s", rid, error)
+        self._send_error(rid, error)
+
+    def _send_error(self, rid: Any, error: str) -> None:
         if self.errors is None:
             self.stats["errors_unsent"] += 1
             return
@@ -514,9 +560,10 @@ class DataParallelController:
 
     def _log_counts(self) -> None:
         s = self.stats
-        log.info("controller: received %d, dispatched %d, delivered %d, redelivered %d, malformed %d, rejected %d, "
-                 "retracted %d, per rank %s", s["received"], s["dispatched"], s["delivered"], s["redelivered"],
-                 s["malformed"], s["rejected"], s["retracted"], s["per_rank"])
+        log.info("controller: received %d, dispatched %d, delivered %d, redelivered %d (%d lost too often), "
+                 "malformed %d, rejected %d, retracted %d, per rank %s", s["received"], s["dispatched"],
+                 s["delivered"], s["redelivered"], s["redelivery_exhausted"], s["malformed"], s["rejected"],
+                 s["retracted"], s["per_rank"])
         if self.collector is not None and hasattr(self.collector, "stats"):
             c = self.collector.stats()
             log.info("controller: load fan-in frames %d ok, %d bad; snapshots %d",
@@ -580,6 +627,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never pick a stale or torn slot (default: on for inflight_*)")
     p.add_argument("--rotate-ties", action=argparse.BooleanOptionalAction, default=None,
                    help="equal loads rotate instead of favouring rank 0 (default: on for inflight_*)")
+    p.add_argument("--max-redeliveries", type=count(0, MAX_REDELIVERIES), default=DEFAULT_MAX_REDELIVERIES,
+                   help=f"times a request lost by a scheduler whose connection broke is sent to another rank; "
+                        f"then it is answered on --errors (default {DEFAULT_MAX_REDELIVERIES}; with --board)")
     p.add_argument("--send-hwm", type=count(1, MAX_SEND_HWM), default=DEFAULT_SEND_HWM,
                    help=f"requests queued per scheduler before a send fails and the request goes elsewhere "
                         f"(default {DEFAULT_SEND_HWM})")
@@ -622,6 +672,16 @@ def run(args: argparse.Namespace) -> int:
             check_endpoint(endpoint, f"--workers (rank {rank})", bind=False)
     if args.errors is not None:
         check_endpoint(args.errors, "--errors", bind=False)
+    # One controller per board, before anything is attached or bound: a second one stops here.
+    board_lock = take_board(args.board) if args.board else None
+    try:
+        return _attach_and_serve(args, method, endpoints, owner)
+    finally:
+        if board_lock is not None:
+            board_lock.release()
+
+
+def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], owner: ReaderOwner) -> int:
     follower = None
     reader = None
     collector = None
@@ -669,7 +729,8 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
         rotate_ties=args.rotate_ties,
     )
     controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
-                                        log_every=args.log_every, collector=collector, acks=reader)
+                                        log_every=args.log_every, collector=collector, acks=reader,
+                                        max_redeliveries=args.max_redeliveries)
     try:
         stats = controller.run(duration=args.duration)
     finally:

@@ -12,6 +12,7 @@ requests per rank.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from dpboard.board import Board
 from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, fraction, milliseconds, positive, seconds
+from dpboard.processes import module_command
 from dpboard.stopping import StopFlag
 from dpboard.views.rows import status_of
 from dpboard.views.top import render, render_text
@@ -38,6 +41,7 @@ MAX_RANKS = 256
 SETTLE_TIMEOUT = 3.0  # seconds for in-flight requests to reach their schedulers at the end
 READY_TIMEOUT = 120.0  # seconds for every scheduler to publish its first snapshot (cold Numba cache)
 STOP_TIMEOUT = 5.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,6 +159,24 @@ class RunStats:
 # -- processes -------------------------------------------------------------------------------------
 
 
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when the demo dies, even by SIGKILL, so
+    that no scheduler or controller is left running with ppid 1 (Linux ``PR_SET_PDEATHSIG``). The
+    libc call is looked up here, before the fork: the child only makes the system call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the children's own --duration bound remains
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the demo died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 class Cluster:
     """The demo's child processes: schedulers and the controller. Every one is stopped by ``stop()``."""
 
@@ -165,8 +187,9 @@ class Cluster:
     def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = self.workdir / f"{label}.log"
         with open(log, "wb") as err:
-            proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                    env=env, start_new_session=True)  # Ctrl-C reaches the demo only
+            proc = subprocess.Popen(module_command(*argv), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                    env=env, start_new_session=True,  # Ctrl-C reaches the demo only
+                                    preexec_fn=_die_with_parent(os.getpid()))
         self.procs.append((label, proc, log))
 
     def check(self) -> None:
@@ -193,7 +216,7 @@ class Cluster:
 def _controller_argv(args: argparse.Namespace, board: str, requests: str, schedulers: list[str]) -> list[str]:
     # --duration bounds the controller even if the demo itself is killed without a chance to stop it.
     bound = READY_TIMEOUT + args.duration + 60
-    return ["-m", "dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
+    return ["dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
             "--method", args.method, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
 
 
@@ -245,7 +268,7 @@ class DemoRun:
         env = {**os.environ, "NUMBA_NUM_THREADS": "1"}  # N schedulers share the cores: one thread each
         for r in range(args.ranks):
             self.cluster.start(f"scheduler-{r}", [
-                "-m", "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
+                "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
                 self.sched_eps[r], "--results", self.results_ep, "--num-pages", str(args.num_pages),
                 "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed)],
                 env=env)
@@ -287,8 +310,11 @@ class DemoRun:
             with Live(console=console, screen=True, auto_refresh=False) as live:
                 while (now := time.monotonic()) < end and not stop.is_set():
                     frame = self._tick()
+                    # The width, as top passes it: at 80 columns the table then drops whole columns
+                    # instead of cutting every heading to an ellipsis.
                     live.update(render(frame, max_rows=max(console.size.height - 7, 1),
-                                       hint=hint.format(left=end - now)), refresh=True)
+                                       hint=hint.format(left=end - now), width=console.size.width),
+                                refresh=True)
                     stop.wait(min(args.interval, max(0.0, end - time.monotonic())))
             return
         next_print = self.started

@@ -10,7 +10,10 @@ stay behind as an EVICTABLE cached prefix that later allocations reclaim.
 
 Run as ``python -m dpboard.demo.scheduler ...``: it receives requests from its controller on a
 ZMQ PULL socket, publishes its load into the board through the embedding API every step, and
-sends one completion record per finished request to the demo (queueing delay included).
+sends one completion record per finished request to the demo (queueing delay included). A frame
+it cannot use (not msgpack, not a request map, a field of the wrong type, a request larger than
+its KV) is counted as received, so that its count still acknowledges deliveries in order, logged
+and dropped: one bad frame never stops a rank (the controller would send it to the next one).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from collections import deque
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from dpboard.errors import InvalidInputError
@@ -66,13 +70,50 @@ class SchedulerModel:
         self.waiting: deque[int] = deque()
         self.overflow: deque[tuple[dict[str, Any], float]] = deque()  # received while every row was taken
         self.num_received = 0
+        self.num_dropped = 0  # received, and dropped: frames this rank cannot use
         self.num_running = 0
         self.num_retracted = 0
+        self.capacity_tokens = num_pages * page_size
 
     # -- requests in -----------------------------------------------------------------------------
 
+    def receive_frame(self, raw: bytes, now: float) -> str | None:
+        """A frame from the controller. One this rank cannot use is counted as received and dropped:
+        returns why (None when it was taken)."""
+        try:
+            req = msgpack.unpackb(raw)  # the options every scheduler uses: the controller checks frames by them
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+            why = f"not msgpack: {type(e).__name__}: {e}"
+        else:
+            try:
+                self.receive(req, now)
+                return None
+            except InvalidInputError as e:
+                why = str(e)
+        self.num_received += 1
+        self.num_dropped += 1
+        return why
+
+    def check(self, req: Any) -> None:
+        """InvalidInputError unless ``req`` is a request this model can hold (checked before anything moves)."""
+        if not isinstance(req, dict):
+            raise InvalidInputError(f"a request is a map, got {type(req).__name__}")
+        for key in ("num_tokens", "output_len", "sent_ns"):
+            v = req.get(key)
+            if v is not None and (type(v) is not int or v < 0):
+                raise InvalidInputError(f"request {req.get('rid')!r}: {key} must be an int >= 0, got {v!r}")
+        ids = req.get("input_ids")
+        if ids is not None and not isinstance(ids, list):
+            raise InvalidInputError(f"request {req.get('rid')!r}: input_ids must be a list, got {type(ids).__name__}")
+        prompt = req.get("num_tokens") or len(ids or ())
+        if prompt > self.capacity_tokens:  # it could never be admitted, and every request behind it would wait
+            raise InvalidInputError(f"request {req.get('rid')!r}: a prompt of {prompt} tokens does not fit this "
+                                    f"rank's KV of {self.capacity_tokens} tokens")
+
     def receive(self, req: dict[str, Any], now: float) -> None:
-        """A request from the controller: it waits, holding no KV yet."""
+        """A request from the controller: it waits, holding no KV yet. InvalidInputError (and nothing
+        counted) for one the model cannot hold."""
+        self.check(req)
         self.num_received += 1
         if not self.free_rows:
             self.overflow.append((req, now))
@@ -85,10 +126,11 @@ class SchedulerModel:
         self.req_state[row] = WAITING
         self.req_seqlen[row] = prompt
         self.prompt_len[row] = prompt
-        self.target_len[row] = prompt + max(1, int(req.get("output_len", 64)))
+        output = req.get("output_len")
+        self.target_len[row] = prompt + max(1, 64 if output is None else int(output))
         self.arrival[row] = now
         self.rid[row] = req.get("rid")
-        self.sent_ns[row] = int(req.get("sent_ns", 0))
+        self.sent_ns[row] = int(req.get("sent_ns") or 0)
         self.waiting.append(row)
 
     # -- pages ------------------------------------------------------------------------------------
@@ -215,6 +257,11 @@ def _parent_gone(parent: int) -> bool:
     return os.getppid() != parent
 
 
+def _say_dropped(n: int) -> bool:
+    """Log the first ten dropped frames, then one in a thousand: a flood of them cannot flood stderr."""
+    return n <= 10 or n % 1000 == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpboard.demo.scheduler")
     p.add_argument("--board", required=True)
@@ -228,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    import msgpack
     import zmq
 
     from dpboard.board import Board
@@ -269,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                         raw = pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    model.receive(msgpack.unpackb(raw), now)
+                    why = model.receive_frame(raw, now)
+                    if why is not None and _say_dropped(model.num_dropped):
+                        print(f"scheduler rank {args.rank}: dropped a request frame it cannot use ({model.num_dropped} "
+                              f"so far): {why}", file=sys.stderr, flush=True)
             now = time.monotonic()
             if now < next_step:
                 continue

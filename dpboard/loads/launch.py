@@ -192,6 +192,14 @@ def table_pointer(x: Any, what: str) -> tuple[int, np.dtype, int]:
     ``__cuda_array_interface__`` (once per binding)."""
     cai = x.__cuda_array_interface__
     dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    if len(shape) != 1:
+        # A 2-D table's first dimension is not its length: the kernel would read part of it.
+        raise InvalidInputError(f"{what} must be one-dimensional, got shape {shape}: pass {what}.reshape(-1)")
+    if dtype not in _C_TYPES:  # also a non-native byte order: the kernels read native integers
+        raise InvalidInputError(
+            f"{what} has dtype {dtype.str} ({dtype.name}); the CUDA kernels take native "
+            f"{', '.join(d.name for d in _C_TYPES)}: pass {what}.astype(cupy.int32)")
     strides = cai.get("strides")
     if strides not in (None, (dtype.itemsize,)) and cai["shape"][0] > 1:
         raise InvalidInputError(

@@ -43,6 +43,7 @@ import zmq
 from dpboard.board import MAX_SLOTS, Board, BoardError, BoardFollower, BoardWriter, process_start_ticks
 from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
 from dpboard.multinode.curve import check_authorized_keys, load_certificate
+from dpboard.multinode.peers import DEFAULT_MAX_PEERS, PeerGuard
 from dpboard.multinode.wire import (
     BAD_IDENTITY,
     BAD_NODE,
@@ -77,6 +78,12 @@ MAX_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never 
 # What the queue of frames not yet drained may hold: the receive high-water mark is this over the
 # board's largest frame (at most MAX_RCVHWM frames, at least 16).
 RECEIVE_BUFFER_BYTES = 16 * 2**20
+# A connection that has not finished its ZMTP (and CURVE) handshake by then is closed: libzmq's own
+# default is 30 s, long enough for silent peers to pile up. A relay's handshake takes a few round trips.
+HANDSHAKE_TIMEOUT_MS = 5000
+# The collector pings its peers too: one that completed a handshake and then never answers goes.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 
 
 def frame_bound(n_slots: int) -> int:
@@ -122,6 +129,7 @@ class Collector:
         context: zmq.Context | None = None,
         record_latency: bool = False,
         local_ranks: Iterable[int] = (),
+        max_peers: int | None = None,
     ):
         check_endpoint(bind, "the collector's bind endpoint", bind=True)
         # node0's own ranks: never written from a frame, even before node0's schedulers claim them.
@@ -131,6 +139,7 @@ class Collector:
             raise InvalidInputError("curve_authorized_keys needs curve_secret_key (the collector's own certificate)")
         self._locks: list[OwnerLock] = []
         self._socket: zmq.Socket | None = None
+        self._guard: PeerGuard | None = None
         self._auth: Any = None
         self._stats_view: np.ndarray | None = None
         self._own_board = False  # created here: unlinked on close
@@ -169,6 +178,8 @@ class Collector:
             self._context = zmq.Context() if self._own_context else (context or zmq.Context.instance())
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
             self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self.endpoint.startswith("tcp://"):  # what a network peer reaches; ipc is a file's mode
+                self._guard = PeerGuard(self._socket, self.endpoint, max_peers)
             self._init_stats()
         except BaseException:
             self.close()
@@ -197,6 +208,9 @@ class Collector:
             # Anything larger cannot be a frame for this board; ZMQ cuts such a peer off instead of
             # buffering it.
             sock.setsockopt(zmq.MAXMSGSIZE, frame_bound(self.n_slots))
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             if secret_key is not None:
                 public, secret = load_certificate(secret_key, "collector certificate")
                 if secret is None:
@@ -319,6 +333,8 @@ class Collector:
         """Handle every frame already queued (at most ``max_frames``) without waiting; returns the count."""
         self._follow_board()
         sock = self.socket
+        if self._guard is not None:
+            self._guard.service(sock)
         handled = 0
         while handled < max_frames:
             try:
@@ -333,7 +349,18 @@ class Collector:
         """Wait up to ``timeout_ms`` for frames, then drain them."""
         if self.socket.poll(timeout_ms, zmq.POLLIN):
             return self.drain()
+        if self._guard is not None:
+            self._guard.service(self.socket)
         return 0
+
+    @property
+    def peer_stats(self) -> dict[str, int]:
+        """The TCP peer bound: open connections, the cap, and what the guard did (zeros without one)."""
+        g = self._guard
+        if g is None:
+            return {"peers": 0, "max_peers": 0, "shed": 0, "accept_failures": 0, "pauses": 0}
+        return {"peers": g.open_peers, "max_peers": g.max_peers, "shed": g.shed,
+                "accept_failures": g.accept_failures, "pauses": g.pauses}
 
     def serve(self, stop: threading.Event | None = None, *, duration: float | None = None,
               poll_ms: int = 100) -> None:
@@ -354,6 +381,9 @@ class Collector:
         if self._closed:
             return
         self._closed = True
+        if self._guard is not None:
+            self._guard.close(self._socket)
+            self._guard = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -407,6 +437,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "knows the server key)")
     p.add_argument("--local-ranks", type=count(0, MAX_SLOTS - 1), nargs="+", default=[], metavar="RANK",
                    help="ranks node0's own schedulers write: never written from a relayed frame")
+    p.add_argument("--max-peers", type=count(1, 2**20), default=None,
+                   help=f"TCP connections held at once (default {DEFAULT_MAX_PEERS}, and never more than the "
+                        f"fds `ulimit -n` leaves); beyond it the quietest are closed")
     p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
@@ -417,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
     with StopFlag(args.duration) as stop, Collector(
         args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys, local_ranks=args.local_ranks,
+        max_peers=args.max_peers,
     ) as collector:
         print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
               f"({collector.n_slots} slots)", flush=True)
@@ -424,8 +458,8 @@ def run(args: argparse.Namespace) -> int:
         while not stop.is_set():
             collector.poll(int(1000 * stop.remaining(cap=0.1)))
             if not args.quiet and time.monotonic() >= next_report:
-                s = collector.stats()
-                print(f"frames {s['frames_ok']} ok, {s['frames_bad']} bad; snapshots {s['snapshots_ok']}",
-                      flush=True)
+                s, p = collector.stats(), collector.peer_stats
+                print(f"frames {s['frames_ok']} ok, {s['frames_bad']} bad; snapshots {s['snapshots_ok']}; "
+                      f"peers {p['peers']}/{p['max_peers']}, {p['shed']} closed", flush=True)
                 next_report += 5.0
     return 0

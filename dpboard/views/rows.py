@@ -15,7 +15,8 @@ from dpboard.snapshot import FIELD_NAMES, SlotStatus, token_usage
 
 
 def slot_rows(reader: BoardReader) -> list[dict[str, Any]]:
-    """One dict per slot, every snapshot field plus status (its label), token usage and age (seconds)."""
+    """One dict per slot, every snapshot field plus status (its label), token usage and age (seconds;
+    negative for a stamp ahead of this process's clock, which reads as STALE beyond ``stale_after``)."""
     arr = reader.read_array().copy()
     now_mono = time.monotonic_ns()
     rows = []
@@ -43,9 +44,12 @@ def status_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def fmt_age(age: float | None) -> str:
-    """A snapshot's age in at most 5 characters: ms below a second, then s, m, h."""
+    """A snapshot's age in at most 5 characters: ms below a second, then s, m, h; "ahead" for a
+    stamp ahead of this clock (a writer whose monotonic clock runs ahead: never a real age)."""
     if age is None:
         return "-"
+    if age < 0:
+        return "ahead"
     if age < 1:
         return f"{age * 1e3:.0f}ms"
     if age < 600:

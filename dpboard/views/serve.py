@@ -14,16 +14,26 @@
 Bad query parameters get a 400 whose JSON body says what was wrong and what is accepted. The
 server is a stdlib ``ThreadingHTTPServer``; a lock serialises reads of the board (the reader's
 output array is shared). No Numba import: it starts as fast as ``dpboard dump``.
+
+Each open connection holds a thread and a descriptor, so what a client may hold is bounded (a slow
+client, "slowloris", once took every descriptor): a request's first byte must come within
+``idle_timeout`` and its headers must be whole ``header_timeout`` after it; at most
+``max_connections`` are open, the one idle longest closed first to make room; and an ``accept`` that
+fails for want of descriptors backs off instead of spinning.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
+import io
 import json
 import math
 import re
+import resource
 import signal
+import socket
 import sys
 import threading
 import time
@@ -57,7 +67,12 @@ class BadRequest(InvalidInputError):
     """A query the server refuses with 400; the message names the parameter and the fix."""
 
 
-IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a whole request before it is closed
+IDLE_TIMEOUT = 30.0  # seconds a connection may wait for a request's first byte (and a write may block)
+HEADER_TIMEOUT = 10.0  # seconds from a request's first byte to the end of its headers
+MAX_CONNECTIONS = 256  # open connections (each holds a thread); fewer where the open-file limit is low
+FD_RESERVE = 32  # descriptors kept out of the connection cap: listening socket, board, logs, imports
+ACCEPT_BACKOFF = (0.01, 0.5)  # seconds: the first and the longest pause after accept() ran out of descriptors
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 MAX_RANK_DIGITS = 19  # a dp_rank beyond int64 names no rank
 
 
@@ -81,18 +96,64 @@ def json_body(doc: Any) -> bytes:
     return (text + "\n").encode()
 
 
+def connections_allowed(wanted: int = MAX_CONNECTIONS) -> int:
+    """``wanted``, or what the open-file limit leaves after FD_RESERVE where that is less (at least
+    1): connections must never take the descriptors that reading the board needs."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - FD_RESERVE))
+
+
+class _Connection:
+    """One open connection as the cap sees it: idle (waiting for, or reading, a request) or busy
+    (a request being answered), since when, and whether the cap has already closed it."""
+
+    __slots__ = ("sock", "busy", "since", "closing")
+
+    def __init__(self, sock: socket.socket, now: float) -> None:
+        self.sock = sock
+        self.busy = False
+        self.since = now
+        self.closing = False
+
+
 class LoadsServer(ThreadingHTTPServer):
-    """The HTTP exporter of one board. ``url`` is where it listens; ``serve_forever`` serves."""
+    """The HTTP exporter of one board. ``url`` is where it listens; ``serve_forever`` serves.
+
+    ``idle_timeout``: seconds a connection may wait for a request's first byte; ``header_timeout``:
+    seconds from that byte until the headers are whole; ``max_connections``: open connections at
+    most (default MAX_CONNECTIONS), the longest idle one closed to make room for a new one, a new
+    one refused when every open one is answering a request. The cap never exceeds what the
+    open-file limit leaves after FD_RESERVE (``connections_allowed``), and is lowered again when
+    ``accept`` finds no descriptor (the limit was lowered, or descriptors went elsewhere)."""
 
     daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits in the kernel's queue, not refused
 
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 8080, *,
                  stale_after: float = DEFAULT_STALE_AFTER, wait: bool = False,
                  accelerator: str | None = None, num_accelerators: int = 1,
-                 trust_uids: Iterable[int] = (), idle_timeout: float = IDLE_TIMEOUT) -> None:
+                 trust_uids: Iterable[int] = (), idle_timeout: float = IDLE_TIMEOUT,
+                 header_timeout: float = HEADER_TIMEOUT, max_connections: int | None = None) -> None:
         if not 0 < idle_timeout <= 3600:
             raise InvalidInputError(f"idle_timeout must be in (0, 3600] seconds, got {idle_timeout!r}")
+        if not 0 < header_timeout <= 3600:
+            raise InvalidInputError(f"--header-timeout must be in (0, 3600] seconds, got {header_timeout!r}")
+        if max_connections is None:
+            max_connections = MAX_CONNECTIONS
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or not (
+                1 <= max_connections <= 65536):
+            raise InvalidInputError(f"--max-connections must be in 1..65536, got {max_connections!r}")
         self.idle_timeout = idle_timeout
+        self.header_timeout = header_timeout
+        self.max_connections = connections_allowed(max_connections)
+        self._connections: dict[int, _Connection] = {}  # by id() of the socket
+        self._connections_lock = threading.Lock()
+        self._backoff = 0.0
+        self.evicted = 0  # connections the cap closed (idle ones, to make room)
+        self.refused = 0  # connections refused because every open one was busy
+        self.accept_failures = 0  # accept() calls that found no descriptor left
         if not 0 <= port <= 65535:
             raise InvalidInputError(f"--port must be in 0..65535 (0 picks a free port), got {port}")
         if num_accelerators < 0:
@@ -105,8 +166,7 @@ class LoadsServer(ThreadingHTTPServer):
             super().__init__((host, port), _Handler)
         except OSError as e:
             self.watch.close()
-            raise UnavailableError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port "
-                               f"(0 picks a free one)") from None
+            raise UnavailableError(_listen_failure(host, port, e)) from None
 
     @property
     def url(self) -> str:
@@ -131,16 +191,138 @@ class LoadsServer(ThreadingHTTPServer):
         with self._lock:
             self.watch.close()
 
+    # -- the bounds on connections --------------------------------------------------------------
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            request = self.socket.accept()
+        except OSError as e:
+            if e.errno in _OUT_OF_DESCRIPTORS:
+                # The listening socket stays readable: retrying at once would spin. Lower the cap
+                # to what the limit leaves now (at least one below the connections open), close
+                # the longest idle connections down to it, and pause, longer each time in a row.
+                self.accept_failures += 1
+                with self._connections_lock:
+                    open_now = sum(1 for c in self._connections.values() if not c.closing)
+                    self.max_connections = max(1, min(self.max_connections, connections_allowed(),
+                                                      open_now - 1))
+                    while open_now > self.max_connections and self._close_longest_idle():
+                        open_now -= 1
+                self._backoff = min(ACCEPT_BACKOFF[1], max(ACCEPT_BACKOFF[0], 2 * self._backoff))
+                time.sleep(self._backoff)
+            raise
+        self._backoff = 0.0
+        return request
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            open_now = sum(1 for c in self._connections.values() if not c.closing)
+            if open_now >= self.max_connections and not self._close_longest_idle():
+                self.refused += 1  # every open connection is answering a request: this one waits its turn
+                refuse = True
+            else:
+                self._connections[id(request)] = _Connection(request, time.monotonic())
+                refuse = False
+        if refuse:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def _close_longest_idle(self) -> bool:
+        """Shut down the connection idle the longest (its thread then ends it); under the lock."""
+        idle = [c for c in self._connections.values() if not c.busy and not c.closing]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.since)
+        victim.closing = True
+        self.evicted += 1
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv with end-of-file
+        except OSError:
+            pass  # already gone
+        return True
+
+    def connection_state(self, sock: socket.socket, *, busy: bool) -> None:
+        """The handler of ``sock`` starts answering a request (busy) or waiting for the next one."""
+        with self._connections_lock:
+            conn = self._connections.get(id(sock))
+            if conn is not None:
+                conn.busy, conn.since = busy, time.monotonic()
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.pop(id(request), None)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # a client that went away, or a connection the cap closed: nothing to report
+        super().handle_error(request, client_address)
+
+
+def _listen_failure(host: str, port: int, error: OSError) -> str:
+    """Why ``(host, port)`` cannot be listened on, blaming the option that is wrong."""
+    if isinstance(error, socket.gaierror):
+        return (f"--host {host!r} is neither an IP address nor a name this machine resolves ({error.strerror}): "
+                f"give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host!r} is not an address of this machine: give one of its own, or 0.0.0.0 for all"
+    return f"cannot listen on {host}:{port}: {error.strerror}; pick another --port (0 picks a free one)"
+
+
+class _HeaderDeadlineReader(io.RawIOBase):
+    """A connection's reads: the first byte of a request within ``idle_timeout``, the rest of its
+    headers before the handler's deadline (``header_timeout`` after that byte). The socket's own
+    timeout bounds each ``recv`` only, which a client sending a byte at a time never meets."""
+
+    def __init__(self, sock: socket.socket, handler: _Handler) -> None:
+        self.sock = sock
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        handler = self.handler
+        deadline = handler.header_deadline
+        if deadline is None:
+            self.sock.settimeout(handler.server.idle_timeout)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"request headers not whole within {handler.server.header_timeout:g} s")
+            self.sock.settimeout(min(left, handler.server.idle_timeout))
+        n = self.sock.recv_into(buffer)
+        if n and deadline is None and handler.reading_headers:
+            handler.header_deadline = time.monotonic() + handler.server.header_timeout
+        return n
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: LoadsServer
     protocol_version = "HTTP/1.1"
 
+    header_deadline: float | None = None  # when the current request's headers must be whole
+    reading_headers = False
+
     def setup(self) -> None:
-        # A connection idle this long (no request, or one sent too slowly) is closed: each holds a
-        # thread while it is open.
+        # Each open connection holds a thread: one that waits too long for a request, or sends
+        # its headers too slowly, is closed (the reader below); so is one whose write blocks.
         self.timeout = self.server.idle_timeout
         super().setup()
+        self.rfile = io.BufferedReader(_HeaderDeadlineReader(self.connection, self))
+
+    def handle_one_request(self) -> None:
+        self.server.connection_state(self.connection, busy=False)
+        self.header_deadline, self.reading_headers = None, True
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # reads the headers
+        self.header_deadline, self.reading_headers = None, False
+        self.connection.settimeout(self.server.idle_timeout)  # for the response's writes
+        self.server.connection_state(self.connection, busy=True)
+        return ok
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         pass  # a scrape every few seconds would flood the terminal
@@ -291,12 +473,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="/v1/loads' num_accelerators: accelerators behind one DP rank (default 1)")
     p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
                    help="also serve a board this user created (e.g. 0 for root); repeatable")
+    p.add_argument("--header-timeout", type=seconds(3600), default=HEADER_TIMEOUT, metavar="SECONDS",
+                   help=f"a request's headers must be whole this long after its first byte, else the "
+                        f"connection is closed (default {HEADER_TIMEOUT:g})")
+    p.add_argument("--idle-timeout", type=seconds(3600), default=IDLE_TIMEOUT, metavar="SECONDS",
+                   help=f"a connection waiting this long for a request is closed (default {IDLE_TIMEOUT:g})")
+    p.add_argument("--max-connections", type=count(1, 65536), default=None, metavar="N",
+                   help=f"open connections at most; the longest idle one is closed to make room (default "
+                        f"{MAX_CONNECTIONS}; never more than the open-file limit less {FD_RESERVE})")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     server = LoadsServer(args.name, args.host, args.port, stale_after=args.stale_after, wait=args.wait,
                          accelerator=args.accelerator, num_accelerators=args.num_accelerators,
-                         trust_uids=args.trust_uid)
+                         trust_uids=args.trust_uid, header_timeout=args.header_timeout,
+                         idle_timeout=args.idle_timeout, max_connections=args.max_connections)
 
     def stop(signum: int, _frame: Any) -> None:
         # shutdown() waits for serve_forever to return, so it must not run on the serving thread.

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS
-from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
 from dpboard.snapshot import SlotStatus
 from dpboard.views.rows import fmt_age, status_of
@@ -311,6 +311,8 @@ def wait_for_board(watch: BoardWatch, timeout: float, poll: float = 0.05) -> Non
         watch.sample()  # tries to attach
         if watch.attached:
             return
+        if isinstance(watch.error, AccessDeniedError):
+            raise watch.error  # created meanwhile by another user: waiting longer changes nothing
         if time.monotonic() >= deadline:
             raise UnavailableError(f"board {watch.name!r} was not created within {timeout:g} s "
                                    f"(--wait-timeout SECONDS waits longer)")

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board, BoardError, BoardReader, check_stale_after, segment_path, validate_name
-from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
+from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.snapshot import DETAILED_DTYPE, SlotStatus
 from dpboard.views.rows import slot_rows, status_counts, status_of
 
@@ -105,7 +105,8 @@ class BoardWatch:
     """Samples a board by name; survives the board vanishing and coming back.
 
     ``wait=False`` makes a board that does not exist yet an error at construction (a mistyped name
-    should not wait forever); once attached, a board that vanishes is reported in ``Frame.gone``
+    should not wait forever); a board of another user (``AccessDeniedError``) is one even with
+    ``wait=True``; once attached, a board that vanishes is reported in ``Frame.gone``
     and attached again when it comes back.
     """
 
@@ -129,7 +130,9 @@ class BoardWatch:
         self._prev_recv: list[int] | None = None
         self._prev_time = 0.0
         self._error: DpboardError | None = None
-        if not self._attach() and not wait:
+        # A board of another user is refused at once even with ``wait``: waiting does not change
+        # who owns it, and a watch that waited would only say "not created" at its deadline.
+        if not self._attach() and (not wait or isinstance(self._error, AccessDeniedError)):
             if self._error is not None:
                 raise self._error  # what is wrong with the board, as `dpboard info` says it
             raise NotFoundError(
@@ -188,6 +191,11 @@ class BoardWatch:
         if self._board is None:
             # Also right after a loss: a board of that name may already be back (a restarted creator).
             self._attach()
+
+    @property
+    def error(self) -> DpboardError | None:
+        """What the last attempt to attach met, when it was more than a missing board."""
+        return self._error
 
     @property
     def gone(self) -> str | None:

@@ -32,14 +32,14 @@ def test_bench_all_help_is_its_own():
     assert "bench board" not in out.stdout
 
 
-@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "all"])
+@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "all"])
 def test_every_topic_takes_quick_and_json_file(topic):
     out = dpboard("bench", topic, "--help")
     assert out.returncode == 0 and "--quick" in out.stdout and "--json FILE" in out.stdout
     assert "``" not in out.stdout
 
 
-@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "all"])
+@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "all"])
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(topic, tmp_path):
     out = dpboard("bench", topic, "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr

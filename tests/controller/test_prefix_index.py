@@ -65,9 +65,9 @@ def nested(depth: int) -> list:
     (msgpack.packb({"input_ids": [1, 2.5]}), r"input_ids\[1\] is not an integer"),
     (msgpack.packb({"input_ids": [1, 2**64 - 1]}), r"input_ids\[1\] is not an integer that fits 64 bits"),
     (msgpack.packb({"rid": 1, "input_ids": list(range(50))})[:-10], "claims more elements than the frame holds"),
-    (msgpack.packb({"rid": 1, "input_ids": list(range(200, 300))})[:-10], r"input_ids\[9\d\] is not an integer"),
+    (msgpack.packb({"rid": 1, "input_ids": list(range(200, 300))})[:-10], r"not msgpack \(truncated"),
     (msgpack.packb({"rid": "x" * 40, "input_ids": [1]})[:20], r"not msgpack \(truncated string\)"),
-    (msgpack.packb({"rid": 1, "deep": nested(70)}), "nested too deeply"),
+    (b"\x82\xa3rid\x01\xa4deep" + b"\x91" * 1024 + b"\x00", "nested too deeply: more than 1024 levels"),
 ])
 def test_a_malformed_frame_is_a_clear_error(frame, words):
     with pytest.raises(ValueError, match=words):

@@ -69,9 +69,14 @@ def test_controller_dispatches_to_scheduler_processes_and_survives_bad_frames(bo
                 valid.append((f"b{i}", None))
                 push.send(encode_request(f"b{i}", num_tokens=100 + i))
 
-            assert errors.poll(20_000), "no error answer for the invalid routed rank"
-            reply = msgpack.unpackb(errors.recv(), raw=False)
-            assert reply == {"rid": "bad-rank", "error": "DP rank 7 is not active."}
+            replies = []
+            for _ in range(3):  # the two malformed frames whose rid could be read, then the invalid rank
+                assert errors.poll(20_000), f"no error answer after {replies}"
+                replies.append(msgpack.unpackb(errors.recv(), raw=False))
+            assert replies == [{"rid": "m", "error": "malformed request frame: input_ids must be a list, got str"},
+                               {"rid": "m", "error": "malformed request frame: routed_dp_rank must be an int or "
+                                                     "nil, got str"},
+                               {"rid": "bad-rank", "error": "DP rank 7 is not active."}]
             wait_for(lambda: sum(s.num_received_reqs for s in reader.read_all()) == len(valid), 20,
                   "every valid request to reach a scheduler")
 
@@ -342,10 +347,8 @@ def test_a_msgpack_bomb_is_refused_without_stalling_or_reaching_a_scheduler(tmp_
         strings = msgpack.packb({"rid": "s", "input_ids": ["a", "b"]})
         floats = msgpack.packb({"rid": "f", "input_ids": [1, 2.5]})
         maps = msgpack.packb({"rid": "m", "input_ids": [{}, {}]})
-        deep: list = [0]
-        for _ in range(100):
-            deep = [deep]
-        too_deep = msgpack.packb({"rid": "d", "num_tokens": 3, "extra": deep})
+        # msgpack itself refuses more than 1024 levels (and packs fewer)
+        too_deep = b"\x83\xa3rid\xa1d\xaanum_tokens\x03\xa5extra" + b"\x91" * 1100 + b"\x00"
         for frame in (strings, floats, maps, too_deep):
             push.send(frame)
         # str16 key for input_ids, and a repeated rid (the last counts, as msgpack reads a map)

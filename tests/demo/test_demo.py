@@ -70,7 +70,8 @@ def test_demo_runs_and_cleans_up():
             subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
-@pytest.mark.parametrize(("sig", "how"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+@pytest.mark.parametrize(("sig", "how"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"),
+                                         (signal.SIGHUP, "SIGHUP")])
 def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
     name = new_board_name()
     workdirs_before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))

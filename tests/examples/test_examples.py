@@ -136,3 +136,35 @@ def test_embed_writer_lingers_for_a_reader(board_name):
         assert json.loads(dump.stdout)["slots"][0]["publish_seq"] == 5, dump.stdout
     finally:
         stop(proc, signal.SIGINT)  # Ctrl-C: the board is removed on the way out
+
+
+def test_compare_methods_load_changes_a_synthetic_trace():
+    """--load scales a --trace scenario as dpboard sim --load does: a lighter load queues less."""
+    p99 = {}
+    for load in ("0.3", "1.0"):
+        out = run_example("compare_methods.py", "--trace", "steady", "--ranks", "2", "--seeds", "1",
+                          "--methods", "total_tokens", "--load", load)
+        assert out.returncode == 0, out.stderr
+        assert f"steady, load {float(load):g}," in out.stdout
+        row = re.search(r"^\| total_tokens \| ([\d.]+) \| ([\d.]+) \|", out.stdout, re.M)
+        p99[load] = float(row.group(2))
+    assert p99["0.3"] < p99["1.0"], p99
+
+
+@pytest.mark.parametrize(("name", "args", "words"), [
+    ("compare_methods.py", ["--trace-file", "/nonexistent/trace.csv"], "trace file /nonexistent/trace.csv does not exist"),
+    ("embed_writer.py", ["--backend", "cupy", "--board", "{board}"], "backend 'cupy' needs CuPy"),
+])
+def test_an_example_s_error_is_one_line(board_name, name, args, words):
+    out = run_example(name, *(a.format(board=board_name) for a in args), timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
+    assert not (Path("/dev/shm") / f"dpboard.{board_name}").exists()  # the board it made is gone
+
+
+def test_run_controller_gives_rooms_to_follow_bootstrap_room():
+    out = run_example("run_controller.py", "--method", "follow_bootstrap_room")
+    assert out.returncode == 0, out.stderr
+    received = [int(n) for n in re.findall(r"rank \d: received (\d+) requests", out.stdout)]
+    assert sum(received) == 500 and min(received) > 0, out.stdout
+    assert "'rejected': 0" in out.stdout

@@ -392,3 +392,47 @@ def test_keygen_never_writes_through_a_planted_link(tmp_path):
     assert forced.returncode == 0, forced.stderr
     assert victim.read_text() == "precious\n" and not (keys / "n2.key_secret").is_symlink()
     assert zmq.auth.load_certificate(keys / "n2.key_secret")[1] is not None
+
+
+# -- the CLI relay runs past its own internal deadlines ---------------------------------------------
+
+
+def _remote_ranks_stay_live(c: Cluster, relay: subprocess.Popen, seconds: float) -> None:
+    """Samples node0's board every 0.25 s for ``seconds``: every rank the relay forwards must be LIVE
+    at every sample, and the relay must still be running. The relay's status loop wakes every 5 s, so
+    the window covers at least one such wake-up and a stale threshold after it."""
+    reader = c.board0.reader(stale_after=2.0)
+    assert wait_until(lambda: {reader.status(r) for r in c.node_ranks(0)} == {SlotStatus.LIVE}, timeout=30)
+    started = time.monotonic()
+    samples = 0
+    while time.monotonic() - started < seconds:
+        assert relay.poll() is None, f"the relay exited ({relay.returncode}) {time.monotonic() - started:.1f} s in"
+        statuses = {r: reader.status(r) for r in c.node_ranks(0)}
+        assert set(statuses.values()) == {SlotStatus.LIVE}, \
+            f"{time.monotonic() - started:.1f} s in, node0 reads {statuses}"
+        samples += 1
+        time.sleep(0.25)
+    assert samples >= seconds * 2  # sampled throughout, not once at the end
+
+
+def test_cli_relay_with_a_duration_keeps_forwarding_until_it_ends():
+    """`dpboard relay --duration 30` exited after 5.3 s: the inner run's 5 s deadline set the CLI's
+    own stop event. It must forward for the whole duration, then exit cleanly."""
+    with cluster(1) as c:
+        c.start_publishing(0.02)
+        _, endpoint = c.collector()
+        relay = c.relay(0, endpoint, "--duration", "14")
+        _remote_ranks_stay_live(c, relay, 9.0)
+        relay.wait(30)  # its own duration ends it
+        assert relay.returncode == 0, relay.stderr.read()
+
+
+def test_cli_relay_without_a_duration_runs_until_sigterm():
+    with cluster(1) as c:
+        c.start_publishing(0.02)
+        _, endpoint = c.collector()
+        relay = c.relay(0, endpoint)
+        _remote_ranks_stay_live(c, relay, 9.0)
+        stop(relay)
+        assert relay.returncode == 0
+        assert "Traceback" not in relay.stderr.read()

@@ -1,7 +1,7 @@
 """Trace files: the three formats, their errors (file, line, column), and shaping for a run.
 
-Small files are written to tmp_path; the real traces are read from ../shared/traces beside the
-repository and their tests skip, saying so, when that folder is not there.
+Small files are written to tmp_path; the real traces are read from the checkout's traces/, else from
+../shared/traces beside it, and their tests skip, naming both folders, when neither holds them.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from dpboard.sim.tracefile import (
     spread_buckets,
 )
 from dpboard.sim.workload import offered_load, token_costs
+from tests.support.real_traces import AZURE_NAME, MOONCAKE_NAME, PLACES, trace_dir
+from tests.support.real_traces import needs_traces as needs_traces_in_checkout
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
-AZURE_FILE = TRACES / "azure2023_conv.csv"
-MOONCAKE_FILE = TRACES / "mooncake_conversation.jsonl"
-needs_traces = pytest.mark.skipif(
-    not (AZURE_FILE.is_file() and MOONCAKE_FILE.is_file()),
-    reason=f"the real traces are not in {TRACES.resolve()} (see the README there for where they come from)",
-)
+TRACES = trace_dir() or PLACES[0]
+AZURE_FILE = TRACES / AZURE_NAME
+MOONCAKE_FILE = TRACES / MOONCAKE_NAME
+needs_traces = needs_traces_in_checkout()
 
 AZURE_TEXT = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

@@ -118,6 +118,19 @@ def writer(board_name: str, rank: int, seconds: float) -> None:
     print(json.dumps({"role": "writer", "rank": rank, "publishes": k}), flush=True)
 
 
+def paced_writer(board_name: str, rank: int, period: float, seconds: float) -> None:
+    """Publishes once every ``period`` seconds for ``seconds`` (a scheduler's pace, not a stress)."""
+    board = Board.attach(board_name)
+    w = board.writer(rank)
+    deadline = time.monotonic() + seconds
+    k = 0
+    while time.monotonic() < deadline:
+        k += 1
+        w.publish(consistent_snapshot(rank, k))
+        time.sleep(period)
+    print(json.dumps({"role": "paced_writer", "rank": rank, "publishes": k}), flush=True)
+
+
 def reader(board_name: str, seconds: float) -> None:
     board = Board.attach(board_name)
     r = board.reader()
@@ -195,6 +208,8 @@ if __name__ == "__main__":
     role, name, *rest = sys.argv[1:]
     if role == "writer":
         writer(name, int(rest[0]), float(rest[1]))
+    elif role == "paced_writer":
+        paced_writer(name, int(rest[0]), float(rest[1]), float(rest[2]))
     elif role == "reader":
         reader(name, float(rest[0]))
     elif role == "detailed_writer":

@@ -1,29 +1,26 @@
 """A vLLM engine core without a model: vLLM 0.33.0's own ``EngineCoreProc`` request intake and engine
-step, around a scheduler that holds vLLM's own request queues and block pool.
+step (``EngineCore.step``), over vLLM's own ``Scheduler`` and ``KVCacheManager``.
 
 Import after ``tests.support.vllm.install()``. ``EngineCoreProc.__init__`` loads a model on a GPU
 (executor, KV-cache profiling, the handshake with the API server), so ``make_engine`` builds the
 object without it and sets the attributes the intake (``_handle_client_request``, ``add_request``)
-and the step loop (``_process_engine_step``, ``post_step``) read. Those methods are vLLM's.
+and the step loop (``_process_engine_step``, ``step``, ``post_step``) read. Those methods are vLLM's.
 
-``TinyScheduler`` stands in for vLLM's ``Scheduler`` (whose constructor needs a model's config):
-vLLM's ``create_request_queue`` for its waiting queues, vLLM's ``BlockPool`` for its KV blocks, and
-vLLM's own ``Scheduler.get_request_counts`` and ``has_request``; its ``step`` admits the oldest
-waiting request that fits (its prompt's blocks from the pool), gives each running request one token,
-and frees a request's blocks when it has its ``max_tokens``.
+The scheduler is vLLM's ``Scheduler`` on the CPU, built as ``EngineCore.__init__`` builds it, from a
+real ``VllmConfig`` and a real ``KVCacheConfig`` (dpboard/bench/vllm_engine.py, which ``dpboard bench
+vllm`` uses too, and which names its stand-ins: ``ModelConfig``, ``ModelExecutor`` for the model,
+the attention specs' ``state_content_bytes``): its chunked prefill, preemption and prefix caching are
+vLLM's.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -35,21 +32,24 @@ from vllm.v1.engine import (
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import Request
 
+from dpboard.bench.vllm_engine import (  # noqa: F401  (the tests' names for them)
+    TOKEN,
+    ModelConfig,
+    ModelExecutor,
+    block_hasher,
+    engine_config,
+    kv_cache_config,
+    make_scheduler,
+    step,
+)
+
 ADD = EngineCoreRequestType.ADD
 
 
 @dataclass
-class ModelConfig:
-    """Stand-in for vLLM's ModelConfig, which reads a model's files from the Hugging Face hub; the
-    plugin reads one field of it."""
-
-    served_model_name: str | None = "m"
-
-
-@dataclass
 class Config:
-    """Stand-in for VllmConfig, whose __post_init__ detects the GPU platform; it holds vLLM's own
-    ParallelConfig, CacheConfig and SchedulerConfig."""
+    """Stand-in for VllmConfig on the API server's side (the client and the stat logger read these
+    four), holding vLLM's own ParallelConfig, CacheConfig and SchedulerConfig."""
 
     parallel_config: Any
     cache_config: Any
@@ -60,7 +60,7 @@ class Config:
 def vllm_config(dp: int, rank: int = 0, *, api_servers: int = 1, served_model_name: str | None = "m",
                 max_num_seqs: int = 64, block_size: int = 16, num_gpu_blocks: int | None = None,
                 kv_cache_size_tokens: int | None = None) -> Config:
-    """A deployment's config as a process of it holds it (the cache sizes as the API server has them
+    """A deployment's config as an API server holds it (the cache sizes as the API server has them
     after the engines' handshake, core_client.py:873-889)."""
     parallel = ParallelConfig(data_parallel_size=dp, data_parallel_rank=rank)
     parallel._api_process_count = api_servers
@@ -71,91 +71,27 @@ def vllm_config(dp: int, rank: int = 0, *, api_servers: int = 1, served_model_na
     return Config(parallel, cache, scheduler, ModelConfig(served_model_name))
 
 
-class TinyScheduler:
-    get_request_counts = Scheduler.get_request_counts
-    has_request = Scheduler.has_request
-
-    def __init__(self, num_gpu_blocks: int = 65, block_size: int = 16) -> None:
-        self.block_size = block_size
-        self.kv_cache_manager = _KVCacheManager(BlockPool(num_gpu_blocks, enable_caching=False,
-                                                          hash_block_size=block_size))
-        self.waiting = create_request_queue(SchedulingPolicy.FCFS)
-        self.kv_holding_waiting = create_request_queue(SchedulingPolicy.FCFS)
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.blocks: dict[str, list] = {}
-        self.finished: list[str] = []
-        self.tokens: dict[str, list[int]] = {}
-
-    def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self.waiting.add_request(request)
-
-    def get_kv_connector(self) -> None:
-        return None
-
-    def get_ec_connector(self) -> None:
-        return None
-
-    def has_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> tuple[dict, bool]:
-        """Admit, decode one token each, free the finished; each finished request goes to client 0
-        as vLLM's outputs do: its tokens with a finish reason (``EngineCoreOutput``) and its id in
-        ``EngineCoreOutputs.finished_requests``."""
-        done = len(self.finished)
-        executed = self._step()
-        if len(self.finished) > done:
-            ids = self.finished[done:]
-            outputs = [EngineCoreOutput(request_id=rid, new_token_ids=self.tokens.pop(rid),
-                                        finish_reason=FinishReason.LENGTH) for rid in ids]
-            return {0: EngineCoreOutputs(outputs=outputs, finished_requests=set(ids))}, executed
-        return {}, executed
-
-    def _step(self) -> bool:
-        pool = self.kv_cache_manager.block_pool
-        while self.waiting:
-            request = self.waiting.peek_request()
-            need = math.ceil((request.num_tokens + request.max_tokens) / self.block_size)
-            if need > pool.get_num_free_blocks():
-                break
-            self.waiting.pop_request()
-            self.blocks[request.request_id] = pool.get_new_blocks(need)
-            request.num_computed_tokens = request.num_tokens
-            self.running.append(request)
-        for request in list(self.running):
-            request.append_output_token_ids(7)
-            request.num_computed_tokens = request.num_tokens
-            if request.num_output_tokens >= request.max_tokens:
-                self.running.remove(request)
-                pool.free_blocks(self.blocks.pop(request.request_id))
-                del self.requests[request.request_id]
-                self.tokens[request.request_id] = list(request.output_token_ids)
-                self.finished.append(request.request_id)
-        return bool(self.running)
-
-
-@dataclass
-class _KVCacheManager:
-    block_pool: BlockPool
-
-
 @dataclass
 class EngineParts:
     config: Any
     outputs: queue.Queue = field(default_factory=queue.Queue)
 
 
-def make_engine(config: Any, scheduler: TinyScheduler) -> EngineCoreProc:
-    """An EngineCoreProc of vLLM's class, not started: its intake and step run on ``scheduler``."""
+def make_engine(config: VllmConfig, scheduler: Scheduler, *, step_seconds: float = 0.0) -> EngineCoreProc:
+    """An EngineCoreProc of vLLM's class, not started: its intake and vLLM's own step run on
+    ``scheduler``, with ``ModelExecutor`` for the model."""
     engine = object.__new__(EngineCoreProc)
     engine.vllm_config = config
     engine.scheduler = scheduler
+    engine.model_executor = ModelExecutor(scheduler, step_seconds)
+    engine.structured_output_manager = scheduler.structured_output_manager
+    engine.request_block_hasher = block_hasher(config)
+    engine.log_stats = True
+    engine._weight_version = None
     engine.shutdown_state = EngineShutdownState.RUNNING
     engine.reject_new_requests = False
     engine.output_queue = queue.Queue()
-    engine.step_fn = scheduler.step
+    engine.step_fn = engine.step
     engine.check_for_draft_tokens = False
     engine.async_scheduling = False
     # what run_busy_loop reads (core.py:1172-1290 sets them)
@@ -170,20 +106,38 @@ def make_engine(config: Any, scheduler: TinyScheduler) -> EngineCoreProc:
     return engine
 
 
+def real_engine(dp: int = 1, rank: int = 0, *, num_blocks: int = 65, step_seconds: float = 0.0,
+                **config: Any) -> EngineCoreProc:
+    """``make_engine`` over vLLM's scheduler on a full-attention KV cache of ``num_blocks`` blocks, as
+    an engine of a one-node DP deployment (internal load balancing when ``dp`` > 1)."""
+    vllm = engine_config(dp, rank, **config)
+    scheduler = make_scheduler(vllm, kv_cache_config(num_blocks, vllm.cache_config.block_size),
+                               include_finished_set=dp > 1)
+    return make_engine(vllm, scheduler, step_seconds=step_seconds)
+
+
 def engine_request(request_id: str, prompt_len: int, max_tokens: int = 4, *, data_parallel_rank: int | None = None,
-                   resumable: bool = False, client_index: int = 0) -> EngineCoreRequest:
-    """An EngineCoreRequest as an API server sends it."""
+                   resumable: bool = False, client_index: int = 0, first_token: int = 1, priority: int = 0,
+                   arrival_time: float = 0.0) -> EngineCoreRequest:
+    """An EngineCoreRequest as an API server sends it; its prompt ``first_token, first_token + 1, ...``
+    (prompts with the same first token share their prefix)."""
     return EngineCoreRequest(
-        request_id=request_id, prompt_token_ids=list(range(1, prompt_len + 1)), mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None, arrival_time=0.0,
+        request_id=request_id, prompt_token_ids=list(range(first_token, first_token + prompt_len)), mm_features=None,
+        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None, arrival_time=arrival_time,
+        priority=priority,
         lora_request=None, cache_salt=None, data_parallel_rank=data_parallel_rank, resumable=resumable,
         client_index=client_index,
     )
 
 
+def as_request(engine: EngineCoreProc, request: EngineCoreRequest) -> Request:
+    """The engine's Request, its block hashes by the engine's hasher (core.py's preprocess_add_request)."""
+    return Request.from_engine_core_request(request, engine.request_block_hasher)
+
+
 def take_in(engine: EngineCoreProc, request: EngineCoreRequest) -> None:
     """What the engine core's input thread then its busy loop do with an ADD (core.py:2000-2012, 1751-1760)."""
-    engine._handle_client_request(ADD, (Request.from_engine_core_request(request, None), 0))
+    engine._handle_client_request(ADD, (as_request(engine, request), 0))
 
 
 # -- the API server's side -------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 ``python -m tests.support.vllm_engine_proc RANK DP``: vLLM 0.33.0's modules behind tests/support/vllm.py's
 stand-ins, dpboard's general plugin loaded by vLLM's loader (from the environment: VLLM_PLUGINS,
-DPBOARD_VLLM_BOARD), and an engine core of DP rank RANK of DP (tests/support/vllm_engine.py, each
-step 5 ms as a model's would be). Its stdin plays the input socket: one JSON request a line,
+DPBOARD_VLLM_BOARD), and an engine core of DP rank RANK of DP (tests/support/vllm_engine.py: vLLM's
+own step and scheduler, the model a stand-in whose every step takes 5 ms as a model's would). Its stdin plays the input socket: one JSON request a line,
 ``{"id": ..., "tokens": N, "max_tokens": M}``, handed to the engine as its input thread does (an
 ``ADD`` on ``input_queue``); its stdout plays the output socket: ``{"finished": [ids]}`` per outputs
-message. ``{"ready": true}`` first, once the busy loop waits for work.
+message that finishes any. ``{"ready": true}`` first, once the busy loop waits for work.
 
 ``serve(rank, dp, input_address, output_address)`` runs the same engine core as the target of a
 process vLLM's way (``multiprocessing`` spawn, as ``CoreEngineProcManager`` starts engine cores) and
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 
 from tests.support import vllm as sv
 
@@ -34,36 +33,27 @@ def _engine(rank: int, dp: int):
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    from tests.support.vllm_engine import TinyScheduler, make_engine, vllm_config
+    from tests.support.vllm_engine import real_engine
 
-    scheduler = TinyScheduler(num_gpu_blocks=1025)
-    model_step = scheduler.step
-
-    def step() -> tuple[dict, bool]:
-        time.sleep(0.005)
-        return model_step()
-
-    engine = make_engine(vllm_config(dp, rank), scheduler)
-    engine.step_fn = step
-    return engine
+    return real_engine(dp, rank, num_blocks=1025, step_seconds=0.005)
 
 
 def main() -> int:
     rank, dp = int(sys.argv[1]), int(sys.argv[2])
     engine = _engine(rank, dp)
-    from vllm.v1.request import Request
-
-    from tests.support.vllm_engine import ADD, engine_request
+    from tests.support.vllm_engine import ADD, as_request, engine_request
 
     def intake() -> None:
         for line in sys.stdin:
             doc = json.loads(line)
             request = engine_request(doc["id"], doc["tokens"], doc["max_tokens"])
-            engine.input_queue.put_nowait((ADD, (Request.from_engine_core_request(request, None), 0)))
+            engine.input_queue.put_nowait((ADD, (as_request(engine, request), 0)))
 
     def output() -> None:
         while True:
             _, outputs = engine.output_queue.get()
+            if not outputs.finished_requests:  # a step's tokens and stats, nothing finished
+                continue
             print(json.dumps({"finished": sorted(outputs.finished_requests)}), flush=True)
 
     threading.Thread(target=intake, daemon=True).start()
@@ -79,10 +69,9 @@ def serve(rank: int, dp: int, input_address: str, output_address: str) -> None:
     import zmq
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine import EngineCoreRequest
-    from vllm.v1.request import Request
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from tests.support.vllm_engine import ADD, engine_request
+    from tests.support.vllm_engine import ADD, as_request, engine_request
 
     ctx = zmq.Context()
     fields = EngineCoreRequest.__struct_fields__
@@ -97,7 +86,7 @@ def serve(rank: int, dp: int, input_address: str, output_address: str) -> None:
             doc = dict(zip(fields, msgspec.msgpack.decode(payload[0]), strict=False))
             request = engine_request(doc["request_id"], len(doc["prompt_token_ids"]),
                                      doc["sampling_params"]["max_tokens"])
-            engine.input_queue.put_nowait((ADD, (Request.from_engine_core_request(request, None), 0)))
+            engine.input_queue.put_nowait((ADD, (as_request(engine, request), 0)))
 
     def output() -> None:
         socket = make_zmq_socket(ctx, output_address, zmq.PUSH, bind=False)

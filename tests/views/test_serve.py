@@ -303,3 +303,17 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(board_name):
             server.shutdown()
             server.server_close()
             thread.join(10)
+
+
+@pytest.mark.parametrize(("host", "words"), [
+    ("999.1.1.1", "--host '999.1.1.1' is neither an IP address nor a name this machine resolves"),
+    ("192.0.2.1", "--host '192.0.2.1' is not an address of this machine"),  # TEST-NET-1: never local
+])
+def test_a_host_that_cannot_be_listened_on_is_blamed_not_the_port(board_name, host, words):
+    import sys
+
+    with Board.create(board_name, n_slots=1):
+        proc = subprocess.run([sys.executable, "-m", "dpboard.cli", "serve", board_name, "--host", host,
+                               "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr and "--port" not in proc.stderr, proc.stderr

@@ -11,12 +11,19 @@ from its own scheduler (vllm/v1/core/sched/scheduler.py, 0.33.0):
 
 - ``num_running_reqs``, ``num_waiting_reqs``: ``scheduler.get_request_counts()``, vLLM's own
   count (running; waiting plus those holding KV while they wait).
-- ``num_used_tokens`` / ``max_total_num_tokens``: blocks in use and blocks usable in the scheduler's
-  block pool (``block_pool.num_gpu_blocks`` less vLLM's null block, less the free queue), times
-  the block size: the share is exactly ``block_pool.get_usage()``.
+- ``max_total_num_tokens``: the engine's KV capacity in tokens as vLLM counts it, group-aware
+  (``cache_config.kv_cache_size_tokens``, which vLLM's engine core sets from
+  ``kv_cache_utils.get_kv_cache_capacity``: the blocks a request at ``max_model_len`` takes in every
+  KV-cache group, so a sliding-window group counts its window, not the whole context); where vLLM
+  left it unset, that same function over the scheduler's ``kv_cache_config``.
+- ``num_used_tokens``: ``round(kv_cache_usage × capacity)``, with vLLM's own usage figure
+  (``kv_cache_manager.usage``, the share of the block pool in use, ``SchedulerStats.kv_cache_usage``).
 - ``num_total_tokens``: the used tokens plus the tokens of the prompts waiting for admission (each
-  waiting request's ``num_tokens - num_computed_tokens``), so the board's backlog is the prefill
-  work queued on the engine; the detail's ``num_waiting_uncached_tokens`` is the same count.
+  waiting request's ``num_tokens - num_computed_tokens`` as it entered its queue; waiting.py keeps
+  the sum as the queues change, so a step's publish costs the same whatever the queue's length), so
+  the board's backlog is the prefill work queued on the engine; the detail's
+  ``num_waiting_uncached_tokens`` is the same count. vLLM looks a request's prefix up in its cache
+  only when it admits it, so tokens that will be prefix-cache hits are counted here too.
 - ``num_received_reqs``: ``ADD`` messages the engine core took in (``_handle_client_request``, and
   the ones its input thread answers itself with a preprocessing error), counted at intake: every
   request an API server sent that the engine has seen, whether it then runs, waits or is refused.
@@ -36,7 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpboard.board import Board, BoardWriter
-from dpboard.integrations.vllm import settings
+from dpboard.integrations.vllm import settings, waiting
 from dpboard.integrations.vllm.settings import board_name, engine_slot, node_id
 from dpboard.snapshot import LoadDetail, LoadSnapshot
 
@@ -114,12 +121,12 @@ def engine_publisher(engine: Any) -> EnginePublisher | None:
 class EnginePublisher:
     """One engine core's slot: what the scheduler holds, published at every step and kept live."""
 
-    def __init__(self, board: Board, writer: BoardWriter, *, block_size: int, max_running_requests: int,
+    def __init__(self, board: Board, writer: BoardWriter, *, capacity_tokens: int, max_running_requests: int,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
         self.board = board
         self.writer = writer
         self.rank = writer.rank
-        self.block_size = max(1, int(block_size))
+        self.capacity_tokens = max(0, int(capacity_tokens))
         self.max_running_requests = int(max_running_requests)
         self.received = 0
         self.lock = threading.Lock()  # the step and the heartbeat thread share the slot's one writer
@@ -145,7 +152,7 @@ class EnginePublisher:
         except BaseException:
             board.close()
             raise
-        publisher = cls(board, writer, block_size=scheduler.block_size,
+        publisher = cls(board, writer, capacity_tokens=capacity_tokens(vllm_config, scheduler),
                         max_running_requests=getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0)
         publisher.publish_from(scheduler)
         publisher._thread.start()
@@ -154,22 +161,20 @@ class EnginePublisher:
 
     def publish_from(self, scheduler: Any) -> None:
         """Read the scheduler and publish (the engine core's thread, after a step)."""
-        running, waiting = scheduler.get_request_counts()
-        pool = scheduler.kv_cache_manager.block_pool
-        usable = max(0, pool.num_gpu_blocks - 1)  # the null block is never free nor usable
-        used_blocks = max(0, usable - pool.get_num_free_blocks())
-        used = used_blocks * self.block_size
-        queued = waiting_tokens(scheduler)
+        running, waiting_reqs = scheduler.get_request_counts()
+        usage = scheduler.kv_cache_manager.usage
+        capacity = self.capacity_tokens
+        used = round(usage * capacity)
+        queued = waiting.queued_tokens(scheduler)
         with self.lock:
             self.snapshot = LoadSnapshot(
-                dp_rank=self.rank, num_running_reqs=running, num_waiting_reqs=waiting,
+                dp_rank=self.rank, num_running_reqs=running, num_waiting_reqs=waiting_reqs,
                 num_used_tokens=used, num_total_tokens=used + queued, num_active_tokens=used,
-                max_total_num_tokens=usable * self.block_size, num_received_reqs=self.received,
+                max_total_num_tokens=capacity, num_received_reqs=self.received,
             )
             self.detail = LoadDetail(
                 timestamp=time.time(), num_waiting_uncached_tokens=queued,
-                max_running_requests=self.max_running_requests,
-                token_usage=used_blocks / usable if usable else 0.0,
+                max_running_requests=self.max_running_requests, token_usage=usage,
             )
             self._publish()
 
@@ -202,11 +207,13 @@ class EnginePublisher:
         self.board.close()
 
 
-def waiting_tokens(scheduler: Any) -> int:
-    """Tokens still to prefill of the requests waiting for admission (vLLM's two waiting queues)."""
-    total = 0
-    for queue in (scheduler.waiting, getattr(scheduler, "kv_holding_waiting", ())):
-        for request in queue:
-            total += max(0, request.num_tokens - request.num_computed_tokens)
-    return total
+def capacity_tokens(vllm_config: Any, scheduler: Any) -> int:
+    """The engine's KV capacity in tokens, group-aware, as vLLM logs it ("KV cache size: N tokens")."""
+    per_engine = getattr(vllm_config.cache_config, "kv_cache_size_tokens", None)
+    if isinstance(per_engine, int) and per_engine > 0:
+        return per_engine
+    # vLLM's engine core sets it before building the scheduler (core.py, _initialize_kv_caches);
+    # otherwise vLLM's own function over the scheduler's groups
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
+    return get_kv_cache_capacity(vllm_config, scheduler.kv_cache_config)[0]

@@ -10,9 +10,8 @@ import vllm.v1.engine.core as core
 from dpboard.board import Board
 from dpboard.integrations.vllm import engine_core
 from dpboard.snapshot import SlotStatus
-from tests.integrations.vllm.real.conftest import vllm_config
 from tests.support.procutil import wait_until
-from tests.support.vllm_engine import TinyScheduler, engine_request, make_engine, take_in
+from tests.support.vllm_engine import engine_request, real_engine, take_in
 
 
 def close(engine) -> None:
@@ -30,8 +29,8 @@ def test_vllm_loads_the_plugin_into_the_engine_core_class():
 def test_no_board_named_nothing_published(monkeypatch):
     monkeypatch.delenv("DPBOARD_VLLM_BOARD", raising=False)
     monkeypatch.delenv("DPBOARD_VLLM", raising=False)
-    scheduler = TinyScheduler()
-    engine = make_engine(vllm_config(2, 1), scheduler)
+    engine = real_engine(2, 1)
+    scheduler = engine.scheduler
     take_in(engine, engine_request("a", 10))
     engine._process_engine_step()
     assert engine.__dict__[engine_core.STATE] is None
@@ -39,29 +38,34 @@ def test_no_board_named_nothing_published(monkeypatch):
 
 
 def test_each_step_publishes_the_scheduler_and_the_exact_received_count(board_name):
-    scheduler = TinyScheduler(num_gpu_blocks=9, block_size=16)  # 8 usable blocks: 128 tokens
-    engine = make_engine(vllm_config(3, 2), scheduler)
+    engine = real_engine(3, 2, num_blocks=9)  # 8 usable blocks of 16 tokens
+    scheduler = engine.scheduler
     try:
         for i in range(3):
-            take_in(engine, engine_request(f"r{i}", 40, max_tokens=8))  # 3 blocks each: two fit
+            # 3 blocks each for their prompts: vLLM's scheduler admits two, the third waits
+            take_in(engine, engine_request(f"r{i}", 40, max_tokens=8, first_token=1000 * i))
         board = Board.attach(board_name)
         reader = board.reader()
         engine._process_engine_step()
         snap = reader.read(2)
         assert reader.status(2) is SlotStatus.LIVE
         assert snap.num_received_reqs == 3
-        assert (snap.num_running_reqs, snap.num_waiting_reqs) == (2, 1)
-        assert snap.max_total_num_tokens == 8 * 16
-        assert snap.num_used_tokens == 6 * 16
-        assert snap.num_total_tokens == 6 * 16 + 40  # plus the prompt still waiting for admission
+        assert (snap.num_running_reqs, snap.num_waiting_reqs) == scheduler.get_request_counts() == (2, 1)
+        usage = scheduler.kv_cache_manager.usage
+        capacity = engine.vllm_config.cache_config.kv_cache_size_tokens
+        assert snap.max_total_num_tokens == capacity
+        assert snap.num_used_tokens == round(usage * capacity) > 0
+        assert snap.num_total_tokens == snap.num_used_tokens + 40  # plus the prompt still waiting for admission
         status, _, detail = reader.read_detail(2)
         assert detail.num_waiting_uncached_tokens == 40
-        assert detail.token_usage == scheduler.kv_cache_manager.block_pool.get_usage()
+        assert detail.token_usage == usage
         take_in(engine, engine_request("r3", 5, max_tokens=1))
         assert reader.read(2).num_received_reqs == 3  # taken in, published with the queue it joins
         engine._process_engine_step()
         assert reader.read(2).num_received_reqs == 4
-        while scheduler.has_requests():
+        for _ in range(100):
+            if not scheduler.has_requests():
+                break
             engine._process_engine_step()
         snap = reader.read(2)
         assert (snap.num_running_reqs, snap.num_waiting_reqs, snap.num_used_tokens) == (0, 0, 0)
@@ -72,8 +76,7 @@ def test_each_step_publishes_the_scheduler_and_the_exact_received_count(board_na
 
 
 def test_refused_and_malformed_requests_count_as_received(board_name):
-    scheduler = TinyScheduler()
-    engine = make_engine(vllm_config(2, 0), scheduler)
+    engine = real_engine(2, 0)
     sent_errors = []
     engine._send_error_outputs_to_client = lambda ids, client: sent_errors.append(ids)
     engine._send_finish_outputs_to_client = lambda ids, client, *args: sent_errors.append(ids)
@@ -91,7 +94,7 @@ def test_refused_and_malformed_requests_count_as_received(board_name):
 
 
 def test_an_idle_engine_stays_live_and_a_dead_one_goes_stale(board_name):
-    engine = make_engine(vllm_config(2, 1), TinyScheduler())
+    engine = real_engine(2, 1)
     take_in(engine, engine_request("a", 4, max_tokens=1))
     engine._process_engine_step()  # finished: idle from here on, blocked on its input queue
     board = Board.attach(board_name)
@@ -109,7 +112,7 @@ def test_an_idle_engine_stays_live_and_a_dead_one_goes_stale(board_name):
 
 def test_an_engine_on_another_node_stamps_its_node_for_the_relay(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_VLLM_NODE_ID", "2")
-    engine = make_engine(vllm_config(4, 3), TinyScheduler())
+    engine = real_engine(4, 3)
     try:
         take_in(engine, engine_request("a", 4))
         engine._process_engine_step()

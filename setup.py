@@ -1,0 +1,17 @@
+"""The C extensions. Everything else about the package is in pyproject.toml; the extensions are
+declared here because setuptools calls its pyproject.toml table for them experimental and warns
+three times at every install."""
+
+from setuptools import Extension, setup
+
+FLAGS = ["-O2", "-std=c11"]
+
+setup(
+    ext_modules=[
+        # the seqlock's two sides; the layout header is generated from dpboard/snapshot.py
+        Extension("dpboard.board._seqlock", ["dpboard/board/_seqlock.c"], include_dirs=["kernels"],
+                  depends=["kernels/dpboard_layout.h"], extra_compile_args=FLAGS),
+        Extension("dpboard.controller._dispatch", ["dpboard/controller/_dispatch.c"], extra_compile_args=FLAGS),
+        Extension("dpboard.controller._prefix", ["dpboard/controller/_prefix.c"], extra_compile_args=FLAGS),
+    ],
+)

@@ -1,0 +1,75 @@
+"""`make demo`'s own screen in a real terminal (tmux) at the widths people have: every rank has a
+readable row, and headings are whole columns, never cut to an ellipsis."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.demo.test_demo import processes_mentioning
+from tests.support.names import new_board_name
+
+ROOT = Path(__file__).resolve().parents[2]
+RANKS = 4
+STATES = ("live", "stale", "torn", "empty")
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(shutil.which("tmux") is None or shutil.which("make") is None,
+                       reason="tmux and make are needed to drive `make demo` in a real terminal"),
+]
+
+
+def rank_rows(screen: str) -> dict[int, str]:
+    rows = {}
+    for line in screen.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0].isdigit() and words[1] in STATES:
+            rows[int(words[0])] = line
+    return rows
+
+
+@pytest.mark.parametrize("columns", [80, 100, 132])
+def test_make_demo_fits_the_terminal_width(columns):
+    name = new_board_name()
+    socket = f"dpboard-demo-{os.getpid()}-{columns}"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    venv = Path(os.environ.get("VIRTUAL_ENV") or Path(sys.executable).parents[1])
+    command = (f"make -s -C {ROOT} demo VENV={venv} "
+               f"DEMO_ARGS='--duration 60 --ranks {RANKS} --board {name} --interval 0.3'; sleep 30")
+    env = {**os.environ, "TERM": "xterm-256color"}
+    subprocess.run([*tmux, "new-session", "-d", "-s", "demo", "-x", str(columns), "-y", "30", command],
+                   check=True, timeout=30, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "demo"], capture_output=True, text=True,
+                                    timeout=30).stdout
+            rows = rank_rows(screen)
+            if len(rows) == RANKS and all(row.split()[1] == "live" for row in rows.values()):
+                break
+            time.sleep(0.3)
+        rows = rank_rows(screen)
+        assert sorted(rows) == list(range(RANKS)), f"not every rank has a readable row:\n{screen}"
+        heading = next((line for line in screen.splitlines() if line.lstrip().startswith("RANK")), "")
+        assert heading, f"no heading line:\n{screen}"
+        assert "…" not in heading, heading
+        for title in ("RANK", "STATE", "RUN", "WAIT", "TOTAL TOK"):
+            assert title in heading, (title, heading)
+        assert "…" not in "".join(rows.values()), screen
+        assert all(len(line.rstrip()) <= columns for line in screen.splitlines())
+    finally:
+        subprocess.run([*tmux, "send-keys", "-t", "demo", "C-c"], capture_output=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while processes_mentioning(name) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+        for pid in processes_mentioning(name):
+            subprocess.run(["kill", "-9", str(pid)], check=False)

@@ -1,0 +1,281 @@
+"""Silent TCP peers against a real `dpboard collect` at a lowered fd limit (127.0.0.1 only).
+
+Before the collector bounded its connections, 1,096 peers that connect and never speak took a
+collector at `ulimit -n 1024` to all its fds: libzmq's listener then spun on EMFILE (100 % CPU) and a
+relay connecting meanwhile was not seen until libzmq's 30 s handshake timeout freed fds."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from dpboard import Board, LoadSnapshot, SlotStatus
+from dpboard.multinode.collector import HANDSHAKE_TIMEOUT_MS, Collector
+from dpboard.multinode.relay import Relay
+from tests.support.names import new_board_name
+from tests.support.procutil import read_line, stop, wait_until
+
+CLI = [sys.executable, "-m", "dpboard.cli"]
+FD_LIMIT = 256  # the collector's RLIMIT_NOFILE, soft and hard
+FLOOD_OPEN = FD_LIMIT + 144  # silent connections the flood keeps open (more than the collector has fds)
+FLOOD_TOTAL = 6000  # connections the flood may open in all (it replaces the ones the collector closes)
+FLOOD_SECONDS = 25.0  # the flood's own bound
+REOPEN_PER_SECOND = 200  # after the first FLOOD_OPEN: each accepted connection costs the collector real work
+# CPU-seconds per wall second: a listener spinning on EMFILE measured 0.33-0.52 on this 2-core machine
+# (shared with the test's own flood), a guarded collector 0.003-0.05 (the flood's replacements cost it
+# accepts and closes). Generous, and far below a spin.
+CPU_BOUND = 0.15
+
+
+def _limit_fds() -> None:  # runs in the collector's child before exec
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of every thread of ``pid`` so far, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class SilentFlood:
+    """Keeps up to ``FLOOD_OPEN`` TCP connections to ``port`` open that never send a byte; each one
+    the far end closes is replaced, until ``FLOOD_TOTAL`` have been opened or the time is up."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.opened = 0
+        self.closed_by_peer = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SilentFlood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        started = time.monotonic()
+        deadline = started + FLOOD_SECONDS
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                allowed = FLOOD_OPEN + int((time.monotonic() - started) * REOPEN_PER_SECOND)
+                while len(sel.get_map()) < FLOOD_OPEN and self.opened < min(FLOOD_TOTAL, allowed):
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s.setblocking(False)
+                    err = s.connect_ex(("127.0.0.1", self.port))
+                    if err not in (0, errno.EINPROGRESS):
+                        s.close()
+                        break
+                    sel.register(s, selectors.EVENT_READ)
+                    self.opened += 1
+                for key, _ in sel.select(0.05):
+                    s = key.fileobj
+                    try:
+                        data = s.recv(4096)  # the collector's greeting, or its close
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(s)
+                        s.close()
+                        self.closed_by_peer += 1
+        finally:
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()
+            sel.close()
+
+
+def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
+    name0, name1 = new_board_name(), new_board_name()
+    board0 = Board.create(name0, n_slots=4)
+    board1 = Board.create(name1, n_slots=4, node_id=1)
+    procs: list[subprocess.Popen] = []
+    publishing = threading.Event()
+    try:
+        collector = subprocess.Popen([*CLI, "collect", "--board", name0, "--bind", "tcp://127.0.0.1:*", "--quiet"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=_limit_fds)
+        procs.append(collector)
+        endpoint = read_line(collector).split(" owns ")[1].split()[0]
+        port = int(endpoint.rsplit(":", 1)[1])
+        writers = [board1.writer(r) for r in (2, 3)]
+
+        def publish() -> None:
+            k = 0
+            while not publishing.wait(0.02):
+                k += 1
+                for w in writers:
+                    w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
+
+        threading.Thread(target=publish, daemon=True).start()
+        reader = board0.reader(stale_after=2.0)
+        with SilentFlood(port) as flood:
+            # the flood holds more connections than the collector has fds
+            assert wait_until(lambda: flood.opened >= FLOOD_OPEN, timeout=20), flood.opened
+            time.sleep(1.0)
+            cpu0, wall0 = cpu_seconds(collector.pid), time.monotonic()
+            time.sleep(3.0)
+            busy = (cpu_seconds(collector.pid) - cpu0) / (time.monotonic() - wall0)
+            assert busy < CPU_BOUND, f"the collector used {busy:.2f} CPU-seconds per second under the flood"
+            assert collector.poll() is None
+            assert open_fds(collector.pid) < FD_LIMIT  # the cap keeps fds free: no accept fails
+            relay = subprocess.Popen([*CLI, "relay", "--board", name1, "--to", endpoint, "--node-id", "1",
+                                      "--remote-board", name0, "--quiet"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(relay)
+            assert "dpboard relay: pid" in read_line(relay)
+            relay_started = time.monotonic()
+            seen = wait_until(lambda: reader.status(2) == reader.status(3) == SlotStatus.LIVE, timeout=10)
+            waited = time.monotonic() - relay_started
+            flood_alive = flood._thread.is_alive()
+            assert seen, f"node 1's ranks were not seen on node0 within 10 s of the relay's start " \
+                         f"({flood.opened} flood connections opened, {flood.closed_by_peer} closed by the collector)"
+            assert flood_alive, "the flood ended before the relay was seen: the test proved nothing"
+            assert waited < FLOOD_SECONDS
+            # and, the flood going on, the relay's connection is never the one closed
+            for _ in range(12):
+                assert reader.status(2) == reader.status(3) == SlotStatus.LIVE
+                time.sleep(0.25)
+            assert flood._thread.is_alive() and flood.closed_by_peer > 0
+            assert collector.poll() is None and relay.poll() is None
+        stop(collector)
+        assert collector.returncode == 0
+    finally:
+        publishing.set()
+        for proc in procs:
+            stop(proc)
+        for board in (board0, board1):
+            board.close()
+            board.unlink()
+
+
+def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
+    """Every fd of the collector's process is taken by something else: libzmq's listener would fail
+    accept with EMFILE in a loop. The guard unbinds for a back-off instead, and binds again; once fds
+    are free a relay gets in."""
+    name0, name1 = new_board_name(), new_board_name()
+    board0 = Board.create(name0, n_slots=4)
+    board1 = Board.create(name1, n_slots=4, node_id=1)
+    hog = subprocess.Popen([sys.executable, "tests/support/fd_hog_collector.py", name0, "128"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [hog]
+    peers: list[socket.socket] = []
+    try:
+        endpoint = json.loads(read_line(hog))["endpoint"]
+        port = int(endpoint.rsplit(":", 1)[1])
+        assert json.loads(read_line(hog))["hoarded"] > 0
+        for _ in range(40):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            peers.append(s)
+        time.sleep(1.0)
+        cpu0, wall0 = cpu_seconds(hog.pid), time.monotonic()
+        time.sleep(3.0)
+        busy = (cpu_seconds(hog.pid) - cpu0) / (time.monotonic() - wall0)
+        # unguarded: 0.33 here (load average 18); guarded: about 0.003
+        assert busy < CPU_BOUND, f"the collector used {busy:.2f} CPU-seconds per second while out of fds"
+        assert hog.poll() is None
+        hog.stdin.write("free\n")
+        hog.stdin.flush()
+        assert json.loads(read_line(hog)) == {"freed": True}
+        writer = board1.writer(1)
+        relay = subprocess.Popen([*CLI, "relay", "--board", name1, "--to", endpoint, "--node-id", "1",
+                                  "--remote-board", name0, "--quiet"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(relay)
+        reader = board0.reader(stale_after=2.0)
+
+        def seen() -> bool:
+            writer.publish(LoadSnapshot(dp_rank=1, num_running_reqs=1))
+            return reader.status(1) == SlotStatus.LIVE
+
+        assert wait_until(seen, timeout=15, interval=0.05), "the relay was not let in once fds were free"
+        hog.stdin.close()
+        stats = json.loads(read_line(hog))
+        assert stats["pauses"] >= 1 and stats["accept_failures"] >= 1, stats
+        hog.wait(10)
+        assert hog.returncode == 0, hog.stderr.read()
+    finally:
+        for s in peers:
+            s.close()
+        for proc in procs:
+            stop(proc)
+        for board in (board0, board1):
+            board.close()
+            board.unlink()
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """True once the far end closed ``s`` (what it sent before, e.g. a ZMTP greeting, is read away)."""
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_silent_peer_is_closed_once_the_handshake_time_is_up(board_name):
+    """libzmq keeps a connection that never speaks for 30 s by default; the collector's bound is
+    HANDSHAKE_TIMEOUT_MS."""
+    with Board.create(board_name, n_slots=2) as board, Collector(board, "tcp://127.0.0.1:*") as collector:
+        port = int(collector.endpoint.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.setblocking(False)
+            opened = time.monotonic()
+            assert wait_until(lambda: _closed_by_peer(s), timeout=HANDSHAKE_TIMEOUT_MS / 1000 + 10, interval=0.05)
+            assert time.monotonic() - opened < 25  # well before libzmq's own 30 s
+
+
+def test_over_the_cap_the_silent_peers_go_and_a_talking_relay_stays():
+    name0, name1 = new_board_name(), new_board_name()
+    silent: list[socket.socket] = []
+    with Board.create(name0, n_slots=2) as b0, Board.create(name1, n_slots=2, node_id=1) as b1, \
+            Collector(b0, "tcp://127.0.0.1:*", max_peers=8) as collector, \
+            Relay(b1, collector.endpoint, 1, remote_board=name0) as relay:
+        port = int(collector.endpoint.rsplit(":", 1)[1])
+        writer, reader = b1.writer(1), b0.reader()
+        value = [0]
+
+        def lands() -> bool:
+            value[0] += 1
+            writer.publish(LoadSnapshot(dp_rank=1, num_running_reqs=value[0]))
+            relay.tick()
+            collector.poll(5)
+            snap = reader.read(1)
+            return snap is not None and snap.num_running_reqs == value[0]
+
+        try:
+            assert wait_until(lands, timeout=10)
+            for _ in range(24):  # three times the cap, all after the relay, none of them speaking
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.setblocking(False)
+                silent.append(s)
+            assert wait_until(lambda: sum(_closed_by_peer(s) for s in silent) >= 24 - 8, timeout=10)
+            assert collector.peer_stats["peers"] <= 8 and collector.peer_stats["shed"] >= 24 - 8
+            assert wait_until(lands, timeout=10)  # the relay was never the one closed
+            assert relay.connects == 1
+        finally:
+            for s in silent:
+                s.close()
