@@ -132,7 +132,8 @@ def engine_slot(parallel_config: Any) -> tuple[int, int]:
     rank = int(parallel_config.data_parallel_rank if rank is None else rank)
     if not 0 <= rank < size:
         raise InvalidInputError(f"vLLM engine core of DP rank {rank} is outside its data_parallel_size {size}: "
-                                f"this vLLM keeps its DP fields where dpboard does not look (docs/INTEGRATIONS.md, vLLM)")
+                                f"dpboard reads the DP fields as vLLM 0.33.0 keeps them; run that vLLM "
+                                f"(docs/INTEGRATIONS.md, vLLM, \"Dense and MoE models\")")
     return rank, size
 
 

@@ -118,6 +118,9 @@ class ApiServer:
 
 def live_slots(name: str, ranks: list[int], server: ApiServer, dp: int = DP) -> np.ndarray:
     """Board ``name``'s records once the slots ``ranks`` are LIVE (the others must be EMPTY)."""
+    # the first engine core creates the board when its busy loop first waits for work, which can
+    # come after the handshake that let the API server report ready
+    assert wait_until(lambda: (SHM_DIR / f"{SEGMENT_PREFIX}{name}").exists(), timeout=60), server.tail()
     board = Board.attach(name)
     try:
         assert board.n_slots == dp
