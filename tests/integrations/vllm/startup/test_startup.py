@@ -171,7 +171,7 @@ def test_vllms_own_start_up_gives_four_live_slots_and_picks_across_them(board_na
                     return (r["num_received_reqs"].tolist() == [2] * DP and not r["num_running_reqs"].any()
                             and not r["num_waiting_reqs"].any())
 
-                assert wait_until(settled, timeout=30), reader.read_array()
+                assert wait_until(settled, timeout=60), reader.read_array()
             finally:
                 board.close()
         assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
