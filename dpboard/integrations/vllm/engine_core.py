@@ -44,7 +44,7 @@ from typing import Any
 
 from dpboard.board import Board, BoardWriter
 from dpboard.integrations.vllm import settings, waiting
-from dpboard.integrations.vllm.settings import board_name, node_id
+from dpboard.integrations.vllm.settings import board_name, engine_slot, node_id
 from dpboard.snapshot import LoadDetail, LoadSnapshot
 
 log = logging.getLogger("dpboard.vllm")
@@ -143,9 +143,8 @@ class EnginePublisher:
         name = board_name(environ, getattr(vllm_config.model_config, "served_model_name", None))
         if name is None or settings.publisher(environ) != "engines":
             return None
-        parallel = vllm_config.parallel_config
-        n_slots = int(parallel.data_parallel_size)
-        rank = int(parallel.data_parallel_rank)
+        # not data_parallel_size/_rank: a dense model's engine core has them reset to 1 and 0 (settings.py)
+        rank, n_slots = engine_slot(vllm_config.parallel_config)
         node = node_id(environ)
         board = Board.create(name, n_slots, exist_ok=True, node_id=node)
         try:

@@ -7,6 +7,9 @@ Two vLLM modules get dpboard's hooks, each when it is loaded and in whichever pr
 - ``vllm.v1.engine.core_client`` (the API servers; dispatch.py), only while ``DPBOARD_METHOD`` is set:
   ``DPLBAsyncMPClient`` picks its engines through dpboard's Dispatcher.
 
+It also lists ``DPBOARD_`` among the prefixes vLLM's Ray backend copies to its engine actors
+(``settings.carry_to_ray``), so ``--data-parallel-backend ray`` engines get the board's settings.
+
 vLLM runs the general plugins early in the API server (while it parses its engine arguments, before
 ``core_client`` is imported) and from ``EngineCore.__init__`` in an engine core (``core`` is loaded
 then). So a module already loaded is patched at once, and one not yet loaded is patched as soon as
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from dpboard.integrations.vllm.settings import dispatch_method
+from dpboard.integrations.vllm.settings import carry_to_ray, dispatch_method
 
 CORE = "vllm.v1.engine.core"
 CORE_CLIENT = "vllm.v1.engine.core_client"
@@ -45,6 +48,7 @@ def patch_core_client(module: ModuleType) -> None:
 def register() -> None:
     """Patch now what is loaded, and the rest when it loads (see the module's docstring)."""
     dispatch_method()  # a bad DPBOARD_METHOD stops vLLM here, with its message, in every process
+    carry_to_ray()  # the settings reach engine cores started as Ray actors (settings.py)
     targets: dict[str, Callable[[ModuleType], None]] = {CORE: patch_core}
     if dispatch_method() is not None:
         targets[CORE_CLIENT] = patch_core_client

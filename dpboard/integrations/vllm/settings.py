@@ -12,7 +12,9 @@ The config is read by attribute, so this module imports no vLLM. The fields, as 
 them in the API-server process (paths in the 0.33.0 wheel):
 
 - ``parallel_config.data_parallel_size`` (config/parallel.py:147): the board's slots, one per
-  global DP rank; engine indexes are global ranks (v1/engine/core_client.py:738-747).
+  global DP rank; engine indexes are global ranks (v1/engine/core_client.py:738-747). In an engine
+  core of a dense model vLLM resets it to 1 (and ``data_parallel_rank`` to 0): ``engine_slot`` reads
+  what vLLM keeps there instead.
 - ``parallel_config._api_process_count`` (config/parallel.py:447; set per API server by
   entrypoints/launchers/api_server/entry.py:57): more than one API server splits each engine's steps
   between them (v1/core/sched/scheduler.py:2669-2674 sends a step's stats to one front-end only).
@@ -30,7 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,9 @@ ENV_PUBLISHER = "DPBOARD_VLLM_PUBLISHER"
 PUBLISHERS = ("engines", "stat_logger")
 ENV_METHOD = "DPBOARD_METHOD"
 ENV_STALE_AFTER = "DPBOARD_STALE_AFTER"
+ENV_PREFIX = "DPBOARD_"  # every setting above starts with it
+# vLLM's own, additive list of the prefixes its Ray backend copies to its actors (vllm/ray/ray_env.py)
+ENV_RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 # Engine cores publish at every step and every 0.25 s while idle: a second of silence is a stuck or
 # dead engine core (or one step longer than that).
 DEFAULT_STALE_AFTER = 1.0
@@ -103,6 +108,35 @@ def node_id(environ: Mapping[str, str]) -> int:
     return value
 
 
+def engine_slot(parallel_config: Any) -> tuple[int, int]:
+    """An engine core's slot and the board's size: (its global DP rank, the launch's DP size).
+
+    Read in the engine-core process, where vLLM 0.33.0's ``run_engine_core`` (v1/engine/core.py:1552-1562)
+    has set ``data_parallel_index`` to the engine's global DP rank on both of its paths (the same number
+    as the engine's ``engine_index``, its ZMQ identity, which the API server's ``core_engines`` hold):
+
+    - a MoE model (``DPEngineCoreProc``) keeps ``data_parallel_size`` and ``data_parallel_rank``;
+    - a dense model is made an independent DP = 1 engine (``reconfigure_for_independent_dp_rank``,
+      config/parallel.py:1191-1200: ``data_parallel_size`` 1, ``data_parallel_rank`` 0). The launch's
+      size survives in ``elastic_ep_max_dp_size``: ``ParallelConfig.__post_init__`` set it to
+      ``data_parallel_size`` (parallel.py:1036-1040) when the config was built from the command line, and
+      the reconfigure leaves it alone. Only elastic EP sets it otherwise (to its maximum), and elastic EP
+      needs a MoE model (``enable_eplb``), whose DP fields are kept: there the current size is the size.
+    """
+    size = int(parallel_config.data_parallel_size)
+    if not getattr(parallel_config, "enable_elastic_ep", False):
+        launched = getattr(parallel_config, "elastic_ep_max_dp_size", None)
+        if isinstance(launched, int) and launched > size:
+            size = launched
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    rank = int(parallel_config.data_parallel_rank if rank is None else rank)
+    if not 0 <= rank < size:
+        raise InvalidInputError(f"vLLM engine core of DP rank {rank} is outside its data_parallel_size {size}: "
+                                f"dpboard reads the DP fields as vLLM 0.33.0 keeps them; run that vLLM "
+                                f"(docs/INTEGRATIONS.md, vLLM, \"Dense and MoE models\")")
+    return rank, size
+
+
 def engine_capacity_tokens(cache_config: Any, n_engines: int) -> int:
     """One engine's KV capacity in tokens: vLLM's own per-engine figure when it has one, else the
     engine's share of the summed blocks times the block size; 0 when neither is known."""
@@ -146,6 +180,25 @@ def settings_from_config(vllm_config: Any, engine_indexes: Sequence[int],
         max_running_requests=int(getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0),
         node_id=node_id(environ),
     )
+
+
+def carry_to_ray(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Add ``DPBOARD_`` to ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` when a DPBOARD_ setting is set.
+
+    With ``--data-parallel-backend ray`` vLLM 0.33.0 starts each engine core as a Ray actor whose
+    environment holds only what ``get_env_vars_to_copy`` names (vllm/ray/ray_env.py:55-120; called by
+    ``CoreEngineActorManager``, v1/engine/utils.py:533): vLLM's registered variables, those starting with
+    ``VLLM_``, ``NCCL_``, ``HF_`` and a few more prefixes, and those starting with a prefix listed in
+    this variable (comma-separated, added to vLLM's own). Without it the actors see no DPBOARD_
+    setting and publish nothing. The API server runs the plugins while it parses its arguments, before
+    it creates the actors, and reads the variable when it creates them (vLLM caches its environment
+    only in engine cores and workers), so setting it here is in time. A prefix already listed is kept.
+    """
+    if not any(name.startswith(ENV_PREFIX) for name in environ):
+        return
+    listed = [prefix.strip() for prefix in environ.get(ENV_RAY_PREFIXES, "").split(",") if prefix.strip()]
+    if ENV_PREFIX not in listed:
+        environ[ENV_RAY_PREFIXES] = ",".join([*listed, ENV_PREFIX])
 
 
 def dispatch_method(environ: Mapping[str, str] = os.environ) -> LoadBalanceMethod | None:

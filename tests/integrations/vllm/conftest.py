@@ -1,8 +1,9 @@
-"""tests/integrations/vllm/real runs only in a pytest session of its own (test_vllm.py starts it with
-DPBOARD_VLLM_SESSION=1): its vLLM import stand-ins (tests/support/vllm.py) are process-global."""
+"""tests/integrations/vllm/real and tests/integrations/vllm/startup run only in pytest sessions of their
+own (test_vllm.py and test_vllm_startup.py start them with DPBOARD_VLLM_SESSION=1): their vLLM import
+stand-ins (tests/support/vllm.py) are process-global."""
 
 from __future__ import annotations
 
 import os
 
-collect_ignore = [] if os.environ.get("DPBOARD_VLLM_SESSION") == "1" else ["real"]
+collect_ignore = [] if os.environ.get("DPBOARD_VLLM_SESSION") == "1" else ["real", "startup"]
