@@ -610,7 +610,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--errors", metavar="ENDPOINT",
                    help="ZMQ endpoint where the tokenizer side's PULL for {rid, error} answers is bound")
     p.add_argument("--method", "--load-balance-method", dest="method", default="auto", choices=METHOD_CHOICES,
-                   help="dispatch method (default auto); see docs/DISPATCH.md")
+                   help="dispatch method (default auto). Which for which deployment (docs/DISPATCH.md, "
+                        "'When to use which'): independent ranks, TTFT first: inflight_cache "
+                        "(inflight_backlog without prefix reuse); PD prefill: inflight_cache through "
+                        "SGLang's bootstrap registration rather than auto's follow_bootstrap_room; PD "
+                        "decode: auto (round_robin) or inflight_cache, equal there; DP attention with "
+                        "prefill and decode on the same ranks: inflight_ttft for p99 TTFT, total_tokens "
+                        "for goodput under a tight TPOT SLO (no method is best at both)")
     p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
                    help="PD role of this server (null: no PD)")
     p.add_argument("--board", help="the schedulers' board: loads for load-aware methods, and with any method "
