@@ -191,3 +191,14 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(board_name, args
         board.unlink()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert status in (0, cli.BROKEN_PIPE), (status, err)
+
+
+def test_sim_methods_help_names_every_method_the_run_accepts():
+    refused = dpboard("sim", "--quick", "--methods", "no_such_method")
+    assert refused.returncode == 2
+    accepted = refused.stderr.rsplit("use one of ", 1)[1].strip().split(", ")
+    assert {"inflight_ttft", "vllm_board"} <= set(accepted)
+    help_text = " ".join(dpboard("sim", "--help").stdout.split())
+    methods_help = help_text.split("--methods METHODS", 1)[1]
+    missing = [name for name in accepted if name not in methods_help]
+    assert not missing, f"dpboard sim --methods help leaves out {missing}"

@@ -10,7 +10,9 @@ import sys
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import output_file
 from dpboard.sim import report as sim_report
+from dpboard.sim.methods import VLLM_BOARD, VLLM_BOARD_METHOD, controller_methods
 from dpboard.sim.pd import simulate_any
+from dpboard.sim.peers import PEERS
 from dpboard.sim.profile import Profile, load_profile, load_profile_file, profile_names
 from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods
 from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
@@ -56,9 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--methods",
         default=None,
-        help="comma-separated NAME[:key=value;...] specs. NAME: a controller method (round_robin, "
-        "total_requests, total_tokens, inflight_requests, inflight_tokens, inflight_backlog, inflight_cache) or a peer's "
-        "router (vllm, cache_aware, dynamo_kv). Options after ':' are separated by ';' here: "
+        # the names the run accepts, from the same lists it checks against
+        help="comma-separated NAME[:key=value;...] specs. NAME: a controller method "
+        f"({', '.join(['auto', *controller_methods()])}), a peer's router ({', '.join(PEERS)}), or {VLLM_BOARD} "
+        f"(vLLM's API server picking through the board with {VLLM_BOARD_METHOD}); with --pd, PREFILL/DECODE. "
+        "Options after ':' are separated by ';' here: "
         "Dispatcher keywords (refresh_interval=0, rotate_ties=false, ...), the peer's parameters, or "
         "cadence=step|sglang|period and publish_every=N for that method alone. Default: the seed "
         "methods, the peers and dpboard's methods",
