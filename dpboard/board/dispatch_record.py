@@ -42,7 +42,7 @@ import posix_ipc
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive
 from dpboard.board.names import MAX_SLOTS, SHM_DIR, validate_name
-from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
+from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
@@ -234,6 +234,61 @@ class DispatchRow:
         head["wall_ns"], head["monotonic_ns"] = time.time_ns(), time.monotonic_ns()
         self._end()
         self._next = time.monotonic() + PUBLISH_INTERVAL
+
+
+class DispatchTally:
+    """A dispatcher's counts kept as Python ints (a few additions per request), copied into its row
+    when due: what the plugins' dispatchers keep (the ZMQ controller counts in its own ``stats``)."""
+
+    __slots__ = ("row", "record", "requests", "per_rank", "routed", "routed_per_rank", "with_room", "fallbacks",
+                 "rejected")
+
+    def __init__(self, record: DispatchRecord, row: DispatchRow) -> None:
+        self.record = record
+        self.row = row
+        self.requests = self.routed = self.with_room = self.fallbacks = self.rejected = 0
+        self.per_rank = [0] * record.slots
+        self.routed_per_rank = [0] * record.slots
+
+    def sent(self, rank: int, routed: bool, room: bool) -> None:
+        """One request handed to ``rank`` (a board slot); ``routed``: it came with routed_dp_rank."""
+        self.requests += 1
+        self.per_rank[rank] += 1
+        if routed:
+            self.routed += 1
+            self.routed_per_rank[rank] += 1
+        if room:
+            self.with_room += 1
+
+    def publish_if_due(self, refreshes: int) -> None:
+        if self.row.due(time.monotonic()):
+            self.publish(refreshes)
+
+    def publish(self, refreshes: int) -> None:
+        self.row.publish(refreshes, self.requests, self.routed, self.with_room, self.fallbacks, self.rejected,
+                         self.per_rank, self.routed_per_rank)
+
+    def close(self) -> None:
+        self.record.close()
+
+
+def open_tally(board: str, rows: int, index: int, slots: int, *, method: str, mode: str = "null",
+               refresh_interval: float = 0.0, logger: Any = None) -> DispatchTally | None:
+    """Row ``index`` of ``board``'s dispatch record, as a tally; a record that cannot be used is
+    logged and done without (None): it is for diagnosis and never keeps a dispatcher from serving."""
+    try:
+        record = DispatchRecord.open(board, rows, slots)
+    except DpboardError as e:
+        if logger is not None:
+            logger.warning("dpboard: no dispatch record for dpboard doctor: %s", e)
+        return None
+    try:
+        return DispatchTally(record, record.row(index, method=method, mode=mode, refresh_interval=refresh_interval))
+    except DpboardError as e:
+        record.close()
+        if logger is not None:
+            logger.warning("dpboard: no dispatch record for dpboard doctor: %s", e)
+        return None
 
 
 # -- reading ---------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board, BoardReader
+from dpboard.board.dispatch_record import DispatchTally, open_tally
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher, LoadBalanceMethod
 from dpboard.errors import InvalidInputError, UnavailableError
@@ -116,6 +117,7 @@ class ClientDispatch:
         self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.reader, inflight_accounting=False)
         self.request = _Request()
         self.warned = False
+        self.tally: DispatchTally | None = None  # this server's row of the dispatch record (dpboard doctor)
 
     def pick(self, request: Any) -> int:
         """The engine index (into the client's core_engines) for a request vLLM leaves to balancing."""
@@ -135,14 +137,21 @@ class ClientDispatch:
 
     def sent_to(self, index: int, request: Any) -> None:
         self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
+        if self.tally is not None:
+            self.tally.sent(self.ranks[index], request.data_parallel_rank is not None, False)
+            self.tally.publish_if_due(self.dispatcher.refresh_count)
 
     def warn_unavailable(self) -> None:
+        if self.tally is not None:
+            self.tally.fallbacks += 1  # vLLM's own pick places the request
         if not self.warned:
             self.warned = True
             log.warning("dpboard: no engine of %s is live on board %r; vLLM's own pick decides until one is",
                         list(self.ranks), self.board.name)
 
     def close(self) -> None:
+        if self.tally is not None:
+            self.tally.close()
         self.sent.close()
         self.board.close()
 
@@ -185,6 +194,9 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
     except BaseException:
         board.close()
         raise
+    state.tally = open_tally(name, int(client.client_count), int(client.client_index), n_slots,
+                             method=state.dispatcher.method.value, refresh_interval=state.dispatcher.refresh_interval,
+                             logger=log)
     log.info("dpboard: API server %d picks engines %s by %s over board %r", client.client_index, ranks,
              state.dispatcher.method.value, name)
     return state
