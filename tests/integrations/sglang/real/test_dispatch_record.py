@@ -9,7 +9,13 @@ import pytest
 
 from dpboard.board.dispatch_record import read_dispatch_record
 from dpboard.views.doctor import diagnose, take_sample
-from tests.integrations.sglang.real.test_dispatch import close, launch_without_processes, make_cluster, publish, req
+from tests.integrations.sglang.real.test_dispatch import (
+    close,
+    launch_without_processes,
+    make_cluster,
+    publish,
+    req,
+)
 
 pytestmark = pytest.mark.timeout(120)
 __all__ = ["launch_without_processes"]  # the module's fixture: SGLang's scheduler launch replaced
