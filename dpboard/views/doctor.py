@@ -43,6 +43,7 @@ SKEWED = 1.5  # max / mean at or above this: one-sided
 EVEN = 1.2  # max / mean below this: even
 KV_FULL = 0.9
 KV_ROOMY = 0.7
+MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
 RECORD_SILENT = 2.0  # seconds without a publish after which a dispatcher's row counts as silent
 _LIVE, _STALE, _TORN = SlotStatus.LIVE.label, SlotStatus.STALE.label, SlotStatus.TORN.label
 _DISAGG = DETAIL_PRESENT | DETAIL_FLAG["disaggregation"]
@@ -480,7 +481,10 @@ def healthy(findings: Iterable[Finding]) -> bool:
 
 
 class DoctorWatch:
-    """Samples a board at most every ``every`` seconds and keeps ``window`` seconds of them."""
+    """Samples a board at most every ``every`` seconds and keeps ``window`` seconds of them.
+
+    A sample reads every slot into Python values; past ``MAX_WATCH_SLOTS`` slots that would cost a
+    live view more than its frame, so such a board is left to ``dpboard doctor`` (``covers``)."""
 
     def __init__(self, window: float = 10.0, every: float = 0.5, stale_after: float = DEFAULT_STALE_AFTER,
                  trust_uids: tuple[int, ...] = ()) -> None:
@@ -489,6 +493,7 @@ class DoctorWatch:
         self.stale_after = stale_after
         self.trust_uids = trust_uids
         self.samples: deque[Sample] = deque()
+        self._reader_of: tuple[Board, BoardReader] | None = None
         self._board_id: tuple[str, int] | None = None
         self._buffer: np.ndarray | None = None
         self._error: str | None = None
@@ -513,6 +518,21 @@ class DoctorWatch:
         while len(self.samples) > 2 and now - self.samples[0].t > self.window:
             self.samples.popleft()
 
+    @staticmethod
+    def covers(board: Board | None) -> bool:
+        return board is not None and board.n_slots <= MAX_WATCH_SLOTS
+
+    def observe_watch(self, watch: Any) -> None:
+        """``observe`` the board a ``BoardWatch`` holds now (after its own sample followed it)."""
+        board = watch.board
+        if not self.covers(board):
+            self._reader_of = None
+            self.observe(None, None)
+            return
+        if self._reader_of is None or self._reader_of[0] is not board:
+            self._reader_of = (board, board.reader(stale_after=self.stale_after))
+        self.observe(board, self._reader_of[1])
+
     def findings(self) -> list[Finding]:
         if not self.samples:
             return []
@@ -530,12 +550,14 @@ class DoctorWatch:
         return {"healthy": healthy(found), "window_s": round(span, 3), "findings": [f.as_dict() for f in found]}
 
 
-def header_line(findings: Sequence[Finding]) -> str:
-    """One line for ``top``'s header: how many findings and the worst."""
-    faults = [f for f in findings if f.severity != "info"]
+def header_line(document: dict[str, Any]) -> str:
+    """One line for ``top``'s header, from a ``DoctorWatch.document()``: how many findings, the worst."""
+    faults = [f for f in document["findings"] if f["severity"] != "info"]
     if not faults:
-        return "doctor: healthy"
-    return f"doctor: {len(faults)} finding{'s' if len(faults) > 1 else ''} — worst: [{faults[0].severity}] {faults[0].title}"
+        return f"doctor: healthy over {document['window_s']:.0f} s"
+    worst = faults[0]
+    return (f"doctor: {len(faults)} finding{'s' if len(faults) > 1 else ''} — worst: [{worst['severity']}] "
+            f"{worst['title']} (dpboard doctor for the evidence)")
 
 
 # -- the command line --------------------------------------------------------------------------------

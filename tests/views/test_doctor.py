@@ -355,3 +355,59 @@ def test_a_clean_controller_exit_removes_its_record(board_name, tmp_path):
     with controller(board_name, tmp_path, 2, "--method", "round_robin"):
         assert Path(dispatch_record_path(board_name)).exists()
     assert not Path(dispatch_record_path(board_name)).exists()
+
+
+# -- top's header and serve's /v1/doctor -------------------------------------------------------------
+
+
+def _one_live_of_three(name: str) -> Iterator[list[subprocess.Popen]]:
+    return writers(name, 3, {0: [], 1: ["--once"], 2: ["--once"]})
+
+
+@pytest.mark.timeout(60)
+def test_tops_header_names_the_worst_finding(board_name):
+    with _one_live_of_three(board_name):
+        time.sleep(1.2)  # ranks 1 and 2 past the stale threshold
+        text = subprocess.run([sys.executable, "-m", "dpboard.cli", "top", board_name, "--once"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        js = subprocess.run([sys.executable, "-m", "dpboard.cli", "top", board_name, "--json"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    (line,) = [ln for ln in text.stdout.splitlines() if ln.startswith("doctor:")]
+    assert line.startswith("doctor: 2 findings — worst: [critical] only 1 of 3 ranks live (rank 0)"), line
+    doc = json.loads(js.stdout)["doctor"]
+    assert not doc["healthy"] and {f["id"] for f in doc["findings"]} >= {"one_live_rank", "stale_or_torn"}
+
+
+@pytest.mark.timeout(60)
+def test_tops_header_says_healthy_when_it_is(board_name):
+    with writers(board_name, 2, {0: [], 1: []}):
+        text = subprocess.run([sys.executable, "-m", "dpboard.cli", "top", board_name, "--once"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert any(ln.startswith("doctor: healthy") for ln in text.stdout.splitlines()), text.stdout
+
+
+@pytest.mark.timeout(60)
+def test_serve_answers_v1_doctor_with_the_findings(board_name):
+    from tests.support.serving import get, start_server
+
+    with _one_live_of_three(board_name):
+        time.sleep(1.2)
+        proc, url = start_server(board_name)
+        try:
+            status, ctype, body = get(url + "/v1/doctor")
+            time.sleep(0.6)
+            status2, _, body2 = get(url + "/v1/doctor")  # a later sample: the window grows
+            bad, _, why = get(url + "/v1/doctor?x=1")
+            missing, _, listing = get(url + "/nowhere")
+        finally:
+            stop(proc)
+    assert (status, status2, bad, missing) == (200, 200, 400, 404) and ctype == "application/json"
+    doc, later = json.loads(body), json.loads(body2)
+    assert set(doc) == {"healthy", "window_s", "findings"} and doc["healthy"] is False
+    assert later["window_s"] > doc["window_s"] == 0.0
+    for f in doc["findings"]:
+        assert set(f) == FINDING_KEYS and f["severity"] in ("critical", "warning", "info")
+    assert doc["findings"][0]["title"] == "only 1 of 3 ranks live (rank 0)"
+    assert "takes no query parameters" in json.loads(why)["error"] and "/v1/doctor" in json.loads(listing)["error"]
