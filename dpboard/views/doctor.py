@@ -609,9 +609,10 @@ def render(report: dict[str, Any], findings: Sequence[Finding]) -> str:
     for d in report["dispatchers"]:
         refresh = d["refreshes_per_s"]
         throttle = f"{d['refresh_interval_s'] * 1e3:g} ms" if d["refresh_interval_s"] else "none"
+        reads = ("reads no loads" if d["method"] in LOAD_UNAWARE else
+                 f"refreshes {'-' if refresh is None else f'{refresh:.1f}'}/s (throttle {throttle})")
         lines.append(f"dispatcher pid {d['pid']}{'' if d['alive'] else ' (gone)'}: method {d['method']}, "
-                     f"disaggregation {d['mode']}, refreshes "
-                     f"{'-' if refresh is None else f'{refresh:.1f}'}/s (throttle {throttle})")
+                     f"disaggregation {d['mode']}, {reads}")
     if "requests_per_s" in report:
         share = lambda v: "-" if v is None else f"{100 * v:.0f} %"  # noqa: E731
         lines.append(f"requests {report['requests_per_s']:.1f}/s, per rank {report['per_rank']}, "
