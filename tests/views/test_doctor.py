@@ -308,6 +308,19 @@ def test_round_robin_under_skewed_load(board_name, tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_requests_spread_evenly_while_the_tokens_pile_up(board_name, tmp_path):
+    """total_requests counts requests, not tokens: long and short prompts alternating over two ranks
+    go out one for one, and every long one lands on rank 0."""
+    with controller(board_name, tmp_path, 2, "--method", "total_requests") as (push, _):
+        frame = lambda i: encode_request(f"r{i}", num_tokens=2000 if i % 2 == 0 else 10)  # noqa: E731
+        status, report = feed_during(push, frame, [board_name, "--window", "1.5"], gap=0.01, before=20)
+    assert status == 1
+    f = by_id(report)["dispatch_vs_load"]
+    assert f["title"] == "dispatch even while the loads are one-sided" and "token-aware" in f["fix"]
+    assert "load_unaware_skew" not in by_id(report)  # total_requests reads the loads: not that finding
+
+
+@pytest.mark.timeout(90)
 def test_uneven_bootstrap_rooms_and_requests_without_a_room(board_name, tmp_path):
     with controller(board_name, tmp_path, 2, "--method", "follow_bootstrap_room",
                     "--disaggregation-mode", "prefill") as (push, _):

@@ -71,3 +71,23 @@ def test_doctor_names_routed_dp_rank_behind_the_plugins_dispatch(instance, tmp_p
         assert "routed_one_rank" in found and "rank 0" in found["routed_one_rank"].title
     finally:
         close(cluster)
+
+
+def test_fallback_picks_are_counted_in_the_record(instance, tmp_path, monkeypatch):
+    """Every rank stale: the plugin places requests by its fallback pick, and its row says how many."""
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", "0.05")
+    cluster = make_cluster(instance, tmp_path)
+    try:
+        publish(cluster, {0: 5000, 1: 900, 2: 3000})
+        cluster.send(req("live", 10))
+        time.sleep(0.3)  # no rank publishes: every one is stale at the next refresh
+        for i in range(3):
+            cluster.send(req(f"stale{i}", 2000))
+        time.sleep(0.12)  # past the record's publish interval: the next request publishes
+        cluster.send(req("stale3", 10))
+        assert sum(len(v) for v in cluster.received(5).values()) == 5
+        (row,) = _record(cluster)
+        assert row.counts["fallbacks"] == 4 and row.counts["requests"] == 5
+    finally:
+        close(cluster)
