@@ -237,39 +237,76 @@ class DispatchRow:
 
 
 class DispatchTally:
-    """A dispatcher's counts kept as Python ints (a few additions per request), copied into its row
-    when due: what the plugins' dispatchers keep (the ZMQ controller counts in its own ``stats``)."""
+    """A plugin dispatcher's counts, copied into its row at most every ``PUBLISH_INTERVAL``.
 
-    __slots__ = ("row", "record", "requests", "per_rank", "routed", "routed_per_rank", "with_room", "fallbacks",
-                 "rejected")
+    Nothing is added per request on a load-aware dispatcher's path: the requests per rank are what
+    its budget already counts (``DPBudget.sent_reqs``; vLLM's own sent row), given as ``source``
+    and read when the row is published, and the row is published from the dispatcher's refreshes
+    (``TickingReader``: at most one per 20 ms). Only the requests off that path add here: routed
+    ones (which refresh nothing, so they ``tick`` every ``PER_TICK``), fallbacks, rejections; and a
+    dispatcher that reads no loads (follow_bootstrap_room) counts ``per_rank`` and ``with_room``
+    itself and ticks every ``PER_TICK`` requests. The row is at most ``PUBLISH_INTERVAL`` behind
+    while requests come; the last ones before a pause wait for the next refresh or tick."""
+
+    __slots__ = ("row", "record", "per_rank", "routed", "routed_per_rank", "with_room", "fallbacks",
+                 "rejected", "refreshes", "countdown", "source")
+    PER_TICK = 32
 
     def __init__(self, record: DispatchRecord, row: DispatchRow) -> None:
         self.record = record
         self.row = row
-        self.requests = self.routed = self.with_room = self.fallbacks = self.rejected = 0
+        self.routed = self.with_room = self.fallbacks = self.rejected = self.refreshes = 0
+        self.countdown = self.PER_TICK
         self.per_rank = [0] * record.slots
         self.routed_per_rank = [0] * record.slots
+        self.source: Any = None  # () -> requests per rank so far, when the dispatcher counts them
 
-    def sent(self, rank: int, routed: bool, room: bool) -> None:
-        """One request handed to ``rank`` (a board slot); ``routed``: it came with routed_dp_rank."""
-        self.requests += 1
-        self.per_rank[rank] += 1
-        if routed:
-            self.routed += 1
-            self.routed_per_rank[rank] += 1
-        if room:
-            self.with_room += 1
+    def requests_per_rank(self) -> Any:
+        return self.per_rank if self.source is None else self.source()
 
-    def publish_if_due(self, refreshes: int) -> None:
+    def tick(self) -> None:
+        self.countdown = self.PER_TICK
         if self.row.due(time.monotonic()):
-            self.publish(refreshes)
+            self.publish()
 
-    def publish(self, refreshes: int) -> None:
-        self.row.publish(refreshes, self.requests, self.routed, self.with_room, self.fallbacks, self.rejected,
-                         self.per_rank, self.routed_per_rank)
+    def publish(self) -> None:
+        per_rank = self.requests_per_rank()
+        self.row.publish(self.refreshes, int(np.sum(per_rank)), self.routed, self.with_room, self.fallbacks,
+                         self.rejected, per_rank, self.routed_per_rank)
 
     def close(self) -> None:
         self.record.close()
+
+
+class TickingReader:
+    """A dispatcher's board reader that counts its reads (the refreshes) and ticks a tally at each:
+    the record is published from the refresh path, never per request."""
+
+    def __init__(self, reader: Any, tally: DispatchTally) -> None:
+        self._reader = reader
+        self._tally = tally
+        self.n_slots = getattr(reader, "n_slots", None)
+        self.stale_after = getattr(reader, "stale_after", None)
+        if hasattr(reader, "read_detailed_array"):  # the backlog methods read the detail instead
+            detailed = reader.read_detailed_array
+
+            def read_detailed_array(out: Any = None) -> Any:
+                arr = detailed() if out is None else detailed(out)
+                self._ticked()
+                return arr
+
+            self.read_detailed_array = read_detailed_array
+
+    def read_array(self, out: Any = None) -> Any:
+        arr = self._reader.read_array() if out is None else self._reader.read_array(out)
+        self._ticked()
+        return arr
+
+    def _ticked(self) -> None:
+        tally = self._tally
+        tally.refreshes += 1
+        if tally.row.due(time.monotonic()):
+            tally.publish()
 
 
 def open_tally(board: str, rows: int, index: int, slots: int, *, method: str, mode: str = "null",

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import BoardReader
-from dpboard.board.dispatch_record import DispatchTally, open_tally
+from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
+from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
@@ -110,12 +111,18 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     num_workers = len(controller.workers)
     if num_workers > board.n_slots:
         reader = _PaddedReader(reader, num_workers)
+    mode = module.get_disagg().disaggregation_mode
+    method = resolve_load_balance_method(settings.method, mode)
+    tally = open_tally(board.name, 1, 0, num_workers, method=method.value, mode=mode,
+                       refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=logger)
+    if tally is not None:
+        reader = TickingReader(reader, tally)  # the record is published from the refreshes
     dispatcher = Dispatcher(settings.method, num_workers, reader=reader, active=controller._active_workers,
-                            disaggregation_mode=module.get_disagg().disaggregation_mode)
+                            disaggregation_mode=mode)
+    if tally is not None and dispatcher.budget is not None:
+        tally.source = dispatcher.budget.sent_reqs.copy  # the budget's own count of each rank's requests
     setattr(controller, STATE, dispatcher)
-    setattr(controller, TALLY, open_tally(board.name, 1, 0, num_workers, method=dispatcher.method.value,
-                                          mode=module.get_disagg().disaggregation_mode,
-                                          refresh_interval=dispatcher.refresh_interval, logger=logger))
+    setattr(controller, TALLY, tally)
     _sync(controller, dispatcher)
     logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.method, board.name,
                 num_workers)
@@ -138,8 +145,13 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
         if dispatcher.budget is not None:
             dispatcher.budget.charge(req.routed_dp_rank, request_tokens(req))
         if tally is not None:
-            tally.sent(req.routed_dp_rank, True, getattr(req, "bootstrap_room", None) is not None)
-            tally.publish_if_due(dispatcher.refresh_count)
+            tally.routed += 1
+            tally.routed_per_rank[req.routed_dp_rank] += 1
+            if dispatcher.budget is None:
+                tally.per_rank[req.routed_dp_rank] += 1
+            tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
+            if not tally.countdown:
+                tally.tick()
         return None
     try:
         rank = dispatcher.dispatch(req)
@@ -152,9 +164,13 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
     except BaseException:
         dispatcher.retract(rank, req)
         raise
-    if tally is not None:
-        tally.sent(rank, False, getattr(req, "bootstrap_room", None) is not None)
-        tally.publish_if_due(dispatcher.refresh_count)
+    if tally is not None and dispatcher.budget is None:  # a load-aware budget counts its picks itself
+        tally.per_rank[rank] += 1
+        if getattr(req, "bootstrap_room", None) is not None:
+            tally.with_room += 1
+        tally.countdown -= 1
+        if not tally.countdown:
+            tally.tick()
     return None
 
 

@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board, BoardReader
-from dpboard.board.dispatch_record import DispatchTally, open_tally
+from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher, LoadBalanceMethod
+from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.integrations.vllm.settings import (
     DEFAULT_STALE_AFTER,
@@ -104,7 +105,7 @@ class ClientDispatch:
     """What one DPLBAsyncMPClient decides with: the dispatcher, and this server's sent row."""
 
     def __init__(self, method: Any, board: Board, sent: SentRecord, row: SentWriter, ranks: Sequence[int],
-                 stale_after: float = DEFAULT_STALE_AFTER) -> None:
+                 stale_after: float = DEFAULT_STALE_AFTER, tally: DispatchTally | None = None) -> None:
         self.board = board
         self.sent = sent
         self.row = row
@@ -114,10 +115,11 @@ class ClientDispatch:
             raise InvalidInputError(f"vLLM engines of DP ranks {outside} have no slot on board {board.name!r} "
                                     f"({board.n_slots} slots)")
         self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks)
-        self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.reader, inflight_accounting=False)
+        self.tally = tally  # this server's row of the dispatch record (dpboard doctor), published per refresh
+        reader = self.reader if tally is None else TickingReader(self.reader, tally)
+        self.dispatcher = Dispatcher(method, len(self.ranks), reader=reader, inflight_accounting=False)
         self.request = _Request()
         self.warned = False
-        self.tally: DispatchTally | None = None  # this server's row of the dispatch record (dpboard doctor)
 
     def pick(self, request: Any) -> int:
         """The engine index (into the client's core_engines) for a request vLLM leaves to balancing."""
@@ -132,14 +134,17 @@ class ClientDispatch:
 
     def charge(self, index: int, request: Any) -> None:
         """A request vLLM routed itself (explicit rank, late-interaction index): counted as load."""
+        if self.tally is not None and request.data_parallel_rank is not None:
+            self.tally.routed += 1
+            self.tally.routed_per_rank[self.ranks[index]] += 1
+            self.tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
+            if not self.tally.countdown:
+                self.tally.tick()
         if self.dispatcher.budget is not None:
             self.dispatcher.budget.charge(index, len(request.prompt_token_ids or ()))
 
     def sent_to(self, index: int, request: Any) -> None:
         self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
-        if self.tally is not None:
-            self.tally.sent(self.ranks[index], request.data_parallel_rank is not None, False)
-            self.tally.publish_if_due(self.dispatcher.refresh_count)
 
     def warn_unavailable(self) -> None:
         if self.tally is not None:
@@ -187,16 +192,17 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
         sent = SentRecord.open(name, int(client.client_count), n_slots)
         try:
             row = sent.row(int(client.client_index))
-            state = ClientDispatch(method, board, sent, row, ranks, stale)
+            tally = open_tally(name, int(client.client_count), int(client.client_index), n_slots, method=method.value,
+                               refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=log)
+            if tally is not None:  # the requests per engine: what this server's sent row counts
+                tally.source = lambda: [row.sent(s)[0] for s in range(n_slots)]
+            state = ClientDispatch(method, board, sent, row, ranks, stale, tally)
         except BaseException:
             sent.close()
             raise
     except BaseException:
         board.close()
         raise
-    state.tally = open_tally(name, int(client.client_count), int(client.client_index), n_slots,
-                             method=state.dispatcher.method.value, refresh_interval=state.dispatcher.refresh_interval,
-                             logger=log)
     log.info("dpboard: API server %d picks engines %s by %s over board %r", client.client_index, ranks,
              state.dispatcher.method.value, name)
     return state
