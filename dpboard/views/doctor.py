@@ -44,7 +44,6 @@ EVEN = 1.2  # max / mean below this: even
 KV_FULL = 0.9
 KV_ROOMY = 0.7
 MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
-RECORD_SILENT = 2.0  # seconds without a publish after which a dispatcher's row counts as silent
 _LIVE, _STALE, _TORN = SlotStatus.LIVE.label, SlotStatus.STALE.label, SlotStatus.TORN.label
 _DISAGG = DETAIL_PRESENT | DETAIL_FLAG["disaggregation"]
 
@@ -163,7 +162,8 @@ def _dispatch_over(first: Sample, last: Sample, dt: float) -> _Dispatch | None:
     if not last.dispatch:
         return None
     before = {r.row: r for r in (first.dispatch or []) if r.pid}
-    rows = [r for r in last.dispatch if r.alive and r.age_s <= RECORD_SILENT]
+    # a plugin's row is published as requests come: an idle dispatcher's row ages, and is still its own
+    rows = [r for r in last.dispatch if r.alive]
     if not rows:
         return None
     n = last.n_slots
