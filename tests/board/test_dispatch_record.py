@@ -27,7 +27,7 @@ from dpboard.board.dispatch_record import (
 from dpboard.errors import AccessDeniedError, DpboardError
 from tests.support.names import ROOT
 from tests.support.other_user import as_nobody, need_root
-from tests.support.procutil import kill, read_line
+from tests.support.procutil import kill, read_line, wait_for
 
 SLOTS = 3
 PLANTED: set[Path] = set()  # files a test planted on purpose: removed after it, not a leak
@@ -222,3 +222,25 @@ def _main(board: str, role: str) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1], sys.argv[2])
+
+
+def test_a_controller_over_a_planted_record_serves_without_one(board_name, tmp_path):
+    """A record the controller may not use (here: others may write it) never keeps it from serving:
+    it says why once, and dispatches; the doctor refuses the file with one line."""
+    from dpboard.controller.codec import encode_request
+    from tests.views.test_doctor import controller
+
+    path = _plant(board_name, mode=0o666)
+    with controller(board_name, tmp_path, 2, "--method", "round_robin") as (push, ctl):
+        for i in range(4):
+            push.send(encode_request(f"r{i}", num_tokens=5))
+        board = Board.attach(board_name)
+        reader = board.reader()
+        wait_for(lambda: sum(s.num_received_reqs for s in reader.read_all() if s) >= 4, 20,
+                 "the controller to dispatch")
+        board.close()
+        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "mode 0o666" in res.stderr and res.stderr.count("\n") == 1
+    assert "no dispatch record for dpboard doctor" in ctl.stderr.read()
+    assert path.stat().st_mode & 0o777 == 0o666  # left as it was: not ours to change
