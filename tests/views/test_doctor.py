@@ -424,3 +424,13 @@ def test_serve_answers_v1_doctor_with_the_findings(board_name):
         assert set(f) == FINDING_KEYS and f["severity"] in ("critical", "warning", "info")
     assert doc["findings"][0]["title"] == "only 1 of 3 ranks live (rank 0)"
     assert "takes no query parameters" in json.loads(why)["error"] and "/v1/doctor" in json.loads(listing)["error"]
+
+
+def test_without_a_name_several_boards_are_named_for_the_user_to_choose(board_name):
+    from tests.support.names import new_board_name
+
+    other = new_board_name()
+    with Board.create(board_name, 1), Board.create(other, 1):
+        res = doctor("--window", "0.2")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "name the one to check" in res.stderr and board_name in res.stderr and other in res.stderr
