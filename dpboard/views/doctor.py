@@ -620,8 +620,9 @@ def render(report: dict[str, Any], findings: Sequence[Finding]) -> str:
                      f"{share(report['room_share'])}")
     faults = [f for f in findings if f.severity != "info"]
     lines.append("")
-    lines.append("healthy: no findings" if not faults else
-                 f"{len(faults)} finding{'s' if len(faults) > 1 else ''}, most serious first:")
+    notes = len(findings) - len(faults)
+    lines.append(("healthy: no findings" + (f" ({notes} note{'s' if notes > 1 else ''})" if notes else ""))
+                 if not faults else f"{len(faults)} finding{'s' if len(faults) > 1 else ''}, most serious first:")
     for f in findings:
         lines.append("")
         lines.append(f"[{f.severity}] {f.title}")
