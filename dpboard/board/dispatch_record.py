@@ -32,6 +32,7 @@ import atexit
 import errno
 import mmap
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ import posix_ipc
 
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive
-from dpboard.board.names import MAX_SLOTS, SHM_DIR, validate_name
+from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned
 
@@ -454,6 +455,57 @@ def _attach(board: str, path: str, deadline: float, trust_uids: tuple[int, ...],
         mapping.close()
         raise BoardLayoutError(f"dispatch record {path} {problem}; remove it once its deployment is stopped")
     return mapping
+
+
+def remove_if_abandoned(board: str) -> bool:
+    """Remove ``board``'s dispatch record when no process that wrote it runs any more (its creator
+    and every row's holder gone: dispatchers killed with SIGKILL leave theirs). A record of another
+    user, or one that is not a record, is left alone. True when it was removed."""
+    path = dispatch_record_path(board)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode) or st.st_size < DISPATCH_HEADER_SIZE:
+            return False
+        head = os.pread(fd, DISPATCH_HEADER_SIZE, 0)
+        header = np.frombuffer(head, DISPATCH_HEADER_DTYPE, 1)[0]
+        rows, slots = int(header["rows"]), int(header["slots"])
+        if (head[:8] != DISPATCH_MAGIC or not 1 <= rows <= MAX_ROWS or not 1 <= slots <= MAX_SLOTS
+                or st.st_size != record_size(rows, slots)):
+            return False
+        pids = [int(header["creator_pid"])]
+        for index in range(rows):  # 8 bytes a row: never more than the rows' pids are read
+            word = os.pread(fd, 8, DISPATCH_HEADER_SIZE + index * row_size(slots) + 8)
+            pids.append(int.from_bytes(word, "little", signed=True))
+    finally:
+        os.close(fd)
+    if any(pid > 0 and process_alive(pid) for pid in pids):
+        return False
+    try:
+        posix_ipc.unlink_shared_memory(dispatch_segment_name(board))
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def remove_abandoned_records(board: str | None = None) -> list[str]:
+    """``remove_if_abandoned`` for ``board``, or for every dispatch record here whose board is gone;
+    the boards whose record was removed."""
+    if board is not None:
+        return [board] if remove_if_abandoned(board) else []
+    removed = []
+    for path in sorted(SHM_DIR.glob(DISPATCH_PREFIX + "*")):
+        name = path.name[len(DISPATCH_PREFIX):]
+        try:
+            validate_name(name)
+        except DpboardError:
+            continue
+        if not (SHM_DIR / (SEGMENT_PREFIX + name)).exists() and remove_if_abandoned(name):
+            removed.append(name)
+    return removed
 
 
 def _unlink(name: str, pid: int) -> None:

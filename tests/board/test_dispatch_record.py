@@ -244,3 +244,47 @@ def test_a_controller_over_a_planted_record_serves_without_one(board_name, tmp_p
         assert res.returncode == 2 and "mode 0o666" in res.stderr and res.stderr.count("\n") == 1
     assert "no dispatch record for dpboard doctor" in ctl.stderr.read()
     assert path.stat().st_mode & 0o777 == 0o666  # left as it was: not ours to change
+
+
+def test_a_boards_unlink_takes_its_abandoned_record_and_leaves_a_live_ones(board_name):
+    path = Path(dispatch_record_path(board_name))
+    board = Board.create(board_name, SLOTS)
+    live = _writer(board_name, "once")
+    try:
+        board.unlink()  # a dispatcher of it still runs: its record stays
+        assert path.exists()
+        board.close()
+        board = Board.create(board_name, SLOTS)
+        kill(live)  # SIGKILL: the record is left with a dead creator and a dead row holder
+        assert path.exists()
+        board.unlink()
+        assert not path.exists()
+    finally:
+        kill(live)
+        board.close()
+        board.unlink()
+
+
+def test_clean_removes_the_record_of_the_board_it_removes(board_name):
+    path = Path(dispatch_record_path(board_name))
+    board = Board.create(board_name, SLOTS)
+    try:
+        kill(_writer(board_name, "once"))
+        assert path.exists()
+        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", board_name, "--force"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert not path.exists()
+    finally:
+        board.close()
+        board.unlink()
+
+
+def test_a_record_of_another_user_is_never_removed_as_abandoned(board_name):
+    need_root()
+    from dpboard.board.dispatch_record import remove_abandoned_records
+
+    path = Path(dispatch_record_path(board_name))
+    PLANTED.add(path)
+    as_nobody(lambda: _plant(board_name, mode=0o644) and None)
+    assert remove_abandoned_records(board_name) == [] and path.exists()
