@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
+from dpboard.board.dispatch_record import remove_abandoned_records
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
@@ -201,6 +202,7 @@ def clean_boards(name: str | None = None, *, force: bool = False,
         # Only the incarnation that was listed: a board re-created since then under that name stays.
         if unlink_if_generation("/" + SEGMENT_PREFIX + entry.name, entry.header.generation):
             removed.append(entry.name)
+    remove_abandoned_records(name)  # dispatch records whose board is gone and no dispatcher runs
     return removed
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
+from dpboard.board.dispatch_record import remove_if_abandoned
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.header import NO_MAGIC, BoardHeader, check_layout, pack_header, unpack_header
 from dpboard.board.liveness import process_alive, process_start_ticks
@@ -320,6 +321,7 @@ class Board:
         if not self._unlinked:
             unlink_if_generation(segment_name(self._name), self._header.generation)
             self._unlinked = True
+            remove_if_abandoned(self._name)  # its dispatch record, once no dispatcher of it runs
 
     def is_current(self) -> bool:
         """True while the segment of this name is still this board (not removed, not replaced by a

@@ -34,6 +34,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dpboard.board.dispatch_record import DispatchRecord, DispatchRow
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
 from dpboard.controller.delivery import DeliveryLedger
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, Dispatcher
@@ -111,6 +112,10 @@ class DataParallelController:
     ``max_redeliveries + 1`` ranks is answered on the error channel instead (counted in
     ``stats["redelivery_exhausted"]``).
 
+    ``record``, when given, is this controller's row of the board's dispatch record
+    (``dpboard.board.dispatch_record.DispatchRow``): the loop copies its counts there at most every
+    0.1 s, for ``dpboard doctor``; requests are counted where they already are, in ``stats``.
+
     ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
     """
@@ -131,6 +136,7 @@ class DataParallelController:
         acks: Any = None,
         redeliver_after: float | None = None,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
+        record: Any = None,
     ):
         n = dispatcher.num_workers
         if len(worker_endpoints) != n:
@@ -166,6 +172,9 @@ class DataParallelController:
         self.input_endpoint = input_endpoint
         self.error_endpoint = error_endpoint
         self.collector = collector
+        self.record = record
+        self._routed = [0] * n  # requests sent with routed_dp_rank, per rank (for the record)
+        self._with_room = 0  # requests sent carrying a bootstrap_room
         self.acks = acks
         self.redeliver_after = float(redeliver_after or 1.0)
         self.max_redeliveries = max_redeliveries
@@ -415,6 +424,8 @@ class DataParallelController:
                         self._read_acks(now)
                     if self.input in ready:
                         self._serve_ready()
+                    if self.record is not None and self.record.due(now):
+                        self._publish_record()
                     if now >= next_log:
                         next_log = now + self.log_every
                         self._log_counts()
@@ -424,9 +435,18 @@ class DataParallelController:
                 self.stats["unacknowledged"] = self.ledger.unacknowledged()
                 self.stats["untracked"] = self.ledger.untracked
             self._log_counts()
+            if self.record is not None:
+                self._publish_record()
             if self.collector is not None and hasattr(self.collector, "stats"):
                 self.stats["collector"] = self.collector.stats()
         return self.stats
+
+    def _publish_record(self) -> None:
+        """This controller's counts into its dispatch-record row. Fallbacks are picks whose rank
+        refused the send, dispatched again; rejections are the requests answered with an error."""
+        s = self.stats
+        self.record.publish(self.dispatcher.refresh_count, s["dispatched"], sum(self._routed), self._with_room,
+                            s["retracted"], s["rejected"] + s["malformed"], s["per_rank"], self._routed)
 
     def _serve_ready(self) -> None:
         reqs: list[Request] = []
@@ -519,6 +539,10 @@ class DataParallelController:
             return False
         self.stats["dispatched"] += 1
         self.stats["per_rank"][rank] += 1
+        if req.routed_dp_rank is not None:
+            self._routed[rank] += 1
+        if req.bootstrap_room is not None:
+            self._with_room += 1
         if self.ledger is not None and self.ledger.sent(rank, req) and not self._said_uncounted:
             self._said_uncounted = True
             log.warning("worker %d took %d requests without counting one in num_received_reqs on its board "
@@ -734,16 +758,40 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
         health_aware=args.health_aware,
         rotate_ties=args.rotate_ties,
     )
-    controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
-                                        log_every=args.log_every, collector=collector, acks=reader,
-                                        max_redeliveries=args.max_redeliveries)
+    record = _open_record(args, dispatcher) if args.board else None
     try:
-        stats = controller.run(duration=args.duration)
+        controller = DataParallelController(
+            dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm, log_every=args.log_every,
+            collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
+            record=None if record is None else record[1])
+        try:
+            stats = controller.run(duration=args.duration)
+        finally:
+            controller.close()
     finally:
-        controller.close()
+        if record is not None:
+            record[0].close()
     if args.stats_json:
         print(json.dumps(stats), flush=True)
     return 0
+
+
+def _open_record(args: argparse.Namespace, dispatcher: Dispatcher) -> tuple[DispatchRecord, DispatchRow] | None:
+    """The board's dispatch record and this controller's row of it, for ``dpboard doctor``; a record
+    that cannot be used is logged and done without: it never keeps the controller from serving."""
+    try:
+        record = DispatchRecord.open(args.board, 1, dispatcher.num_workers, trust_uids=tuple(args.trust_uid))
+    except DpboardError as e:
+        log.warning("controller: no dispatch record for dpboard doctor: %s", e)
+        return None
+    try:
+        row = record.row(0, method=dispatcher.method.value, mode=args.disaggregation_mode,
+                         refresh_interval=dispatcher.refresh_interval)
+    except DpboardError as e:
+        record.close()
+        log.warning("controller: no dispatch record for dpboard doctor: %s", e)
+        return None
+    return record, row
 
 
 add_controller_arguments = add_arguments

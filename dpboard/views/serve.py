@@ -11,6 +11,8 @@
 - ``GET /v1/board`` — what ``dpboard top --json`` shows of one read, every slot (stale ones with
   their last snapshot) and the board's header (``board_document``); no rates: a reader derives
   them from each row's ``publish_seq``, ``num_received_reqs`` and ``monotonic_ns`` between reads.
+- ``GET /v1/doctor`` — ``dpboard doctor``'s findings over the last samples this path took
+  (``{"healthy", "window_s", "findings": [{"severity", "title", "evidence", "cause", "fix"}]}``).
 - ``GET /`` — the live page (``live.html`` beside this module): what ``dpboard top`` shows, in a
   browser, its script reading ``/v1/board`` about once a second. One file, no external asset.
 
@@ -52,6 +54,7 @@ import dpboard
 from dpboard.board import DEFAULT_STALE_AFTER
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
+from dpboard.views.doctor import MAX_WATCH_SLOTS, DoctorWatch, Finding
 from dpboard.views.loads_document import (
     PROMETHEUS_CONTENT_TYPE,
     IncludeError,
@@ -77,6 +80,8 @@ FD_RESERVE = 32  # descriptors kept out of the connection cap: listening socket,
 ACCEPT_BACKOFF = (0.01, 0.5)  # seconds: the first and the longest pause after accept() ran out of descriptors
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 MAX_RANK_DIGITS = 19  # a dp_rank beyond int64 names no rank
+DOCTOR_WINDOW = 10.0  # seconds of samples behind /v1/doctor
+DOCTOR_EVERY = 0.5  # seconds between two of its samples, at most
 
 
 def _finite(value: Any) -> Any:
@@ -164,6 +169,8 @@ class LoadsServer(ThreadingHTTPServer):
         self.accelerator = accelerator
         self.num_accelerators = num_accelerators
         self.watch = BoardWatch(name, stale_after=stale_after, wait=wait, trust_uids=trust_uids)
+        self.doctor = DoctorWatch(window=DOCTOR_WINDOW, every=DOCTOR_EVERY, stale_after=stale_after,
+                                  trust_uids=tuple(trust_uids))
         self._lock = threading.Lock()
         try:
             super().__init__((host, port), _Handler)
@@ -193,6 +200,21 @@ class LoadsServer(ThreadingHTTPServer):
             if records is None:
                 return None, self.watch.gone
             return render(records), None
+
+    def doctor_document(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The doctor's document now (its window rolls on), or ``(None, why)`` while the board is gone."""
+        with self._lock:
+            if self.watch.read_detailed() is None:  # follows a board that was replaced
+                self.doctor.observe_watch(self.watch)
+                return None, self.watch.gone
+            board = self.watch.board
+            if not self.doctor.covers(board):
+                return {"healthy": True, "window_s": 0.0, "findings": [Finding(
+                    "info", "too many slots to diagnose here", f"board {self.watch.name!r} has {board.n_slots} slots",
+                    f"the live doctor covers boards of at most {MAX_WATCH_SLOTS} slots",
+                    f"run `dpboard doctor {self.watch.name}`", "not_covered").as_dict()]}, None
+            self.doctor.observe_watch(self.watch)
+            return self.doctor.document(), None
 
     def server_close(self) -> None:
         super().server_close()
@@ -361,11 +383,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, f"malformed query string {parts.query!r}: use name=value pairs joined by '&'")
             return
         route = {"/v1/loads": self._loads, "/metrics": self._metrics, "/healthz": self._healthz,
-                 "/v1/board": self._board,
+                 "/v1/board": self._board, "/v1/doctor": self._doctor,
                  "/": self._page}.get(parts.path.rstrip("/") or "/")
         if route is None:
             self._error(404, f"no such path {parts.path!r}: this server has / (the live page), /v1/loads, "
-                             f"/v1/board, /metrics and /healthz")
+                             f"/v1/board, /v1/doctor, /metrics and /healthz")
             return
         try:
             route(query)
@@ -449,6 +471,17 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"/metrics takes no query parameters (got {sorted(query)[0]!r}); "
                              f"use /v1/loads?dp_rank=N&format=prometheus for one rank")
         self._send(200, prometheus_text(self.server.sample()), CONTENT_TYPE_LATEST)
+
+    def _doctor(self, query: dict[str, list[str]]) -> None:
+        """``dpboard doctor``'s findings over the last DOCTOR_WINDOW seconds of this server's samples
+        (one per DOCTOR_EVERY at most, taken when this path is asked): {healthy, window_s, findings}."""
+        if query:
+            raise BadRequest(f"/v1/doctor takes no query parameters (got {sorted(query)[0]!r})")
+        doc, gone = self.server.doctor_document()
+        if doc is None:
+            self._error(503, gone or "the board is gone")
+            return
+        self._send_json(200, doc)
 
     def _healthz(self, query: dict[str, list[str]]) -> None:
         if query:

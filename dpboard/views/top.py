@@ -29,6 +29,7 @@ from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS
 from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
 from dpboard.snapshot import SlotStatus
+from dpboard.views.doctor import DoctorWatch, header_line
 from dpboard.views.rows import fmt_age, status_of
 from dpboard.views.watch import SORT_KEYS, BoardWatch, Frame
 
@@ -41,6 +42,7 @@ BAR_WIDTH = 12
 PLAIN_WIDTH = 132  # a plain-text frame fits its widest row in this many columns
 HISTORY_WIDTH = 24  # samples shown in the sparkline column
 HEADER_LINES = 6  # header, table heading and footer: what remains of the screen is for rows
+DOCTOR_WINDOW = 10.0  # seconds of samples behind the header's doctor line
 DEFAULT_PLAIN_ROWS = 64  # rows of a plain-text frame (no terminal to measure): --rows 0 shows them all
 
 
@@ -152,7 +154,15 @@ def render_header(frame: Frame, width: int | None = None) -> Text:
         f"total tokens {fmt_count(t.get('num_total_tokens'))}", f"active {fmt_count(t.get('num_active_tokens'))}",
         f"publishes/s {fmt_rate(frame.publish_rate)}", f"requests/s {fmt_rate(frame.request_rate)}",
     )]
-    return _flow([first, second, third], width)
+    lines = [first, second, third]
+    if frame.doctor is not None:
+        line = header_line(frame.doctor)
+        faults = [f for f in frame.doctor["findings"] if f["severity"] != "info"]
+        style = "green" if not faults else "bold red" if faults[0]["severity"] == "critical" else "yellow"
+        if width is not None and len(line) > width:
+            line = line[: max(width - 1, 0)] + "…"  # one screen line, whatever the title
+        lines.append([Text(line, style=style)])
+    return _flow(lines, width)
 
 
 # Columns: (title, width, justify). As the terminal narrows, whole columns go, in DROP_ORDER (the
@@ -322,36 +332,48 @@ def wait_for_board(watch: BoardWatch, timeout: float, poll: float = 0.05) -> Non
         time.sleep(poll)
 
 
-def one_frame(watch: BoardWatch, interval: float) -> Frame:
-    """A frame with rates: two samples, a short while apart."""
+def one_frame(watch: BoardWatch, interval: float, doctor: DoctorWatch | None = None) -> Frame:
+    """A frame with rates: two samples, a short while apart (the doctor's window is that while)."""
     watch.sample()
+    if doctor is not None and doctor.covers(watch.board):
+        doctor.observe_watch(watch)
     time.sleep(min(interval, 0.2))
-    return watch.sample()
+    return _with_doctor(watch.sample(), watch, doctor)
+
+
+def _with_doctor(frame: Frame, watch: BoardWatch, doctor: DoctorWatch | None) -> Frame:
+    if doctor is not None and frame.gone is None and doctor.covers(watch.board):
+        doctor.observe_watch(watch)
+        frame.doctor = doctor.document()
+    return frame
 
 
 def run_top(args: argparse.Namespace) -> int:
     _check_args(args)
     watch = BoardWatch(args.name, stale_after=args.stale_after, wait=args.wait, trust_uids=args.trust_uid)
     rows = getattr(args, "rows", None)
+    doctor = DoctorWatch(window=DOCTOR_WINDOW, every=0.0 if (args.json or args.once) else min(args.interval, 1.0),
+                         stale_after=args.stale_after, trust_uids=tuple(args.trust_uid))
     try:
         if args.wait and (args.json or args.once):
             wait_for_board(watch, args.wait_timeout)
         if args.json:
-            frame = one_frame(watch, args.interval)
+            frame = one_frame(watch, args.interval, doctor)
             print(json.dumps(frame.as_dict(), indent=2))
             return 0 if frame.gone is None else 1
         if args.once:
-            frame = one_frame(watch, args.interval)
+            frame = one_frame(watch, args.interval, doctor)
             tty = sys.stdout.isatty()
             sys.stdout.write(render_text(frame, sort=args.sort, color=tty, max_rows=text_rows(rows, sys.stdout),
                                          width=shutil.get_terminal_size().columns if tty else PLAIN_WIDTH))
             return 0 if frame.gone is None else 1
         console = Console()
         if console.is_terminal:
-            live_view(watch, console, interval=args.interval, sort=args.sort, iterations=args.iterations)
+            live_view(watch, console, interval=args.interval, sort=args.sort, iterations=args.iterations,
+                      doctor=doctor)
         else:
             plain_frames(watch, interval=args.interval, sort=args.sort, iterations=args.iterations,
-                         max_rows=text_rows(rows, sys.stdout))
+                         max_rows=text_rows(rows, sys.stdout), doctor=doctor)
         return 0
     except KeyboardInterrupt:
         return 0
@@ -360,34 +382,38 @@ def run_top(args: argparse.Namespace) -> int:
 
 
 def live_view(watch: BoardWatch, console: Console, *, interval: float, sort: str = "rank",
-              iterations: int = 0, should_stop: Any = None, hint: str = "Ctrl-C to quit") -> None:
+              iterations: int = 0, should_stop: Any = None, hint: str = "Ctrl-C to quit",
+              doctor: DoctorWatch | None = None) -> None:
     """Redraw the frame in place every ``interval`` seconds (rich.Live on the alternate screen)."""
     hint = f"refresh {interval:g}s  sort {sort}  stale after {watch.stale_after:g}s  {hint}"
     with Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False,
               redirect_stderr=False) as live:
-        for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
+        for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop,
+                                  doctor=doctor):
             rows_fit = max(console.size.height - HEADER_LINES - 1, 1)
             live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint, width=console.size.width),
                         refresh=True)
 
 
 def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iterations: int = 0,
-                 should_stop: Any = None, out: Any = None, max_rows: int | None = None) -> None:
+                 should_stop: Any = None, out: Any = None, max_rows: int | None = None,
+                 doctor: DoctorWatch | None = None) -> None:
     """Without a terminal: a plain-text frame every ``interval`` seconds, separated by a blank line."""
     out = out or sys.stdout
-    for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop):
+    for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop,
+                              doctor=doctor):
         out.write(render_text(frame, sort=sort, max_rows=max_rows) + "\n")
         out.flush()
 
 
 def paced_frames(watch: BoardWatch, *, interval: float, iterations: int = 0,
-                 should_stop: Any = None) -> Iterator[Frame]:
+                 should_stop: Any = None, doctor: DoctorWatch | None = None) -> Iterator[Frame]:
     """A frame every ``interval`` seconds (time spent showing one counts against the wait), until
     ``iterations`` frames were shown (0: no limit) or ``should_stop()`` says so."""
     n = 0
     while True:
         started = time.monotonic()
-        yield watch.sample()
+        yield _with_doctor(watch.sample(), watch, doctor)
         n += 1
         if (iterations and n >= iterations) or (should_stop is not None and should_stop()):
             return

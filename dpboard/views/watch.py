@@ -65,6 +65,7 @@ class Frame:
     publish_rate: float | None = None  # publishes per second, all slots together
     request_rate: float | None = None  # requests received per second, all slots together
     gone: str | None = None  # why the board cannot be shown now (vanished, not created yet)
+    doctor: dict[str, Any] | None = None  # dpboard.views.doctor's findings over a short window (top sets it)
 
     def sorted_rows(self, sort: str = "rank") -> list[dict[str, Any]]:
         key, descending = SORT_KEYS[sort]
@@ -97,6 +98,7 @@ class Frame:
             "totals": self.totals,
             "publish_rate": self.publish_rate,
             "request_rate": self.request_rate,
+            **({"doctor": self.doctor} if self.doctor is not None else {}),
             "ranks": self.rows,
         }
 

@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import BoardReader
+from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
+from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
@@ -40,6 +42,7 @@ logger = logging.getLogger("dpboard.sglang")
 
 STATE = "_dpboard_dispatch"  # the controller's attribute holding its Dispatcher
 FALLBACKS = "_dpboard_fallbacks"  # the controller's count of requests placed by the fallback pick
+TALLY = "_dpboard_tally"  # the controller's counts for its row of the board's dispatch record
 LOAD_AWARE = ("TOTAL_TOKENS", "TOTAL_REQUESTS")
 _module_name = "sglang.srt.managers.data_parallel_controller"
 
@@ -108,9 +111,18 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     num_workers = len(controller.workers)
     if num_workers > board.n_slots:
         reader = _PaddedReader(reader, num_workers)
+    mode = module.get_disagg().disaggregation_mode
+    method = resolve_load_balance_method(settings.method, mode)
+    tally = open_tally(board.name, 1, 0, num_workers, method=method.value, mode=mode,
+                       refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=logger)
+    if tally is not None:
+        reader = TickingReader(reader, tally)  # the record is published from the refreshes
     dispatcher = Dispatcher(settings.method, num_workers, reader=reader, active=controller._active_workers,
-                            disaggregation_mode=module.get_disagg().disaggregation_mode)
+                            disaggregation_mode=mode)
+    if tally is not None and dispatcher.budget is not None:
+        tally.source = dispatcher.budget.sent_reqs.copy  # the budget's own count of each rank's requests
     setattr(controller, STATE, dispatcher)
+    setattr(controller, TALLY, tally)
     _sync(controller, dispatcher)
     logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.method, board.name,
                 num_workers)
@@ -122,9 +134,24 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
     dispatcher: Dispatcher | None = getattr(controller, STATE, None)
     if dispatcher is None:
         return original(controller, req)
-    if controller.maybe_external_dp_rank_routing(req):
+    tally: DispatchTally | None = getattr(controller, TALLY, None)
+    try:
+        routed = controller.maybe_external_dp_rank_routing(req)
+    except ValueError:  # SGLang refuses a routed rank that is not active
+        if tally is not None:
+            tally.rejected += 1
+        raise
+    if routed:
         if dispatcher.budget is not None:
             dispatcher.budget.charge(req.routed_dp_rank, request_tokens(req))
+        if tally is not None:
+            tally.routed += 1
+            tally.routed_per_rank[req.routed_dp_rank] += 1
+            if dispatcher.budget is None:
+                tally.per_rank[req.routed_dp_rank] += 1
+            tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
+            if not tally.countdown:
+                tally.tick()
         return None
     try:
         rank = dispatcher.dispatch(req)
@@ -137,6 +164,13 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
     except BaseException:
         dispatcher.retract(rank, req)
         raise
+    if tally is not None and dispatcher.budget is None:  # a load-aware budget counts its picks itself
+        tally.per_rank[rank] += 1
+        if getattr(req, "bootstrap_room", None) is not None:
+            tally.with_room += 1
+        tally.countdown -= 1
+        if not tally.countdown:
+            tally.tick()
     return None
 
 
@@ -148,6 +182,9 @@ def _fallback_pick(controller: Any, dispatcher: Dispatcher, req: Any, why: Dpboa
     logged at the 1st, 10th, 100th... time so that a stuck board shows without flooding the log."""
     count = getattr(controller, FALLBACKS, 0) + 1
     setattr(controller, FALLBACKS, count)
+    tally = getattr(controller, TALLY, None)
+    if tally is not None:
+        tally.fallbacks = count
     if math.log10(count).is_integer():
         logger.warning("dpboard: %s; request %s dispatched as SGLang's budget would (fallback #%d)",
                        why, getattr(req, "rid", "?"), count)

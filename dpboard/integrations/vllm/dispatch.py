@@ -40,8 +40,10 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board, BoardReader
+from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher, LoadBalanceMethod
+from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.integrations.vllm.settings import (
     DEFAULT_STALE_AFTER,
@@ -118,7 +120,7 @@ class ClientDispatch:
     """What one DPLBAsyncMPClient decides with: the dispatcher, and this server's sent row."""
 
     def __init__(self, method: Any, board: Board, sent: SentRecord, row: SentWriter, ranks: Sequence[int],
-                 stale_after: float = DEFAULT_STALE_AFTER) -> None:
+                 stale_after: float = DEFAULT_STALE_AFTER, tally: DispatchTally | None = None) -> None:
         self.board = board
         self.sent = sent
         self.row = row
@@ -128,7 +130,9 @@ class ClientDispatch:
             raise InvalidInputError(f"vLLM engines of DP ranks {outside} have no slot on board {board.name!r} "
                                     f"({board.n_slots} slots)")
         self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks, row)
-        self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.reader, inflight_accounting=False)
+        self.tally = tally  # this server's row of the dispatch record (dpboard doctor), published per refresh
+        reader = self.reader if tally is None else TickingReader(self.reader, tally)
+        self.dispatcher = Dispatcher(method, len(self.ranks), reader=reader, inflight_accounting=False)
         self.request = _Request()
         self.warned = False
 
@@ -145,6 +149,12 @@ class ClientDispatch:
 
     def charge(self, index: int, request: Any) -> None:
         """A request vLLM routed itself (explicit rank, late-interaction index): counted as load."""
+        if self.tally is not None and request.data_parallel_rank is not None:
+            self.tally.routed += 1
+            self.tally.routed_per_rank[self.ranks[index]] += 1
+            self.tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
+            if not self.tally.countdown:
+                self.tally.tick()
         if self.dispatcher.budget is not None:
             self.dispatcher.budget.charge(index, len(request.prompt_token_ids or ()))
 
@@ -152,12 +162,16 @@ class ClientDispatch:
         self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
 
     def warn_unavailable(self) -> None:
+        if self.tally is not None:
+            self.tally.fallbacks += 1  # vLLM's own pick places the request
         if not self.warned:
             self.warned = True
             log.warning("dpboard: no engine of %s is live on board %r; vLLM's own pick decides until one is",
                         list(self.ranks), self.board.name)
 
     def close(self) -> None:
+        if self.tally is not None:
+            self.tally.close()
         self.sent.close()
         self.board.close()
 
@@ -193,7 +207,11 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
         sent = SentRecord.open(name, int(client.client_count), n_slots, generation=board.generation)
         try:
             row = sent.row(int(client.client_index))
-            state = ClientDispatch(method, board, sent, row, ranks, stale)
+            tally = open_tally(name, int(client.client_count), int(client.client_index), n_slots, method=method.value,
+                               refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=log)
+            if tally is not None:  # the requests per engine: what this server's sent row counts
+                tally.source = lambda: [row.sent(s)[0] for s in range(n_slots)]
+            state = ClientDispatch(method, board, sent, row, ranks, stale, tally)
         except BaseException:
             sent.close()
             raise

@@ -1,0 +1,650 @@
+"""``dpboard doctor [BOARD]``: the seed's troubleshooting checklist (§11), answered from a live board.
+
+"Why do all requests go to one DP rank?" The checklist asks whether dp_size is really > 1, which
+load-balance method is in effect, whether requests carry ``routed_dp_rank`` or ``bootstrap_room``,
+whether the loads are one-sided, whether a load-aware method refreshes too often or without its
+throttle, and whether a PD prefill server was switched to round robin (decode then waits forever
+for its KV). The board answers half of it; the dispatcher's own record
+(``dpboard.board.dispatch_record``) the rest.
+
+``take_sample`` reads both once into a ``Sample`` of plain values; ``diagnose(samples)`` is the pure
+core: from samples over a window (the first and the last give the counters' deltas, every one the
+loads) it returns ``Finding``s, most serious first, each with its evidence, the likely cause in the
+seed's terms and the fix. ``DoctorWatch`` keeps a short rolling window of samples for ``top`` and
+``serve``. Imports the board only: no Numba, no CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, list_boards, process_alive
+from dpboard.board.dispatch_record import DispatchRowSample, read_dispatch_record
+from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
+from dpboard.options import count, seconds
+from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
+
+DEFAULT_WINDOW = 30.0
+SAMPLES = 7  # reads over a window: at its start, its end and five between
+SEVERITIES = ("critical", "warning", "info")
+LOAD_UNAWARE = ("round_robin", "follow_bootstrap_room")
+SGLANG_THROTTLE = 0.02  # seconds: SGLang refreshes its budget at most every 20 ms
+ROUTED_SHARE = 0.8  # above this share of requests pinned to one rank by routed_dp_rank: a finding
+SKEWED = 1.5  # max / mean at or above this: one-sided
+EVEN = 1.2  # max / mean below this: even
+KV_FULL = 0.9
+KV_ROOMY = 0.7
+MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
+_LIVE, _STALE, _TORN = SlotStatus.LIVE.label, SlotStatus.STALE.label, SlotStatus.TORN.label
+_DISAGG = DETAIL_PRESENT | DETAIL_FLAG["disaggregation"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "critical", "warning" or "info"
+    title: str
+    evidence: str
+    cause: str
+    fix: str
+    id: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return {"id": self.id, "severity": self.severity, "title": self.title, "evidence": self.evidence,
+                "cause": self.cause, "fix": self.fix}
+
+
+@dataclass
+class Sample:
+    """One read of a board and its dispatch record, as plain values."""
+
+    t: float  # time.monotonic() seconds
+    board: str
+    n_slots: int
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    dispatch: list[DispatchRowSample] | None = None  # None: the board has no dispatch record
+
+
+def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = (),
+                buffer: np.ndarray | None = None) -> Sample:
+    """Every slot of ``board`` (with its detail's PD queues, and who holds it) and its dispatch record."""
+    arr = buffer if buffer is not None and len(buffer) == board.n_slots else np.zeros(board.n_slots, DETAILED_DTYPE)
+    reader.read_detailed_array(arr)
+    now = time.monotonic()
+    now_ns = time.monotonic_ns()
+    ranks = []
+    for rank, rec in enumerate(arr):
+        load, detail = rec["load"], rec["detail"]
+        status = SlotStatus(int(load["status"]))
+        owner = board.owner_pid(rank)
+        pid = int(load["writer_pid"]) if status.has_snapshot else owner
+        row: dict[str, Any] = {
+            "rank": rank, "status": status.label, "pid": pid, "owner_pid": owner,
+            "pid_alive": bool(pid) and process_alive(pid),
+            "age_s": (now_ns - int(load["monotonic_ns"])) / 1e9 if status.has_snapshot else None,
+            **{f: int(load[f]) for f in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                         "num_total_tokens", "max_total_num_tokens", "num_received_reqs",
+                                         "publish_seq")},
+            "pd": None,
+        }
+        if status.has_snapshot and int(detail["flags"]) & _DISAGG == _DISAGG:
+            row["pd"] = {
+                "mode": bytes(detail["disaggregation_mode"]).rstrip(b"\0").decode(errors="replace"),
+                **{f: int(detail[f"disaggregation_{f}"]) for f in (
+                    "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+                    "decode_transfer_queue_reqs")},
+            }
+        ranks.append(row)
+    dispatch = read_dispatch_record(board.name, trust_uids=trust_uids)
+    return Sample(now, board.name, board.n_slots, ranks, dispatch)
+
+
+# -- the core ----------------------------------------------------------------------------------------
+
+
+def _ratio(values: Sequence[float]) -> float | None:
+    """max / mean (1.0: even); None with fewer than two values or nothing in them."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else None
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f} %" if whole else "-"
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    r = list(ranks)
+    return ("rank " if len(r) == 1 else "ranks ") + ", ".join(str(x) for x in r)
+
+
+def _mean_loads(samples: Sequence[Sample]) -> dict[int, float]:
+    """Per rank LIVE in the last sample: its mean load over the samples in which it was LIVE
+    (total tokens; queued requests where no rank reports tokens)."""
+    last = samples[-1]
+    live = [r["rank"] for r in last.ranks if r["status"] == _LIVE]
+    key = "num_total_tokens"
+    if not any(s.ranks[k][key] for s in samples for k in live if s.ranks[k]["status"] == _LIVE):
+        key = "num_waiting_reqs"
+    out = {}
+    for k in live:
+        values = [s.ranks[k][key] + (s.ranks[k]["num_running_reqs"] if key == "num_waiting_reqs" else 0)
+                  for s in samples if len(s.ranks) > k and s.ranks[k]["status"] == _LIVE]
+        out[k] = sum(values) / len(values)
+    return out
+
+
+@dataclass
+class _Dispatch:
+    """The live dispatchers' counts over the window (their rows' deltas, summed)."""
+
+    rows: list[DispatchRowSample]
+    counts: dict[str, int]
+    per_rank: list[int]
+    routed_per_rank: list[int]
+    refresh_rates: list[tuple[DispatchRowSample, float]]
+
+    @property
+    def methods(self) -> set[str]:
+        return {r.method for r in self.rows}
+
+
+def _dispatch_over(first: Sample, last: Sample, dt: float) -> _Dispatch | None:
+    if not last.dispatch:
+        return None
+    before = {r.row: r for r in (first.dispatch or []) if r.pid}
+    # a plugin's row is published as requests come: an idle dispatcher's row ages, and is still its own
+    rows = [r for r in last.dispatch if r.alive]
+    if not rows:
+        return None
+    n = last.n_slots
+    counts = dict.fromkeys(rows[0].counts, 0)
+    per_rank, routed = [0] * n, [0] * n
+    rates = []
+    for row in rows:
+        old = before.get(row.row)
+        if old is not None and old.pid != row.pid:
+            old = None  # another process took the row over: its counts began again
+        if old is not None:  # a row that appeared during the window has no start to count from
+            for name, value in row.counts.items():
+                counts[name] += value - old.counts[name]
+            for k in range(min(n, len(row.per_rank))):
+                per_rank[k] += row.per_rank[k] - old.per_rank[k]
+                routed[k] += row.routed_per_rank[k] - old.routed_per_rank[k]
+            if dt > 0:
+                rates.append((row, (row.counts["refreshes"] - old.counts["refreshes"]) / dt))
+    return _Dispatch(rows, counts, per_rank, routed, rates)
+
+
+def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AFTER) -> list[Finding]:
+    """Findings over ``samples`` (oldest first, at least one), most serious first."""
+    if not samples:
+        raise InvalidInputError("diagnose needs at least one sample")
+    first, last = samples[0], samples[-1]
+    dt = max(0.0, last.t - first.t)
+    window = f"over {dt:.1f} s"
+    found: list[Finding] = []
+    add = found.append
+    by_status: dict[str, list[dict[str, Any]]] = {}
+    for r in last.ranks:
+        by_status.setdefault(r["status"], []).append(r)
+    live = [r["rank"] for r in by_status.get(_LIVE, [])]
+    n = last.n_slots
+
+    # -- dp_size, and the ranks that take requests
+    if n == 1:
+        add(Finding("warning", "one slot: dp_size is 1", f"board {last.board!r} has 1 slot",
+                    "with dp_size 1 there is no data-parallel controller: every request goes to the one rank "
+                    "(checklist 1: is dp_size really > 1?)",
+                    "start the server with --dp-size N (N > 1) and a board of N slots", "one_slot"))
+    elif len(live) <= 1:
+        others = "; ".join(f"rank {r['rank']} {r['status']}" for r in last.ranks if r["status"] != _LIVE)
+        add(Finding("critical", f"only {len(live)} of {n} ranks live" + (f" (rank {live[0]})" if live else ""),
+                    f"at the end of the window: {others}",
+                    "the other ranks' schedulers do not publish (stopped, stalled or never started): a "
+                    "health-aware or load-aware dispatcher sends every request to the live rank",
+                    "restart the other ranks' schedulers (see the stale/torn finding for their pids) and check "
+                    "their logs", "one_live_rank"))
+    bad = by_status.get(_STALE, []) + by_status.get(_TORN, [])
+    if bad:
+        parts, dead = [], False
+        for r in sorted(bad, key=lambda r: r["rank"]):
+            who = f"pid {r['pid']} {'running' if r['pid_alive'] else 'gone'}" if r["pid"] else "no writer"
+            dead |= not r["pid_alive"] or r["status"] == _TORN
+            if r["status"] == _STALE:
+                parts.append(f"rank {r['rank']} stale, last publish {r['age_s']:.1f} s ago ({who})")
+            else:
+                parts.append(f"rank {r['rank']} torn ({who})")
+        add(Finding("critical" if dead else "warning",
+                    f"{len(bad)} rank{'s' if len(bad) > 1 else ''} stale or torn: "
+                    f"{', '.join(str(r['rank']) for r in sorted(bad, key=lambda r: r['rank']))}",
+                    "; ".join(parts) + f" (stale after {stale_after:g} s)",
+                    "a stale rank's scheduler stopped publishing: it died, or one step lasts longer than the "
+                    "stale threshold (a long prefill); a torn rank's writer died or stalls in the middle of a "
+                    "publish (SIGKILL)",
+                    "restart the scheduler of a gone pid (the new writer takes the slot over); with long steps "
+                    "raise the threshold (--stale-after, DPBOARD_STALE_AFTER)", "stale_or_torn"))
+
+    loads = _mean_loads(samples)
+    load_ratio = _ratio(list(loads.values()))
+    disp = _dispatch_over(first, last, dt)
+    methods = disp.methods if disp else set()
+
+    # -- the dispatcher's own record
+    if last.dispatch is None:
+        add(Finding("info", "no dispatch record", f"board {last.board!r} has no dispatch record",
+                    "the dispatcher is not dpboard's (SGLang's or vLLM's own, without DPBOARD_METHOD), or an "
+                    "older dpboard: the method, refresh rate and routed_dp_rank / bootstrap_room shares are "
+                    "not checked",
+                    "dispatch with dpboard (`dpboard controller --board`, or DPBOARD_METHOD in the plugins)",
+                    "no_record"))
+    elif disp is None:
+        rows = ", ".join(f"pid {r.pid} ({'running' if r.alive else 'gone'}, last publish {r.age_s:.1f} s ago)"
+                         for r in last.dispatch) or "no row claimed"
+        add(Finding("warning", "the dispatcher does not publish", f"dispatch record rows: {rows}",
+                    "the dispatcher that reads this board stopped, or never started dispatching",
+                    "start the controller (or the server whose plugin dispatches); `dpboard clean` leaves the "
+                    "record of a live dispatcher alone", "record_silent"))
+    for row in (disp.rows if disp else []):
+        if row.mode == "prefill" and row.method == "round_robin":
+            add(Finding("critical", "a PD prefill server dispatches by round_robin",
+                        f"dispatcher pid {row.pid}: method round_robin, disaggregation mode prefill",
+                        "a prefill rank must be the one its bootstrap_room maps to, the rank the decode side "
+                        "waits on; round robin sends it elsewhere and the rendezvous fails (seed: Prefill 是否误改 "
+                        "RR)", "use --load-balance-method follow_bootstrap_room on the prefill server (auto "
+                        "picks it)", "prefill_round_robin"))
+
+    # -- the PD rendezvous: decode transfer queues that grow while prefill is idle
+    decode = [r for r in last.ranks if r["pd"] and r["pd"]["mode"] == "decode"]
+    growing = []
+    for r in decode:
+        k = r["rank"]
+        start = first.ranks[k]["pd"] if first.ranks[k]["pd"] else None
+        if start is None:
+            continue
+        q0 = start["decode_transfer_queue_reqs"] + start["decode_prealloc_queue_reqs"]
+        q1 = r["pd"]["decode_transfer_queue_reqs"] + r["pd"]["decode_prealloc_queue_reqs"]
+        if q1 > q0 and q1 > 0:
+            growing.append((k, q0, q1))
+    if growing:
+        prefill = [r for r in last.ranks if r["pd"] and r["pd"]["mode"] == "prefill" and r["status"] == _LIVE]
+        busy = [r for r in prefill if r["num_running_reqs"] + r["num_waiting_reqs"]
+                + r["pd"]["prefill_bootstrap_queue_reqs"] + r["pd"]["prefill_inflight_queue_reqs"]]
+        if not busy:
+            where = (f"prefill {_ranks(r['rank'] for r in prefill)} idle (nothing running, waiting or in flight)"
+                     if prefill else "no prefill rank publishes on this board (check the prefill server's board)")
+            grew = "; ".join(f"rank {k} {q0} -> {q1}" for k, q0, q1 in growing)
+            add(Finding("critical", "decode waits for KV that never comes (PD rendezvous failure)",
+                        f"decode transfer + prealloc queues grew {window}: {grew}; {where}",
+                        "decode preallocated KV for requests whose prefill never sends it: the prefill server "
+                        "dispatches to another rank than the request's bootstrap_room (switched to round robin), "
+                        "or the rooms are missing or differ between the two sides (seed: 排查 PD 会合失败)",
+                        "prefill: --load-balance-method follow_bootstrap_room (or auto); the router must give "
+                        "both sides the same bootstrap_room", "pd_rendezvous"))
+
+    # -- KV saturation on some ranks only
+    if len(live) >= 2:
+        usage = {}
+        for k in live:
+            vals = [s.ranks[k]["num_used_tokens"] / s.ranks[k]["max_total_num_tokens"] for s in samples
+                    if s.ranks[k]["status"] == _LIVE and s.ranks[k]["max_total_num_tokens"] > 0]
+            if vals:
+                usage[k] = sum(vals) / len(vals)
+        full = [k for k, u in usage.items() if u >= KV_FULL]
+        roomy = [k for k, u in usage.items() if u < KV_ROOMY]
+        if full and roomy:
+            add(Finding("warning", f"KV cache full on {_ranks(full)} only",
+                        f"mean KV use {window}: " + ", ".join(f"rank {k} {usage[k]:.0%}" for k in sorted(usage)),
+                        "requests that hold much KV pile up on some ranks: the method does not weigh tokens "
+                        "(round_robin, total_requests), or routed_dp_rank / bootstrap_room pin work there",
+                        "a token-aware method (total_tokens, or dpboard's inflight_tokens); check the routed and "
+                        "room findings", "kv_saturation"))
+
+    if disp is not None:
+        total = disp.counts["requests"]
+        rate = f"{total} requests {window}"
+        # -- routed_dp_rank
+        if total >= 10:
+            top = max(range(n), key=lambda k: disp.routed_per_rank[k])
+            pinned = disp.routed_per_rank[top]
+            if pinned > ROUTED_SHARE * total:
+                add(Finding("critical", f"{_pct(pinned, total)} of requests routed to rank {top} by routed_dp_rank",
+                            f"{pinned} of {rate} carried routed_dp_rank={top}; {_pct(disp.counts['routed'], total)} "
+                            f"carried one at all",
+                            "routed_dp_rank overrides every method (it is obeyed first): the client or gateway "
+                            "pins the requests to one rank (seed: 是否几乎都带了同一个 routed_dp_rank)",
+                            "drop routed_dp_rank from the requests, or have the gateway spread it over the ranks",
+                            "routed_one_rank"))
+        # -- refreshes against the throttle
+        publish = _publish_rate(first, last, dt)
+        for row, per_s in disp.refresh_rates:
+            if row.method in LOAD_UNAWARE or per_s <= 0:
+                continue
+            limit = 1 / row.refresh_interval if row.refresh_interval > 0 else None
+            if limit is None and per_s > 1 / SGLANG_THROTTLE:
+                title = f"refreshes {per_s:.0f}/s with no throttle"
+                throttle = "refresh interval 0 (a refresh per dispatch)"
+            elif limit is not None and per_s > 1.25 * limit + 1:
+                title = f"refreshes {per_s:.0f}/s, above its throttle's {limit:.0f}/s"
+                throttle = f"refresh interval {row.refresh_interval * 1e3:g} ms"
+            else:
+                continue
+            pub = f"; the ranks publish {publish:.0f}/s each" if publish is not None else ""
+            add(Finding("warning", title,
+                        f"dispatcher pid {row.pid} ({row.method}): {per_s:.1f} refreshes/s {window}, {throttle}{pub}",
+                        "a load-aware method that refreshes at every dispatch resets its speculative +1s to the "
+                        "last snapshot, older than its picks, so a burst lands on the rank that looked least "
+                        "loaded (seed: 负载感知却突发刷新过频/无节流)",
+                        "restore SGLang's 20 ms throttle (--refresh-interval 0.02), or use an inflight_* method "
+                        "(its in-flight accounting keeps the picks across refreshes)", "refresh_rate"))
+        # -- rooms
+        unrouted = [disp.per_rank[k] - disp.routed_per_rank[k] for k in range(n)]
+        if "follow_bootstrap_room" in methods and n > 1 and sum(unrouted) >= 5 * n:
+            room_ratio = _ratio(unrouted)
+            if room_ratio is not None and (room_ratio >= SKEWED or min(unrouted) == 0):
+                add(Finding("warning", "bootstrap rooms map unevenly onto the ranks",
+                            f"requests per rank by room {window}: " + ", ".join(
+                                f"rank {k} {v}" for k, v in enumerate(unrouted))
+                            + f" (max/mean {room_ratio:.2f}); {_pct(disp.counts['with_room'], total)} carried a room",
+                            "follow_bootstrap_room sends a request to bootstrap_room % dp_size: the router's rooms "
+                            "are not uniform modulo dp_size (even rooms only, a constant, a counter stepping by "
+                            "dp_size)",
+                            "have the router draw rooms uniformly (random 63-bit, as SGLang's router does); keep "
+                            "follow_bootstrap_room on the prefill server", "rooms_uneven"))
+        # -- rejections and fallbacks
+        rejected = disp.counts["rejected"]
+        if rejected:
+            if "follow_bootstrap_room" in methods:
+                cause = ("follow_bootstrap_room refuses a request without a bootstrap_room: it was sent straight "
+                         "to the prefill server, not through the router (seed: bootstrap_room 是否缺失)")
+                fix = "send PD requests through the router, which sets bootstrap_room"
+            else:
+                cause = ("requests the dispatcher cannot place: a routed_dp_rank outside the active ranks, no rank "
+                         "available, or a malformed frame")
+                fix = "see the dispatcher's log for each rejection (it names the request and why)"
+            add(Finding("warning", f"{rejected} requests rejected",
+                        f"{rejected} rejected beside {rate} ({_pct(disp.counts['with_room'], total)} of the "
+                        f"dispatched carried a bootstrap_room)", cause, fix, "rejected"))
+        if disp.counts["fallbacks"]:
+            add(Finding("warning", f"{disp.counts['fallbacks']} requests placed by a fallback pick",
+                        f"{disp.counts['fallbacks']} fallbacks beside {rate}",
+                        "the method had no rank to give, or its rank refused the request: every rank stale (one "
+                        "long step stalled them past the threshold), or a scheduler's queue full or disconnected",
+                        "check the stale ranks; with long steps raise the stale threshold; a full queue needs more "
+                        "ranks or a larger --send-hwm", "fallbacks"))
+
+    # -- the method against the loads, and the dispatch against the loads
+    if load_ratio is not None and load_ratio >= SKEWED and methods & set(LOAD_UNAWARE):
+        method = sorted(methods & set(LOAD_UNAWARE))[0]
+        if method == "round_robin":
+            cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
+                     "ones on some ranks (seed: 长短差大可试 total_tokens)")
+            fix = ("--load-balance-method total_tokens (or dpboard's inflight_tokens); but keep "
+                   "follow_bootstrap_room on a PD prefill server")
+        else:
+            cause = "follow_bootstrap_room maps rooms to ranks and never looks at load"
+            fix = ("keep the method on a PD prefill (the rendezvous needs it) and have the router spread its "
+                   "rooms; elsewhere use a load-aware method")
+        add(Finding("warning", f"load-unaware {method} under skewed load",
+                    f"mean total tokens {window}: " + ", ".join(f"rank {k} {v:.0f}" for k, v in loads.items())
+                    + f" (max/mean {load_ratio:.2f})", cause, fix, "load_unaware_skew"))
+    sent = _dispatch_per_rank(first, last, disp, live)
+    if sent is not None and load_ratio is not None and not any(f.id == "routed_one_rank" for f in found):
+        dispatch_ratio = _ratio(list(sent.values()))
+        shares = ", ".join(f"rank {k} {_pct(v, sum(sent.values()))}" for k, v in sent.items())
+        if dispatch_ratio is not None and dispatch_ratio >= SKEWED and load_ratio < EVEN:
+            add(Finding("warning", "dispatch one-sided while the loads are even",
+                        f"share of requests {window}: {shares} (max/mean {dispatch_ratio:.2f}); mean loads "
+                        f"max/mean {load_ratio:.2f}",
+                        "the loads on the board do not move with the requests: a scheduler publishes a constant "
+                        "or another engine's counts, or the requests differ so much in size that a token-aware "
+                        "method sends many short ones to a few ranks",
+                        "compare each rank's num_received_reqs with its engine's own log; if the requests are "
+                        "alike, check that each rank's plugin publishes its own engine", "dispatch_vs_load"))
+        elif (dispatch_ratio is not None and dispatch_ratio < EVEN and load_ratio >= SKEWED
+              and not methods & set(LOAD_UNAWARE)):
+            add(Finding("warning", "dispatch even while the loads are one-sided",
+                        f"share of requests {window}: {shares}; mean total tokens "
+                        + ", ".join(f"rank {k} {v:.0f}" for k, v in loads.items()) + f" (max/mean {load_ratio:.2f})",
+                        "requests go out evenly but the work does not: the method counts requests, not tokens "
+                        "(round_robin, total_requests), or it does not read the loads (a stale board read)",
+                        "a token-aware method (total_tokens, inflight_tokens) reading this board",
+                        "dispatch_vs_load"))
+    if disp is not None and disp.counts["requests"] == 0:
+        add(Finding("info", "no requests dispatched", f"0 requests {window}",
+                    "nothing was sent during the window: the dispatch findings need traffic",
+                    "run doctor while the server serves, or with a longer --window", "idle"))
+    found.sort(key=lambda f: SEVERITIES.index(f.severity))
+    return found
+
+
+def _publish_rate(first: Sample, last: Sample, dt: float) -> float | None:
+    """The mean publishes per second of the ranks LIVE at both ends."""
+    if dt <= 0:
+        return None
+    rates = [(b["publish_seq"] - a["publish_seq"]) / dt for a, b in zip(first.ranks, last.ranks, strict=False)
+             if a["status"] == b["status"] == _LIVE and b["publish_seq"] >= a["publish_seq"]]
+    return sum(rates) / len(rates) if rates else None
+
+
+def _dispatch_per_rank(first: Sample, last: Sample, disp: _Dispatch | None, live: list[int]) -> dict[int, int] | None:
+    """Requests per live rank over the window: the dispatcher's counts, else the board's received."""
+    if len(live) < 2:
+        return None
+    if disp is not None:
+        sent = {k: disp.per_rank[k] for k in live}
+    else:
+        sent = {k: max(0, last.ranks[k]["num_received_reqs"] - first.ranks[k]["num_received_reqs"]) for k in live}
+    return sent if sum(sent.values()) >= 10 * len(live) else None
+
+
+def summary(samples: Sequence[Sample]) -> dict[str, Any]:
+    """What the window saw, for the report's head: ranks, the dispatchers and their rates."""
+    first, last = samples[0], samples[-1]
+    dt = max(0.0, last.t - first.t)
+    counts = {s: 0 for s in (x.label for x in SlotStatus)}
+    for r in last.ranks:
+        counts[r["status"]] += 1
+    out: dict[str, Any] = {"board": last.board, "n_slots": last.n_slots, "window_s": round(dt, 3),
+                           "samples": len(samples), "status_counts": counts, "dispatchers": []}
+    disp = _dispatch_over(first, last, dt)
+    for row in last.dispatch or []:
+        entry = {"pid": row.pid, "alive": row.alive, "method": row.method, "mode": row.mode,
+                 "refresh_interval_s": row.refresh_interval}
+        rate = next((r for d, r in (disp.refresh_rates if disp else []) if d is row), None)
+        entry["refreshes_per_s"] = rate
+        out["dispatchers"].append(entry)
+    if disp is not None and dt > 0:
+        total = disp.counts["requests"]
+        out["requests_per_s"] = total / dt
+        out["routed_share"] = disp.counts["routed"] / total if total else None
+        out["room_share"] = disp.counts["with_room"] / total if total else None
+        out["per_rank"] = disp.per_rank
+    return out
+
+
+def healthy(findings: Iterable[Finding]) -> bool:
+    """No critical or warning finding (an info note is not a fault)."""
+    return not any(f.severity != "info" for f in findings)
+
+
+# -- a rolling window, for top and serve --------------------------------------------------------------
+
+
+class DoctorWatch:
+    """Samples a board at most every ``every`` seconds and keeps ``window`` seconds of them.
+
+    A sample reads every slot into Python values; past ``MAX_WATCH_SLOTS`` slots that would cost a
+    live view more than its frame, so such a board is left to ``dpboard doctor`` (``covers``)."""
+
+    def __init__(self, window: float = 10.0, every: float = 0.5, stale_after: float = DEFAULT_STALE_AFTER,
+                 trust_uids: tuple[int, ...] = ()) -> None:
+        self.window = window
+        self.every = every
+        self.stale_after = stale_after
+        self.trust_uids = trust_uids
+        self.samples: deque[Sample] = deque()
+        self._reader_of: tuple[Board, BoardReader] | None = None
+        self._board_id: tuple[str, int] | None = None
+        self._buffer: np.ndarray | None = None
+        self._error: str | None = None
+
+    def observe(self, board: Board | None, reader: BoardReader | None) -> None:
+        if board is None or reader is None:
+            self.samples.clear()
+            return
+        now = time.monotonic()
+        if self.samples and now - self.samples[-1].t < self.every:
+            return
+        if self._board_id != (board.name, board.generation):
+            self.samples.clear()  # another incarnation: its counters began again
+            self._board_id = (board.name, board.generation)
+            self._buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
+        try:
+            self.samples.append(take_sample(board, reader, trust_uids=self.trust_uids, buffer=self._buffer))
+            self._error = None
+        except DpboardError as e:
+            self._error = str(e)  # a dispatch record that is refused: said, never fatal to the view
+            return
+        while len(self.samples) > 2 and now - self.samples[0].t > self.window:
+            self.samples.popleft()
+
+    @staticmethod
+    def covers(board: Board | None) -> bool:
+        return board is not None and board.n_slots <= MAX_WATCH_SLOTS
+
+    def observe_watch(self, watch: Any) -> None:
+        """``observe`` the board a ``BoardWatch`` holds now (after its own sample followed it)."""
+        board = watch.board
+        if not self.covers(board):
+            self._reader_of = None
+            self.observe(None, None)
+            return
+        if self._reader_of is None or self._reader_of[0] is not board:
+            self._reader_of = (board, board.reader(stale_after=self.stale_after))
+        self.observe(board, self._reader_of[1])
+
+    def findings(self) -> list[Finding]:
+        if not self.samples:
+            return []
+        found = diagnose(list(self.samples), stale_after=self.stale_after)
+        if self._error is not None:
+            found.append(Finding("warning", "the dispatch record cannot be read", self._error,
+                                 "a file in /dev/shm under the record's name that dpboard refuses",
+                                 "remove it once its deployment is stopped", "record_refused"))
+        return found
+
+    def document(self) -> dict[str, Any]:
+        """``GET /v1/doctor``'s body."""
+        found = self.findings()
+        span = self.samples[-1].t - self.samples[0].t if self.samples else 0.0
+        return {"healthy": healthy(found), "window_s": round(span, 3), "findings": [f.as_dict() for f in found]}
+
+
+def header_line(document: dict[str, Any]) -> str:
+    """One line for ``top``'s header, from a ``DoctorWatch.document()``: how many findings, the worst."""
+    faults = [f for f in document["findings"] if f["severity"] != "info"]
+    if not faults:
+        return f"doctor: healthy over {document['window_s']:.0f} s"
+    worst = faults[0]
+    return (f"doctor: {len(faults)} finding{'s' if len(faults) > 1 else ''} — worst: [{worst['severity']}] "
+            f"{worst['title']} (dpboard doctor for the evidence)")
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", metavar="BOARD", help="the board (default: the only board of this user here)")
+    p.add_argument("--window", type=seconds(), default=DEFAULT_WINDOW,
+                   help=f"seconds to watch the board and its dispatcher (default {DEFAULT_WINDOW:g})")
+    p.add_argument("--samples", type=count(2, 1000), default=SAMPLES,
+                   help=f"reads over the window, its start and end included (default {SAMPLES})")
+    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+                   help=f"seconds before a slot is stale (default {DEFAULT_STALE_AFTER:g})")
+    p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
+                   help="also read a board and record this user created (e.g. 0 for root); repeatable")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON document")
+
+
+def _only_board() -> str:
+    import os
+
+    mine = [b for b in list_boards() if b.header is not None and b.owner_uid == os.geteuid()]
+    if len(mine) == 1:
+        return mine[0].name
+    if not mine:
+        raise NotFoundError("no board of this user on this machine: name one (`dpboard ls` lists them)")
+    raise InvalidInputError(f"{len(mine)} boards here ({', '.join(b.name for b in mine)}): name the one to check")
+
+
+def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids: tuple[int, ...]) -> list[Sample]:
+    """``n`` samples evenly over ``window`` seconds (bounded: ``n`` reads and ``window`` of sleep)."""
+    buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
+    start = time.monotonic()
+    samples = []
+    for i in range(n):
+        wake = start + window * i / (n - 1)
+        delay = wake - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        samples.append(take_sample(board, reader, trust_uids=trust_uids, buffer=buffer))
+    return samples
+
+
+def render(report: dict[str, Any], findings: Sequence[Finding]) -> str:
+    lines = []
+    c = report["status_counts"]
+    lines.append(f"dpboard doctor: board {report['board']}, {report['n_slots']} slots ({c['live']} live, "
+                 f"{c['stale']} stale, {c['torn']} torn, {c['empty']} empty), over {report['window_s']:.1f} s")
+    for d in report["dispatchers"]:
+        refresh = d["refreshes_per_s"]
+        throttle = f"{d['refresh_interval_s'] * 1e3:g} ms" if d["refresh_interval_s"] else "none"
+        reads = ("reads no loads" if d["method"] in LOAD_UNAWARE else
+                 f"refreshes {'-' if refresh is None else f'{refresh:.1f}'}/s (throttle {throttle})")
+        lines.append(f"dispatcher pid {d['pid']}{'' if d['alive'] else ' (gone)'}: method {d['method']}, "
+                     f"disaggregation {d['mode']}, {reads}")
+    if "requests_per_s" in report:
+        share = lambda v: "-" if v is None else f"{100 * v:.0f} %"  # noqa: E731
+        lines.append(f"requests {report['requests_per_s']:.1f}/s, per rank {report['per_rank']}, "
+                     f"with routed_dp_rank {share(report['routed_share'])}, with bootstrap_room "
+                     f"{share(report['room_share'])}")
+    faults = [f for f in findings if f.severity != "info"]
+    lines.append("")
+    notes = len(findings) - len(faults)
+    lines.append(("healthy: no findings" + (f" ({notes} note{'s' if notes > 1 else ''})" if notes else ""))
+                 if not faults else f"{len(faults)} finding{'s' if len(faults) > 1 else ''}, most serious first:")
+    for f in findings:
+        lines.append("")
+        lines.append(f"[{f.severity}] {f.title}")
+        lines.append(f"  evidence: {f.evidence}")
+        lines.append(f"  cause:    {f.cause}")
+        lines.append(f"  fix:      {f.fix}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    name = args.name or _only_board()
+    trust = tuple(args.trust_uid)
+    with Board.attach(name, trust_uids=trust) as board:
+        reader = board.reader(stale_after=args.stale_after)
+        read_dispatch_record(name, trust_uids=trust)  # a refused record fails now, not after the window
+        samples = collect(board, reader, args.window, args.samples, trust)
+    findings = diagnose(samples, stale_after=args.stale_after)
+    report = summary(samples)
+    ok = healthy(findings)
+    if args.json:
+        print(json.dumps({**report, "healthy": ok, "findings": [f.as_dict() for f in findings]}))
+    else:
+        print(render(report, findings))
+    sys.stdout.flush()
+    return 0 if ok else 1
