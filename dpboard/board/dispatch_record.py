@@ -43,6 +43,7 @@ import posix_ipc
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
+from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned
 
@@ -134,7 +135,11 @@ class DispatchRecord:
         if shm is not None:
             try:
                 os.fchmod(shm.fd, 0o600)  # exact, whatever the umask
+                reserve_pages(shm.fd, size, f"the dispatch record of board {board!r}")
                 mapping = mmap.mmap(shm.fd, size)
+            except BaseException:
+                shm.unlink()  # not a record yet (no magic): leave nothing behind
+                raise
             finally:
                 shm.close_fd()
             header = np.ndarray((), DISPATCH_HEADER_DTYPE, mapping, 0)

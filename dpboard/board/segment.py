@@ -29,6 +29,7 @@ from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.header import NO_MAGIC, BoardHeader, check_layout, pack_header, unpack_header
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SHM_DIR, segment_name
+from dpboard.board.reserve import reserve_pages
 from dpboard.board.seqlock import (
     BoardReader,
     BoardWriter,
@@ -106,27 +107,6 @@ def _open_segment(name: str, seg: str, path: str) -> tuple[Any, bool]:
                                         f"never follows one; remove it") from None
             raise BoardError(f"cannot open board {name!r} ({path}): {e.strerror}") from None
     raise AccessDeniedError(_unreadable(name, path))
-
-
-def _reserve(fd: int, size: int, name: str) -> None:
-    """Allocate every page of a new segment now. ``ftruncate`` alone makes a sparse file: with
-    /dev/shm full, the first touch of a page (the header, or a writer's slot much later) would
-    kill the process with SIGBUS instead of failing here with a message."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise BoardError(f"cannot reserve the {size} bytes of board {name!r} in {SHM_DIR}: {e.strerror}") from None
-        try:
-            fs = os.statvfs(SHM_DIR)
-            room = (f"{SHM_DIR} is {fs.f_blocks * fs.f_frsize / 2**20:.1f} MiB with "
-                    f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free")
-        except OSError:
-            room = f"{SHM_DIR} is full"
-        raise BoardError(
-            f"no room for board {name!r} ({size} bytes) in {SHM_DIR}: {room}; remove unused boards "
-            f"(`dpboard clean`) or give {SHM_DIR} more room (a container's default is 64 MiB: "
-            f"docker run --shm-size)") from None
 
 
 def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
@@ -238,7 +218,7 @@ class Board:
         try:
             os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
             st = os.fstat(shm.fd)
-            _reserve(shm.fd, size, name)
+            reserve_pages(shm.fd, size, f"board {name!r}")
             mapping = mmap.mmap(shm.fd, size)
             # Every field but the magic first: an attacher that sees the magic sees a whole header.
             pack_header(mapping, header, magic=NO_MAGIC)

@@ -51,6 +51,7 @@ import numpy as np
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import SHM_DIR, validate_name
+from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
 from dpboard.ownership import check_owned, describe_owner
 from dpboard.snapshot import pack_owner, unpack_owner
@@ -349,7 +350,7 @@ def _create(path: str, board: str, size: int, rows: int, slots: int,
     mapping = None
     try:
         os.fchmod(fd, 0o600)  # exact, whatever the umask
-        _reserve(fd, size, path, board)
+        reserve_pages(fd, size, f"the sent record of board {board!r}")
         mapping = mmap.mmap(fd, size)
         header = np.ndarray((), SENT_HEADER_DTYPE, mapping, 0)
         pid = os.getpid()
@@ -367,23 +368,6 @@ def _create(path: str, board: str, size: int, rows: int, slots: int,
             os.close(fd)
         raise
     return fd, mapping
-
-
-def _reserve(fd: int, size: int, path: str, board: str) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise BoardError(f"cannot reserve the {size} bytes of the sent record {path}: {e.strerror}") from None
-        try:
-            fs = os.statvfs(SHM_DIR)
-            room = (f"{SHM_DIR} is {fs.f_blocks * fs.f_frsize / 2**20:.1f} MiB with "
-                    f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free")
-        except OSError:
-            room = f"{SHM_DIR} is full"
-        raise BoardError(
-            f"no room for the sent record of board {board!r} ({size} bytes) in {SHM_DIR}: {room}; remove unused "
-            f"boards (`dpboard clean`) or give {SHM_DIR} more room (docker run --shm-size)") from None
 
 
 def _open_existing(path: str, board: str) -> int | None:

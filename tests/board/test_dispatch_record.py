@@ -288,3 +288,46 @@ def test_a_record_of_another_user_is_never_removed_as_abandoned(board_name):
     PLANTED.add(path)
     as_nobody(lambda: _plant(board_name, mode=0o644) and None)
     assert remove_abandoned_records(board_name) == [] and path.exists()
+
+
+_FULL_SHM = """
+import json, os
+from dpboard.board.dispatch_record import DispatchRecord
+from dpboard.errors import DpboardError
+out = {}
+try:
+    DispatchRecord.open("full", 4096, 60)
+except DpboardError as e:
+    out["error"] = [type(e).__name__, str(e)]
+out["left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith("dpboard-dispatch."))
+small = DispatchRecord.open("full", 2, 4)  # what fits is made as usual
+out["small"] = os.path.getsize("/dev/shm/dpboard-dispatch.full")
+print(json.dumps(out))
+"""
+
+
+def test_a_dispatch_record_on_a_full_dev_shm_is_a_clear_error_and_leaves_nothing():
+    """The record's pages are reserved when it is made: on a full /dev/shm that is one line naming
+    the record and the room left, never a SIGBUS at the first write. A private 1 MiB tmpfs on
+    /dev/shm, in a mount namespace of its own."""
+    import json
+    import shutil
+
+    from dpboard.board.dispatch_record import record_size
+    from tests.support.names import ROOT
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
+    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m dpboard-full /dev/shm && '
+                          'exec "$@"', "sh", sys.executable, "-c", _FULL_SHM],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr  # not killed by SIGBUS (status -7)
+    out = json.loads(run.stdout)
+    kind, message = out["error"]
+    assert kind == "BoardError", message
+    assert message.startswith(f"no room for the dispatch record of board 'full' ({record_size(4096, 60)} bytes) "
+                              f"in /dev/shm: /dev/shm is 1.0 MiB with"), message
+    assert out["left"] == []
+    assert out["small"] == record_size(2, 4)
