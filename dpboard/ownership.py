@@ -7,9 +7,9 @@ opening: a regular file with one link, owned by this process's effective uid, th
 write. Anything else is refused with an ``AccessDeniedError`` naming the path, its owner and mode.
 
 ``OwnerLock`` is the single-owner lock built on it: an exclusive ``flock`` on such a file, which
-holds the owner's pid. The kernel drops the lock when its process dies, so a killed owner never
+holds the owner's pid and start time. The kernel drops the lock when its process dies, so a killed owner never
 blocks its restart. The collector (one per board and per endpoint) and the controller (one per
-``ipc://`` input) take it.
+``ipc://`` input, one per board) take it.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class OwnerBusyError(UnavailableError):
 
 
 class OwnerLock:
-    """An exclusive ``flock`` on a lock file that holds the owner's pid; released when the process dies.
+    """An exclusive ``flock`` on a lock file that holds the owner's pid and start time; released when the process dies.
 
     ``what`` names the guarded thing in errors ("board 'x'", "endpoint ipc:///tmp/in"); ``busy``
     is the error class raised when another process holds it, ``hint`` what to do then."""
