@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dpboard.board.dispatch_record import remove_abandoned_records
 from tests.support.names import new_board_name, session_segments
 
 # The engines' wheels (SGLang's, ...) sit beside the venv's site-packages, where pip does not see
@@ -25,7 +27,7 @@ collect_ignore_glob = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else [
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_segments():
-    """The suite must leave no /dev/shm/dpboard.* of its own behind."""
+    """The suite must leave no /dev/shm/dpboard.* (nor a sent or dispatch record) of its own behind."""
     yield
     leaked = session_segments()
     for name in leaked:  # remove them so one failure does not poison the machine
@@ -34,6 +36,10 @@ def no_leaked_segments():
 
 
 @pytest.fixture
-def board_name() -> str:
-    """A fresh board name that the leak check covers."""
-    return new_board_name()
+def board_name() -> Iterator[str]:
+    """A fresh board name that the leak check covers. A dispatcher that the test killed with
+    SIGKILL leaves that board's dispatch record, as it would in a deployment; afterwards the test
+    removes it as `dpboard clean NAME` does (only when no process that wrote it runs)."""
+    name = new_board_name()
+    yield name
+    remove_abandoned_records(name)

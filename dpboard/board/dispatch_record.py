@@ -197,6 +197,8 @@ class DispatchRecord:
             self._mapping.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
+        # The last dispatcher out removes the record: none of its writers runs any more but this one.
+        remove_if_abandoned(self.board, leaving=True)
 
     def unlink(self) -> None:
         _unlink(dispatch_segment_name(self.board), os.getpid())
@@ -462,10 +464,12 @@ def _attach(board: str, path: str, deadline: float, trust_uids: tuple[int, ...],
     return mapping
 
 
-def remove_if_abandoned(board: str) -> bool:
+def remove_if_abandoned(board: str, *, leaving: bool = False) -> bool:
     """Remove ``board``'s dispatch record when no process that wrote it runs any more (its creator
-    and every row's holder gone: dispatchers killed with SIGKILL leave theirs). A record of another
-    user, or one that is not a record, is left alone. True when it was removed."""
+    and every row's holder gone: dispatchers killed with SIGKILL leave theirs). ``leaving``: this
+    process counts as gone too (it is removing the board itself, so its own dispatcher of that board
+    is done with it). A record of another user, or one that is not a record, is left alone. True
+    when it was removed."""
     path = dispatch_record_path(board)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -487,7 +491,8 @@ def remove_if_abandoned(board: str) -> bool:
             pids.append(int.from_bytes(word, "little", signed=True))
     finally:
         os.close(fd)
-    if any(pid > 0 and process_alive(pid) for pid in pids):
+    me = os.getpid() if leaving else 0
+    if any(pid > 0 and pid != me and process_alive(pid) for pid in pids):
         return False
     try:
         posix_ipc.unlink_shared_memory(dispatch_segment_name(board))

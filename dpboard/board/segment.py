@@ -301,7 +301,7 @@ class Board:
         if not self._unlinked:
             unlink_if_generation(segment_name(self._name), self._header.generation)
             self._unlinked = True
-            remove_if_abandoned(self._name)  # its dispatch record, once no dispatcher of it runs
+            remove_if_abandoned(self._name, leaving=True)  # its dispatch record, once no other dispatcher of it runs
 
     def is_current(self) -> bool:
         """True while the segment of this name is still this board (not removed, not replaced by a

@@ -18,5 +18,9 @@ def new_board_name() -> str:
     return f"{SESSION_PREFIX}{next(_counter)}"
 
 
+# a board's segment and the records beside it (vLLM's sent record, the dispatchers' record)
+SESSION_FILES = ("dpboard.", "dpboard-sent.", "dpboard-dispatch.")
+
+
 def session_segments() -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"dpboard.{SESSION_PREFIX}*"))
+    return sorted(p.name for kind in SESSION_FILES for p in Path("/dev/shm").glob(f"{kind}{SESSION_PREFIX}*"))

@@ -135,7 +135,11 @@ def live_slots(name: str, ranks: list[int], server: ApiServer, dp: int = DP) -> 
 
 
 def sent_totals(name: str) -> list[int]:
-    record = SentRecord.open(name, 1, DP)
+    board = Board.attach(name)
+    try:
+        record = SentRecord.open(name, 1, DP, generation=board.generation)
+    finally:
+        board.close()
     try:
         return record.totals()[:, 0].tolist()
     finally:
