@@ -38,6 +38,7 @@ from dpboard.snapshot import (
 )
 from tests.support.names import new_board_name
 from tests.support.other_user import as_nobody, error_as_nobody, need_root
+from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import read_line
 from tests.support.raw import plant_board, raw_segment
 
@@ -1031,13 +1032,7 @@ def test_a_full_dev_shm_is_a_clear_error_never_a_sigbus():
     SIGBUS (exit 135, no message) and left a headerless segment, and a board made before /dev/shm
     filled killed writer(63) at the first touch of its page. Run in a private 1 MiB tmpfs mounted
     on /dev/shm in a mount namespace of its own (as Docker's small default /dev/shm)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
-    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m dpboard-full /dev/shm && '
-                          'exec "$@"', "sh", sys.executable, "-c", _FULL_SHM_SCRIPT],
-                         capture_output=True, text=True, timeout=60)
-    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
-        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    run = run_in_private_shm(_FULL_SHM_SCRIPT, size="1m", label="dpboard-full")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     kind, message = out["too_big"]

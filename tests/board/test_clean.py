@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from dpboard.board.sent import SENT_PREFIX
 from dpboard.ownership import lock_path
 from tests.support.names import ROOT
+from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import kill, read_line
 
 # A deployment's API server in a process of its own: the board (as its first engine core makes it),
@@ -87,13 +87,7 @@ def test_clean_of_a_board_gone_removes_its_record_but_not_one_a_live_server_hold
 
 
 def _in_private_shm(script: str, timeout: float = 240) -> dict:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
-    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=16m dpboard-clean /dev/shm && '
-                          'exec "$@"', "sh", sys.executable, "-c", script],
-                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
-        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    run = run_in_private_shm(script, size="16m", label="dpboard-clean", timeout=timeout)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -311,18 +311,11 @@ def test_a_dispatch_record_on_a_full_dev_shm_is_a_clear_error_and_leaves_nothing
     the record and the room left, never a SIGBUS at the first write. A private 1 MiB tmpfs on
     /dev/shm, in a mount namespace of its own."""
     import json
-    import shutil
 
     from dpboard.board.dispatch_record import record_size
-    from tests.support.names import ROOT
+    from tests.support.private_shm import run_in_private_shm
 
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
-    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m dpboard-full /dev/shm && '
-                          'exec "$@"', "sh", sys.executable, "-c", _FULL_SHM],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
-        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    run = run_in_private_shm(_FULL_SHM, size="1m", label="dpboard-full")
     assert run.returncode == 0, run.stderr  # not killed by SIGBUS (status -7)
     out = json.loads(run.stdout)
     kind, message = out["error"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -32,6 +31,7 @@ from dpboard.errors import AccessDeniedError
 from dpboard.snapshot import pack_owner
 from tests.support.names import ROOT
 from tests.support.other_user import as_nobody, error_as_nobody, need_root
+from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import kill, read_line, wait_until
 
 ROWS, SLOTS = 2, 4
@@ -283,13 +283,7 @@ def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_record():
     """SentRecord.open on a full /dev/shm died with SIGBUS (exit 135) and left a record without a
     header; the next start failed after 5 s, "never initialised". Run in a private 1 MiB tmpfs on
     /dev/shm, in a mount namespace of its own."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and util-linux's unshare for a private /dev/shm")
-    run = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m dpboard-full /dev/shm && '
-                          'exec "$@"', "sh", sys.executable, "-c", _FULL_SHM_SCRIPT],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
-        pytest.skip(f"cannot mount a private /dev/shm here: {run.stderr.strip()}")
+    run = run_in_private_shm(_FULL_SHM_SCRIPT, size="1m", label="dpboard-full")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     kind, message = out["error"]
