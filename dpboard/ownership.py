@@ -82,9 +82,25 @@ def check_owned(st: os.stat_result, path: str | os.PathLike[str], what: str,
                                 f"alias; remove it")
 
 
-def _refuse_link(path: str | os.PathLike[str], what: str) -> DpboardError:
+def refuse_link(path: str | os.PathLike[str], what: str) -> DpboardError:
+    """The error for a symbolic link where a dpboard file should be (an open with O_NOFOLLOW: ELOOP)."""
     return AccessDeniedError(f"{what} {path} is a symbolic link: dpboard never follows links in shared "
                              f"directories; remove it")
+
+
+def open_refusal(error: OSError, path: str | os.PathLike[str], what: str) -> DpboardError | None:
+    """The AccessDeniedError an O_NOFOLLOW open that failed with ``error`` means: a link in the
+    file's place, or a file of another user; None for any other failure."""
+    if error.errno == errno.ELOOP:
+        return refuse_link(path, what)
+    if error.errno == errno.EACCES:
+        try:
+            owner = describe_owner(os.lstat(path).st_uid)
+        except OSError:
+            owner = "another user"
+        return AccessDeniedError(f"cannot open {what} {path}: it belongs to {owner}; run as that user, "
+                                 f"or remove the file if nobody uses it")
+    return None
 
 
 def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, mode: int = 0o600) -> int:
@@ -104,15 +120,9 @@ def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, 
                 continue  # someone created it in between: open that one (and check it)
             os.fchmod(fd, mode)  # exact, whatever the umask
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _refuse_link(path, what) from None
-            if e.errno == errno.EACCES:
-                try:
-                    owner = describe_owner(os.lstat(path).st_uid)
-                except OSError:
-                    owner = "another user"
-                raise AccessDeniedError(f"cannot open {what} {path}: it belongs to {owner}; run as that user, "
-                                        f"or remove the file if nobody uses it") from None
+            refusal = open_refusal(e, path, what)
+            if refusal is not None:
+                raise refusal from None
             raise
         try:
             st = os.fstat(fd)

@@ -45,7 +45,7 @@ from dpboard.board.liveness import process_alive
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
-from dpboard.ownership import check_owned
+from dpboard.ownership import check_owned, refuse_link
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
 DISPATCH_VERSION = 1
@@ -426,8 +426,7 @@ def _attach(board: str, path: str, deadline: float, trust_uids: tuple[int, ...],
         raise NotFoundError(f"board {board!r} has no dispatch record ({path})") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise AccessDeniedError(f"dispatch record {path} is a symbolic link: dpboard never follows links in "
-                                    f"shared directories; remove it") from None
+            raise refuse_link(path, "dispatch record") from None
         if e.errno == errno.EACCES:
             check_owned(os.lstat(path), path, "dispatch record", trust_uids)
         raise BoardError(f"cannot open dispatch record {path}: {e.strerror}") from None

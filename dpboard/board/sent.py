@@ -53,7 +53,7 @@ from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import SHM_DIR, validate_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
-from dpboard.ownership import check_owned, describe_owner
+from dpboard.ownership import check_owned, open_refusal
 from dpboard.snapshot import pack_owner, unpack_owner
 
 SENT_MAGIC = b"DPBSENT\x00"
@@ -379,16 +379,9 @@ def _open_existing(path: str, board: str) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise AccessDeniedError(f"{what} {path} is a symbolic link: dpboard never follows links in shared "
-                                    f"directories; remove it") from None
-        if e.errno == errno.EACCES:
-            try:
-                owner = describe_owner(os.lstat(path).st_uid)
-            except OSError:
-                owner = "another user"
-            raise AccessDeniedError(f"cannot open {what} {path}: it belongs to {owner}; run as that user, or "
-                                    f"remove the file if nobody uses it") from None
+        refusal = open_refusal(e, path, what)
+        if refusal is not None:
+            raise refusal from None
         raise BoardError(f"cannot open {what} {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
