@@ -24,7 +24,6 @@ import pytest
 
 from dpboard import Board, LoadSnapshot
 from dpboard.views.top import fmt_count, fmt_like
-from tests.support.chromium import Browser, chromium_path
 from tests.support.names import ROOT
 from tests.support.procutil import kill, read_line
 from tests.support.serving import get, start_server
@@ -32,17 +31,6 @@ from tests.support.serving import get, start_server
 pytestmark = pytest.mark.timeout(180)
 
 CAPACITY = 200_000
-
-
-@pytest.fixture
-def chromium():
-    if chromium_path() is None:
-        reason = "chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the live page test: {reason}")
-        pytest.skip(reason)
-    with Browser() as browser:
-        yield browser
 
 
 def cell(rank: int, key: str) -> str:

@@ -18,7 +18,6 @@ import pytest
 from dpboard import Board, LoadSnapshot
 from dpboard.views.top import fmt_count
 from dpboard.views.watch import imbalance
-from tests.support.chromium import Browser, chromium_path
 from tests.support.procutil import kill
 from tests.support.serving import get, start_server
 
@@ -28,17 +27,6 @@ CAPACITY = 131_072
 LIVE = (0, 1, 2, 3, 4, 5)
 STALE_RANK, EMPTY_RANK = 6, 7
 STALE_AFTER = 1.0
-
-
-@pytest.fixture
-def chromium():
-    if chromium_path() is None:
-        reason = "chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the live page test: {reason}")
-        pytest.skip(reason)
-    with Browser() as browser:
-        yield browser
 
 
 class Publishing:
