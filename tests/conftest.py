@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from dpboard.board.dispatch_record import remove_abandoned_records
 from tests.support.names import new_board_name, session_segments
 
 # The engines' wheels (SGLang's, ...) sit beside the venv's site-packages, where pip does not see
@@ -36,10 +34,6 @@ def no_leaked_segments():
 
 
 @pytest.fixture
-def board_name() -> Iterator[str]:
-    """A fresh board name that the leak check covers. A dispatcher that the test killed with
-    SIGKILL leaves that board's dispatch record, as it would in a deployment; afterwards the test
-    removes it as `dpboard clean NAME` does (only when no process that wrote it runs)."""
-    name = new_board_name()
-    yield name
-    remove_abandoned_records(name)
+def board_name() -> str:
+    """A fresh board name that the leak check covers."""
+    return new_board_name()
