@@ -41,11 +41,12 @@ import numpy as np
 import posix_ipc
 
 from dpboard.board.errors import BoardError, BoardLayoutError
-from dpboard.board.liveness import process_alive
+from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned, refuse_link
+from dpboard.snapshot import pack_owner, unpack_owner
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
 DISPATCH_VERSION = 1
@@ -69,8 +70,9 @@ COUNTERS: tuple[str, ...] = (
 )
 ROW_HEAD_SIZE = 128
 ROW_DTYPE = np.dtype({
-    "names": ["seq", "pid", "method", "mode", "wall_ns", "monotonic_ns", "refresh_interval_ns", *COUNTERS],
-    "formats": ["<u8", "<i8", f"S{METHOD_BYTES}", f"S{MODE_BYTES}", "<i8", "<i8", "<i8"] + ["<i8"] * len(COUNTERS),
+    # holder: the owner word of a board's slot (pid and start time, snapshot.pack_owner): pids are recycled
+    "names": ["seq", "holder", "method", "mode", "wall_ns", "monotonic_ns", "refresh_interval_ns", *COUNTERS],
+    "formats": ["<u8", "<u8", f"S{METHOD_BYTES}", f"S{MODE_BYTES}", "<i8", "<i8", "<i8"] + ["<i8"] * len(COUNTERS),
     "offsets": [0, 8, 16, 48, 56, 64, 72] + [80 + 8 * i for i in range(len(COUNTERS))],
     "itemsize": ROW_HEAD_SIZE,
 })
@@ -169,15 +171,15 @@ class DispatchRecord:
         mode_raw = _text(mode, MODE_BYTES, "disaggregation mode")
         off = DISPATCH_HEADER_SIZE + index * self._size
         head = np.ndarray((), ROW_DTYPE, self._mapping, off)
-        holder = int(head["pid"])
+        holder, holder_ticks = unpack_owner(int(head["holder"]))
         pid = os.getpid()
-        if holder not in (0, pid) and process_alive(holder):
+        if holder not in (0, pid) and process_alive(holder, holder_ticks):
             raise BoardError(f"row {index} of the dispatch record of board {self.board!r} is held by live process "
                              f"{holder}: one dispatcher per row")
         per_slot = np.ndarray((self.slots, 2), "<i8", self._mapping, off + ROW_HEAD_SIZE)
         writer = DispatchRow(head, per_slot)
         writer._begin()
-        head["pid"] = pid
+        head["holder"] = pack_owner(pid, process_start_ticks(pid))
         head["method"], head["mode"] = method_raw, mode_raw
         head["refresh_interval_ns"] = int(round(refresh_interval * 1e9))
         for name in COUNTERS:
@@ -383,12 +385,12 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
             if torn:
                 raw = bytes(mapping[off: off + size])  # the pid and method only, for the report
             head = np.frombuffer(raw, ROW_DTYPE, 1)[0]
-            pid = int(head["pid"])
+            pid, start_ticks = unpack_owner(int(head["holder"]))
             if pid == 0:
                 continue
             per = np.frombuffer(raw, "<i8", 2 * slots, ROW_HEAD_SIZE).reshape(slots, 2)
             out.append(DispatchRowSample(
-                row=index, pid=pid, alive=process_alive(pid),
+                row=index, pid=pid, alive=process_alive(pid, start_ticks),
                 method=head["method"].decode(errors="replace"), mode=head["mode"].decode(errors="replace"),
                 refresh_interval=int(head["refresh_interval_ns"]) / 1e9,
                 age_s=(now - int(head["monotonic_ns"])) / 1e9, wall_ns=int(head["wall_ns"]),
@@ -484,14 +486,14 @@ def remove_if_abandoned(board: str, *, leaving: bool = False) -> bool:
         if (head[:8] != DISPATCH_MAGIC or not 1 <= rows <= MAX_ROWS or not 1 <= slots <= MAX_SLOTS
                 or st.st_size != record_size(rows, slots)):
             return False
-        pids = [int(header["creator_pid"])]
-        for index in range(rows):  # 8 bytes a row: never more than the rows' pids are read
+        writers = [(int(header["creator_pid"]), 0)]  # the header keeps the creator's pid alone
+        for index in range(rows):  # 8 bytes a row: never more than the rows' holder words are read
             word = os.pread(fd, 8, DISPATCH_HEADER_SIZE + index * row_size(slots) + 8)
-            pids.append(int.from_bytes(word, "little", signed=True))
+            writers.append(unpack_owner(int.from_bytes(word, "little")))
     finally:
         os.close(fd)
     me = os.getpid() if leaving else 0
-    if any(pid > 0 and pid != me and process_alive(pid) for pid in pids):
+    if any(pid > 0 and pid != me and process_alive(pid, ticks) for pid, ticks in writers):
         return False
     try:
         posix_ipc.unlink_shared_memory(dispatch_segment_name(board))

@@ -98,6 +98,28 @@ def test_a_writer_stopped_mid_publish_reads_torn(board_name):
         Path(dispatch_record_path(board_name)).unlink(missing_ok=True)
 
 
+def test_a_holder_whose_pid_was_reused_neither_counts_as_alive_nor_blocks_its_row(board_name):
+    """A row holds its dispatcher's pid and start time, as a board's slot does: a dead dispatcher whose
+    pid now belongs to another process (here pid 1, which runs, but started at another time) is gone."""
+    from dpboard.board.dispatch_record import DISPATCH_HEADER_SIZE
+    from dpboard.board.liveness import process_start_ticks
+    from dpboard.snapshot import pack_owner
+
+    record = DispatchRecord.open(board_name, 1, SLOTS)
+    try:
+        record.row(0, method="round_robin").publish(1, 2, 0, 0, 0, 0, [1, 1, 0])
+        with open(dispatch_record_path(board_name), "r+b") as f:  # the row's holder word, at byte 8 of the row
+            f.seek(DISPATCH_HEADER_SIZE + 8)
+            f.write(pack_owner(1, process_start_ticks(1) + 12345).to_bytes(8, "little"))
+        (read,) = read_dispatch_record(board_name)
+        assert (read.pid, read.alive) == (1, False)
+        record.row(0, method="total_tokens")  # taken over, not "held by live process 1"
+        (read,) = read_dispatch_record(board_name)
+        assert (read.pid, read.alive, read.method) == (os.getpid(), True, "total_tokens")
+    finally:
+        record.close()
+
+
 def test_a_row_of_a_live_process_is_refused_and_a_dead_ones_taken_over(board_name):
     proc = _writer(board_name, "once")
     record = DispatchRecord.open(board_name, 1, SLOTS)
