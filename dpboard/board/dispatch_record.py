@@ -414,7 +414,11 @@ def _read_row(mapping: mmap.mmap, off: int, size: int) -> bytes | None:
 
 
 def _header_of(mapping: mmap.mmap) -> tuple[int, int, int, int]:
-    header = np.frombuffer(bytes(mapping[0:DISPATCH_HEADER_SIZE]), DISPATCH_HEADER_DTYPE, 1)[0]
+    return _header_fields(bytes(mapping[0:DISPATCH_HEADER_SIZE]))
+
+
+def _header_fields(raw: bytes) -> tuple[int, int, int, int]:
+    header = np.frombuffer(raw, DISPATCH_HEADER_DTYPE, 1)[0]
     return int(header["version"]), int(header["rows"]), int(header["slots"]), int(header["row_size"])
 
 
@@ -437,31 +441,35 @@ def _attach(board: str, path: str, deadline: float, trust_uids: tuple[int, ...],
         check_owned(st, path, "dispatch record", trust_uids,
                     hint=f"read only the records your own user's dispatchers made, or pass --trust-uid "
                          f"{st.st_uid} if you trust that user")
+        # The header is read first and the size it claims checked before anything is mapped: a
+        # sparse file of any size (ftruncate to 2**50) is refused, never mapped.
         while True:
-            if st.st_size >= DISPATCH_HEADER_SIZE:
-                mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-                if mapping[0:8] == DISPATCH_MAGIC:
-                    break
-                mapping.close()
+            head = os.pread(fd, DISPATCH_HEADER_SIZE, 0) if st.st_size >= DISPATCH_HEADER_SIZE else b""
+            if head[:8] == DISPATCH_MAGIC:
+                break
             if time.monotonic() >= deadline:
                 raise BoardLayoutError(f"dispatch record {path} has no dispatch-record header: it is not one, or "
                                        f"its creator died while creating it; remove it")
             time.sleep(0.005)
             st = os.fstat(fd)
+        version, rows, slots, size = _header_fields(head)
+        problem = None
+        if version != DISPATCH_VERSION:
+            problem = f"has version {version}, this dpboard reads {DISPATCH_VERSION}"
+        elif not (1 <= rows <= MAX_ROWS and 1 <= slots <= MAX_SLOTS and size == row_size(slots)):
+            problem = f"claims {rows} rows of {slots} slots and row size {size}: damaged or not a dispatch record"
+        elif st.st_size != record_size(rows, slots):
+            problem = (f"is {st.st_size} bytes, but {rows} rows of {slots} slots make {record_size(rows, slots)}: "
+                       f"damaged or not a dispatch record")
+        if problem is not None:
+            raise BoardLayoutError(f"dispatch record {path} {problem}; remove it once its deployment is stopped")
+        try:
+            mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        except OSError as e:
+            raise BoardError(f"cannot map dispatch record {path}: {e.strerror}; remove it once its deployment "
+                             f"is stopped") from None
     finally:
         os.close(fd)
-    version, rows, slots, size = _header_of(mapping)
-    problem = None
-    if version != DISPATCH_VERSION:
-        problem = f"has version {version}, this dpboard reads {DISPATCH_VERSION}"
-    elif not (1 <= rows <= MAX_ROWS and 1 <= slots <= MAX_SLOTS and size == row_size(slots)):
-        problem = f"claims {rows} rows of {slots} slots and row size {size}: damaged or not a dispatch record"
-    elif st.st_size != record_size(rows, slots):
-        problem = (f"is {st.st_size} bytes, but {rows} rows of {slots} slots make {record_size(rows, slots)}: "
-                   f"damaged or not a dispatch record")
-    if problem is not None:
-        mapping.close()
-        raise BoardLayoutError(f"dispatch record {path} {problem}; remove it once its deployment is stopped")
     return mapping
 
 

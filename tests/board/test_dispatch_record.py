@@ -346,3 +346,41 @@ def test_a_dispatch_record_on_a_full_dev_shm_is_a_clear_error_and_leaves_nothing
                               f"in /dev/shm: /dev/shm is 1.0 MiB with"), message
     assert out["left"] == []
     assert out["small"] == record_size(2, 4)
+
+
+SPARSE = 2**50  # bytes: a sparse file, as `truncate -s 1P` makes it
+
+
+def _plant_sparse(board: str) -> Path:
+    """A record with a whole header whose file was then grown, sparse, to a petabyte."""
+    path = _plant(board)
+    os.truncate(path, SPARSE)
+    return path
+
+
+def test_a_sparse_oversized_record_is_refused_before_it_is_mapped(board_name):
+    """Mapping 2**50 bytes fails with ENOMEM: the header's size is checked first, and the record is
+    refused with one line, by a reader and by a dispatcher alike."""
+    _plant_sparse(board_name)
+    with pytest.raises(DpboardError, match=f"is {SPARSE} bytes, but 1 rows of {SLOTS} slots make"):
+        read_dispatch_record(board_name)
+    with pytest.raises(DpboardError, match=f"is {SPARSE} bytes"):
+        DispatchRecord.open(board_name, 1, SLOTS)
+
+
+def test_a_controller_over_a_sparse_record_dispatches_without_one(board_name, tmp_path):
+    from dpboard.controller.codec import encode_request
+    from tests.views.test_doctor import controller
+
+    _plant_sparse(board_name)
+    with controller(board_name, tmp_path, 2, "--method", "round_robin") as (push, ctl):
+        for i in range(4):
+            push.send(encode_request(f"r{i}", num_tokens=5))
+        board = Board.attach(board_name)
+        reader = board.reader()
+        wait_for(lambda: sum(s.num_received_reqs for s in reader.read_all() if s) >= 4 or ctl.poll() is not None,
+                 20, "the controller to dispatch")
+        board.close()
+        assert ctl.poll() is None, ctl.stderr.read()
+    err = ctl.stderr.read()
+    assert "Traceback" not in err and f"is {SPARSE} bytes" in err and "no dispatch record for dpboard doctor" in err
