@@ -118,6 +118,10 @@ def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, 
                 fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
             except FileExistsError:
                 continue  # someone created it in between: open that one (and check it)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise UnavailableError(f"cannot create {what} {path}: {e.strerror}" + _room_hint(e, path)) from None
             os.fchmod(fd, mode)  # exact, whatever the umask
         except OSError as e:
             refusal = open_refusal(e, path, what)
@@ -135,6 +139,25 @@ def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, 
             raise
         return fd
     raise UnavailableError(f"{what} {path} keeps being replaced by another process; retry")
+
+
+def full_advice(folder: str | os.PathLike[str]) -> str:
+    """How full ``folder`` is, and what to do about it: for the errors of a file system that is full."""
+    try:
+        fs = os.statvfs(folder)
+        room = (f"{folder} is {fs.f_blocks * fs.f_frsize / 2**20:.1f} MiB with "
+                f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free")
+    except OSError:
+        room = f"{folder} is full"
+    return (f"{room}; remove unused boards (`dpboard clean`) or give {folder} more room (a container's default "
+            f"is 64 MiB: docker run --shm-size)")
+
+
+def _room_hint(error: OSError, path: str | os.PathLike[str]) -> str:
+    """``full_advice`` of the file's folder after a full file system's error (ENOSPC, EDQUOT), else nothing."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return ""
+    return ": " + full_advice(os.path.dirname(os.fspath(path)))
 
 
 def write_new_file(path: str | os.PathLike[str], data: bytes, what: str, *, mode: int = 0o600) -> None:
@@ -200,9 +223,16 @@ class OwnerLock:
                 who = f"pid {holder}" if holder else "a process that is still starting"
                 raise busy(f"{what} already has {role}: {who} (lock {path}); {hint}") from None
             if _same_file(fd, path):
-                os.ftruncate(fd, 0)
                 pid = os.getpid()
-                os.pwrite(fd, f"{pid} {process_start_ticks(pid)}\n".encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{pid} {process_start_ticks(pid)}\n".encode(), 0)
+                except OSError as e:
+                    # A full /dev/shm (ENOSPC): we hold the lock, so the file is ours to take back.
+                    path.unlink(missing_ok=True)
+                    os.close(fd)
+                    raise UnavailableError(f"cannot write the lock file {path} of {what}: {e.strerror}"
+                                           + _room_hint(e, path)) from None
                 self._fd = fd
                 return
             os.close(fd)
