@@ -181,9 +181,7 @@ def lock_path(kind: str, key: str) -> Path:
     if not _LOCK_KIND.fullmatch(kind) or kind == "sent" or kind.startswith("sent."):
         raise InvalidInputError(f"lock kind {kind!r}: lower-case words joined by dots, and not 'sent' (the sent "
                                 f"records' prefix)")
-    readable = _SAFE.sub("_", key)[:80]
-    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-    return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
+    return LOCK_DIR / f"{LOCK_PREFIX}{kind}{_lock_suffix(key)}"
 
 
 class OwnerBusyError(UnavailableError):
@@ -259,17 +257,26 @@ class OwnerLock:
         self.release()
 
 
-def remove_abandoned_locks(min_age: float = 10.0) -> list[Path]:
+def _lock_suffix(key: str) -> str:
+    """How ``lock_path`` ends every lock file of ``key``, whatever its kind."""
+    return f".{_SAFE.sub('_', key)[:80]}.{hashlib.sha1(key.encode()).hexdigest()[:8]}.lock"
+
+
+def remove_abandoned_locks(min_age: float = 10.0, *, keys: tuple[str, ...] | None = None) -> list[Path]:
     """Remove this user's lock files that no live process holds: an owner killed with SIGKILL loses
     its flock with its life but leaves the file. Taking the flock is the test; the file is unlinked
     while it is held, so every later taker opens a fresh one. A file younger than ``min_age`` seconds
     is left alone (its owner may be between creating and locking it), and ``OwnerLock`` looks again
-    when it meets a lock held by no live pid, which is what this function's brief hold looks like."""
+    when it meets a lock held by no live pid, which is what this function's brief hold looks like.
+    ``keys``: only the lock files of these keys (a board name, an ``endpoint_lock_key``), of any kind."""
     removed = []
     now = time.time()
+    suffixes = None if keys is None else tuple(_lock_suffix(k) for k in keys)
     for path in sorted(LOCK_DIR.glob(f"{LOCK_PREFIX}*.lock")):
         if not LOCK_FILE.fullmatch(path.name):
             continue  # not a lock file (a board's sent record may end in .lock too)
+        if suffixes is not None and not path.name.endswith(suffixes):
+            continue
         try:
             if now - path.lstat().st_mtime < min_age:
                 continue

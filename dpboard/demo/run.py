@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board
+from dpboard.board.dispatch_record import remove_if_abandoned
 from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, fraction, milliseconds, positive, seconds
+from dpboard.ownership import endpoint_lock_key, remove_abandoned_locks
 from dpboard.processes import module_command
 from dpboard.stopping import StopFlag
 from dpboard.views.rows import status_of
@@ -371,7 +373,15 @@ class DemoRun:
             if self.board is not None:
                 self.board.close()
                 self.board.unlink()
+            self._remove_leftovers()
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        """What a child killed past its stop timeout (SIGKILL) had no chance to remove: the
+        controller's lock files (its board's, its input endpoint's) and the board's dispatch record.
+        Every child has been waited for: whatever they held, nobody holds now."""
+        remove_abandoned_locks(0.0, keys=(self.name, endpoint_lock_key(self.requests_ep)))
+        remove_if_abandoned(self.name)
 
     def run(self) -> int:
         with StopFlag() as stop:
