@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -295,6 +296,39 @@ def remove_abandoned_locks(min_age: float = 10.0, *, keys: tuple[str, ...] | Non
         finally:
             os.close(fd)
     return removed
+
+
+# -- open-file-description locks on byte ranges ----------------------------------------------------
+#
+# A process that holds a board's slot, a side record's row, or a board it created, holds an OFD
+# lock on those bytes: the kernel drops it when the process dies, and any process (another user's,
+# another PID or time namespace's) can ask whether it is held. It is the second proof of life beside
+# an owner word's pid and start ticks, which a time namespace shows differently to others.
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on x86-64 / aarch64 Linux
+
+
+def lock_range(fd: int, start: int, length: int, *, shared: bool = False) -> bool:
+    """Take an OFD lock on ``length`` bytes of ``fd`` from ``start`` (0: to the end and beyond);
+    False when another open file description holds a conflicting one."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def unlock_range(fd: int, start: int, length: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, length, 0))
+
+
+def range_held(fd: int, start: int = 0, length: int = 0) -> bool:
+    """Whether another open file description holds any lock on those bytes (a read-only ``fd`` asks too)."""
+    found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+    return _FLOCK.unpack(found)[0] != fcntl.F_UNLCK
 
 
 def pid_alive(pid: int) -> bool:
