@@ -207,7 +207,7 @@ class OwnerLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 holder, holder_ticks = _read_owner(fd)
-                replaced = not _same_file(fd, path)
+                replaced = not same_file(fd, path)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
@@ -221,7 +221,7 @@ class OwnerLock:
                     continue
                 who = f"pid {holder}" if holder else "a process that is still starting"
                 raise busy(f"{what} already has {role}: {who} (lock {path}); {hint}") from None
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 pid = os.getpid()
                 try:
                     os.ftruncate(fd, 0)
@@ -246,7 +246,7 @@ class OwnerLock:
         if fd is None:
             return
         try:
-            if _same_file(fd, self.path):
+            if same_file(fd, self.path):
                 self.path.unlink(missing_ok=True)  # still holding the lock: nobody can be inside it
         finally:
             os.close(fd)
@@ -290,7 +290,7 @@ def remove_abandoned_locks(min_age: float = 10.0, *, keys: tuple[str, ...] | Non
             os.close(fd)
             continue  # a live owner holds it
         try:
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 path.unlink(missing_ok=True)
                 removed.append(path)
         finally:
@@ -368,7 +368,8 @@ def process_alive(pid: int, start_ticks: int = 0) -> bool:
     return True
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` still names the file open at ``fd`` (no link followed)."""
     try:
         a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
