@@ -170,11 +170,19 @@ def test_a_record_of_the_wrong_size_is_refused_with_one_line(board_name, size):
     _plant(board_name, size=size)
     with pytest.raises(DpboardError, match="dispatch record .* remove it"):
         read_dispatch_record(board_name, timeout=0.05)
-    with Board.create(board_name, SLOTS):
-        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
+    assert _doctor_finding(board_name)["evidence"].startswith(f"dispatch record {dispatch_record_path(board_name)}")
+
+
+def _doctor_finding(board: str) -> dict:
+    """The finding `dpboard doctor --json` makes of the refused record (it reports, never exits 2)."""
+    import json
+
+    with Board.create(board, SLOTS):
+        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board, "--window", "0.2", "--json"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
-    assert "dispatch record" in res.stderr and res.stdout == ""
+    assert res.returncode == 1 and res.stderr == "", res.stderr
+    (found,) = [f for f in json.loads(res.stdout)["findings"] if f["id"] == "record_refused"]
+    return found
 
 
 def test_a_record_others_may_write_is_refused(board_name):
@@ -209,10 +217,7 @@ def test_a_record_planted_by_another_user_is_refused(board_name):
     with pytest.raises(AccessDeniedError, match="belongs to uid 65534"):
         DispatchRecord.open(board_name, 1, SLOTS)  # a dispatcher never writes into it either
     assert read_dispatch_record(board_name, trust_uids=(65534,)) == []  # trusted: read (no row claimed)
-    with Board.create(board_name, SLOTS):
-        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "uid 65534" in res.stderr, res.stderr
+    assert "belongs to uid 65534" in _doctor_finding(board_name)["evidence"]
 
 
 # -- the writer processes -----------------------------------------------------------------------------
@@ -267,7 +272,7 @@ if __name__ == "__main__":
 
 def test_a_controller_over_a_planted_record_serves_without_one(board_name, tmp_path):
     """A record the controller may not use (here: others may write it) never keeps it from serving:
-    it says why once, and dispatches; the doctor refuses the file with one line."""
+    it says why once, and dispatches; the doctor reports the refused file as a finding."""
     from dpboard.controller.codec import encode_request
     from tests.views.test_doctor import controller
 
@@ -282,7 +287,8 @@ def test_a_controller_over_a_planted_record_serves_without_one(board_name, tmp_p
         board.close()
         res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert res.returncode == 2 and "mode 0o666" in res.stderr and res.stderr.count("\n") == 1
+        assert res.returncode == 1 and "[warning] the dispatch record is refused" in res.stdout
+        assert "mode 0o666" in res.stdout
     assert "no dispatch record for dpboard doctor" in ctl.stderr.read()
     assert path.stat().st_mode & 0o777 == 0o666  # left as it was: not ours to change
 
