@@ -24,13 +24,9 @@ from dpboard.board.dispatch_record import remove_abandoned_records
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.segment import (
-    DEFAULT_STALE_AFTER,
-    check_stale_after,
-    read_segment_header,
-    unlink_if_generation,
-)
+from dpboard.board.segment import DEFAULT_STALE_AFTER, read_segment_header, unlink_if_generation
 from dpboard.board.sent import SENT_PREFIX, record_state, remove_record
+from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, NotFoundError
 from dpboard.ownership import range_held
 from dpboard.snapshot import (

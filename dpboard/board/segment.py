@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import math
 import mmap
 import os
 import secrets
@@ -39,6 +38,7 @@ from dpboard.board.seqlock import (
     live_writers_lock,
     slot_owner,
 )
+from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned, describe_owner, lock_range
 from dpboard.snapshot import (
@@ -60,20 +60,9 @@ from dpboard.snapshot import (
 
 DEFAULT_STALE_AFTER = 1.0
 MAX_NODE_ID = 2**63 - 1  # the header's node_id is a signed 64-bit word
-MAX_STALE_AFTER = 1e6  # seconds; a threshold must fit the reader's int64 nanoseconds with room to spare
 DEFAULT_MAX_RETRIES = 256
 CLAIM_ATTEMPTS = 16  # compare-and-swap rounds on a slot's owner word before giving up
 _STATUSES = tuple(SlotStatus)
-
-
-def check_stale_after(stale_after: object) -> float:
-    """``stale_after`` as seconds in (0, MAX_STALE_AFTER], or an InvalidInputError naming it."""
-    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not (
-            math.isfinite(stale_after) and 0 < stale_after <= MAX_STALE_AFTER):
-        raise InvalidInputError(
-            f"stale_after must be a number of seconds in (0, {MAX_STALE_AFTER:g}], got {stale_after!r}"
-        )
-    return float(stale_after)
 
 
 def _unreadable(name: str, path: str) -> str:
@@ -458,7 +447,7 @@ class Board:
 
     def reader(self, *, stale_after: float = DEFAULT_STALE_AFTER, max_retries: int = DEFAULT_MAX_RETRIES) -> BoardReader:
         """A reader of every slot. ``stale_after``: seconds without a publish before a slot is STALE,
-        in (0, MAX_STALE_AFTER]."""
+        in [MIN_STALE_AFTER, MAX_STALE_AFTER] (``dpboard.board.stale``)."""
         stale_after = check_stale_after(stale_after)
         out = np.zeros(self.n_slots, dtype=SNAPSHOT_DTYPE)
         r = BoardReader(

@@ -29,6 +29,7 @@ import numpy as np
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, list_boards, process_alive
 from dpboard.board.dispatch_record import DispatchRowSample, read_dispatch_record
+from dpboard.board.stale import stale_after
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.options import count, seconds
 from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
@@ -588,7 +589,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds to watch the board and its dispatcher (default {DEFAULT_WINDOW:g})")
     p.add_argument("--samples", type=count(2, 1000), default=SAMPLES,
                    help=f"reads over the window, its start and end included (default {SAMPLES})")
-    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=stale_after, default=DEFAULT_STALE_AFTER,
                    help=f"seconds before a slot is stale (default {DEFAULT_STALE_AFTER:g})")
     p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
                    help="also read a board and record this user created (e.g. 0 for root); repeatable")
