@@ -1,4 +1,4 @@
-"""``dpboard doctor [BOARD]``: the seed's troubleshooting checklist (§11), answered from a live board.
+"""``dpboard doctor [BOARD]``: the data-parallel troubleshooting checklist, answered from a live board.
 
 "Why do all requests go to one DP rank?" The checklist asks whether dp_size is really > 1, which
 load-balance method is in effect, whether requests carry ``routed_dp_rank`` or ``bootstrap_room``,
