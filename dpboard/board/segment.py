@@ -289,25 +289,23 @@ class Board:
                 time.sleep(0.001)
                 st = os.fstat(shm.fd)
             size = st.st_size
+            # The header is read, and the layout it claims checked, before anything is mapped: only
+            # what a board of its slots holds is, so a sparse file of any size is never mapped whole.
+            while True:
+                magic, header = unpack_header(os.pread(shm.fd, HEADER_SIZE, 0).ljust(HEADER_SIZE, b"\0"))
+                if magic == MAGIC:
+                    break
+                if magic != NO_MAGIC or time.monotonic() >= deadline:
+                    raise BoardLayoutError(
+                        f"segment {path} has no dpboard header (magic {magic!r}): it is not a board, or its "
+                        f"creator died while creating it; remove it with `dpboard clean {name} --force`"
+                    )
+                time.sleep(0.001)
+            check_layout(name, header, size, n_slots)
+            size = segment_size(header.n_slots)
             mapping = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
-        while True:
-            magic, header = unpack_header(mapping)
-            if magic == MAGIC:
-                break
-            if magic != NO_MAGIC or time.monotonic() >= deadline:
-                mapping.close()
-                raise BoardLayoutError(
-                    f"segment {path} has no dpboard header (magic {magic!r}): it is not a "
-                    f"board, or its creator died while creating it; remove it with `dpboard clean {name} --force`"
-                )
-            time.sleep(0.001)
-        try:
-            check_layout(name, header, size, n_slots)
-        except BoardError:
-            mapping.close()
-            raise
         board = cls(name, size, mapping, header, owner=False, identity=(st.st_dev, st.st_ino))
         board._read_only = read_only
         return board
