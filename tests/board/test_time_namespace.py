@@ -86,3 +86,54 @@ def test_clean_leaves_the_live_board_of_a_creator_in_another_time_namespace(boar
     assert res.returncode == 0, res.stderr
     assert not path.exists()
 
+
+
+_SENDER = """
+import os, sys, time
+from dpboard.board.sent import SentRecord
+record = SentRecord.open(sys.argv[1], 1, 2, generation=int(sys.argv[2]))
+record.row(0).add(1, 5)
+print("ready", os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+_DISPATCHER = """
+import os, sys, time
+from dpboard.board.dispatch_record import DispatchRecord
+record = DispatchRecord.open(sys.argv[1], 1, 2)
+record.row(0, method="total_tokens").publish(1, 4, 0, 0, 0, 0, [2, 2])
+print("ready", os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_sent_row_held_from_another_time_namespace_counts(board_name):
+    from dpboard.board.sent import SentRecord
+
+    with Board.create(board_name, 2) as board:
+        proc, pid = start_in_time_namespace(_SENDER, board_name, str(board.generation))
+        record = SentRecord.open(board_name, 1, 2, generation=board.generation)
+        try:
+            ((holder, ticks, alive),) = record.holders()
+            assert holder == pid and alive
+            _ticks_differ(pid, ticks)
+            assert record.totals().tolist() == [[0, 0], [1, 5]]
+            with pytest.raises(BoardError, match=f"row 0 of the sent record of board {board_name!r} is held by live "
+                                                 f"process {pid}"):
+                record.row(0)
+        finally:
+            kill_in_time_namespace(proc, pid)
+        record.close()  # the last one out: removes it
+
+
+def test_a_dispatcher_in_another_time_namespace_reads_as_running(board_name):
+    from dpboard.board.dispatch_record import read_dispatch_record, remove_if_abandoned
+
+    proc, pid = start_in_time_namespace(_DISPATCHER, board_name)
+    try:
+        (row,) = read_dispatch_record(board_name)
+        assert (row.pid, row.alive, row.per_rank) == (pid, True, [2, 2])
+        assert not remove_if_abandoned(board_name)  # held: not taken for a dead dispatcher's
+    finally:
+        kill_in_time_namespace(proc, pid)
+    assert remove_if_abandoned(board_name)
