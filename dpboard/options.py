@@ -16,7 +16,7 @@ MAX_SECONDS = 1e6  # about 11.6 days: longer thresholds and periods are mistakes
 MAX_COUNT = 2**31 - 1
 
 
-def _number(text: str, kind: type) -> float | int:
+def number(text: str, kind: type) -> float | int:
     try:
         value = kind(text)
     except ValueError:
@@ -36,7 +36,7 @@ def number_in(kind: type, low: float, high: float, *, low_open: bool = False, un
     described = f"{left}{fmt.format(low)}, {fmt.format(high)}]" + (f" {unit}" if unit else "")
 
     def parse(text: str) -> float | int:
-        value = _number(text, kind)
+        value = number(text, kind)
         if value < low or (low_open and value == low) or value > high:
             raise argparse.ArgumentTypeError(f"{text} is outside {described}" + (f": {hint}" if hint else ""))
         return value

@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -118,6 +119,10 @@ def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, 
                 fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
             except FileExistsError:
                 continue  # someone created it in between: open that one (and check it)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise UnavailableError(f"cannot create {what} {path}: {e.strerror}" + _room_hint(e, path)) from None
             os.fchmod(fd, mode)  # exact, whatever the umask
         except OSError as e:
             refusal = open_refusal(e, path, what)
@@ -135,6 +140,25 @@ def open_owned(path: str | os.PathLike[str], what: str, *, create: bool = True, 
             raise
         return fd
     raise UnavailableError(f"{what} {path} keeps being replaced by another process; retry")
+
+
+def full_advice(folder: str | os.PathLike[str]) -> str:
+    """How full ``folder`` is, and what to do about it: for the errors of a file system that is full."""
+    try:
+        fs = os.statvfs(folder)
+        room = (f"{folder} is {fs.f_blocks * fs.f_frsize / 2**20:.1f} MiB with "
+                f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free")
+    except OSError:
+        room = f"{folder} is full"
+    return (f"{room}; remove unused boards (`dpboard clean`) or give {folder} more room (a container's default "
+            f"is 64 MiB: docker run --shm-size)")
+
+
+def _room_hint(error: OSError, path: str | os.PathLike[str]) -> str:
+    """``full_advice`` of the file's folder after a full file system's error (ENOSPC, EDQUOT), else nothing."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return ""
+    return ": " + full_advice(os.path.dirname(os.fspath(path)))
 
 
 def write_new_file(path: str | os.PathLike[str], data: bytes, what: str, *, mode: int = 0o600) -> None:
@@ -158,9 +182,7 @@ def lock_path(kind: str, key: str) -> Path:
     if not _LOCK_KIND.fullmatch(kind) or kind == "sent" or kind.startswith("sent."):
         raise InvalidInputError(f"lock kind {kind!r}: lower-case words joined by dots, and not 'sent' (the sent "
                                 f"records' prefix)")
-    readable = _SAFE.sub("_", key)[:80]
-    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-    return LOCK_DIR / f"{LOCK_PREFIX}{kind}.{readable}.{digest}.lock"
+    return LOCK_DIR / f"{LOCK_PREFIX}{kind}{_lock_suffix(key)}"
 
 
 class OwnerBusyError(UnavailableError):
@@ -185,7 +207,7 @@ class OwnerLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 holder, holder_ticks = _read_owner(fd)
-                replaced = not _same_file(fd, path)
+                replaced = not same_file(fd, path)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
@@ -199,10 +221,17 @@ class OwnerLock:
                     continue
                 who = f"pid {holder}" if holder else "a process that is still starting"
                 raise busy(f"{what} already has {role}: {who} (lock {path}); {hint}") from None
-            if _same_file(fd, path):
-                os.ftruncate(fd, 0)
+            if same_file(fd, path):
                 pid = os.getpid()
-                os.pwrite(fd, f"{pid} {process_start_ticks(pid)}\n".encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{pid} {process_start_ticks(pid)}\n".encode(), 0)
+                except OSError as e:
+                    # A full /dev/shm (ENOSPC): we hold the lock, so the file is ours to take back.
+                    path.unlink(missing_ok=True)
+                    os.close(fd)
+                    raise UnavailableError(f"cannot write the lock file {path} of {what}: {e.strerror}"
+                                           + _room_hint(e, path)) from None
                 self._fd = fd
                 return
             os.close(fd)
@@ -217,7 +246,7 @@ class OwnerLock:
         if fd is None:
             return
         try:
-            if _same_file(fd, self.path):
+            if same_file(fd, self.path):
                 self.path.unlink(missing_ok=True)  # still holding the lock: nobody can be inside it
         finally:
             os.close(fd)
@@ -229,17 +258,26 @@ class OwnerLock:
         self.release()
 
 
-def remove_abandoned_locks(min_age: float = 10.0) -> list[Path]:
+def _lock_suffix(key: str) -> str:
+    """How ``lock_path`` ends every lock file of ``key``, whatever its kind."""
+    return f".{_SAFE.sub('_', key)[:80]}.{hashlib.sha1(key.encode()).hexdigest()[:8]}.lock"
+
+
+def remove_abandoned_locks(min_age: float = 10.0, *, keys: tuple[str, ...] | None = None) -> list[Path]:
     """Remove this user's lock files that no live process holds: an owner killed with SIGKILL loses
     its flock with its life but leaves the file. Taking the flock is the test; the file is unlinked
     while it is held, so every later taker opens a fresh one. A file younger than ``min_age`` seconds
     is left alone (its owner may be between creating and locking it), and ``OwnerLock`` looks again
-    when it meets a lock held by no live pid, which is what this function's brief hold looks like."""
+    when it meets a lock held by no live pid, which is what this function's brief hold looks like.
+    ``keys``: only the lock files of these keys (a board name, an ``endpoint_lock_key``), of any kind."""
     removed = []
     now = time.time()
+    suffixes = None if keys is None else tuple(_lock_suffix(k) for k in keys)
     for path in sorted(LOCK_DIR.glob(f"{LOCK_PREFIX}*.lock")):
         if not LOCK_FILE.fullmatch(path.name):
             continue  # not a lock file (a board's sent record may end in .lock too)
+        if suffixes is not None and not path.name.endswith(suffixes):
+            continue
         try:
             if now - path.lstat().st_mtime < min_age:
                 continue
@@ -252,12 +290,45 @@ def remove_abandoned_locks(min_age: float = 10.0) -> list[Path]:
             os.close(fd)
             continue  # a live owner holds it
         try:
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 path.unlink(missing_ok=True)
                 removed.append(path)
         finally:
             os.close(fd)
     return removed
+
+
+# -- open-file-description locks on byte ranges ----------------------------------------------------
+#
+# A process that holds a board's slot, a side record's row, or a board it created, holds an OFD
+# lock on those bytes: the kernel drops it when the process dies, and any process (another user's,
+# another PID or time namespace's) can ask whether it is held. It is the second proof of life beside
+# an owner word's pid and start ticks, which a time namespace shows differently to others.
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on x86-64 / aarch64 Linux
+
+
+def lock_range(fd: int, start: int, length: int, *, shared: bool = False) -> bool:
+    """Take an OFD lock on ``length`` bytes of ``fd`` from ``start`` (0: to the end and beyond);
+    False when another open file description holds a conflicting one."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def unlock_range(fd: int, start: int, length: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, length, 0))
+
+
+def range_held(fd: int, start: int = 0, length: int = 0) -> bool:
+    """Whether another open file description holds any lock on those bytes (a read-only ``fd`` asks too)."""
+    found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+    return _FLOCK.unpack(found)[0] != fcntl.F_UNLCK
 
 
 def pid_alive(pid: int) -> bool:
@@ -297,7 +368,8 @@ def process_alive(pid: int, start_ticks: int = 0) -> bool:
     return True
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` still names the file open at ``fd`` (no link followed)."""
     try:
         a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
     except FileNotFoundError:

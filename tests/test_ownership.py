@@ -220,3 +220,47 @@ def test_lock_paths_stay_in_the_lock_directory():
     p = lock_path("endpoint", "ipc-/tmp/../../etc/passwd\n")
     assert p.parent == LOCK_DIR and "/" not in p.name and "\n" not in p.name
     assert Path(p).name.startswith("dpboard-endpoint.")
+
+
+_FULL_SHM_LOCKS = """
+import json, os, subprocess, sys
+from dpboard.board import Board
+board = Board.create("full", 1)
+fd = os.open("/dev/shm/filler", os.O_WRONLY | os.O_CREAT, 0o600)
+for chunk in (1 << 16, 1 << 12, 1):  # every last page of the tmpfs taken
+    try:
+        while True:
+            os.write(fd, bytes(chunk))
+    except OSError:
+        pass
+os.close(fd)
+out = {}
+for argv in (["controller", "--board", "full", "--input", "ipc:///tmp/dpboard-full-in", "--workers",
+              "ipc:///tmp/dpboard-full-w0", "--duration", "5"],
+             ["collect", "--board", "full", "--bind", "tcp://127.0.0.1:0", "--duration", "5"]):
+    run = subprocess.run([sys.executable, "-m", "dpboard.cli", *argv], capture_output=True, text=True, timeout=60)
+    out[argv[0]] = [run.returncode, run.stderr]
+out["left"] = sorted(n for n in os.listdir("/dev/shm") if n.endswith(".lock"))
+os.unlink("/dev/shm/filler")
+board.close()
+board.unlink()
+print(json.dumps(out))
+"""
+
+
+def test_a_lock_file_on_a_full_dev_shm_is_one_line_and_leaves_nothing():
+    """`controller --board` and `collect` on a full /dev/shm (a private 1 MiB tmpfs, every page
+    taken): the lock file's first write fails with ENOSPC; each says so in one line, with the room
+    left and the fix, exits 2, and leaves no (empty) lock file behind."""
+    import json
+
+    from tests.support.private_shm import run_in_private_shm
+
+    run = run_in_private_shm(_FULL_SHM_LOCKS, size="1m", label="dpboard-full", timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    for command in ("controller", "collect"):
+        status, stderr = out[command]
+        assert status == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, (command, stderr)
+        assert "No space left on device" in stderr and "/dev/shm is 1.0 MiB with 0.0 MiB free" in stderr, stderr
+    assert out["left"] == []

@@ -12,20 +12,16 @@ from dpboard.board.header import BoardHeader
 from dpboard.board.listing import BoardListing, clean_boards, list_boards, read_listing
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, segment_path, validate_name
-from dpboard.board.segment import (
-    DEFAULT_MAX_RETRIES,
-    DEFAULT_STALE_AFTER,
-    MAX_STALE_AFTER,
-    Board,
-    check_stale_after,
-)
+from dpboard.board.segment import DEFAULT_MAX_RETRIES, DEFAULT_STALE_AFTER, Board
 from dpboard.board.seqlock import BoardReader, BoardWriter
+from dpboard.board.stale import MAX_STALE_AFTER, MIN_STALE_AFTER, check_stale_after
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_STALE_AFTER",
     "MAX_SLOTS",
     "MAX_STALE_AFTER",
+    "MIN_STALE_AFTER",
     "SEGMENT_PREFIX",
     "SHM_DIR",
     "Board",

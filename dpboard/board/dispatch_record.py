@@ -21,6 +21,7 @@ the writer makes ``seq`` odd, writes the row, makes it even again; a reader copi
 equal even reads of ``seq`` and tries again otherwise, a bounded number of times, then calls the
 row torn (x86-64 keeps stores in program order, which is what the rule needs from NumPy stores).
 
+The file, its rows and their holders follow ``dpboard.board.side_record``, as the sent record does.
 Attaching checks what attaching a board checks (``check_owned``: a regular file of this user, or of
 a trusted uid, that nobody else may write, one link; no symbolic link followed) and the size the
 header claims; anything else is refused with one line naming the file and the fix.
@@ -28,36 +29,33 @@ header claims; anything else is refused with one line naming the file and the fi
 
 from __future__ import annotations
 
-import atexit
-import errno
 import mmap
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import posix_ipc
 
-from dpboard.board.errors import BoardError, BoardLayoutError
-from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.reserve import reserve_pages
-from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
-from dpboard.ownership import check_owned, refuse_link
-from dpboard.snapshot import pack_owner, unpack_owner
+from dpboard.board.side_record import (
+    HEADER_SIZE,
+    SideFile,
+    SideFormat,
+    base_header_dtype,
+    leave_records_of,
+    read_mapped,
+    remove_if_unheld,
+    row_alive,
+)
+from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
+from dpboard.snapshot import unpack_owner
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
 DISPATCH_VERSION = 1
 DISPATCH_PREFIX = "dpboard-dispatch."
-DISPATCH_HEADER_SIZE = 64
-DISPATCH_HEADER_DTYPE = np.dtype({
-    "names": ["magic", "version", "rows", "slots", "row_size", "creator_pid"],
-    "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8"],
-    "offsets": [0, 8, 12, 16, 20, 24],
-    "itemsize": DISPATCH_HEADER_SIZE,
-})
+DISPATCH_HEADER_SIZE = HEADER_SIZE
+DISPATCH_HEADER_DTYPE = base_header_dtype([], [], [])
 METHOD_BYTES = 32
 MODE_BYTES = 8
 COUNTERS: tuple[str, ...] = (
@@ -79,14 +77,7 @@ ROW_DTYPE = np.dtype({
 MAX_ROWS = 4096
 READ_RETRIES = 64
 PUBLISH_INTERVAL = 0.1  # seconds between two publishes of a row, at most
-
-
-def dispatch_segment_name(board: str) -> str:
-    return "/" + DISPATCH_PREFIX + validate_name(board)
-
-
-def dispatch_record_path(board: str) -> str:
-    return f"{SHM_DIR}/{DISPATCH_PREFIX}{validate_name(board)}"
+ABANDONED_RECORD_AGE = 10.0  # seconds: a record without a whole header younger than this may be being created
 
 
 def row_size(slots: int) -> int:
@@ -94,8 +85,21 @@ def row_size(slots: int) -> int:
     return (raw + 63) // 64 * 64
 
 
+DISPATCH_FORMAT = SideFormat("dispatch record", DISPATCH_PREFIX, DISPATCH_MAGIC, DISPATCH_VERSION,
+                             DISPATCH_HEADER_DTYPE, row_size, MAX_ROWS, MAX_SLOTS, rows_are="rows (dispatchers)",
+                             one_shape="one dispatcher count per board; stop the other dispatchers first")
+
+
+def dispatch_segment_name(board: str) -> str:
+    return "/" + DISPATCH_PREFIX + validate_name(board)
+
+
+def dispatch_record_path(board: str) -> str:
+    return DISPATCH_FORMAT.path(board)
+
+
 def record_size(rows: int, slots: int) -> int:
-    return DISPATCH_HEADER_SIZE + rows * row_size(slots)
+    return DISPATCH_FORMAT.size(rows, slots)
 
 
 def _text(value: str, size: int, what: str) -> bytes:
@@ -108,62 +112,33 @@ def _text(value: str, size: int, what: str) -> bytes:
 class DispatchRecord:
     """The dispatch record of one board, mapped for writing: ``row(index, ...)`` claims a row."""
 
-    def __init__(self, board: str, mapping: mmap.mmap, rows: int, slots: int, owner: bool) -> None:
-        self.board = board
-        self.rows = rows
-        self.slots = slots
-        self.is_owner = owner
-        self._mapping = mapping
-        self._size = row_size(slots)
+    def __init__(self, side: SideFile) -> None:
+        self.board = side.board
+        self.rows = side.rows
+        self.slots = side.slots
+        self.is_owner = side.is_owner
+        self._side = side
+        self._mapping = side.mapping
+        self._size = row_size(side.slots)
         self._writers: list[DispatchRow] = []
 
     @classmethod
     def open(cls, board: str, rows: int, slots: int, *, timeout: float = 5.0,
              trust_uids: tuple[int, ...] = ()) -> DispatchRecord:
         """Create the record (``rows`` dispatchers, ``slots`` ranks), or attach the one that exists
-        with that shape (with a board's checks); this process owns and later removes the one it creates."""
-        name = dispatch_segment_name(board)
-        path = dispatch_record_path(board)
+        with that shape (with a board's checks). A damaged one, or one of another shape that nobody
+        holds (a controller killed, then started with another ``--workers`` count), is replaced; one
+        of another shape that a live dispatcher holds is refused, naming it. The last dispatcher out
+        removes it."""
         if not 1 <= rows <= MAX_ROWS or not 1 <= slots <= MAX_SLOTS:
             raise InvalidInputError(f"dispatch record of board {board!r}: rows must be in [1, {MAX_ROWS}] and "
                                     f"slots in [1, {MAX_SLOTS}], got rows={rows}, slots={slots}")
-        size = record_size(rows, slots)
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except posix_ipc.ExistentialError:
-            shm = None
-        except posix_ipc.PermissionsError:
-            raise AccessDeniedError(f"cannot create the dispatch record {path}: permission denied") from None
-        if shm is not None:
-            try:
-                os.fchmod(shm.fd, 0o600)  # exact, whatever the umask
-                reserve_pages(shm.fd, size, f"the dispatch record of board {board!r}")
-                mapping = mmap.mmap(shm.fd, size)
-            except BaseException:
-                shm.unlink()  # not a record yet (no magic): leave nothing behind
-                raise
-            finally:
-                shm.close_fd()
-            header = np.ndarray((), DISPATCH_HEADER_DTYPE, mapping, 0)
-            header["version"], header["rows"], header["slots"] = DISPATCH_VERSION, rows, slots
-            header["row_size"], header["creator_pid"] = row_size(slots), os.getpid()
-            header["magic"] = DISPATCH_MAGIC  # last: an attacher that sees the magic sees a whole header
-            del header
-            atexit.register(_unlink, name, os.getpid())
-            return cls(board, mapping, rows, slots, owner=True)
-        mapping = _attach(board, path, time.monotonic() + timeout, trust_uids, writable=True)
-        found = _header_of(mapping)
-        if found[:3] != (DISPATCH_VERSION, rows, slots):
-            mapping.close()
-            raise BoardLayoutError(
-                f"dispatch record {path} has version {found[0]}, {found[1]} rows and {found[2]} slots; this "
-                f"dispatcher needs version {DISPATCH_VERSION}, {rows} rows and {slots} slots: remove {path} "
-                f"once its deployment is stopped")
-        return cls(board, mapping, rows, slots, owner=False)
+        return cls(SideFile.open(DISPATCH_FORMAT, board, rows, slots, timeout=timeout, trust_uids=trust_uids))
 
     def row(self, index: int, *, method: str, mode: str = "null", refresh_interval: float = 0.0) -> DispatchRow:
         """This process's row ``index``, stamped with its method, disaggregation mode and refresh
-        interval (seconds; 0: a refresh per dispatch). A row held by another live process is refused."""
+        interval (seconds; 0: a refresh per dispatch). A row held by another live process is refused;
+        a dead one's is taken over, made consistent and started again from zero."""
         if not 0 <= index < self.rows:
             raise InvalidInputError(f"dispatch record of board {self.board!r} has rows 0..{self.rows - 1}, "
                                     f"not {index}")
@@ -171,39 +146,32 @@ class DispatchRecord:
         mode_raw = _text(mode, MODE_BYTES, "disaggregation mode")
         off = DISPATCH_HEADER_SIZE + index * self._size
         head = np.ndarray((), ROW_DTYPE, self._mapping, off)
-        holder, holder_ticks = unpack_owner(int(head["holder"]))
-        pid = os.getpid()
-        if holder not in (0, pid) and process_alive(holder, holder_ticks):
-            raise BoardError(f"row {index} of the dispatch record of board {self.board!r} is held by live process "
-                             f"{holder}: one dispatcher per row")
         per_slot = np.ndarray((self.slots, 2), "<i8", self._mapping, off + ROW_HEAD_SIZE)
+
+        def reset(_: int) -> None:
+            head["method"], head["mode"] = method_raw, mode_raw
+            head["refresh_interval_ns"] = int(round(refresh_interval * 1e9))
+            for name in COUNTERS:
+                head[name] = 0
+            per_slot[:] = 0
+            head["wall_ns"], head["monotonic_ns"] = time.time_ns(), time.monotonic_ns()
+
+        self._side.claim(index, reset, hint="one dispatcher per row")
         writer = DispatchRow(head, per_slot)
-        writer._begin()
-        head["holder"] = pack_owner(pid, process_start_ticks(pid))
-        head["method"], head["mode"] = method_raw, mode_raw
-        head["refresh_interval_ns"] = int(round(refresh_interval * 1e9))
-        for name in COUNTERS:
-            head[name] = 0
-        per_slot[:] = 0
-        head["wall_ns"], head["monotonic_ns"] = time.time_ns(), time.monotonic_ns()
-        writer._end()
         self._writers.append(writer)
         return writer
 
     def close(self) -> None:
+        """Give up this process's rows; the last dispatcher out removes the record."""
         for writer in self._writers:
             writer.closed = True
             writer._head = writer._per_slot = None  # type: ignore[assignment]
         self._writers.clear()
-        try:
-            self._mapping.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with the process
-        # The last dispatcher out removes the record: none of its writers runs any more but this one.
-        remove_if_abandoned(self.board, leaving=True)
+        self._mapping = None  # type: ignore[assignment]
+        self._side.close()
 
     def unlink(self) -> None:
-        _unlink(dispatch_segment_name(self.board), os.getpid())
+        remove_if_unheld(DISPATCH_FORMAT, dispatch_record_path(self.board), force=True)
 
 
 class DispatchRow:
@@ -369,13 +337,13 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
     """Every claimed row of ``board``'s dispatch record, each read whole (or marked torn), or None
     when the board has no record. A record that is not one (another user's, the wrong size, a
     link) is refused with one line, as a board would be."""
-    path = dispatch_record_path(board)
     try:
-        mapping = _attach(board, path, time.monotonic() + timeout, trust_uids, writable=False)
+        fd, mapping, header = read_mapped(DISPATCH_FORMAT, board, trust_uids=trust_uids, timeout=timeout)
     except NotFoundError:
         return None
     try:
-        _version, rows, slots, size = _header_of(mapping)
+        rows, slots = int(header["rows"]), int(header["slots"])
+        size = row_size(slots)
         now = time.monotonic_ns()
         out = []
         for index in range(rows):
@@ -385,12 +353,13 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
             if torn:
                 raw = bytes(mapping[off: off + size])  # the pid and method only, for the report
             head = np.frombuffer(raw, ROW_DTYPE, 1)[0]
-            pid, start_ticks = unpack_owner(int(head["holder"]))
+            word = int(head["holder"])
+            pid = unpack_owner(word)[0]
             if pid == 0:
                 continue
             per = np.frombuffer(raw, "<i8", 2 * slots, ROW_HEAD_SIZE).reshape(slots, 2)
             out.append(DispatchRowSample(
-                row=index, pid=pid, alive=process_alive(pid, start_ticks),
+                row=index, pid=pid, alive=row_alive(DISPATCH_FORMAT, fd, index, slots, word),
                 method=head["method"].decode(errors="replace"), mode=head["mode"].decode(errors="replace"),
                 refresh_interval=int(head["refresh_interval_ns"]) / 1e9,
                 age_s=(now - int(head["monotonic_ns"])) / 1e9, wall_ns=int(head["wall_ns"]),
@@ -399,6 +368,7 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
         return out
     finally:
         mapping.close()
+        os.close(fd)
 
 
 def _read_row(mapping: mmap.mmap, off: int, size: int) -> bytes | None:
@@ -413,93 +383,16 @@ def _read_row(mapping: mmap.mmap, off: int, size: int) -> bytes | None:
     return None
 
 
-def _header_of(mapping: mmap.mmap) -> tuple[int, int, int, int]:
-    header = np.frombuffer(bytes(mapping[0:DISPATCH_HEADER_SIZE]), DISPATCH_HEADER_DTYPE, 1)[0]
-    return int(header["version"]), int(header["rows"]), int(header["slots"]), int(header["row_size"])
-
-
-def _attach(board: str, path: str, deadline: float, trust_uids: tuple[int, ...], *, writable: bool) -> mmap.mmap:
-    """Map an existing record after a board's checks: no link followed, ours (or a trusted uid's),
-    nobody else may write it, one link, a whole header with the magic, and the size it claims."""
-    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise NotFoundError(f"board {board!r} has no dispatch record ({path})") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise refuse_link(path, "dispatch record") from None
-        if e.errno == errno.EACCES:
-            check_owned(os.lstat(path), path, "dispatch record", trust_uids)
-        raise BoardError(f"cannot open dispatch record {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        check_owned(st, path, "dispatch record", trust_uids,
-                    hint=f"read only the records your own user's dispatchers made, or pass --trust-uid "
-                         f"{st.st_uid} if you trust that user")
-        while True:
-            if st.st_size >= DISPATCH_HEADER_SIZE:
-                mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-                if mapping[0:8] == DISPATCH_MAGIC:
-                    break
-                mapping.close()
-            if time.monotonic() >= deadline:
-                raise BoardLayoutError(f"dispatch record {path} has no dispatch-record header: it is not one, or "
-                                       f"its creator died while creating it; remove it")
-            time.sleep(0.005)
-            st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    version, rows, slots, size = _header_of(mapping)
-    problem = None
-    if version != DISPATCH_VERSION:
-        problem = f"has version {version}, this dpboard reads {DISPATCH_VERSION}"
-    elif not (1 <= rows <= MAX_ROWS and 1 <= slots <= MAX_SLOTS and size == row_size(slots)):
-        problem = f"claims {rows} rows of {slots} slots and row size {size}: damaged or not a dispatch record"
-    elif st.st_size != record_size(rows, slots):
-        problem = (f"is {st.st_size} bytes, but {rows} rows of {slots} slots make {record_size(rows, slots)}: "
-                   f"damaged or not a dispatch record")
-    if problem is not None:
-        mapping.close()
-        raise BoardLayoutError(f"dispatch record {path} {problem}; remove it once its deployment is stopped")
-    return mapping
-
-
 def remove_if_abandoned(board: str, *, leaving: bool = False) -> bool:
-    """Remove ``board``'s dispatch record when no process that wrote it runs any more (its creator
-    and every row's holder gone: dispatchers killed with SIGKILL leave theirs). ``leaving``: this
-    process counts as gone too (it is removing the board itself, so its own dispatcher of that board
-    is done with it). A record of another user, or one that is not a record, is left alone. True
-    when it was removed."""
+    """Remove ``board``'s dispatch record when nobody holds it any more (dispatchers killed with
+    SIGKILL leave theirs). ``leaving``: this process counts as gone too (it is removing the board
+    itself, so its own dispatcher of that board is done with it). A record of another user, or one
+    that is not a record, is left alone. True when it was removed."""
     path = dispatch_record_path(board)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode) or st.st_size < DISPATCH_HEADER_SIZE:
-            return False
-        head = os.pread(fd, DISPATCH_HEADER_SIZE, 0)
-        header = np.frombuffer(head, DISPATCH_HEADER_DTYPE, 1)[0]
-        rows, slots = int(header["rows"]), int(header["slots"])
-        if (head[:8] != DISPATCH_MAGIC or not 1 <= rows <= MAX_ROWS or not 1 <= slots <= MAX_SLOTS
-                or st.st_size != record_size(rows, slots)):
-            return False
-        writers = [(int(header["creator_pid"]), 0)]  # the header keeps the creator's pid alone
-        for index in range(rows):  # 8 bytes a row: never more than the rows' holder words are read
-            word = os.pread(fd, 8, DISPATCH_HEADER_SIZE + index * row_size(slots) + 8)
-            writers.append(unpack_owner(int.from_bytes(word, "little")))
-    finally:
-        os.close(fd)
-    me = os.getpid() if leaving else 0
-    if any(pid > 0 and pid != me and process_alive(pid, ticks) for pid, ticks in writers):
-        return False
-    try:
-        posix_ipc.unlink_shared_memory(dispatch_segment_name(board))
-    except posix_ipc.ExistentialError:
-        return False
-    return True
+    if leaving:
+        leave_records_of(DISPATCH_FORMAT, board)
+    return remove_if_unheld(DISPATCH_FORMAT, path, besides=os.getpid() if leaving else 0,
+                            young=ABANDONED_RECORD_AGE)
 
 
 def remove_abandoned_records(board: str | None = None) -> list[str]:
@@ -517,13 +410,3 @@ def remove_abandoned_records(board: str | None = None) -> list[str]:
         if not (SHM_DIR / (SEGMENT_PREFIX + name)).exists() and remove_if_abandoned(name):
             removed.append(name)
     return removed
-
-
-def _unlink(name: str, pid: int) -> None:
-    if os.getpid() != pid:
-        return  # a forked child does not remove its parent's record
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
-

@@ -24,14 +24,11 @@ from dpboard.board.dispatch_record import remove_abandoned_records
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.segment import (
-    DEFAULT_STALE_AFTER,
-    check_stale_after,
-    read_segment_header,
-    unlink_if_generation,
-)
+from dpboard.board.segment import DEFAULT_STALE_AFTER, read_segment_header, unlink_if_generation
 from dpboard.board.sent import SENT_PREFIX, record_state, remove_record
+from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, NotFoundError
+from dpboard.ownership import range_held
 from dpboard.snapshot import (
     FIELD_INDEX,
     FIELDS_OFFSET,
@@ -57,6 +54,7 @@ class BoardListing:
     last_publish_age: float | None = None  # seconds since the latest publish into any slot (None: never;
     #                                         negative: stamped ahead of this node's clock)
     stale_after: float = DEFAULT_STALE_AFTER
+    held: bool = False  # a process holds a lock on the segment: its creator, or a slot's writer
 
     @property
     def creator_alive(self) -> bool | None:
@@ -69,15 +67,19 @@ class BoardListing:
 
     @property
     def alive(self) -> bool | None:
-        """Its creator runs, or a slot was published within ``stale_after`` (None: not a readable board)."""
+        """Its creator runs, a process holds its lock, or a slot was published within ``stale_after``
+        (None: not a readable board)."""
         if self.header is None:
             return None
-        return self.recently_published or bool(self.creator_alive)
+        return self.recently_published or self.held or bool(self.creator_alive)
 
     def why_alive(self) -> str:
         if self.recently_published:
             return (f"a slot was published {self.last_publish_age:.3g} s ago (within {self.stale_after:g} s), "
                     f"whatever its creator pid says")
+        if self.held:
+            return ("a live process holds its lock (its creator, or a slot's writer), whatever its creator pid "
+                    "and start time read as from here")
         assert self.header is not None
         return f"its creator (pid {self.header.creator_pid}) is alive"
 
@@ -148,15 +150,16 @@ def _read_listing(name: str, stale_after: float) -> BoardListing:
             magic, header = unpack_header(mm)
         if magic != MAGIC:
             return BoardListing(name, size, None, "no dpboard header", owner, mode)
+        held = range_held(fd)
         if (header.layout_version, header.header_size, header.slot_size) != (LAYOUT_VERSION, HEADER_SIZE, SLOT_SIZE):
             # Another dpboard version's board: listed with its header, its slots left unread.
-            return BoardListing(name, size, header, None, owner, mode, None, stale_after)
+            return BoardListing(name, size, header, None, owner, mode, None, stale_after, held)
         damage = _damage(header, size)
         if damage is not None:  # listed with the header it claims (clean judges its creator), slots unread
-            return BoardListing(name, size, header, damage, owner, mode, None, stale_after)
+            return BoardListing(name, size, header, damage, owner, mode, None, stale_after, held)
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
             age = _last_publish_age(mm, header.n_slots)
-        return BoardListing(name, size, header, None, owner, mode, age, stale_after)
+        return BoardListing(name, size, header, None, owner, mode, age, stale_after, held)
     except (OSError, ValueError, struct.error, BufferError, MemoryError) as e:  # damaged: say so, list the others
         return BoardListing(name, 0, None, f"cannot read: {e}")
     finally:

@@ -13,6 +13,7 @@ import os
 
 from dpboard.board.errors import BoardError
 from dpboard.board.names import SHM_DIR
+from dpboard.ownership import full_advice
 
 
 def reserve_pages(fd: int, size: int, what: str) -> None:
@@ -23,13 +24,4 @@ def reserve_pages(fd: int, size: int, what: str) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise BoardError(f"cannot reserve the {size} bytes of {what} in {SHM_DIR}: {e.strerror}") from None
-        try:
-            fs = os.statvfs(SHM_DIR)
-            room = (f"{SHM_DIR} is {fs.f_blocks * fs.f_frsize / 2**20:.1f} MiB with "
-                    f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB free")
-        except OSError:
-            room = f"{SHM_DIR} is full"
-        raise BoardError(
-            f"no room for {what} ({size} bytes) in {SHM_DIR}: {room}; remove unused boards "
-            f"(`dpboard clean`) or give {SHM_DIR} more room (a container's default is 64 MiB: "
-            f"docker run --shm-size)") from None
+        raise BoardError(f"no room for {what} ({size} bytes) in {SHM_DIR}: {full_advice(SHM_DIR)}") from None

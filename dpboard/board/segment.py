@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import math
 import mmap
 import os
 import secrets
@@ -39,8 +38,9 @@ from dpboard.board.seqlock import (
     live_writers_lock,
     slot_owner,
 )
+from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
-from dpboard.ownership import check_owned, describe_owner
+from dpboard.ownership import check_owned, describe_owner, lock_range
 from dpboard.snapshot import (
     COLLECTOR_STATS_DTYPE,
     COLLECTOR_STATS_FIELDS,
@@ -60,20 +60,9 @@ from dpboard.snapshot import (
 
 DEFAULT_STALE_AFTER = 1.0
 MAX_NODE_ID = 2**63 - 1  # the header's node_id is a signed 64-bit word
-MAX_STALE_AFTER = 1e6  # seconds; a threshold must fit the reader's int64 nanoseconds with room to spare
 DEFAULT_MAX_RETRIES = 256
 CLAIM_ATTEMPTS = 16  # compare-and-swap rounds on a slot's owner word before giving up
 _STATUSES = tuple(SlotStatus)
-
-
-def check_stale_after(stale_after: object) -> float:
-    """``stale_after`` as seconds in (0, MAX_STALE_AFTER], or an InvalidInputError naming it."""
-    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not (
-            math.isfinite(stale_after) and 0 < stale_after <= MAX_STALE_AFTER):
-        raise InvalidInputError(
-            f"stale_after must be a number of seconds in (0, {MAX_STALE_AFTER:g}], got {stale_after!r}"
-        )
-    return float(stale_after)
 
 
 def _unreadable(name: str, path: str) -> str:
@@ -114,6 +103,36 @@ def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
     if os.getpid() != pid:
         return
     unlink_if_generation(seg, generation)
+
+
+# The creators' locks of the boards this process made, per generation (Board.create): kept while
+# the board lives, whatever becomes of the Board object; closed when this process removes it.
+_creator_locks: dict[int, int] = {}
+
+
+def _drop_creator_lock(generation: int) -> None:
+    fd = _creator_locks.pop(generation, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _slot_lock(name: str, identity: tuple[int, int], offset: int) -> int | None:
+    """A descriptor of the board's segment holding the OFD lock on the slot at ``offset`` (a writer's
+    proof of life), or None when another process holds it. A segment that is not the board any more
+    (removed, or recreated under its name) has nobody else to lock out: a descriptor without a lock
+    is given (-1)."""
+    try:
+        fd = os.open(SHM_DIR / segment_name(name)[1:], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != identity:
+        os.close(fd)
+        return -1
+    if lock_range(fd, offset, SLOT_SIZE):
+        return fd
+    os.close(fd)
+    return None
 
 
 def read_segment_header(seg: str) -> BoardHeader | None:
@@ -222,11 +241,17 @@ class Board:
             mapping = mmap.mmap(shm.fd, size)
             # Every field but the magic first: an attacher that sees the magic sees a whole header.
             pack_header(mapping, header, magic=NO_MAGIC)
+            # The creator's proof of life beside its pid and start ticks, held until it removes the
+            # board or dies: `dpboard clean` never takes a board whose lock is held.
+            creator_lock = os.dup(shm.fd)
+            lock_range(creator_lock, 0, HEADER_SIZE, shared=True)
+            _creator_locks[header.generation] = creator_lock
             mapping[0:8] = MAGIC
         except BaseException:
             if mapping is not None:
                 mapping.close()
             shm.unlink()  # not a board yet (no magic): leave no segment behind
+            _drop_creator_lock(header.generation)
             raise
         finally:
             shm.close_fd()
@@ -264,25 +289,23 @@ class Board:
                 time.sleep(0.001)
                 st = os.fstat(shm.fd)
             size = st.st_size
+            # The header is read, and the layout it claims checked, before anything is mapped: only
+            # what a board of its slots holds is, so a sparse file of any size is never mapped whole.
+            while True:
+                magic, header = unpack_header(os.pread(shm.fd, HEADER_SIZE, 0).ljust(HEADER_SIZE, b"\0"))
+                if magic == MAGIC:
+                    break
+                if magic != NO_MAGIC or time.monotonic() >= deadline:
+                    raise BoardLayoutError(
+                        f"segment {path} has no dpboard header (magic {magic!r}): it is not a board, or its "
+                        f"creator died while creating it; remove it with `dpboard clean {name} --force`"
+                    )
+                time.sleep(0.001)
+            check_layout(name, header, size, n_slots)
+            size = segment_size(header.n_slots)
             mapping = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
-        while True:
-            magic, header = unpack_header(mapping)
-            if magic == MAGIC:
-                break
-            if magic != NO_MAGIC or time.monotonic() >= deadline:
-                mapping.close()
-                raise BoardLayoutError(
-                    f"segment {path} has no dpboard header (magic {magic!r}): it is not a "
-                    f"board, or its creator died while creating it; remove it with `dpboard clean {name} --force`"
-                )
-            time.sleep(0.001)
-        try:
-            check_layout(name, header, size, n_slots)
-        except BoardError:
-            mapping.close()
-            raise
         board = cls(name, size, mapping, header, owner=False, identity=(st.st_dev, st.st_ino))
         board._read_only = read_only
         return board
@@ -300,6 +323,7 @@ class Board:
         """Remove the segment's name; processes that have it mapped keep working until they close."""
         if not self._unlinked:
             unlink_if_generation(segment_name(self._name), self._header.generation)
+            _drop_creator_lock(self._header.generation)
             self._unlinked = True
             remove_if_abandoned(self._name, leaving=True)  # its dispatch record, once no other dispatcher of it runs
 
@@ -382,29 +406,46 @@ class Board:
                     f"slot {rank} of board {self._name!r} already has an open writer in this process: one "
                     f"writer per slot; close it (writer.close()) or drop it first, or pass takeover=True"
                 )
-            for _ in range(CLAIM_ATTEMPTS):
-                current = slot_owner(mapping, offset)
-                holder, holder_ticks = unpack_owner(current)
-                if not takeover and current not in (0, mine) and process_alive(holder, holder_ticks):
-                    raise BoardError(
-                        f"slot {rank} of board {self._name!r} is held by the writer in live process {holder}: "
-                        f"one writer per slot; stop it, or pass takeover=True"
-                    )
-                if current == mine or claim_slot(mapping, offset, current, mine):
-                    break
-            else:
-                raise BoardError(f"slot {rank} of board {self._name!r}: its owner word keeps changing; retry")
+            if previous is not None:
+                previous._drop_lock()  # ours to give up before the slot's lock is taken again
+            # The slot's lock first: of two processes racing for the slot, one gets it. A holder whose
+            # start ticks read otherwise from here (a time namespace) still holds it: alive.
+            lock = _slot_lock(self._name, self._identity, offset)
+            if lock is None and not takeover:
+                holder, _ = unpack_owner(slot_owner(mapping, offset))
+                who = f"live process {holder}" if holder else "a live process that is claiming it"
+                raise BoardError(f"slot {rank} of board {self._name!r} is held by the writer in {who} (it holds "
+                                 f"the slot's lock): one writer per slot; stop it, or pass takeover=True")
+            try:
+                for _ in range(CLAIM_ATTEMPTS):
+                    current = slot_owner(mapping, offset)
+                    holder, holder_ticks = unpack_owner(current)
+                    if not takeover and current not in (0, mine) and process_alive(holder, holder_ticks):
+                        raise BoardError(
+                            f"slot {rank} of board {self._name!r} is held by the writer in live process {holder}: "
+                            f"one writer per slot; stop it, or pass takeover=True"
+                        )
+                    if current == mine or claim_slot(mapping, offset, current, mine):
+                        break
+                else:
+                    raise BoardError(f"slot {rank} of board {self._name!r}: its owner word keeps changing; retry")
+            except BaseException:
+                if lock is not None and lock >= 0:
+                    os.close(lock)
+                raise
             if previous is not None:
                 previous._release()  # taken over inside this process: the old writer writes no more
             w = BoardWriter(mapping, offset, rank, self.node_id if node_id is None else node_id, pid)
             w.board_name = self._name
             w._claim = (mapping, offset, mine, key)
+            if lock is not None and lock >= 0:
+                w._lock = weakref.finalize(w, os.close, lock)  # a dropped writer gives its lock up too
             live_writers[key] = weakref.ref(w, lambda ref, key=key: forget_writer(key, ref))
         return w
 
     def reader(self, *, stale_after: float = DEFAULT_STALE_AFTER, max_retries: int = DEFAULT_MAX_RETRIES) -> BoardReader:
         """A reader of every slot. ``stale_after``: seconds without a publish before a slot is STALE,
-        in (0, MAX_STALE_AFTER]."""
+        in [MIN_STALE_AFTER, MAX_STALE_AFTER] (``dpboard.board.stale``)."""
         stale_after = check_stale_after(stale_after)
         out = np.zeros(self.n_slots, dtype=SNAPSHOT_DTYPE)
         r = BoardReader(

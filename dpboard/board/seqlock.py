@@ -62,6 +62,7 @@ class BoardWriter(_seqlock.SlotWriter):
     board_name: str
     _detail_buffer: np.ndarray | None = None
     _claim: tuple | None = None  # what close() releases (set by Board.writer)
+    _lock: weakref.finalize | None = None  # closes the descriptor that holds the slot's lock
 
     def close(self) -> None:
         """Stop writing into the slot: later publishes raise, and the slot is free at once for a new
@@ -75,7 +76,14 @@ class BoardWriter(_seqlock.SlotWriter):
                 if ref is not None and ref() is self:
                     del live_writers[key]
                 self._claim = None
+            self._drop_lock()
             self._release()
+
+    def _drop_lock(self) -> None:
+        """Give the slot's lock up (its descriptor closed), once this writer is done with the slot."""
+        if self._lock is not None:
+            self._lock()
+            self._lock = None
 
     def __enter__(self) -> BoardWriter:
         return self

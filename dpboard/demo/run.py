@@ -29,6 +29,7 @@ import numpy as np
 
 from dpboard.board import Board
 from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
+from dpboard.demo.reaper import remove_leftovers
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, fraction, milliseconds, positive, seconds
 from dpboard.processes import module_command
@@ -183,14 +184,20 @@ class Cluster:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.stop_signals: dict[int, int] = {}  # pid -> what stops it, where not SIGTERM
 
-    def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, label: str, argv: list[str], env: dict[str, str] | None = None, *, listed: bool = True,
+              stop_signal: int = signal.SIGTERM) -> None:
         log = self.workdir / f"{label}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(module_command(*argv), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     env=env, start_new_session=True,  # Ctrl-C reaches the demo only
                                     preexec_fn=_die_with_parent(os.getpid()))
         self.procs.append((label, proc, log))
+        self.stop_signals[proc.pid] = stop_signal
+        if listed:  # for the reaper, which waits for them once the demo is gone
+            with open(self.workdir / "pids", "a") as f:
+                f.write(f"{proc.pid}\n")
 
     def check(self) -> None:
         """A child that died early is an error that shows its last words."""
@@ -203,7 +210,7 @@ class Cluster:
     def stop(self) -> None:
         for _, proc, _ in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(self.stop_signals.get(proc.pid, signal.SIGTERM))
         deadline = time.monotonic() + STOP_TIMEOUT
         for _, proc, _ in self.procs:
             try:
@@ -264,6 +271,10 @@ class DemoRun:
     def start_cluster(self) -> None:
         args = self.args
         self.board = Board.create(self.name, n_slots=args.ranks)
+        # First: whatever kills the demo from now on (SIGKILL too), the reaper removes what it leaves.
+        self.cluster.start("reaper", ["dpboard.demo.reaper", "--parent", str(os.getpid()), "--board", self.name,
+                                      "--generation", str(self.board.generation), "--workdir", str(self.workdir),
+                                      "--requests", self.requests_ep], listed=False, stop_signal=signal.SIGUSR1)
         self.results.bind(self.results_ep)
         env = {**os.environ, "NUMBA_NUM_THREADS": "1"}  # N schedulers share the cores: one thread each
         for r in range(args.ranks):
@@ -371,6 +382,8 @@ class DemoRun:
             if self.board is not None:
                 self.board.close()
                 self.board.unlink()
+            # what a child killed past its stop timeout could not remove (every child is waited for)
+            remove_leftovers(self.name, self.requests_ep)
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def run(self) -> int:

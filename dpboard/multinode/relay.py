@@ -28,6 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS, Board, BoardFollower
+from dpboard.board.stale import stale_after
 from dpboard.errors import InvalidInputError
 from dpboard.multinode.curve import generate_certificates, load_certificate
 from dpboard.multinode.wire import pack_board_rows
@@ -290,7 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default=None, help="only these ranks, e.g. 8-15 (default: every slot of this node)")
     p.add_argument("--remote-board", default=None,
                    help="name of node0's board, when it differs from the local one (default: the same)")
-    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=stale_after, default=DEFAULT_STALE_AFTER,
                    help="seconds after which a local slot counts as stale and is not resent on reconnect "
                         f"(default {DEFAULT_STALE_AFTER:g})")
     p.add_argument("--sndhwm", type=count(1, MAX_SNDHWM), default=DEFAULT_SNDHWM,

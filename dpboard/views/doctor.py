@@ -1,4 +1,4 @@
-"""``dpboard doctor [BOARD]``: the seed's troubleshooting checklist (§11), answered from a live board.
+"""``dpboard doctor [BOARD]``: the data-parallel troubleshooting checklist, answered from a live board.
 
 "Why do all requests go to one DP rank?" The checklist asks whether dp_size is really > 1, which
 load-balance method is in effect, whether requests carry ``routed_dp_rank`` or ``bootstrap_room``,
@@ -29,6 +29,7 @@ import numpy as np
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, list_boards, process_alive
 from dpboard.board.dispatch_record import DispatchRowSample, read_dispatch_record
+from dpboard.board.stale import stale_after
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.options import count, seconds
 from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
@@ -70,7 +71,16 @@ class Sample:
     board: str
     n_slots: int
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    dispatch: list[DispatchRowSample] | None = None  # None: the board has no dispatch record
+    dispatch: list[DispatchRowSample] | None = None  # None: the board has no dispatch record (or it is refused)
+    record_refused: str | None = None  # why the file at the record's name is not read (another user's, ...)
+
+
+def shown(text: str) -> str:
+    """``text`` with every control character escaped (``\x1b``, ``\n``, ...): what a record holds is
+    written by a process, maybe a --trust-uid user's, and never reaches a terminal as a control sequence."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = (),
@@ -97,14 +107,20 @@ def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...
         }
         if status.has_snapshot and int(detail["flags"]) & _DISAGG == _DISAGG:
             row["pd"] = {
-                "mode": bytes(detail["disaggregation_mode"]).rstrip(b"\0").decode(errors="replace"),
+                "mode": shown(bytes(detail["disaggregation_mode"]).rstrip(b"\0").decode(errors="replace")),
                 **{f: int(detail[f"disaggregation_{f}"]) for f in (
                     "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
                     "decode_transfer_queue_reqs")},
             }
         ranks.append(row)
-    dispatch = read_dispatch_record(board.name, trust_uids=trust_uids)
-    return Sample(now, board.name, board.n_slots, ranks, dispatch)
+    refused = None
+    try:
+        dispatch = read_dispatch_record(board.name, trust_uids=trust_uids)
+    except DpboardError as e:  # a file dpboard refuses at the record's name: itself a finding
+        dispatch, refused = None, shown(str(e))
+    for row in dispatch or []:
+        row.method, row.mode = shown(row.method), shown(row.mode)
+    return Sample(now, board.name, board.n_slots, ranks, dispatch, refused)
 
 
 # -- the core ----------------------------------------------------------------------------------------
@@ -240,7 +256,14 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
     methods = disp.methods if disp else set()
 
     # -- the dispatcher's own record
-    if last.dispatch is None:
+    if last.record_refused is not None:
+        add(Finding("warning", "the dispatch record is refused", last.record_refused,
+                    "a file at the record's name that dpboard does not read (another user's, a link, one others "
+                    "may write, damaged): the dispatcher runs without a record, and the method, refresh rate and "
+                    "routed_dp_rank / bootstrap_room shares are not checked",
+                    "remove the file once its deployment is stopped (or pass --trust-uid for a user you trust); "
+                    "the next dispatcher makes a record of its own", "record_refused"))
+    elif last.dispatch is None:
         add(Finding("info", "no dispatch record", f"board {last.board!r} has no dispatch record",
                     "the dispatcher is not dpboard's (SGLang's or vLLM's own, without DPBOARD_METHOD), or an "
                     "older dpboard: the method, refresh rate and routed_dp_rank / bootstrap_room shares are "
@@ -513,7 +536,7 @@ class DoctorWatch:
             self.samples.append(take_sample(board, reader, trust_uids=self.trust_uids, buffer=self._buffer))
             self._error = None
         except DpboardError as e:
-            self._error = str(e)  # a dispatch record that is refused: said, never fatal to the view
+            self._error = str(e)
             return
         while len(self.samples) > 2 and now - self.samples[0].t > self.window:
             self.samples.popleft()
@@ -534,13 +557,10 @@ class DoctorWatch:
         self.observe(board, self._reader_of[1])
 
     def findings(self) -> list[Finding]:
-        if not self.samples:
-            return []
-        found = diagnose(list(self.samples), stale_after=self.stale_after)
-        if self._error is not None:
-            found.append(Finding("warning", "the dispatch record cannot be read", self._error,
-                                 "a file in /dev/shm under the record's name that dpboard refuses",
-                                 "remove it once its deployment is stopped", "record_refused"))
+        found = diagnose(list(self.samples), stale_after=self.stale_after) if self.samples else []
+        if self._error is not None:  # the board could not be sampled at all: said, never fatal to the view
+            found.insert(0, Finding("warning", "the board cannot be sampled", shown(self._error),
+                                    "dpboard refuses what it would read", "see the evidence", "sample_failed"))
         return found
 
     def document(self) -> dict[str, Any]:
@@ -569,7 +589,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds to watch the board and its dispatcher (default {DEFAULT_WINDOW:g})")
     p.add_argument("--samples", type=count(2, 1000), default=SAMPLES,
                    help=f"reads over the window, its start and end included (default {SAMPLES})")
-    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=stale_after, default=DEFAULT_STALE_AFTER,
                    help=f"seconds before a slot is stale (default {DEFAULT_STALE_AFTER:g})")
     p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
                    help="also read a board and record this user created (e.g. 0 for root); repeatable")
@@ -637,7 +657,6 @@ def run(args: argparse.Namespace) -> int:
     trust = tuple(args.trust_uid)
     with Board.attach(name, trust_uids=trust) as board:
         reader = board.reader(stale_after=args.stale_after)
-        read_dispatch_record(name, trust_uids=trust)  # a refused record fails now, not after the window
         samples = collect(board, reader, args.window, args.samples, trust)
     findings = diagnose(samples, stale_after=args.stale_after)
     report = summary(samples)

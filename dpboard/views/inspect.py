@@ -14,14 +14,15 @@ from typing import Any
 from dpboard.board import DEFAULT_STALE_AFTER, Board, clean_boards, list_boards, segment_path, validate_name
 from dpboard.board.listing import clean_sent_records
 from dpboard.board.sent import sent_path
+from dpboard.board.stale import stale_after
 from dpboard.errors import NotFoundError
-from dpboard.options import count, seconds
+from dpboard.options import count
 from dpboard.ownership import remove_abandoned_locks, user_name
 from dpboard.views.rows import fmt_age, slot_rows, status_counts, status_of
 
 
 def _stale_after(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=stale_after, default=DEFAULT_STALE_AFTER,
                    help=f"seconds without a publish before {what} (default 1.0)")
 
 

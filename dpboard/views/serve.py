@@ -52,6 +52,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import dpboard
 from dpboard.board import DEFAULT_STALE_AFTER
+from dpboard.board.stale import stale_after
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
 from dpboard.views.doctor import MAX_WATCH_SLOTS, DoctorWatch, Finding
@@ -529,7 +530,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="board name (without the dpboard. prefix)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=count(0, 65535), default=8080, help="port (default 8080; 0 picks a free one)")
-    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=stale_after, default=DEFAULT_STALE_AFTER,
                    help="seconds without a publish before a rank is stale (default 1.0)")
     p.add_argument("--wait", action="store_true", help="serve (503) until the board is created")
     p.add_argument("--accelerator", default=None,

@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS
+from dpboard.board.stale import stale_after
 from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
 from dpboard.snapshot import SlotStatus
@@ -283,7 +284,7 @@ def add_top_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
     p.add_argument("--sort", choices=sorted(SORT_KEYS), default="rank",
                    help="row order (default rank; load keys sort busiest first)")
-    p.add_argument("--stale-after", type=seconds(), default=DEFAULT_STALE_AFTER,
+    p.add_argument("--stale-after", type=stale_after, default=DEFAULT_STALE_AFTER,
                    help="seconds without a publish before a rank is stale (default 1.0)")
     p.add_argument("--iterations", "-n", type=count(0), default=0,
                    help="stop after this many refreshes (default 0: until Ctrl-C)")

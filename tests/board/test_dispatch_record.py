@@ -105,9 +105,10 @@ def test_a_holder_whose_pid_was_reused_neither_counts_as_alive_nor_blocks_its_ro
     from dpboard.board.liveness import process_start_ticks
     from dpboard.snapshot import pack_owner
 
+    proc = _writer(board_name, "once")
     record = DispatchRecord.open(board_name, 1, SLOTS)
     try:
-        record.row(0, method="round_robin").publish(1, 2, 0, 0, 0, 0, [1, 1, 0])
+        kill(proc)  # its row's lock dies with it; the holder word stays
         with open(dispatch_record_path(board_name), "r+b") as f:  # the row's holder word, at byte 8 of the row
             f.seek(DISPATCH_HEADER_SIZE + 8)
             f.write(pack_owner(1, process_start_ticks(1) + 12345).to_bytes(8, "little"))
@@ -141,8 +142,8 @@ def test_a_row_of_a_live_process_is_refused_and_a_dead_ones_taken_over(board_nam
 def test_a_record_of_another_shape_is_refused_naming_both(board_name):
     record = DispatchRecord.open(board_name, 1, SLOTS)
     try:
-        with pytest.raises(DpboardError, match="has version 1, 1 rows and 3 slots; this dispatcher needs version 1, "
-                                               "2 rows and 3 slots"):
+        with pytest.raises(DpboardError, match=r"has 1 rows \(dispatchers\) and 3 slots, held by a live process; "
+                                               r"this process needs 2 rows \(dispatchers\) and 3 slots"):
             DispatchRecord.open(board_name, 2, SLOTS)
     finally:
         record.close()
@@ -169,11 +170,19 @@ def test_a_record_of_the_wrong_size_is_refused_with_one_line(board_name, size):
     _plant(board_name, size=size)
     with pytest.raises(DpboardError, match="dispatch record .* remove it"):
         read_dispatch_record(board_name, timeout=0.05)
-    with Board.create(board_name, SLOTS):
-        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
+    assert _doctor_finding(board_name)["evidence"].startswith(f"dispatch record {dispatch_record_path(board_name)}")
+
+
+def _doctor_finding(board: str) -> dict:
+    """The finding `dpboard doctor --json` makes of the refused record (it reports, never exits 2)."""
+    import json
+
+    with Board.create(board, SLOTS):
+        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board, "--window", "0.2", "--json"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
-    assert "dispatch record" in res.stderr and res.stdout == ""
+    assert res.returncode == 1 and res.stderr == "", res.stderr
+    (found,) = [f for f in json.loads(res.stdout)["findings"] if f["id"] == "record_refused"]
+    return found
 
 
 def test_a_record_others_may_write_is_refused(board_name):
@@ -208,21 +217,36 @@ def test_a_record_planted_by_another_user_is_refused(board_name):
     with pytest.raises(AccessDeniedError, match="belongs to uid 65534"):
         DispatchRecord.open(board_name, 1, SLOTS)  # a dispatcher never writes into it either
     assert read_dispatch_record(board_name, trust_uids=(65534,)) == []  # trusted: read (no row claimed)
-    with Board.create(board_name, SLOTS):
-        res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "uid 65534" in res.stderr, res.stderr
+    assert "belongs to uid 65534" in _doctor_finding(board_name)["evidence"]
 
 
 # -- the writer processes -----------------------------------------------------------------------------
 
 
-def _main(board: str, role: str) -> None:
+def _main(board: str, role: str, rows: int = 1, index: int = 0, gate: str = "") -> None:
     import time
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    record = DispatchRecord.open(board, 1, SLOTS)
-    if role == "once":
+    record = DispatchRecord.open(board, rows, SLOTS)
+    if role == "race":  # once the gate file appears, every racer claims every row, in the same order
+        print("ready", flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            pass
+        granted = []
+        for i in range(rows):
+            try:
+                record.row(i, method="round_robin")
+                granted.append(str(i))
+            except DpboardError:
+                pass
+        print(" ".join(granted) or "-", flush=True)
+        time.sleep(60)
+    elif role == "hold":  # row `index` of a record of `rows` rows, published once
+        record.row(index, method="round_robin").publish(1, 3, 0, 0, 0, 0, [1, 1, 1])
+        print("ready", flush=True)
+        time.sleep(60)
+    elif role == "once":
         row = record.row(0, method="inflight_tokens", mode="decode", refresh_interval=0.02)
         row.publish(7, 60, 6, 5, 2, 1, [10, 20, 30], [0, 6, 0])
         print("ready", flush=True)
@@ -243,12 +267,12 @@ def _main(board: str, role: str) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    _main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:5]), *sys.argv[5:])
 
 
 def test_a_controller_over_a_planted_record_serves_without_one(board_name, tmp_path):
     """A record the controller may not use (here: others may write it) never keeps it from serving:
-    it says why once, and dispatches; the doctor refuses the file with one line."""
+    it says why once, and dispatches; the doctor reports the refused file as a finding."""
     from dpboard.controller.codec import encode_request
     from tests.views.test_doctor import controller
 
@@ -263,7 +287,8 @@ def test_a_controller_over_a_planted_record_serves_without_one(board_name, tmp_p
         board.close()
         res = subprocess.run([sys.executable, "-m", "dpboard.cli", "doctor", board_name, "--window", "0.2"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert res.returncode == 2 and "mode 0o666" in res.stderr and res.stderr.count("\n") == 1
+        assert res.returncode == 1 and "[warning] the dispatch record is refused" in res.stdout
+        assert "mode 0o666" in res.stdout
     assert "no dispatch record for dpboard doctor" in ctl.stderr.read()
     assert path.stat().st_mode & 0o777 == 0o666  # left as it was: not ours to change
 
@@ -346,3 +371,132 @@ def test_a_dispatch_record_on_a_full_dev_shm_is_a_clear_error_and_leaves_nothing
                               f"in /dev/shm: /dev/shm is 1.0 MiB with"), message
     assert out["left"] == []
     assert out["small"] == record_size(2, 4)
+
+
+SPARSE = 2**50  # bytes: a sparse file, as `truncate -s 1P` makes it
+
+
+def _plant_sparse(board: str) -> Path:
+    """A record with a whole header whose file was then grown, sparse, to a petabyte."""
+    path = _plant(board)
+    os.truncate(path, SPARSE)
+    return path
+
+
+def test_a_sparse_oversized_record_is_refused_before_it_is_mapped(board_name):
+    """Mapping 2**50 bytes fails with ENOMEM: the header's size is checked first. A reader refuses the
+    record with one line; a dispatcher replaces a damaged record of its own user that nobody holds,
+    and refuses a trusted user's with one line."""
+    path = _plant_sparse(board_name)
+    with pytest.raises(DpboardError, match=f"is {SPARSE} bytes, but 1 rows of {SLOTS} slots make"):
+        read_dispatch_record(board_name)
+    record = DispatchRecord.open(board_name, 1, SLOTS)
+    try:
+        assert record.is_owner and path.stat().st_size == record_size(1, SLOTS)
+    finally:
+        record.close()
+
+
+def test_a_trusted_users_sparse_record_is_refused_not_replaced(board_name):
+    need_root()
+    path = Path(dispatch_record_path(board_name))
+    PLANTED.add(path)
+    as_nobody(lambda: _plant_sparse(board_name) and None)
+    with pytest.raises(DpboardError, match=f"is {SPARSE} bytes"):
+        read_dispatch_record(board_name, trust_uids=(65534,))
+    with pytest.raises(DpboardError, match=f"is {SPARSE} bytes, but 1 rows of {SLOTS} slots make .* belongs to "
+                                           f"another user"):
+        DispatchRecord.open(board_name, 1, SLOTS, trust_uids=(65534,))
+    assert path.stat().st_size == SPARSE
+
+
+def test_a_controller_over_a_sparse_record_dispatches_with_a_new_one(board_name, tmp_path):
+    from dpboard.controller.codec import encode_request
+    from tests.views.test_doctor import controller
+
+    _plant_sparse(board_name)
+    with controller(board_name, tmp_path, 2, "--method", "round_robin") as (push, ctl):
+        for i in range(4):
+            push.send(encode_request(f"r{i}", num_tokens=5))
+        board = Board.attach(board_name)
+        reader = board.reader()
+        wait_for(lambda: sum(s.num_received_reqs for s in reader.read_all() if s) >= 4 or ctl.poll() is not None,
+                 20, "the controller to dispatch")
+        board.close()
+        assert ctl.poll() is None, ctl.stderr.read()
+        wait_for(lambda: (read_dispatch_record(board_name) or [None])[0] is not None, 20, "the controller's row")
+        (row,) = read_dispatch_record(board_name)
+        assert row.pid == ctl.pid and row.alive
+    assert "Traceback" not in ctl.stderr.read()
+
+
+# -- rows and their holders, as the sent record's (one side-record module for both) ---------------------
+
+
+def test_of_eight_processes_racing_for_a_row_exactly_one_is_granted_it(board_name, tmp_path):
+    """Eight processes started together claim each of 16 rows in the same order: each row goes to
+    exactly one of them (its lock), and the record names that one."""
+    gate = tmp_path / "go"
+    rows = 16
+    racers = [_writer(board_name, "race", str(rows), "0", str(gate)) for _ in range(8)]
+    try:
+        gate.touch()
+        granted = {p.pid: [int(w) for w in read_line(p, 30).split() if w != "-"] for p in racers}
+        per_row = sorted(i for got in granted.values() for i in got)
+        assert per_row == list(range(rows)), granted  # no row granted twice, none left out
+        holders = {r.row: r.pid for r in read_dispatch_record(board_name)}
+        assert holders == {i: pid for pid, got in granted.items() for i in got}
+    finally:
+        for p in racers:
+            kill(p)
+    from dpboard.board.dispatch_record import remove_if_abandoned
+
+    assert remove_if_abandoned(board_name)  # every holder killed: abandoned, and removed
+
+
+def test_a_row_left_odd_by_a_killed_dispatcher_is_made_consistent_by_the_next(board_name):
+    proc = _writer(board_name, "torn")  # SIGKILLed in the middle of a publish: its row's seq stays odd
+    kill(proc)
+    assert read_dispatch_record(board_name, timeout=0.05)[0].torn
+    record = DispatchRecord.open(board_name, 1, SLOTS)
+    try:
+        row = record.row(0, method="total_tokens")
+        for k in range(1, 4):
+            row.publish(k, 10 * k, 0, 0, 0, 0, [k, k, 8 * k])
+            (read,) = read_dispatch_record(board_name)
+            assert not read.torn and read.counts["requests"] == 10 * k and read.per_rank == [k, k, 8 * k]
+    finally:
+        record.close()
+
+
+def test_a_record_of_another_shape_that_nobody_holds_is_replaced(board_name):
+    """A controller killed, then started again with another --workers count: the dead one's record
+    (1 row of 3 slots) gives way to one of the new shape (1 row of 5)."""
+    kill(_writer(board_name, "once"))
+    record = DispatchRecord.open(board_name, 1, 5)
+    try:
+        record.row(0, method="round_robin").publish(1, 5, 0, 0, 0, 0, [1, 1, 1, 1, 1])
+        (read,) = read_dispatch_record(board_name)
+        assert (read.pid, read.alive, read.per_rank) == (os.getpid(), True, [1, 1, 1, 1, 1])
+    finally:
+        record.close()
+
+
+def test_the_creator_leaving_never_removes_a_record_another_dispatcher_holds(board_name):
+    """Two vLLM API servers, say: the first one out leaves the record to the second; the last out
+    removes it."""
+    creator = _writer(board_name, "hold", "2", "0")
+    record = DispatchRecord.open(board_name, 2, SLOTS)
+    try:
+        assert not record.is_owner
+        row = record.row(1, method="round_robin")
+        creator.send_signal(signal.SIGTERM)  # a clean exit: its atexit hook runs
+        assert creator.wait(10) == 0
+        assert Path(dispatch_record_path(board_name)).exists()
+        row.publish(2, 9, 0, 0, 0, 0, [3, 3, 3])
+        (read,) = read_dispatch_record(board_name)  # the creator's row was given up at its exit
+        assert (read.row, read.pid, read.per_rank) == (1, os.getpid(), [3, 3, 3])
+    finally:
+        kill(creator)
+        record.close()
+    assert not Path(dispatch_record_path(board_name)).exists()  # the last one out removed it

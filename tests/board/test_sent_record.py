@@ -163,8 +163,11 @@ def test_a_symbolic_link_is_refused_never_followed(board, tmp_path):
 
 def test_our_record_is_refused_to_another_user(board):
     need_root()
-    open_record(board).close()
-    kind, message = error_as_nobody(lambda: SentRecord.open(board.name, ROWS, SLOTS, generation=board.generation))
+    record = open_record(board)  # held open: the last one out removes it
+    try:
+        kind, message = error_as_nobody(lambda: SentRecord.open(board.name, ROWS, SLOTS, generation=board.generation))
+    finally:
+        record.close()
     assert kind == "AccessDeniedError" and "belongs to uid 0 (root)" in message
 
 

@@ -188,3 +188,33 @@ def test_demo_method_lists_its_choices():
     proc = subprocess.run([PYTHON, "-m", "dpboard.cli", "demo", "--method", "bogus"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "follow_bootstrap_room" in proc.stderr and "inflight_backlog" in proc.stderr
+
+
+def test_a_child_killed_past_its_stop_timeout_leaves_nothing_in_dev_shm():
+    """The controller stopped (SIGSTOP) cannot act on the demo's SIGTERM: the demo kills it with
+    SIGKILL after its stop timeout, as it does a child too slow under load. What that child held in
+    /dev/shm (its lock files, the board's dispatch record) goes with the board all the same."""
+    import os
+
+    name = new_board_name()
+    before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
+    proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "demo", "--duration", "4", "--ranks", "2", "--board",
+                             name, "--print-every", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "2 live" not in read_line(proc, max(1.0, deadline - time.monotonic())):
+            pass
+        (workdir,) = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before
+        mine = lambda: sorted(n for n in os.listdir("/dev/shm") if name in n or workdir.name in n)  # noqa: E731
+        assert len(mine()) >= 4, mine()  # the board, its dispatch record, the controller's two lock files
+        (controller,) = [pid for pid in processes_mentioning(name)
+                         if b"controller" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(controller, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert processes_mentioning(name) == []
+        assert mine() == []
+    finally:
+        kill(proc)
+        for pid in processes_mentioning(name):
+            subprocess.run(["kill", "-9", str(pid)], check=False)

@@ -80,15 +80,18 @@ def test_a_killed_demo_takes_its_children_with_it():
         while "2 live" not in read_line(proc, max(1.0, deadline - time.monotonic())):
             pass
         children = [pid for pid in processes_mentioning(name) if pid != proc.pid]
-        assert len(children) == 3  # two schedulers and the controller
+        assert len(children) == 4  # two schedulers, the controller and the reaper
+        (workdir,) = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert wait_until_gone(name) == [], "children outlived the demo"
+        # the reaper removed what the demo could not: the board, the work folder, no file of theirs left
+        assert not Path(f"/dev/shm/dpboard.{name}").exists() and not workdir.exists()
+        assert [n for n in os.listdir("/dev/shm") if name in n or workdir.name in n] == []
     finally:
         kill(proc)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
-        # what SIGKILL leaves (nothing could clean up): the board and the work folder
-        Path(f"/dev/shm/dpboard.{name}").unlink(missing_ok=True)
+        Path(f"/dev/shm/dpboard.{name}").unlink(missing_ok=True)  # only if the test failed
         for w in set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before:
             shutil.rmtree(w, ignore_errors=True)

@@ -235,6 +235,7 @@ def controller(name: str, tmp_path: Path, n: int, *args: str) -> Iterator[tuple[
             wait_for(lambda: Path(dispatch_record_path(name)).exists() or ctl.poll() is not None, 20,
                      "the controller's dispatch record")
             assert ctl.poll() is None, ctl.stderr.read()
+            _wait_serving(name, ctl)
             yield connected_push(ctx, in_ep), ctl
             if ctl.poll() is None:  # one a test killed on purpose is not asked for a clean exit
                 stop(ctl)
@@ -243,6 +244,26 @@ def controller(name: str, tmp_path: Path, n: int, *args: str) -> Iterator[tuple[
             for p in procs:
                 stop(p)
             ctx.destroy(linger=0)
+
+
+def _wait_serving(name: str, ctl: subprocess.Popen) -> None:
+    """Until the controller's loop runs (its SIGTERM handler in place): its row is claimed before the
+    loop starts, and published again by the loop's first turn. A record it could not use (a test's
+    planted file) gives no row: then the loop's start is not seen here."""
+    from dpboard.board.dispatch_record import read_dispatch_record
+    from dpboard.errors import DpboardError
+
+    def row() -> object:
+        try:
+            return next((r for r in read_dispatch_record(name) or [] if r.pid == ctl.pid), None)
+        except DpboardError:
+            return None
+
+    first = row()
+    if first is None:
+        return
+    wait_for(lambda: ctl.poll() is not None or (r := row()) is None or r.wall_ns != first.wall_ns, 20,
+             "the controller's first turn of its loop")
 
 
 def feed_during(push: zmq.Socket, frame: Callable[[int], bytes], args: list[str], gap: float = 0.004,

@@ -7,11 +7,11 @@ has published its own configuration).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
-from dpboard.board import MAX_STALE_AFTER, validate_name
+from dpboard.board import validate_name
+from dpboard.board.stale import stale_after_from
 from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
 
@@ -44,18 +44,9 @@ def read_settings(environ: dict[str, str] | None = None) -> PluginSettings:
             method = parse_load_balance_method(raw_method)
         except InvalidInputError as e:
             raise InvalidInputError(f"{ENV_METHOD}={raw_method!r}: {e}; unset it to keep SGLang's own dispatch") from None
-    raw_stale = env.get(ENV_STALE_AFTER, "").strip()
-    stale_after = DEFAULT_STALE_AFTER
-    if raw_stale:
-        try:
-            stale_after = float(raw_stale)
-        except ValueError:
-            stale_after = math.nan
-        if not MIN_STALE_AFTER <= stale_after <= MAX_STALE_AFTER:  # NaN fails both
-            raise InvalidInputError(
-                f"{ENV_STALE_AFTER}={raw_stale!r} must be a number of seconds in [{MIN_STALE_AFTER:g}, "
-                f"{MAX_STALE_AFTER:g}] (default {DEFAULT_STALE_AFTER:g}): below it every rank would read as "
-                f"stale between two publishes, above it a dead rank would never be noticed")
+    stale_after = stale_after_from(env, ENV_STALE_AFTER, DEFAULT_STALE_AFTER, low=MIN_STALE_AFTER,
+                                   why="below it every rank would read as stale between two publishes, above "
+                                       "it a dead rank would never be noticed")
     raw_board = env.get(ENV_BOARD, "").strip() or None
     if raw_board is not None:
         try:

@@ -29,7 +29,6 @@ them in the API-server process (paths in the 0.33.0 wheel):
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -37,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpboard.board import validate_name
+from dpboard.board.stale import stale_after_from
 from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
-from dpboard.options import seconds
 
 ENV_BOARD = "DPBOARD_VLLM_BOARD"
 ENV_ENABLE = "DPBOARD_VLLM"
@@ -213,10 +212,4 @@ def dispatch_method(environ: Mapping[str, str] = os.environ) -> LoadBalanceMetho
 
 
 def stale_after(environ: Mapping[str, str] = os.environ) -> float:
-    raw = environ.get(ENV_STALE_AFTER, "").strip()
-    if not raw:
-        return DEFAULT_STALE_AFTER
-    try:
-        return seconds()(raw)
-    except argparse.ArgumentTypeError as e:
-        raise InvalidInputError(f"{ENV_STALE_AFTER}: {e} (default {DEFAULT_STALE_AFTER})") from None
+    return stale_after_from(environ, ENV_STALE_AFTER, DEFAULT_STALE_AFTER)
