@@ -330,7 +330,7 @@ def test_a_msgpack_bomb_is_refused_without_stalling_or_reaching_a_scheduler(tmp_
     without an object per element and refused at its first non-int; a frame over MAX_FRAME_BYTES is
     dropped by ZMQ; frames with str16 keys, repeated keys or deep unrelated nesting are read by one
     rule. Every valid request still goes out, and the controller's memory stays near its frames'."""
-    from dpboard.controller.process import MAX_FRAME_BYTES
+    from dpboard.controller.connections import MAX_FRAME_BYTES
 
     ep = [f"ipc://{tmp_path}/sched-{r}" for r in range(2)]
     in_ep = f"tcp://127.0.0.1:{_free_port()}"
