@@ -679,6 +679,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--curve-secret-key`")
     p.add_argument("--collect-curve-authorized-keys", metavar="DIR",
                    help="with --collect-bind: directory of the relays' public certificates allowed in")
+    p.add_argument("--collect-curve-key-nodes", metavar="FILE",
+                   help="with --collect-curve-authorized-keys: which node ids each key speaks for, as `dpboard "
+                        "collect --curve-key-nodes` (default: node<N>.key speaks for node N)")
     p.add_argument("--duration", type=seconds(), help="exit after this many seconds (default: until SIGTERM)")
     p.add_argument("--log-every", type=seconds(), default=10.0, help="seconds between count logs (default 10)")
     p.add_argument("--stats-json", action="store_true", help="print the final counts as one JSON line on stdout")
@@ -690,7 +693,8 @@ def run(args: argparse.Namespace) -> int:
     method = resolve_load_balance_method(args.method, args.disaggregation_mode)
     endpoints = [None if e == RESERVED else e for e in args.workers]
     owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
-    if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys):
+    if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys
+                                      or args.collect_curve_key_nodes):
         raise InvalidInputError("--collect-curve-* options configure the load fan-in: give --collect-bind ENDPOINT too")
     if args.collect_bind is not None and owner is not ReaderOwner.CONTROLLER:
         why = (f"method {method.value} does not read loads" if not method.is_load_aware
@@ -739,7 +743,8 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
             try:
                 collector = Collector(follower.board, args.collect_bind,
                                       curve_secret_key=args.collect_curve_secret_key,
-                                      curve_authorized_keys=args.collect_curve_authorized_keys)
+                                      curve_authorized_keys=args.collect_curve_authorized_keys,
+                                      curve_key_nodes=args.collect_curve_key_nodes)
             except BaseException:
                 follower.close()
                 raise
