@@ -11,8 +11,9 @@ faster than they are worth serving. One set of rules bounds them all (docs/SECUR
   sent something but nothing valid (the oldest first among those: they had the longest to prove
   themselves; among the silent, one that has not sent a byte before one that started a handshake),
   then one authenticated by its key, then one that sent something valid (the youngest first: an
-  established peer is the last to go). Bytes alone never rank a peer above another: junk is loud.
-  Connections busy answering a request are never shed.
+  established peer is the last to go; or, with ``shed_proved="idlest"``, the one idle longest
+  first, for clients that come and go between requests). Bytes alone never rank a peer above
+  another: junk is loud. Connections busy answering a request are never shed.
 - **Out of descriptors anyway** (``accept`` failed with EMFILE or ENFILE: they went elsewhere):
   the cap comes down to what fits (``keep`` of the connections open, one fewer at least) until
   ``restore_after`` seconds pass without the error; connections are shed at most once per
@@ -44,13 +45,15 @@ class Proof(enum.IntEnum):
     VALID = 3  # sent something valid (a relay frame, a request)
 
 
-def fd_budget(wanted: int, reserve: int, minimum: int = 1) -> int:
+def fd_budget(wanted: int, reserve: int, minimum: int = 1, *, in_use: int | None = None) -> int:
     """``wanted``, but never more than the descriptors this process has left under its
-    RLIMIT_NOFILE less ``reserve``; at least ``minimum``."""
+    RLIMIT_NOFILE less ``reserve``; at least ``minimum``. ``in_use``: the descriptors that count as
+    taken (default: every one open now)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = wanted
     if soft != resource.RLIM_INFINITY:
-        in_use = len(os.listdir("/proc/self/fd"))
+        if in_use is None:
+            in_use = len(os.listdir("/proc/self/fd"))
         cap = min(cap, soft - in_use - reserve)
     return max(minimum, cap)
 
@@ -58,6 +61,7 @@ def fd_budget(wanted: int, reserve: int, minimum: int = 1) -> int:
 @dataclass
 class _Entry:
     opened: float
+    since: float  # its last activity (``touch``)
     proof: Proof = Proof.NOTHING
     busy: bool = False
 
@@ -78,10 +82,12 @@ class ConnectionGuard:
 
     def __init__(self, cap: int, *, keep: float = 7 / 8, minimum: int = 1, hold: float = 0.05,
                  backoff: tuple[float, float] = (0.1, 2.0), restore_after: float = 30.0,
-                 spoke: Callable[[Hashable], bool] | None = None,
+                 spoke: Callable[[Hashable], bool] | None = None, shed_proved: str = "youngest",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if cap < 1 or not 0 < keep <= 1:
-            raise ValueError(f"a guard needs cap >= 1 and keep in (0, 1], got {cap}, {keep}")
+        if cap < 1 or not 0 < keep <= 1 or shed_proved not in ("youngest", "idlest"):
+            raise ValueError(f"a guard needs cap >= 1, keep in (0, 1] and shed_proved youngest or idlest, got "
+                             f"{cap}, {keep}, {shed_proved!r}")
+        self._idlest = shed_proved == "idlest"
         self.full_cap = cap
         self.cap = cap  # lower while descriptors run out for other reasons
         self.keep, self.minimum, self.hold = keep, minimum, hold
@@ -117,7 +123,7 @@ class ConnectionGuard:
             now = self._clock()
             if self.cap < self.full_cap and now - self._last_failure > self.restore_after:
                 self.cap = self.full_cap  # descriptors have been plentiful for a while: the whole cap again
-            self._entries[key] = _Entry(now)
+            self._entries[key] = _Entry(now, now)
             over = len(self._entries) - self.cap
             if over <= 0:
                 return [], False
@@ -140,12 +146,15 @@ class ConnectionGuard:
             entry.proof = proof
 
     def set_busy(self, key: Hashable, busy: bool) -> None:
-        """A busy connection (answering a request) is never shed."""
+        """A busy connection (answering a request) is never shed; either change is activity."""
         entry = self._entries.get(key)
         if entry is not None:
             entry.busy = busy
+            entry.since = self._clock()
 
-    def out_of_fds(self) -> OutOfFds:
+    def out_of_fds(self, fits: int | None = None) -> OutOfFds:
+        """An ``accept`` failed for want of descriptors; ``fits``: how many connections the shell
+        knows the limit leaves room for now, if it knows."""
         with self._lock:
             now = self._clock()
             self.accept_failures += 1
@@ -159,7 +168,8 @@ class ConnectionGuard:
             if n:
                 # Fewer descriptors than the cap assumed: the cap comes down to what fits, until they
                 # have been plentiful again for a while.
-                self.cap = max(self.minimum, min(self.cap, int(n * self.keep), n - 1))
+                self.cap = max(self.minimum, min(self.cap, int(n * self.keep), n - 1,
+                                                 n if fits is None else fits))
                 victims = self._pick(max(1, n - self._keep_count()))
                 if victims:
                     return OutOfFds(victims)
@@ -182,7 +192,8 @@ class ConnectionGuard:
         def order(item: tuple[Hashable, _Entry]) -> tuple:
             key, entry = item
             if entry.proof >= Proof.KEY:
-                return (int(entry.proof), -entry.opened)  # an established peer goes last
+                # an established peer goes last, or the one idle longest goes first
+                return (int(entry.proof), entry.since if self._idlest else -entry.opened)
             spoke = entry.proof == Proof.SPOKE or (self._spoke is not None and self._spoke(key))
             return (int(entry.proof), int(spoke), entry.opened)  # the oldest first
 

@@ -113,3 +113,11 @@ def test_the_budget_never_exceeds_what_the_fd_limit_leaves():
         assert fd_budget(1024, 500, minimum=4) == 4
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_out_of_fds_comes_down_to_what_the_shell_knows_fits():
+    clock = Clock()
+    guard = ConnectionGuard(100, keep=1.0, clock=clock)
+    opened(guard, clock, *[f"c{i}" for i in range(16)])
+    decision = guard.out_of_fds(fits=5)
+    assert guard.cap == 5 and decision.victims == [f"c{i}" for i in range(11)]  # the oldest silent ones
