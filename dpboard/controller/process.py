@@ -13,6 +13,10 @@ than ``max_redeliveries`` allows, is answered ``{"rid", "error"}`` on the error 
 Neither ever stops the loop. A request whose send fails is taken back out of the rank's load
 (``Dispatcher.retract``): the rank never got it.
 
+The sockets and their bounds (the input's connections, the bytes queued per scheduler, the log of
+malformed frames) live in ``dpboard.controller.connections``; this module is the loop that uses them
+and the command line.
+
 With a load-aware method the controller is node0's single owner of the relays' load PULL socket
 (docs/MULTINODE.md, "One owner"): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
 same loop as the requests.
@@ -96,6 +100,28 @@ def take_board(board_name: str) -> OwnerLock:
                      role="a controller",
                      hint="two controllers sending to the same schedulers disagree about what each received "
                           "(their ledgers and acknowledgements): stop that one, or give each its own board")
+
+
+def new_counts(n: int) -> dict[str, Any]:
+    """The controller's counts for ``n`` worker slots, all zero (``DataParallelController.stats``)."""
+    return {
+        "received": 0,
+        "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
+        "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
+        "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
+        # lost by max_redeliveries + 1 ranks: answered with an error instead of being sent again
+        "redelivery_exhausted": 0,
+        "malformed": 0,  # dropped (and answered, when their rid could be read)
+        "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
+        "send_dropped": 0,  # a send refused (no connection, a full queue): tried elsewhere or answered
+        "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
+        "retracted": 0,  # picks taken back out of a rank's load because their send failed
+        "disconnects": 0,
+        "backlogged": 0,  # times a scheduler held max_queued_mib not yet taken (then unavailable)
+        "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
+        "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
+        "per_rank": [0] * n,
+    }
 
 
 def _int_option(name: str, value: Any, low: int, high: int | None, what: str) -> None:
@@ -192,24 +218,7 @@ class DataParallelController:
         self._draining: dict[int, float] = {}  # rank -> when its unacknowledged requests go elsewhere
         self._status: list[bool | None] = [None] * n  # what the dispatcher was last told
         self._next_ack = 0.0
-        self.stats: dict[str, Any] = {
-            "received": 0,
-            "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
-            "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
-            "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
-            # lost by max_redeliveries + 1 ranks: answered with an error instead of being sent again
-            "redelivery_exhausted": 0,
-            "malformed": 0,  # dropped (and answered, when their rid could be read)
-            "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
-            "send_dropped": 0,  # a send refused (no connection, a full queue): tried elsewhere or answered
-            "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
-            "retracted": 0,  # picks taken back out of a rank's load because their send failed
-            "disconnects": 0,
-            "backlogged": 0,  # times a scheduler held max_queued_mib not yet taken (then unavailable)
-            "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
-            "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
-            "per_rank": [0] * n,
-        }
+        self.stats = new_counts(n)
         self.input: RequestInput | None = None
         self.workers: list[Pipe | None] = [None] * n
         self.errors: Pipe | None = None
