@@ -387,8 +387,11 @@ class DataParallelController:
         """Ask the loop to end (from a signal handler or another thread)."""
         self._stop.set()
 
-    def run(self, duration: float | None = None) -> dict[str, Any]:
-        """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds."""
+    def run(self, duration: float | None = None, *, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds;
+        ``stop``: an event of the caller's that ends the loop too (set before: it ends at once)."""
+        if stop is not None:
+            self._stop = stop
         stop = StopFlag(duration, event=self._stop)
         log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s, acknowledgements %s",
                  self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
@@ -725,14 +728,18 @@ def run(args: argparse.Namespace) -> int:
         check_endpoint(args.errors, "--errors", bind=False)
     # One controller per board, before anything is attached or bound: a second one stops here.
     board_lock = take_board(args.board) if args.board else None
+    # Signals count from here: one that comes while the sockets and the record are being set up ends
+    # the loop as soon as it starts, and everything is closed and removed as after any stop.
     try:
-        return _attach_and_serve(args, method, endpoints, owner)
+        with StopFlag() as starting:
+            return _attach_and_serve(args, method, endpoints, owner, starting.event)
     finally:
         if board_lock is not None:
             board_lock.release()
 
 
-def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], owner: ReaderOwner) -> int:
+def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], owner: ReaderOwner,
+                      stop: threading.Event) -> int:
     follower = None
     reader = None
     collector = None
@@ -761,7 +768,7 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
             log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller "
                      "(give --collect-bind ENDPOINT to receive other nodes' relays)")
     try:
-        return _serve(args, method, endpoints, reader, collector)
+        return _serve(args, method, endpoints, reader, collector, stop)
     finally:
         if collector is not None:
             collector.close()  # removes its lock files
@@ -769,7 +776,8 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
             follower.close()
 
 
-def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any) -> int:
+def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any,
+           stop: threading.Event) -> int:
     dispatcher = Dispatcher(
         method,
         len(endpoints),
@@ -788,7 +796,7 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
             collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
             record=None if record is None else record[1])
         try:
-            stats = controller.run(duration=args.duration)
+            stats = controller.run(duration=args.duration, stop=stop)
         finally:
             controller.close()
     finally:
