@@ -247,10 +247,14 @@ class Pipe:
                  max_queued_bytes: int, immediate: bool, reconnect_ivl_ms: int | None = None) -> None:
         self.endpoint, self.what = endpoint, what
         self.max_queued_bytes = max_queued_bytes
+        self.immediate = immediate
         self.connected = False
         self.backlogged = False
         self.queue: SendQueue | None = None
         self._fd: int | None = None
+        # What was queued while no connection was there (a pipe without IMMEDIATE queues from the
+        # start): all of it is this process's until a connection takes it.
+        self._unconnected = 0
         self.socket = context.socket(zmq.PUSH)
         self.monitor: zmq.Socket | None = None
         try:
@@ -286,11 +290,16 @@ class Pipe:
                 self.connected = True
                 self.backlogged = False
                 self.queue = self._queue()
+                if self.queue is not None:
+                    self.queue.sent = self._unconnected  # it leaves first, on this connection
+                self._unconnected = 0
                 out.append(kind)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.connected = False
-                self.backlogged = False
-                self.queue = None  # libzmq drops what the pipe held (IMMEDIATE)
+                if not self.immediate and self.queue is not None:
+                    self._unconnected = self.queue.look()  # kept for the next connection
+                self.backlogged = self._unconnected >= self.max_queued_bytes
+                self.queue = None  # with IMMEDIATE, libzmq drops what the pipe held
                 out.append(kind)
         return out
 
@@ -311,7 +320,14 @@ class Pipe:
         except zmq.Again:
             return False
         q = self.queue
-        if q is not None:
+        if q is None:
+            self._unconnected += len(data)
+            if self._unconnected >= self.max_queued_bytes:
+                self.backlogged = True
+                log.warning("%s (%s) holds %.1f MiB with no connection to take it, the bound (--max-queued-mib): "
+                            "nothing more goes there until it connects", self.what, self.endpoint,
+                            self._unconnected / 2**20)
+        else:
             q.add(len(data))
             if q.estimate >= self.max_queued_bytes and q.look() >= self.max_queued_bytes:
                 self.backlogged = True
@@ -325,6 +341,8 @@ class Pipe:
         if not self.backlogged:
             return False
         q = self.queue
+        if q is None and not self.connected:
+            return False  # nothing takes what waits until a connection does
         if q is None or q.look() < self.max_queued_bytes // 2:
             self.backlogged = False
             log.info("%s (%s) takes requests again", self.what, self.endpoint)

@@ -304,6 +304,7 @@ class DataParallelController:
             if pipe.backlogged and pipe.recheck():
                 self._update_status(rank)
         if self.errors is not None:
+            self.errors.events()  # its connection, for its byte bound
             self.errors.recheck()
 
     def _wait_connected(self, stop: StopFlag) -> None:

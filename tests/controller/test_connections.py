@@ -42,6 +42,15 @@ def _stats(proc: subprocess.Popen) -> tuple[dict, str]:
     return json.loads(out.strip().splitlines()[-1]), err
 
 
+def _take_until_quiet(sock: zmq.Socket, quiet: float = 2.0, timeout: float = 60.0) -> list[dict]:
+    """Every message ``sock`` gets until none came for ``quiet`` seconds (at most ``timeout``)."""
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and sock.poll(int(quiet * 1000)):
+        got.append(msgpack.unpackb(sock.recv(), raw=False))
+    return got
+
+
 def _take(sock: zmq.Socket, n: int, timeout: float) -> list[dict]:
     got: list[dict] = []
     deadline = time.monotonic() + timeout
@@ -134,7 +143,7 @@ def test_a_scheduler_that_does_not_read_gets_a_bounded_backlog_and_the_rest_goes
         wait_until(lambda: received[0] >= 96 - 4, timeout=20)
         peak = rss_mib(proc.pid, "VmHWM") - base
         # nothing is lost: what was queued for the stuck scheduler comes once it reads
-        from_stuck = _take(stuck, 97, 5)
+        from_stuck = _take_until_quiet(stuck)
         stats, err = _stats(proc)
         print(f"per rank {stats['per_rank']}, peak RSS {peak:.0f} MiB over {base:.0f}, backlogged {stats['backlogged']}")
         stuck_frames = stats["per_rank"][0]
@@ -185,5 +194,39 @@ def test_malformed_frames_with_megabyte_rids_cost_a_few_log_lines(tmp_path):
         assert len(re.findall("dropped a malformed request frame", text)) == 10
         assert "(1048578 characters)" in text and "90 more such lines" in text
     finally:
+        kill(proc)
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_answers_a_tokenizer_does_not_read_stay_within_the_byte_bound(tmp_path):
+    """A malformed frame whose rid could be read is answered with that rid, on --errors. A tokenizer
+    side that does not read its answers once let them queue without a byte bound: 150 rids of 1 MiB
+    held 150 MiB in the controller. They now stop at --max-queued-mib; the rest are counted unsent."""
+    in_ep, w_ep, err_ep = (f"ipc://{tmp_path}/{n}" for n in ("in", "sched", "err"))
+    ctx = zmq.Context()
+    pull = bound_pull(ctx, w_ep)
+    errors = bound_pull(ctx, err_ep, rcvhwm=1)  # bound, connected, never read
+    proc = _controller("--input", in_ep, "--workers", w_ep, "--errors", err_ep, "--method", "round_robin",
+                       "--stats-json", "--max-queued-mib", "16")
+    try:
+        push = connected_push(ctx, in_ep)
+        push.send(encode_request("probe", num_tokens=1))
+        assert _take(pull, 1, 20), "the controller never served"
+        base = rss_mib(proc.pid)
+        rid = "r" * 2**20
+        for i in range(150):
+            push.send(msgpack.packb({"rid": f"{i}-{rid}", "input_ids": "not a list"}))
+        push.send(encode_request("last", num_tokens=1))  # after every malformed one, on the same connection
+        assert _take(pull, 1, 60), "the controller never got to the last request"
+        peak = rss_mib(proc.pid, "VmHWM") - base
+        stats, err = _stats(proc)
+        print(f"answers: {150 - stats['errors_unsent']} queued or sent, {stats['errors_unsent']} unsent; "
+              f"peak RSS {peak:.0f} MiB over {base:.0f}")
+        assert stats["malformed"] == 150 and stats["errors_unsent"] > 0
+        assert peak < 16 + 2 * 8 + 64, f"the controller's memory grew by {peak:.0f} MiB"
+        assert "the error channel" in err
+    finally:
+        errors.close(linger=0)
         kill(proc)
         ctx.destroy(linger=0)
