@@ -63,6 +63,7 @@ COLLECTOR_STATS_FIELDS: tuple[str, ...] = (
     "bad_node",
     "last_frame_monotonic_ns",
     "bad_load",  # a negative load field (appended: the fields above keep their offsets)
+    "bad_owner",  # a frame for a node id another connection or CURVE key speaks for (appended too)
 )
 COLLECTOR_STATS_DTYPE = np.dtype([(f, "<u8") for f in COLLECTOR_STATS_FIELDS])
 assert COLLECTOR_STATS_OFFSET + COLLECTOR_STATS_DTYPE.itemsize <= 256

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "dpboard"
 
 LAYERS: list[set[str]] = [
     {"errors", "snapshot", "stopping", "options", "processes"},  # the leaf contract and shared plumbing
-    {"ownership"},  # files in shared directories, single-owner locks, endpoints
+    {"ownership", "guard"},  # files in shared directories, single-owner locks, endpoints | connection bounds
     {"board", "loads"},  # the segment and its seqlock | tables -> counters
     {"publish"},  # counters -> the rank's slot
     {"multinode"},  # other nodes' boards -> node0's board (a side path into the board)

@@ -13,6 +13,10 @@ than ``max_redeliveries`` allows, is answered ``{"rid", "error"}`` on the error 
 Neither ever stops the loop. A request whose send fails is taken back out of the rank's load
 (``Dispatcher.retract``): the rank never got it.
 
+The sockets and their bounds (the input's connections, the bytes queued per scheduler, the log of
+malformed frames) live in ``dpboard.controller.connections``; this module is the loop that uses them
+and the command line.
+
 With a load-aware method the controller is node0's single owner of the relays' load PULL socket
 (docs/MULTINODE.md, "One owner"): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
 same loop as the requests.
@@ -32,10 +36,17 @@ from typing import Any
 
 import msgpack
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from dpboard.board.dispatch_record import DispatchRecord, DispatchRow
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
+from dpboard.controller.connections import (
+    DEFAULT_MAX_QUEUED_MIB,
+    MAX_QUEUED_MIB,
+    BoundedLog,
+    Pipe,
+    RequestInput,
+    shown,
+)
 from dpboard.controller.delivery import DeliveryLedger
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, Dispatcher
 from dpboard.controller.methods import (
@@ -45,7 +56,8 @@ from dpboard.controller.methods import (
     resolve_load_balance_method,
     zmq_reader_owner,
 )
-from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
+from dpboard.errors import DpboardError, InvalidInputError
+from dpboard.multinode.peers import DEFAULT_MAX_PEERS, Proof
 from dpboard.options import count, seconds
 from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, lock_path, take_endpoint
 from dpboard.snapshot import SlotStatus
@@ -57,10 +69,6 @@ RESERVED = "-"  # a worker endpoint placeholder for a reserved (elastic EP) slot
 DEFAULT_SEND_HWM = 100_000
 MAX_SEND_HWM = 100_000_000
 DEFAULT_MAX_BATCH = 1024
-# The largest request frame taken in: a prompt of 4M tokens at their widest msgpack size (5 bytes),
-# with room for the other keys. A frame is read without an object per token, so this bounds memory,
-# not the time a hostile frame costs.
-MAX_FRAME_BYTES = 32 * 2**20
 CONNECT_WAIT = 2.0  # seconds the controller gives its schedulers to connect before it serves
 # ZMQ reconnects a broken pipe after this long, more than the loop's longest poll: the controller
 # always sees a disconnect before the same rank can take requests again (docs/DISPATCH.md, Delivery).
@@ -94,6 +102,34 @@ def take_board(board_name: str) -> OwnerLock:
                           "(their ledgers and acknowledgements): stop that one, or give each its own board")
 
 
+def new_counts(n: int) -> dict[str, Any]:
+    """The controller's counts for ``n`` worker slots, all zero (``DataParallelController.stats``)."""
+    return {
+        "received": 0,
+        "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
+        "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
+        "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
+        # lost by max_redeliveries + 1 ranks: answered with an error instead of being sent again
+        "redelivery_exhausted": 0,
+        "malformed": 0,  # dropped (and answered, when their rid could be read)
+        "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
+        "send_dropped": 0,  # a send refused (no connection, a full queue): tried elsewhere or answered
+        "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
+        "retracted": 0,  # picks taken back out of a rank's load because their send failed
+        "disconnects": 0,
+        "backlogged": 0,  # times a scheduler held max_queued_mib not yet taken (then unavailable)
+        "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
+        "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
+        "per_rank": [0] * n,
+    }
+
+
+def _int_option(name: str, value: Any, low: int, high: int | None, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InvalidInputError(f"{name} must be an int in {span} ({what}), got {value!r}")
+
+
 class DataParallelController:
     """Receives tokenized requests, picks a rank with the Dispatcher, forwards each frame.
 
@@ -101,7 +137,10 @@ class DataParallelController:
     slot); the controller connects a PUSH to each. ``input_endpoint`` is bound (PULL), and only one
     process may bind it (a lock under /dev/shm; a second controller fails at start naming the
     first). ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the
-    controller connects a PUSH there for ``{rid, error}`` answers.
+    controller connects a PUSH there for ``{rid, error}`` answers. The connections' bounds
+    (``dpboard.controller.connections``): ``max_peers`` connections on the input at most,
+    ``send_hwm`` requests and ``max_queued_mib`` MiB queued per scheduler (a scheduler over the
+    latter counts as unavailable until it takes all but half of it), the same bytes for the answers.
 
     ``acks``, when given, reads the schedulers' board (``read_array()``: SNAPSHOT_DTYPE records, one
     per worker slot, e.g. a ``dpboard.board.FollowingReader``): its ``num_received_reqs`` acknowledge
@@ -129,6 +168,8 @@ class DataParallelController:
         *,
         context: zmq.Context | None = None,
         send_hwm: int = DEFAULT_SEND_HWM,
+        max_queued_mib: int = DEFAULT_MAX_QUEUED_MIB,
+        max_peers: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         poll_interval: float = 0.05,
         log_every: float = 10.0,
@@ -139,32 +180,16 @@ class DataParallelController:
         record: Any = None,
     ):
         n = dispatcher.num_workers
-        if len(worker_endpoints) != n:
-            raise InvalidInputError(
-                f"{len(worker_endpoints)} worker endpoints for a dispatcher of {n} "
-                f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
-            )
-        absent = [r for r in dispatcher.active if worker_endpoints[r] is None]
-        if absent:
-            raise InvalidInputError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
-                                    "out of the active set")
-        check_endpoint(input_endpoint, "the input endpoint", bind=True)
-        for rank, endpoint in enumerate(worker_endpoints):
-            if endpoint is not None:
-                check_endpoint(endpoint, f"the endpoint of worker {rank}", bind=False)
-        if error_endpoint is not None:
-            check_endpoint(error_endpoint, "the error endpoint", bind=False)
-        if isinstance(send_hwm, bool) or not isinstance(send_hwm, int) or not 1 <= send_hwm <= MAX_SEND_HWM:
-            raise InvalidInputError(f"send_hwm must be an int in 1..{MAX_SEND_HWM} (requests queued per "
-                                    f"scheduler), got {send_hwm!r}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise InvalidInputError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self._check_endpoints(dispatcher, worker_endpoints, input_endpoint, error_endpoint)
+        _int_option("send_hwm", send_hwm, 1, MAX_SEND_HWM, "requests queued per scheduler")
+        _int_option("max_queued_mib", max_queued_mib, 1, MAX_QUEUED_MIB, "MiB queued per scheduler")
+        _int_option("max_batch", max_batch, 1, None, "requests taken per batch")
+        _int_option("max_redeliveries", max_redeliveries, 0, MAX_REDELIVERIES,
+                    "times a request lost by a dead receiver is sent again")
+        if max_peers is not None:
+            _int_option("max_peers", max_peers, 1, 2**20, "connections on the input")
         if not 0 < poll_interval <= MAX_POLL_INTERVAL:
             raise InvalidInputError(f"poll_interval must be in (0, {MAX_POLL_INTERVAL}] seconds, got {poll_interval!r}")
-        if (isinstance(max_redeliveries, bool) or not isinstance(max_redeliveries, int)
-                or not 0 <= max_redeliveries <= MAX_REDELIVERIES):
-            raise InvalidInputError(f"max_redeliveries must be an int in 0..{MAX_REDELIVERIES} (times a request "
-                                    f"lost by a dead receiver is sent again), got {max_redeliveries!r}")
         if acks is not None and redeliver_after is None:
             redeliver_after = getattr(acks, "stale_after", 1.0)
         self.dispatcher = dispatcher
@@ -183,144 +208,121 @@ class DataParallelController:
         self.max_batch = max_batch
         self.poll_ms = max(1, int(poll_interval * 1000))
         self.log_every = log_every
+        self._frame_log = BoundedLog(log)
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._stop = threading.Event()
         self._ranks = [r for r, e in enumerate(self.worker_endpoints) if e is not None]
-        self._connected = [False] * n
         self._stale = [False] * n
         self._full: set[int] = set()  # ranks whose queue refused a send during this batch
         self._draining: dict[int, float] = {}  # rank -> when its unacknowledged requests go elsewhere
         self._status: list[bool | None] = [None] * n  # what the dispatcher was last told
         self._next_ack = 0.0
-        self.stats: dict[str, Any] = {
-            "received": 0,
-            "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
-            "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
-            "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
-            # lost by max_redeliveries + 1 ranks: answered with an error instead of being sent again
-            "redelivery_exhausted": 0,
-            "malformed": 0,  # dropped (and answered, when their rid could be read)
-            "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
-            "send_dropped": 0,  # a send refused (no connection, or a full queue): tried elsewhere or answered
-            "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
-            "retracted": 0,  # picks taken back out of a rank's load because their send failed
-            "disconnects": 0,
-            "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
-            "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
-            "per_rank": [0] * n,
-        }
-        self._sockets: list[zmq.Socket] = []
-        self._monitors: list[zmq.Socket | None] = [None] * n
-        self.workers: list[zmq.Socket | None] = [None] * n
-        self.errors: zmq.Socket | None = None
+        self.stats = new_counts(n)
+        self.input: RequestInput | None = None
+        self.workers: list[Pipe | None] = [None] * n
+        self.errors: Pipe | None = None
         self._lock: OwnerLock | None = None
         try:
             self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
-            self.input = self._socket(zmq.PULL)
-            # ZMQ drops a larger frame (and the peer's connection) before any of it is buffered here.
-            self.input.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            self._bind_or_connect(self.input, input_endpoint, "bind", "the input")
+            self.input = RequestInput(self.context, input_endpoint, max_peers=max_peers)
+            queued = max_queued_mib * 2**20
             for rank in self._ranks:
-                sock = self._socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, send_hwm)
-                # Queue only for a connected scheduler: a send with no connection fails at once and the
-                # request goes elsewhere, instead of waiting (and being lost) in a pipe nobody reads.
-                sock.setsockopt(zmq.IMMEDIATE, 1)
-                sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-                self._monitors[rank] = sock.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-                self._bind_or_connect(sock, self.worker_endpoints[rank], "connect", f"worker {rank}")
-                self.workers[rank] = sock
+                self.workers[rank] = Pipe(self.context, self.worker_endpoints[rank], f"worker {rank}",
+                                          send_hwm=send_hwm, max_queued_bytes=queued, immediate=True,
+                                          reconnect_ivl_ms=RECONNECT_IVL_MS)
             if error_endpoint is not None:
-                self.errors = self._socket(zmq.PUSH)
-                self._bind_or_connect(self.errors, error_endpoint, "connect", "the error channel")
+                self.errors = Pipe(self.context, error_endpoint, "the error channel", send_hwm=None,
+                                   max_queued_bytes=queued, immediate=False)
         except BaseException:
-            self._abort()
+            self._close(linger=0)
             raise
-        # A clean close gives queued requests and answers a second to leave (bounded).
-        for sock in [*self.workers, self.errors]:
-            if sock is not None:
-                sock.setsockopt(zmq.LINGER, 1000)
+        for pipe in self._pipes():  # a clean close gives queued requests and answers a second to leave
+            pipe.set_linger(1000)
         for rank in self._ranks:
             self._update_status(rank)
 
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self.context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)  # until set up: an error path never waits for anything
-        self._sockets.append(sock)
-        return sock
-
     @staticmethod
-    def _bind_or_connect(sock: zmq.Socket, endpoint: str, how: str, what: str) -> None:
-        try:
-            sock.bind(endpoint) if how == "bind" else sock.connect(endpoint)
-        except zmq.ZMQError as e:
-            raise UnavailableError(f"cannot {how} {what} on {endpoint}: {e.strerror}") from None
+    def _check_endpoints(dispatcher: Dispatcher, workers: Sequence[str | None], input_endpoint: str,
+                         error_endpoint: str | None) -> None:
+        n = dispatcher.num_workers
+        if len(workers) != n:
+            raise InvalidInputError(
+                f"{len(workers)} worker endpoints for a dispatcher of {n} "
+                f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
+            )
+        absent = [r for r in dispatcher.active if workers[r] is None]
+        if absent:
+            raise InvalidInputError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
+                                    "out of the active set")
+        check_endpoint(input_endpoint, "the input endpoint", bind=True)
+        for rank, endpoint in enumerate(workers):
+            if endpoint is not None:
+                check_endpoint(endpoint, f"the endpoint of worker {rank}", bind=False)
+        if error_endpoint is not None:
+            check_endpoint(error_endpoint, "the error endpoint", bind=False)
 
-    def _abort(self) -> None:
-        """Close everything opened so far, at once (linger 0): an error path is bounded."""
-        for rank, mon in enumerate(self._monitors):
-            if mon is not None:
-                mon.close(linger=0)
-                self._monitors[rank] = None
-        for sock in self._sockets:
-            if not sock.closed:
-                sock.close(linger=0)
-        if self._own_context:
-            self.context.term()
-        if self._lock is not None:
-            self._lock.release()
+    def _pipes(self) -> list[Pipe]:
+        return [p for p in [*self.workers, self.errors] if p is not None]
+
+    @property
+    def _connected(self) -> list[bool]:
+        return [w is not None and w.connected for w in self.workers]
 
     # -- availability: connections, staleness, full queues ------------------------------------------
 
     def _update_status(self, rank: int) -> None:
-        ok = (self._connected[rank] and not self._stale[rank] and rank not in self._draining
-              and rank not in self._full)
+        pipe = self.workers[rank]
+        ok = (pipe is not None and pipe.connected and not pipe.backlogged and not self._stale[rank]
+              and rank not in self._draining and rank not in self._full)
         if ok != self._status[rank]:
             self._status[rank] = ok
             self.dispatcher.set_status(rank, ok)
 
     def _on_monitor(self, rank: int, now: float) -> None:
-        mon = self._monitors[rank]
-        while mon is not None:
-            try:
-                event = recv_monitor_message(mon, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if not self._connected[rank]:
-                    log.info("worker %d (%s) connected", rank, self.worker_endpoints[rank])
-                self._connected[rank] = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected[rank]:
-                self._connected[rank] = False
+        pipe = self.workers[rank]
+        for event in pipe.events():
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                log.info("worker %d (%s) connected", rank, pipe.endpoint)
+            elif event == zmq.EVENT_DISCONNECTED:
                 self.stats["disconnects"] += 1
                 if self.ledger is not None:
                     self._draining[rank] = now + self.redeliver_after
                     log.warning("worker %d (%s) disconnected: no more requests go there; the %d it has not "
                                 "acknowledged go elsewhere in %.2g s unless it counts them first", rank,
-                                self.worker_endpoints[rank], self.ledger.unacknowledged(rank), self.redeliver_after)
+                                pipe.endpoint, self.ledger.unacknowledged(rank), self.redeliver_after)
                 else:
                     log.warning("worker %d (%s) disconnected: no more requests go there (without a board the "
                                 "controller cannot tell which requests it had received: give --board to have "
-                                "deliveries acknowledged)", rank, self.worker_endpoints[rank])
+                                "deliveries acknowledged)", rank, pipe.endpoint)
         self._update_status(rank)
+
+    def _recheck_backlogs(self) -> None:
+        """A backlogged scheduler that has taken all but half its bound takes requests again."""
+        for rank in self._ranks:
+            pipe = self.workers[rank]
+            if pipe.backlogged and pipe.recheck():
+                self._update_status(rank)
+        if self.errors is not None:
+            self.errors.events()  # its connection, for its byte bound
+            self.errors.recheck()
 
     def _wait_connected(self, stop: StopFlag) -> None:
         """Give the schedulers up to CONNECT_WAIT seconds to connect before serving (bounded)."""
         deadline = time.monotonic() + CONNECT_WAIT
         poller = zmq.Poller()
-        for rank in self._ranks:
-            poller.register(self._monitors[rank], zmq.POLLIN)
-        while not all(self._connected[r] for r in self._ranks) and not stop.is_set():
+        monitors = {self.workers[rank].monitor: rank for rank in self._ranks}
+        for mon in monitors:
+            poller.register(mon, zmq.POLLIN)
+        while not all(self.workers[r].connected for r in self._ranks) and not stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [r for r in self._ranks if not self._connected[r]]
+                missing = [r for r in self._ranks if not self.workers[r].connected]
                 log.warning("workers %s are not connected after %.0f s: requests go to the others until they "
                             "are", missing, CONNECT_WAIT)
                 return
             for sock, _ in poller.poll(int(1000 * min(left, 0.05))):
-                self._on_monitor(self._monitors.index(sock), time.monotonic())
+                self._on_monitor(monitors[sock], time.monotonic())
 
     # -- acknowledgements (with a board) ---------------------------------------------------------------
 
@@ -386,18 +388,21 @@ class DataParallelController:
         """Ask the loop to end (from a signal handler or another thread)."""
         self._stop.set()
 
-    def run(self, duration: float | None = None) -> dict[str, Any]:
-        """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds."""
+    def run(self, duration: float | None = None, *, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Serve until ``stop()``, SIGTERM/SIGINT (in the main thread) or ``duration`` seconds;
+        ``stop``: an event of the caller's that ends the loop too (set before: it ends at once)."""
+        if stop is not None:
+            self._stop = stop
         stop = StopFlag(duration, event=self._stop)
         log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s, acknowledgements %s",
                  self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
-                 self.input_endpoint, self.error_endpoint, "from the board" if self.acks is not None else "none")
+                 self.input.endpoint, self.error_endpoint, "from the board" if self.acks is not None else "none")
         poller = zmq.Poller()
-        poller.register(self.input, zmq.POLLIN)
+        poller.register(self.input.socket, zmq.POLLIN)
         monitor_rank = {}
         for rank in self._ranks:
-            poller.register(self._monitors[rank], zmq.POLLIN)
-            monitor_rank[self._monitors[rank]] = rank
+            poller.register(self.workers[rank].monitor, zmq.POLLIN)
+            monitor_rank[self.workers[rank].monitor] = rank
         loads = None
         if self.collector is not None:
             loads = self.collector.socket
@@ -419,10 +424,13 @@ class DataParallelController:
                     # loads first: a request batch then sees the freshest relayed snapshots
                     if loads is not None and loads in ready:
                         self.collector.drain()
-                    if self.ledger is not None and now >= self._next_ack:
+                    if now >= self._next_ack:
                         self._next_ack = now + ACK_INTERVAL
-                        self._read_acks(now)
-                    if self.input in ready:
+                        if self.ledger is not None:
+                            self._read_acks(now)
+                        self._recheck_backlogs()
+                        self.input.service()
+                    if self.input.socket in ready:
                         self._serve_ready()
                     if self.record is not None and self.record.due(now):
                         self._publish_record()
@@ -435,6 +443,9 @@ class DataParallelController:
                 self.stats["unacknowledged"] = self.ledger.unacknowledged()
                 self.stats["untracked"] = self.ledger.untracked
             self._log_counts()
+            self._frame_log.flush()
+            self.stats["input"] = self.input.peer_stats
+            self.stats["log_held_back"] = self._frame_log.held_back_total
             if self.record is not None:
                 self._publish_record()
             if self.collector is not None and hasattr(self.collector, "stats"):
@@ -450,23 +461,24 @@ class DataParallelController:
 
     def _serve_ready(self) -> None:
         reqs: list[Request] = []
-        for _ in range(self.max_batch):
-            try:
-                frames = self.input.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                break
+        for frame, fd in self.input.receive(self.max_batch):
             self.stats["received"] += 1
             try:
-                if len(frames) != 1:
-                    raise MalformedFrame(f"{len(frames)} frames in one message, expected 1")
-                reqs.append(decode_request(frames[0], self._block_size))
+                if frame is None:
+                    raise MalformedFrame("a message of several frames, expected 1")
+                reqs.append(decode_request(frame, self._block_size))
+                self.input.prove(fd, Proof.VALID)
             except RequestRefused as e:
+                self.input.prove(fd, Proof.VALID)  # well-formed: a real client, with a request too large
                 self._reject(e.rid, str(e))
             except MalformedFrame as e:
+                self.input.prove(fd, Proof.SPOKE)
                 self.stats["malformed"] += 1
-                log.warning("dropped a malformed request frame%s: %s",
-                            "" if e.rid is None else f" (rid {e.rid!r}, answered)", e)
-                if e.rid is not None:
+                if e.rid is None:
+                    self._frame_log.warning("dropped a malformed request frame: %s", str(e))
+                else:
+                    self._frame_log.warning("dropped a malformed request frame (rid %s, answered): %s", shown(e.rid),
+                                            str(e))
                     self._send_error(e.rid, f"malformed request frame: {e}")
         if not reqs:
             return
@@ -530,13 +542,14 @@ class DataParallelController:
 
     def _try_send(self, rank: int, req: Request) -> bool:
         """True when ZMQ took the frame for ``rank``'s connected scheduler."""
-        sock = self.workers[rank]
-        if sock is None or not self._connected[rank] or rank in self._draining:
+        pipe = self.workers[rank]
+        if pipe is None or not pipe.connected or rank in self._draining:
             return False
-        try:
-            sock.send(req.raw, zmq.NOBLOCK)
-        except zmq.Again:
+        if not pipe.send(req.raw):
             return False
+        if pipe.backlogged:  # this send took it to its bound: no more until it takes its backlog
+            self.stats["backlogged"] += 1
+            self._update_status(rank)
         self.stats["dispatched"] += 1
         self.stats["per_rank"][rank] += 1
         if req.routed_dp_rank is not None:
@@ -553,15 +566,20 @@ class DataParallelController:
 
     def _refusing(self, rank: int) -> None:
         """``rank`` refused a send: keep requests away from it (for this batch, when its queue is full)."""
-        if self.workers[rank] is not None and self._connected[rank] and rank not in self._draining:
+        pipe = self.workers[rank]
+        if pipe is not None and pipe.connected and not pipe.backlogged and rank not in self._draining:
             self._full.add(rank)
         self._update_status(rank)
 
     def _why_not(self, rank: int) -> str:
-        if self.workers[rank] is None:
+        pipe = self.workers[rank]
+        if pipe is None:
             return "a reserved slot with no worker"
-        if not self._connected[rank]:
+        if not pipe.connected:
             return "not connected"
+        if pipe.backlogged:
+            return (f"it has not taken the {pipe.queue.queued / 2**20:.1f} MiB queued for it, over "
+                    f"--max-queued-mib {pipe.max_queued_bytes // 2**20}")
         if rank in self._draining:
             return "its connection broke; waiting for its last count"
         if self._stale[rank]:
@@ -570,16 +588,14 @@ class DataParallelController:
 
     def _reject(self, rid: Any, error: str) -> None:
         self.stats["rejected"] += 1
-        log.warning("request %r rejected: %s", rid, error)
+        self._frame_log.warning("request %s rejected: %s", shown(rid), error)
         self._send_error(rid, error)
 
     def _send_error(self, rid: Any, error: str) -> None:
         if self.errors is None:
             self.stats["errors_unsent"] += 1
             return
-        try:
-            self.errors.send(msgpack.packb({"rid": rid, "error": error}, use_bin_type=True), zmq.NOBLOCK)
-        except zmq.Again:
+        if not self.errors.send(msgpack.packb({"rid": rid, "error": error}, use_bin_type=True)):
             self.stats["errors_unsent"] += 1
 
     def _log_counts(self) -> None:
@@ -595,20 +611,17 @@ class DataParallelController:
 
     def close(self) -> None:
         """Close every socket (queued requests get at most a second to leave) and release the input."""
-        for rank, mon in enumerate(self._monitors):
-            if mon is not None:
-                sock = self.workers[rank]
-                if sock is not None and not sock.closed:
-                    try:
-                        sock.disable_monitor()
-                    except zmq.ZMQError:
-                        pass
-                mon.close(linger=0)
-                self._monitors[rank] = None
-        for sock in self._sockets:
-            if not sock.closed:
-                sock.close()
-        self._sockets = []
+        self._close(linger=None)
+
+    def _close(self, linger: int | None) -> None:
+        """Everything opened so far; ``linger=0`` (an error path) waits for nothing."""
+        for pipe in self._pipes():
+            pipe.close(linger)
+        self.workers = [None] * len(self.workers)
+        self.errors = None
+        if self.input is not None:
+            self.input.close()
+            self.input = None
         if self._own_context and not self.context.closed:
             self.context.term()
         if self._lock is not None:
@@ -663,6 +676,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-hwm", type=count(1, MAX_SEND_HWM), default=DEFAULT_SEND_HWM,
                    help=f"requests queued per scheduler before a send fails and the request goes elsewhere "
                         f"(default {DEFAULT_SEND_HWM})")
+    p.add_argument("--max-queued-mib", type=count(1, MAX_QUEUED_MIB), default=DEFAULT_MAX_QUEUED_MIB, metavar="MIB",
+                   help=f"MiB of requests queued in this process for one scheduler that it has not taken; a "
+                        f"scheduler at this bound counts as unavailable (its requests go elsewhere) until it "
+                        f"takes all but half (default {DEFAULT_MAX_QUEUED_MIB}: 4 GiB for a 64-rank node); the "
+                        f"same bound holds --errors answers")
+    p.add_argument("--max-peers", type=count(1, 2**20), default=None, metavar="N",
+                   help=f"connections held at once on --input (default {DEFAULT_MAX_PEERS}, never more than the "
+                        f"fds `ulimit -n` leaves less 64); beyond it those that sent no valid request go first")
     p.add_argument("--collect-bind", metavar="ENDPOINT",
                    help="own node0's load fan-in PULL here (load-aware methods): relays' snapshots go into "
                         "--board, as `dpboard collect` would do; e.g. tcp://10.0.0.1:5757")
@@ -671,6 +692,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--curve-secret-key`")
     p.add_argument("--collect-curve-authorized-keys", metavar="DIR",
                    help="with --collect-bind: directory of the relays' public certificates allowed in")
+    p.add_argument("--collect-curve-key-nodes", metavar="FILE",
+                   help="with --collect-curve-authorized-keys: which node ids each key speaks for, as `dpboard "
+                        "collect --curve-key-nodes` (default: node<N>.key speaks for node N)")
     p.add_argument("--duration", type=seconds(), help="exit after this many seconds (default: until SIGTERM)")
     p.add_argument("--log-every", type=seconds(), default=10.0, help="seconds between count logs (default 10)")
     p.add_argument("--stats-json", action="store_true", help="print the final counts as one JSON line on stdout")
@@ -682,7 +706,8 @@ def run(args: argparse.Namespace) -> int:
     method = resolve_load_balance_method(args.method, args.disaggregation_mode)
     endpoints = [None if e == RESERVED else e for e in args.workers]
     owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
-    if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys):
+    if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys
+                                      or args.collect_curve_key_nodes):
         raise InvalidInputError("--collect-curve-* options configure the load fan-in: give --collect-bind ENDPOINT too")
     if args.collect_bind is not None and owner is not ReaderOwner.CONTROLLER:
         why = (f"method {method.value} does not read loads" if not method.is_load_aware
@@ -704,14 +729,18 @@ def run(args: argparse.Namespace) -> int:
         check_endpoint(args.errors, "--errors", bind=False)
     # One controller per board, before anything is attached or bound: a second one stops here.
     board_lock = take_board(args.board) if args.board else None
+    # Signals count from here: one that comes while the sockets and the record are being set up ends
+    # the loop as soon as it starts, and everything is closed and removed as after any stop.
     try:
-        return _attach_and_serve(args, method, endpoints, owner)
+        with StopFlag() as starting:
+            return _attach_and_serve(args, method, endpoints, owner, starting.event)
     finally:
         if board_lock is not None:
             board_lock.release()
 
 
-def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], owner: ReaderOwner) -> int:
+def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], owner: ReaderOwner,
+                      stop: threading.Event) -> int:
     follower = None
     reader = None
     collector = None
@@ -731,7 +760,8 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
             try:
                 collector = Collector(follower.board, args.collect_bind,
                                       curve_secret_key=args.collect_curve_secret_key,
-                                      curve_authorized_keys=args.collect_curve_authorized_keys)
+                                      curve_authorized_keys=args.collect_curve_authorized_keys,
+                                      curve_key_nodes=args.collect_curve_key_nodes)
             except BaseException:
                 follower.close()
                 raise
@@ -739,7 +769,7 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
             log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller "
                      "(give --collect-bind ENDPOINT to receive other nodes' relays)")
     try:
-        return _serve(args, method, endpoints, reader, collector)
+        return _serve(args, method, endpoints, reader, collector, stop)
     finally:
         if collector is not None:
             collector.close()  # removes its lock files
@@ -747,7 +777,8 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
             follower.close()
 
 
-def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any) -> int:
+def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any,
+           stop: threading.Event) -> int:
     dispatcher = Dispatcher(
         method,
         len(endpoints),
@@ -761,11 +792,12 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
     record = _open_record(args, dispatcher) if args.board else None
     try:
         controller = DataParallelController(
-            dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm, log_every=args.log_every,
+            dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
+            max_queued_mib=args.max_queued_mib, max_peers=args.max_peers, log_every=args.log_every,
             collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
             record=None if record is None else record[1])
         try:
-            stats = controller.run(duration=args.duration)
+            stats = controller.run(duration=args.duration, stop=stop)
         finally:
             controller.close()
     finally:

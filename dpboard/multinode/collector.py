@@ -43,7 +43,22 @@ import zmq
 from dpboard.board import MAX_SLOTS, Board, BoardError, BoardFollower, BoardWriter, process_start_ticks
 from dpboard.errors import AccessDeniedError, InvalidInputError, NotFoundError
 from dpboard.multinode.curve import check_authorized_keys, load_certificate
-from dpboard.multinode.peers import DEFAULT_MAX_PEERS, PeerGuard
+from dpboard.multinode.owners import (
+    DEFAULT_RELEASE_AFTER,
+    GONE,
+    Owners,
+    Speaker,
+    key_nodes_from_name,
+    read_key_nodes,
+)
+from dpboard.multinode.peers import (
+    DEFAULT_MAX_PEERS,
+    HANDSHAKE_TIMEOUT_MS,
+    PeerGuard,
+    Proof,
+    peer_address,
+    set_deadlines,
+)
 from dpboard.multinode.wire import (
     BAD_IDENTITY,
     BAD_NODE,
@@ -70,7 +85,8 @@ from dpboard.ownership import (
 from dpboard.snapshot import COLLECTOR_STATS_FIELDS
 from dpboard.stopping import StopFlag
 
-__all__ = ["LOCK_DIR", "LOCK_PREFIX", "Collector", "CollectorBusyError", "board_lock_path", "endpoint_lock_path"]
+__all__ = ["HANDSHAKE_TIMEOUT_MS", "LOCK_DIR", "LOCK_PREFIX", "Collector", "CollectorBusyError", "board_lock_path",
+           "endpoint_lock_path"]
 
 log = logging.getLogger("dpboard.collector")
 
@@ -78,12 +94,7 @@ MAX_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never 
 # What the queue of frames not yet drained may hold: the receive high-water mark is this over the
 # board's largest frame (at most MAX_RCVHWM frames, at least 16).
 RECEIVE_BUFFER_BYTES = 16 * 2**20
-# A connection that has not finished its ZMTP (and CURVE) handshake by then is closed: libzmq's own
-# default is 30 s, long enough for silent peers to pile up. A relay's handshake takes a few round trips.
-HANDSHAKE_TIMEOUT_MS = 5000
-# The collector pings its peers too: one that completed a handshake and then never answers goes.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
+EXPIRE_EVERY = 1.0  # seconds between two sweeps of silent claims (a frame checks silence on its own)
 
 
 def frame_bound(n_slots: int) -> int:
@@ -104,6 +115,42 @@ class CollectorBusyError(OwnerBusyError):
 
 def board_lock_path(board_name: str) -> Path:
     return lock_path("collector.board", board_name)
+
+
+def _key_nodes(authorized: Any, mapping: Any) -> dict[str, frozenset[int]]:
+    """Each authorized key (Z85) -> the node ids it speaks for: a ``--curve-key-nodes`` line, else its
+    file's name (``node<N>.key``). A key configured for none is said once: it is held to what it
+    relays first, as a plain connection is."""
+    if authorized is None:
+        return {}
+    check_authorized_keys(authorized)
+    keys = {path.stem: load_certificate(path, "authorized relay key")[0].decode("ascii")
+            for path in sorted(Path(authorized).glob("*.key"))}
+    listed = read_key_nodes(mapping, keys) if mapping is not None else {}
+    out: dict[str, frozenset[int]] = {}
+    unconfigured = []
+    for name, public in keys.items():
+        nodes = listed.get(name) or key_nodes_from_name(name)
+        if nodes is None:
+            unconfigured.append(f"{name}.key")
+        else:
+            out[public] = out.get(public, frozenset()) | nodes
+    if unconfigured:
+        log.warning("authorized relay keys %s speak for no configured node id: each is held, as a plain connection "
+                    "is, to the nodes it relays first, and loses their ranks to an authenticated node; name a key "
+                    "node<N>.key or list it in --curve-key-nodes", ", ".join(unconfigured))
+    return out
+
+
+def _ranges(values: Iterable[int]) -> str:
+    """1-3, 7: a short text for a set of ranks or nodes."""
+    out: list[str] = []
+    for v in sorted(values):
+        if out and out[-1][1] == v - 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 # -- the collector ----------------------------------------------------------------------------------
@@ -130,13 +177,21 @@ class Collector:
         record_latency: bool = False,
         local_ranks: Iterable[int] = (),
         max_peers: int | None = None,
+        curve_key_nodes: str | os.PathLike[str] | None = None,
+        release_after: float = DEFAULT_RELEASE_AFTER,
     ):
         check_endpoint(bind, "the collector's bind endpoint", bind=True)
         # node0's own ranks: never written from a frame, even before node0's schedulers claim them.
         self.local_ranks = frozenset(int(r) for r in local_ranks)
-        self._rank_nodes: dict[int, int] = {}  # rank -> the node that announced it first
         if curve_authorized_keys is not None and curve_secret_key is None:
             raise InvalidInputError("curve_authorized_keys needs curve_secret_key (the collector's own certificate)")
+        if curve_key_nodes is not None and curve_authorized_keys is None:
+            raise InvalidInputError("curve_key_nodes names keys of the authorized keys directory: give "
+                                    "curve_authorized_keys (--curve-authorized-keys DIR) too")
+        if not 0 < release_after <= 1e6:
+            raise InvalidInputError(f"release_after must be in (0, 1e6] seconds, got {release_after!r}")
+        self._owners = Owners(_key_nodes(curve_authorized_keys, curve_key_nodes), release_after=release_after)
+        self._next_expire = 0.0
         self._locks: list[OwnerLock] = []
         self._socket: zmq.Socket | None = None
         self._guard: PeerGuard | None = None
@@ -178,8 +233,8 @@ class Collector:
             self._context = zmq.Context() if self._own_context else (context or zmq.Context.instance())
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
             self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-            if self.endpoint.startswith("tcp://"):  # what a network peer reaches; ipc is a file's mode
-                self._guard = PeerGuard(self._socket, self.endpoint, max_peers)
+            # On ipc too: the guard reports each closed connection, which lets go of its claims.
+            self._guard = PeerGuard(self._socket, self.endpoint, max_peers)
             self._init_stats()
         except BaseException:
             self.close()
@@ -208,9 +263,7 @@ class Collector:
             # Anything larger cannot be a frame for this board; ZMQ cuts such a peer off instead of
             # buffering it.
             sock.setsockopt(zmq.MAXMSGSIZE, frame_bound(self.n_slots))
-            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            set_deadlines(sock)
             if secret_key is not None:
                 public, secret = load_certificate(secret_key, "collector certificate")
                 if secret is None:
@@ -260,9 +313,10 @@ class Collector:
     def lock_paths(self) -> list[Path]:
         return [lock.path for lock in self._locks]
 
-    def handle_frame(self, data: bytes | memoryview) -> int:
+    def handle_frame(self, data: bytes | memoryview, speaker: Speaker | None = None) -> int:
         """Validate one frame and publish its snapshots. Returns how many it wrote (0 for a dropped
-        frame, which is counted). Never raises on the frame's content."""
+        frame, which is counted). Never raises on the frame's content. ``speaker`` is where it came
+        from (``dpboard.multinode.owners``); None for a frame the embedding process hands over."""
         stats = self._stats_view
         assert stats is not None
         try:
@@ -276,10 +330,12 @@ class Collector:
             validate_records(frame, n_slots=self.n_slots)
             rows = frame.records.tolist()
             node = frame.node_id
-            for row in rows:
-                if self._rank_nodes.get(row[0], node) != node or row[0] in self.local_ranks:
-                    raise FrameError(BAD_RANK, self._foreign_rank(row[0], node))
-            writers = [self._writers.get(row[0]) or self._writer_for(row[0], node) for row in rows]
+            ranks = [row[0] for row in rows]
+            for rank in ranks:
+                if rank in self.local_ranks:
+                    raise FrameError(BAD_RANK, f"frame from node {node} names rank {rank}, which node0 writes itself")
+            taken = self._owners.check(speaker, node, ranks)
+            writers = [self._writers.get(rank) or self._writer_for(rank) for rank in ranks]
         except FrameError as e:
             stats[e.reason] += 1
             stats["frames_bad"] += 1
@@ -290,6 +346,10 @@ class Collector:
         else:
             for writer, row, detail in zip(writers, rows, detail_buffers(data, frame), strict=True):
                 writer.publish_relayed(row, detail)
+        self._owners.accept(speaker, node, ranks, taken)
+        if taken:
+            log.info("node %d now relays ranks %s%s", node, _ranges(taken),
+                     " (authenticated)" if self._owners.authenticated(speaker) else "")
         now = time.monotonic_ns()
         if self._record_latency and rows:
             self.latencies_ns.append(time.time_ns() - frame.records["timestamp_ns"])
@@ -298,12 +358,7 @@ class Collector:
         stats["last_frame_monotonic_ns"] = now
         return len(rows)
 
-    def _foreign_rank(self, rank: int, node: int) -> str:
-        if rank in self.local_ranks:
-            return f"frame from node {node} names rank {rank}, which node0 writes itself"
-        return f"frame from node {node} names rank {rank}, which node {self._rank_nodes[rank]} relays"
-
-    def _writer_for(self, rank: int, node: int) -> BoardWriter:
+    def _writer_for(self, rank: int) -> BoardWriter:
         try:
             # Not takeover: a slot that a live local scheduler writes is node0's own rank, and a
             # relay claiming it is misconfigured. A dead holder (e.g. a previous collector) is fine.
@@ -311,7 +366,6 @@ class Collector:
         except BoardError as e:
             raise FrameError(BAD_RANK, f"rank {rank} is written locally on node0: {e}") from None
         self._writers[rank] = writer
-        self._rank_nodes[rank] = node  # announced: from now on only that node writes the rank
         return writer
 
     def _follow_board(self) -> None:
@@ -322,7 +376,7 @@ class Collector:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
-        self._rank_nodes.clear()
+        self._owners.clear()
         self.board = self._follower.board
         self.n_slots = self.board.n_slots
         if self._socket is not None:  # the bound for the connections made from now on
@@ -333,24 +387,55 @@ class Collector:
         """Handle every frame already queued (at most ``max_frames``) without waiting; returns the count."""
         self._follow_board()
         sock = self.socket
-        if self._guard is not None:
-            self._guard.service(sock)
+        self._service()
         handled = 0
         while handled < max_frames:
             try:
-                data = sock.recv(flags=zmq.NOBLOCK, copy=False)
+                msg = sock.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self.handle_frame(data.buffer)
             handled += 1
+            fd = msg.get(zmq.SRCFD)
+            speaker = self._speaker(msg, fd)
+            written = self.handle_frame(msg.buffer, speaker)
+            if self._guard is not None:
+                self._guard.prove(fd, Proof.VALID if written else
+                                  Proof.KEY if self._owners.authenticated(speaker) else Proof.SPOKE)
         return handled
+
+    def _speaker(self, msg: zmq.Frame, fd: int) -> Speaker:
+        """Where ``msg`` came from: its connection (fd and peer address, checked now: libzmq reuses
+        numbers) and, under CURVE with known keys, its key; ``GONE`` when the connection is gone."""
+        try:
+            connection = (fd, peer_address(fd))
+        except OSError:
+            return GONE
+        key = None
+        if self._owners.key_nodes:
+            try:
+                key = msg.get("User-Id")
+            except zmq.ZMQError:
+                key = None
+        return Speaker(connection, key)
+
+    def _service(self) -> None:
+        """The guard's back-off, the claims of connections that closed, silent claims let go."""
+        if self._guard is not None:
+            self._guard.service(self.socket)
+            for connection in self._guard.take_closed():
+                nodes = self._owners.connection_closed(connection)
+                if nodes:
+                    log.info("the connection that spoke for node %s closed: its ranks are free", _ranges(nodes))
+        now = time.monotonic()
+        if now >= self._next_expire:
+            self._next_expire = now + EXPIRE_EVERY
+            self._owners.expire()
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to ``timeout_ms`` for frames, then drain them."""
         if self.socket.poll(timeout_ms, zmq.POLLIN):
             return self.drain()
-        if self._guard is not None:
-            self._guard.service(self.socket)
+        self._service()
         return 0
 
     @property
@@ -368,6 +453,10 @@ class Collector:
         flag = StopFlag(duration, event=stop)
         while not flag.is_set():
             self.poll(int(1000 * flag.remaining(cap=poll_ms / 1000)))
+
+    def owner_of(self, rank: int) -> int | None:
+        """The node that relays ``rank`` now (None: no live claim)."""
+        return self._owners.owner_of(rank)
 
     def stats(self) -> dict[str, int]:
         if self._stats_view is None:
@@ -435,11 +524,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-authorized-keys", metavar="DIR", default=None,
                    help="directory of the relays' public certificates allowed in (default: any relay that "
                         "knows the server key)")
+    p.add_argument("--curve-key-nodes", metavar="FILE", default=None,
+                   help="which node ids each authorized key speaks for, one line per key: `NAME NODE [NODE ...]` "
+                        "(NAME: the key file's name without .key); without a line, a key named node<N>.key "
+                        "speaks for node N; a key speaks for no other node")
     p.add_argument("--local-ranks", type=count(0, MAX_SLOTS - 1), nargs="+", default=[], metavar="RANK",
                    help="ranks node0's own schedulers write: never written from a relayed frame")
+    p.add_argument("--release-after", type=seconds(), default=DEFAULT_RELEASE_AFTER, metavar="SECONDS",
+                   help=f"a node id or a rank claimed by a peer that has sent nothing for it this long is let go "
+                        f"(default {DEFAULT_RELEASE_AFTER:g}); a closed connection lets go of its claims at once")
     p.add_argument("--max-peers", type=count(1, 2**20), default=None,
-                   help=f"TCP connections held at once (default {DEFAULT_MAX_PEERS}, and never more than the "
-                        f"fds `ulimit -n` leaves); beyond it the quietest are closed")
+                   help=f"connections held at once (default {DEFAULT_MAX_PEERS}, and never more than the fds "
+                        f"`ulimit -n` leaves less 64); beyond it those that proved the least are closed first, "
+                        f"an established relay last")
     p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
@@ -450,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
     with StopFlag(args.duration) as stop, Collector(
         args.board, args.bind, n_slots=args.n_slots, curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys, local_ranks=args.local_ranks,
-        max_peers=args.max_peers,
+        max_peers=args.max_peers, curve_key_nodes=args.curve_key_nodes, release_after=args.release_after,
     ) as collector:
         print(f"dpboard collect: pid {os.getpid()} owns {collector.endpoint} for board {args.board!r} "
               f"({collector.n_slots} slots)", flush=True)

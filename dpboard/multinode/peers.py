@@ -1,32 +1,31 @@
-"""``PeerGuard``: a bound on the TCP connections a bound ZMQ socket holds.
+"""``PeerGuard``: a bound on the connections a bound ZMQ socket holds (the collector's fan-in, the
+controller's ``--input``).
 
-libzmq accepts every connection that reaches a bound TCP port and keeps it until its handshake
-times out. Peers that connect and never speak could therefore take every fd of the collector; libzmq's
-listener then fails ``accept`` with EMFILE at once, again and again (a whole core), and a relay
+libzmq accepts every connection that reaches a bound port and keeps it until its handshake times
+out. Peers that connect and never speak could therefore take every fd of the process; libzmq's
+listener then fails ``accept`` with EMFILE at once, again and again (a whole core), and a real peer
 connecting meanwhile is not let in until fds come free. CURVE does not help: all of this happens
 before the handshake.
 
-The guard bounds the count. A thread follows the socket's monitor events (an accepted connection's
-event carries its fd, a closed one's too) and, when more than ``max_peers`` are open, closes
-connections until 7/8 of the cap are left: first those whose peers have sent the fewest bytes
-(``TCP_INFO``: a silent peer has sent none; a relay that is in has sent its greeting, its handshake
-and its frames), the oldest among equals. A connection is closed with ``shutdown()`` on libzmq's fd,
-which libzmq then sees as a peer that went away and cleans up itself; the guard never closes an fd
-it does not own, and checks the peer address first in case libzmq reused the number.
+The guard applies ``dpboard.guard.ConnectionGuard``'s rules (a cap under the fd limit, shedding by
+what a peer has proved, a back-off when fds run out) to the socket. A thread follows the socket's
+monitor events: an accepted connection's event carries its fd, a closed one's too. The socket's
+owner tells the guard what each connection proved (``prove``: the fd a message came from is
+``zmq.SRCFD`` on the message) and learns which connections closed (``take_closed``). A connection
+is closed with ``shutdown()`` on libzmq's fd, which libzmq then sees as a peer that went away and
+cleans up itself; the guard never closes an fd it does not own, and checks the peer address first
+in case libzmq reused the number.
 
-An ``accept`` that fails for want of fds (EMFILE, ENFILE) sheds the same way, at most once per 50 ms,
-so the listener's spin ends as soon as fds are free; the cap then comes down to what fits, and back
-after 30 s without the error. When there is nothing to shed (the fds went elsewhere) the guard asks
-its owner to unbind the endpoint for a back-off (0.1 s, doubling up to 2 s) and bind it again:
-``service()``, called from the thread that owns the socket, since ZMQ sockets are not thread-safe.
+With nothing to shed when fds run out (they went elsewhere), the guard asks its owner to unbind the
+endpoint for the back-off and bind it again: ``service()``, called from the thread that owns the
+socket, since ZMQ sockets are not thread-safe.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
-import os
-import resource
 import socket
 import struct
 import threading
@@ -35,6 +34,11 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from dpboard.guard import ConnectionGuard, Proof, fd_budget
+
+__all__ = ["DEFAULT_MAX_PEERS", "FD_RESERVE", "HANDSHAKE_TIMEOUT_MS", "MIN_PEERS", "PeerGuard", "Proof",
+           "peer_address", "peer_budget", "set_deadlines"]
+
 DEFAULT_MAX_PEERS = 1024
 FD_RESERVE = 64  # fds left for everything else (boards, libzmq's own, accepts not yet seen)
 MIN_PEERS = 4
@@ -42,10 +46,16 @@ _TCP_INFO_LEN = 256
 _BYTES_RECEIVED_OFFSET = 128  # struct tcp_info's tcpi_bytes_received (Linux >= 4.1)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
-BACKOFF_FIRST = 0.1
-BACKOFF_MAX = 2.0
+BACKOFF = (0.1, 2.0)  # seconds unbound: the first pause, and the longest
 OUT_OF_FDS_HOLD = 0.05  # seconds between two sheds for EMFILE
 RESTORE_AFTER = 30.0  # seconds without EMFILE before a lowered cap is restored
+_MAX_CLOSED = 65536  # closed connections waiting for the owner to look (it drains them every poll)
+# A connection that has not finished its ZMTP (and CURVE) handshake by then is closed: libzmq's own
+# default is 30 s, long enough for silent peers to pile up. A real peer's handshake takes a few round trips.
+HANDSHAKE_TIMEOUT_MS = 5000
+# The bound socket pings its peers too: one that completed a handshake and then never answers goes.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 
 log = logging.getLogger("dpboard.peers")
 
@@ -53,12 +63,15 @@ log = logging.getLogger("dpboard.peers")
 def peer_budget(requested: int | None) -> int:
     """The cap: ``requested`` (default DEFAULT_MAX_PEERS), but never more than the fds this process
     has left under its RLIMIT_NOFILE, less a reserve."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    cap = DEFAULT_MAX_PEERS if requested is None else requested
-    if soft != resource.RLIM_INFINITY:
-        in_use = len(os.listdir("/proc/self/fd"))
-        cap = min(cap, soft - in_use - FD_RESERVE)
-    return max(MIN_PEERS, cap)
+    return fd_budget(DEFAULT_MAX_PEERS if requested is None else requested, FD_RESERVE, MIN_PEERS)
+
+
+def set_deadlines(sock: zmq.Socket) -> None:
+    """The handshake deadline and the heartbeats of a bound socket that strangers may reach (set
+    before it binds)."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
 
 
 def _wrap(fd: int) -> socket.socket:
@@ -66,7 +79,7 @@ def _wrap(fd: int) -> socket.socket:
     return socket.socket(fileno=fd)
 
 
-def _peer(fd: int) -> object:
+def peer_address(fd: int) -> object:
     s = _wrap(fd)
     try:
         return s.getpeername()
@@ -74,35 +87,39 @@ def _peer(fd: int) -> object:
         s.detach()
 
 
-def _bytes_received(fd: int) -> int:
-    s = _wrap(fd)
+def _has_sent(fd: int) -> bool:
+    """Whether the peer on ``fd`` has sent a byte (TCP_INFO; False where there is none, e.g. ipc)."""
+    try:
+        s = _wrap(fd)
+    except OSError:
+        return False
     try:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except OSError:
+        return False
     finally:
         s.detach()
     if len(info) < _BYTES_RECEIVED_OFFSET + 8:
-        return 0  # an old kernel: age alone orders the candidates
-    return struct.unpack_from("Q", info, _BYTES_RECEIVED_OFFSET)[0]
+        return False
+    return struct.unpack_from("Q", info, _BYTES_RECEIVED_OFFSET)[0] > 0
 
 
 class PeerGuard:
     """Caps the connections of the bound socket ``sock`` at ``max_peers`` (see the module)."""
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, max_peers: int | None = None) -> None:
+    def __init__(self, sock: zmq.Socket, endpoint: str, max_peers: int | None = None, *,
+                 report_closed: bool = True) -> None:
         self.endpoint = endpoint
-        self._max_peers = peer_budget(max_peers)
-        self.max_peers = self._max_peers  # lower while fds run out for other reasons
-        self._hold_until = 0.0
-        self._last_out_of_fds = 0.0
-        self._resumed_at = 0.0
-        self._keep = max(1, self.max_peers * 7 // 8)
-        self._peers: dict[int, object] = {}  # fd -> peer address, oldest first
-        self.shed = 0  # connections this guard closed
-        self.accept_failures = 0  # accepts that failed for want of fds
-        self.pauses = 0  # unbinds for a back-off
+        self._report_closed = report_closed
+        self.rules = ConnectionGuard(peer_budget(max_peers), minimum=MIN_PEERS, hold=OUT_OF_FDS_HOLD,
+                                     backoff=BACKOFF, restore_after=RESTORE_AFTER, spoke=_has_sent)
+        self._peers: dict[int, object] = {}  # fd -> peer address
+        # (fd, address) of connections that closed, for the owner (take_closed); bounded: the owner
+        # drains it every poll, and a flood's closes beyond that are only counted
+        self._closed: collections.deque[tuple[int, object]] = collections.deque(maxlen=_MAX_CLOSED)
         self._pause_wanted = threading.Event()
+        self._paused_for = 0.0
         self._paused_until: float | None = None
-        self._backoff = BACKOFF_FIRST
         self._last_warning = 0.0
         self._stop = threading.Event()
         self._monitor = sock.get_monitor_socket(_EVENTS)
@@ -110,8 +127,44 @@ class PeerGuard:
         self._thread.start()
 
     @property
+    def max_peers(self) -> int:
+        return self.rules.cap
+
+    @property
     def open_peers(self) -> int:
-        return len(self._peers)
+        return self.rules.open_count
+
+    @property
+    def shed(self) -> int:
+        return self.rules.shed
+
+    @property
+    def accept_failures(self) -> int:
+        return self.rules.accept_failures
+
+    @property
+    def pauses(self) -> int:
+        return self.rules.pauses
+
+    def stats(self) -> dict[str, int]:
+        return {"peers": self.open_peers, "max_peers": self.max_peers, "shed": self.shed,
+                "accept_failures": self.accept_failures, "pauses": self.pauses}
+
+    # -- what the owner tells and asks ------------------------------------------------------------
+
+    def prove(self, fd: int, proof: Proof) -> None:
+        """The connection on ``fd`` (a message's ``zmq.SRCFD``) has shown ``proof``."""
+        self.rules.prove(fd, proof)
+
+    def proof_of(self, fd: int) -> Proof | None:
+        return self.rules.proof_of(fd)
+
+    def take_closed(self) -> list[tuple[int, object]]:
+        """The ``(fd, peer address)`` of each connection that closed since the last call."""
+        out = []
+        while self._closed:
+            out.append(self._closed.popleft())
+        return out
 
     # -- the guard's thread -----------------------------------------------------------------------
 
@@ -133,65 +186,56 @@ class PeerGuard:
     def _on_event(self, event: dict) -> None:
         kind, value = event["event"], event["value"]
         if kind == zmq.EVENT_ACCEPTED:
+            if value in self._peers:  # libzmq reused the number before its close reached us
+                self._forget(value)
             try:
-                self._peers[value] = _peer(value)
+                self._peers[value] = peer_address(value)
             except OSError:
                 return  # already gone
-            if self.max_peers < self._max_peers and time.monotonic() - self._last_out_of_fds > RESTORE_AFTER:
-                self.max_peers = self._max_peers  # fds have been plentiful for a while: the whole cap again
-                self._keep = max(1, self.max_peers * 7 // 8)
-            if len(self._peers) > self.max_peers:
-                self._shed(len(self._peers) - self._keep)
+            victims, _ = self.rules.opened(value)
+            self._close(victims)
         elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-            self._peers.pop(value, None)
+            if value in self._peers:
+                self._forget(value)
         elif kind == zmq.EVENT_ACCEPT_FAILED and value in _OUT_OF_FDS:
             self._out_of_fds(errno.errorcode.get(value, str(value)))
+
+    def _forget(self, fd: int) -> None:
+        addr = self._peers.pop(fd)
+        if self._report_closed:
+            self._closed.append((fd, addr))
+        self.rules.closed(fd)
 
     def _out_of_fds(self, what: str) -> None:
         """libzmq's listener spins on this error until an fd frees: free some, once per hold time
         (libzmq needs a moment to close what was shut down; every failure meanwhile is the same one)."""
-        self.accept_failures += 1
-        now = time.monotonic()
-        self._last_out_of_fds = now
-        if now < self._hold_until:
-            return
-        self._hold_until = now + OUT_OF_FDS_HOLD
-        if self._peers:
-            # Fewer fds than the cap assumed (something else holds them): the cap comes down to what
-            # fits, until fds have been plentiful again for a while.
-            self.max_peers = max(MIN_PEERS, min(self.max_peers, len(self._peers) * 7 // 8))
-            self._keep = max(1, self.max_peers * 7 // 8)
-            self._shed(max(1, len(self._peers) - self._keep))
-        else:
+        decision = self.rules.out_of_fds()
+        self._close(decision.victims)
+        if decision.pause:
+            self._paused_for = decision.pause
             self._pause_wanted.set()
+        now = time.monotonic()
         if now - self._last_warning >= 5.0:
             self._last_warning = now
-            log.warning("%s: out of fds (%s) with %d peers connected: closing the quietest ones, cap now %d "
-                        "(raise `ulimit -n` if this is no flood)", self.endpoint, what, len(self._peers),
-                        self.max_peers)
+            log.warning("%s: out of fds (%s) with %d peers connected: closing those that proved the least, "
+                        "cap now %d (raise `ulimit -n` if this is no flood)", self.endpoint, what,
+                        self.rules.open_count, self.rules.cap)
 
-    def _shed(self, n: int) -> None:
-        """Close the ``n`` connections whose peers have sent the least, the oldest first."""
-        ranked: list[tuple[int, int, int]] = []
-        for age, (fd, addr) in enumerate(list(self._peers.items())):
+    def _close(self, fds: list) -> None:
+        for fd in fds:
+            addr = self._peers.get(fd)
             try:
-                if _peer(fd) != addr:  # libzmq closed it and reused the number: a new peer
-                    self._peers.pop(fd, None)
+                if addr is None or peer_address(fd) != addr:  # libzmq closed it and reused the number
                     continue
-                ranked.append((_bytes_received(fd), age, fd))
+                s = _wrap(fd)
             except OSError:
-                self._peers.pop(fd, None)
-        ranked.sort()
-        for _, _, fd in ranked[:n]:
-            s = _wrap(fd)
+                continue
             try:
                 s.shutdown(socket.SHUT_RDWR)  # libzmq reads EOF and closes the fd itself
-                self.shed += 1
             except OSError:
                 pass
             finally:
                 s.detach()
-            self._peers.pop(fd, None)
 
     # -- the owner's thread -----------------------------------------------------------------------
 
@@ -202,31 +246,25 @@ class PeerGuard:
             if not self._pause_wanted.is_set():
                 return
             self._pause_wanted.clear()
-            if time.monotonic() - self._resumed_at > RESTORE_AFTER:
-                self._backoff = BACKOFF_FIRST  # not a pause right after the last one: start short again
             try:
                 sock.unbind(self.endpoint)
             except zmq.ZMQError:
                 return
-            self.pauses += 1
-            self._paused_until = time.monotonic() + self._backoff
+            self._paused_until = time.monotonic() + self._paused_for
             log.warning("%s: out of fds with no peer to close: not accepting for %.1f s", self.endpoint,
-                        self._backoff)
-            self._backoff = min(BACKOFF_MAX, self._backoff * 2)
+                        self._paused_for)
             return
         if time.monotonic() < self._paused_until:
             return
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as e:
-            self._paused_until = time.monotonic() + self._backoff
+            self._paused_until = time.monotonic() + self.rules.backoff_max
             log.warning("%s: cannot bind again yet (%s): next try in %.1f s", self.endpoint, e.strerror,
-                        self._backoff)
-            self._backoff = min(BACKOFF_MAX, self._backoff * 2)
+                        self.rules.backoff_max)
             return
         self._paused_until = None
         self._pause_wanted.clear()  # asked for before the pause: nothing listened since
-        self._resumed_at = time.monotonic()
 
     def close(self, sock: zmq.Socket) -> None:
         self._stop.set()

@@ -7,7 +7,8 @@
 - ``GET /metrics`` — the Prometheus text format (prometheus-client), every rank and the board summary,
   under names that follow Prometheus's rules, plus the series SGLang's model gateway reads when it
   falls back from ``/v1/loads`` (``dpboard.views.metrics``).
-- ``GET /healthz`` — 200 while the board is attached, 503 while it is gone.
+- ``GET /healthz`` — 200 while the board is attached, 503 while it is gone: the slots' status
+  counts from a read of their status only, beside (never behind) the full reads of the other paths.
 - ``GET /v1/board`` — what ``dpboard top --json`` shows of one read, every slot (stale ones with
   their last snapshot) and the board's header (``board_document``); no rates: a reader derives
   them from each row's ``publish_seq``, ``num_received_reqs`` and ``monotonic_ns`` between reads.
@@ -23,8 +24,12 @@ output array is shared). No Numba import: it starts as fast as ``dpboard dump``.
 Each open connection holds a thread and a descriptor, so what a client may hold is bounded (a slow
 client, "slowloris", once took every descriptor): a request's first byte must come within
 ``idle_timeout`` and its headers must be whole ``header_timeout`` after it; at most
-``max_connections`` are open, the one idle longest closed first to make room; and an ``accept`` that
-fails for want of descriptors backs off instead of spinning.
+``max_connections`` are open (``dpboard.guard.ConnectionGuard``: a connection that never completed a
+request goes first, the oldest first, then the one idle longest); and an ``accept`` that fails for
+want of descriptors backs off instead of spinning. A request body is read and dropped (at most
+``MAX_BODY`` bytes, within the header deadline) or refused, so that it is never taken for a second
+request: two ``Content-Length`` headers, one that is not a number, or a ``Transfer-Encoding`` get a
+400, a longer body a 413, and the connection is closed.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import io
 import json
 import math
 import re
-import resource
 import signal
 import socket
 import sys
@@ -48,13 +52,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import numpy as np
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import dpboard
 from dpboard.board import DEFAULT_STALE_AFTER
 from dpboard.board.stale import stale_after
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.guard import ConnectionGuard, Proof, fd_budget
 from dpboard.options import count, seconds
+from dpboard.snapshot import SlotStatus
 from dpboard.views.doctor import MAX_WATCH_SLOTS, DoctorWatch, Finding
 from dpboard.views.loads_document import (
     PROMETHEUS_CONTENT_TYPE,
@@ -79,7 +86,9 @@ HEADER_TIMEOUT = 10.0  # seconds from a request's first byte to the end of its h
 MAX_CONNECTIONS = 256  # open connections (each holds a thread); fewer where the open-file limit is low
 FD_RESERVE = 32  # descriptors kept out of the connection cap: listening socket, board, logs, imports
 ACCEPT_BACKOFF = (0.01, 0.5)  # seconds: the first and the longest pause after accept() ran out of descriptors
+ACCEPT_HOLD = 0.01  # seconds between two sheds for want of descriptors
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+MAX_BODY = 64 * 1024  # bytes of a request body read (and dropped): no route takes one
 MAX_RANK_DIGITS = 19  # a dp_rank beyond int64 names no rank
 DOCTOR_WINDOW = 10.0  # seconds of samples behind /v1/doctor
 DOCTOR_EVERY = 0.5  # seconds between two of its samples, at most
@@ -108,23 +117,27 @@ def json_body(doc: Any) -> bytes:
 def connections_allowed(wanted: int = MAX_CONNECTIONS) -> int:
     """``wanted``, or what the open-file limit leaves after FD_RESERVE where that is less (at least
     1): connections must never take the descriptors that reading the board needs."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    return max(1, min(wanted, soft - FD_RESERVE))
+    return fd_budget(wanted, FD_RESERVE)
 
 
-class _Connection:
-    """One open connection as the cap sees it: idle (waiting for, or reading, a request) or busy
-    (a request being answered), since when, and whether the cap has already closed it."""
+class _HealthReader:
+    """The slots' status for /healthz, read beside the full reads (its own reader and array, its own
+    lock): one status read of 65,536 slots takes milliseconds, one full sample seconds."""
 
-    __slots__ = ("sock", "busy", "since", "closing")
+    def __init__(self, stale_after: float) -> None:
+        self.stale_after = stale_after
+        self._lock = threading.Lock()
+        self._board: Any = None
+        self._reader: Any = None
 
-    def __init__(self, sock: socket.socket, now: float) -> None:
-        self.sock = sock
-        self.busy = False
-        self.since = now
-        self.closing = False
+    def counts(self, board: Any) -> dict[str, int]:
+        with self._lock:
+            if board is not self._board:
+                self._reader = board.reader(stale_after=self.stale_after)  # it keeps its own mapping
+                self._board = board
+            status = self._reader.read_array()["status"]
+            found = np.bincount(status, minlength=len(SlotStatus))
+            return {s.label: int(found[int(s)]) for s in SlotStatus}
 
 
 class LoadsServer(ThreadingHTTPServer):
@@ -132,9 +145,10 @@ class LoadsServer(ThreadingHTTPServer):
 
     ``idle_timeout``: seconds a connection may wait for a request's first byte; ``header_timeout``:
     seconds from that byte until the headers are whole; ``max_connections``: open connections at
-    most (default MAX_CONNECTIONS), the longest idle one closed to make room for a new one, a new
-    one refused when every open one is answering a request. The cap never exceeds what the
-    open-file limit leaves after FD_RESERVE (``connections_allowed``), and is lowered again when
+    most (default MAX_CONNECTIONS); to make room for a new one, ``guard`` (a ``ConnectionGuard``)
+    closes one that sent nothing, then one still sending its headers, then the one idle longest,
+    and refuses the new one when every open one is answering a request. The cap never exceeds what
+    the open-file limit leaves after FD_RESERVE (``connections_allowed``), and comes down when
     ``accept`` finds no descriptor (the limit was lowered, or descriptors went elsewhere)."""
 
     daemon_threads = True
@@ -156,13 +170,10 @@ class LoadsServer(ThreadingHTTPServer):
             raise InvalidInputError(f"--max-connections must be in 1..65536, got {max_connections!r}")
         self.idle_timeout = idle_timeout
         self.header_timeout = header_timeout
-        self.max_connections = connections_allowed(max_connections)
-        self._connections: dict[int, _Connection] = {}  # by id() of the socket
+        self.guard = ConnectionGuard(connections_allowed(max_connections), keep=1.0, hold=ACCEPT_HOLD,
+                                     backoff=ACCEPT_BACKOFF, shed_proved="idlest")
+        self._connections: dict[int, socket.socket] = {}  # id() of the socket -> the socket
         self._connections_lock = threading.Lock()
-        self._backoff = 0.0
-        self.evicted = 0  # connections the cap closed (idle ones, to make room)
-        self.refused = 0  # connections refused because every open one was busy
-        self.accept_failures = 0  # accept() calls that found no descriptor left
         if not 0 <= port <= 65535:
             raise InvalidInputError(f"--port must be in 0..65535 (0 picks a free port), got {port}")
         if num_accelerators < 0:
@@ -170,6 +181,7 @@ class LoadsServer(ThreadingHTTPServer):
         self.accelerator = accelerator
         self.num_accelerators = num_accelerators
         self.watch = BoardWatch(name, stale_after=stale_after, wait=wait, trust_uids=trust_uids)
+        self._health = _HealthReader(stale_after)
         self.doctor = DoctorWatch(window=DOCTOR_WINDOW, every=DOCTOR_EVERY, stale_after=stale_after,
                                   trust_uids=tuple(trust_uids))
         self._lock = threading.Lock()
@@ -187,6 +199,32 @@ class LoadsServer(ThreadingHTTPServer):
     def sample(self) -> Frame:
         with self._lock:
             return self.watch.sample()
+
+    @property
+    def max_connections(self) -> int:
+        return self.guard.cap
+
+    def health(self) -> tuple[dict[str, Any] | None, str | None]:
+        """/healthz's document, or ``(None, why)`` while the board is gone. Never behind the lock that
+        full reads hold: the board is followed only when that lock is free, else the watch's board
+        is checked (``is_current``) and its slots' status read apart."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self.watch.follow()
+            finally:
+                self._lock.release()
+        board = self.watch.board
+        if board is None:
+            return None, self.watch.gone or "the board is gone"
+        if not board.is_current():
+            return None, (f"board {self.watch.name!r} is gone (its segment was removed or replaced); waiting for "
+                          f"it to come back")
+        try:
+            counts = self._health.counts(board)
+        except Exception as e:  # noqa: BLE001 - a board closed under the read: gone for now, not a 500
+            return None, f"board {self.watch.name!r} cannot be read now: {e}"
+        return {"status": "ok", "board": board.name, "n_slots": board.n_slots, "slots": counts,
+                "version": dpboard.__version__}, None
 
     def frame(self) -> Frame:
         """One read of the board that moves no viewer's rates or history (``BoardWatch.frame``)."""
@@ -226,63 +264,50 @@ class LoadsServer(ThreadingHTTPServer):
 
     def get_request(self) -> tuple[socket.socket, Any]:
         try:
-            request = self.socket.accept()
+            return self.socket.accept()
         except OSError as e:
             if e.errno in _OUT_OF_DESCRIPTORS:
-                # The listening socket stays readable: retrying at once would spin. Lower the cap
-                # to what the limit leaves now (at least one below the connections open), close
-                # the longest idle connections down to it, and pause, longer each time in a row.
-                self.accept_failures += 1
-                with self._connections_lock:
-                    open_now = sum(1 for c in self._connections.values() if not c.closing)
-                    self.max_connections = max(1, min(self.max_connections, connections_allowed(),
-                                                      open_now - 1))
-                    while open_now > self.max_connections and self._close_longest_idle():
-                        open_now -= 1
-                self._backoff = min(ACCEPT_BACKOFF[1], max(ACCEPT_BACKOFF[0], 2 * self._backoff))
-                time.sleep(self._backoff)
+                # The listening socket stays readable: retrying at once would spin. The guard lowers
+                # the cap to what fits and names connections to close, or a pause, longer each time.
+                # in_use=0: the limit itself less the reserve, what the connections may take of it
+                decision = self.guard.out_of_fds(fits=fd_budget(self.guard.full_cap, FD_RESERVE, in_use=0))
+                self._close(decision.victims)
+                time.sleep(max(decision.pause, decision.wait, ACCEPT_HOLD))
             raise
-        self._backoff = 0.0
-        return request
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._connections_lock:
-            open_now = sum(1 for c in self._connections.values() if not c.closing)
-            if open_now >= self.max_connections and not self._close_longest_idle():
-                self.refused += 1  # every open connection is answering a request: this one waits its turn
-                refuse = True
-            else:
-                self._connections[id(request)] = _Connection(request, time.monotonic())
-                refuse = False
-        if refuse:
+            self._connections[id(request)] = request
+        victims, refused = self.guard.opened(id(request), protect=True)
+        self._close(victims)
+        if refused:  # every other open connection is answering a request: this one waits its turn
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
 
-    def _close_longest_idle(self) -> bool:
-        """Shut down the connection idle the longest (its thread then ends it); under the lock."""
-        idle = [c for c in self._connections.values() if not c.busy and not c.closing]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda c: c.since)
-        victim.closing = True
-        self.evicted += 1
-        try:
-            victim.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv with end-of-file
-        except OSError:
-            pass  # already gone
-        return True
+    def _close(self, keys: list) -> None:
+        """Shut the named connections down (their threads then end them)."""
+        for key in keys:
+            with self._connections_lock:
+                sock = self._connections.get(key)
+            if sock is None:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv with end-of-file
+            except OSError:
+                pass  # already gone
 
-    def connection_state(self, sock: socket.socket, *, busy: bool) -> None:
-        """The handler of ``sock`` starts answering a request (busy) or waiting for the next one."""
-        with self._connections_lock:
-            conn = self._connections.get(id(sock))
-            if conn is not None:
-                conn.busy, conn.since = busy, time.monotonic()
+    def connection_state(self, sock: socket.socket, *, busy: bool, proof: Proof | None = None) -> None:
+        """The handler of ``sock`` starts answering a request (busy) or waiting for the next one;
+        ``proof``: what its client showed (a byte of a request, a whole request)."""
+        if proof is not None:
+            self.guard.prove(id(sock), proof)
+        self.guard.set_busy(id(sock), busy)
 
     def shutdown_request(self, request: Any) -> None:
         with self._connections_lock:
             self._connections.pop(id(request), None)
+        self.guard.closed(id(request))
         super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -326,6 +351,7 @@ class _HeaderDeadlineReader(io.RawIOBase):
         n = self.sock.recv_into(buffer)
         if n and deadline is None and handler.reading_headers:
             handler.header_deadline = time.monotonic() + handler.server.header_timeout
+            handler.server.connection_state(self.sock, busy=False, proof=Proof.SPOKE)
         return n
 
 
@@ -352,8 +378,50 @@ class _Handler(BaseHTTPRequestHandler):
         ok = super().parse_request()  # reads the headers
         self.header_deadline, self.reading_headers = None, False
         self.connection.settimeout(self.server.idle_timeout)  # for the response's writes
-        self.server.connection_state(self.connection, busy=True)
-        return ok
+        self.server.connection_state(self.connection, busy=True, proof=Proof.VALID if ok else None)
+        return ok and self._take_body()
+
+    def _take_body(self) -> bool:
+        """Read and drop the request's body, or refuse it and close: a body left unread would be
+        parsed as the next request (two responses to one, a proxy's queue out of step)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        if self.headers.get_all("Transfer-Encoding"):
+            return self._refuse(400, "Transfer-Encoding is not taken: this server reads no request body; send the "
+                                     "request without one")
+        if len(lengths) > 1:
+            return self._refuse(400, f"Content-Length is given {len(lengths)} times: give it once")
+        if not lengths:
+            return True
+        text = lengths[0].strip()
+        if not text.isdigit() or not text.isascii() or len(text) > 18:
+            return self._refuse(400, f"Content-Length {text[:40]!r} is not a length in bytes")
+        size = int(text)
+        if size > MAX_BODY:
+            return self._refuse(413, f"a request body of {size} bytes: this server reads none (at most {MAX_BODY} "
+                                     f"bytes are dropped); send the request without one")
+        self.header_deadline = time.monotonic() + self.server.header_timeout  # the body, like the headers
+        try:
+            got = len(self.rfile.read(size)) if size else 0
+        finally:
+            self.header_deadline = None
+            self.connection.settimeout(self.server.idle_timeout)
+        if got < size:
+            self.close_connection = True  # the client went away, or the deadline passed
+            return False
+        return True
+
+    def _refuse(self, status: int, message: str) -> bool:
+        """Answer ``status`` and close the connection: what follows on it cannot be told apart."""
+        self.close_connection = True
+        body = json_body({"error": message, "status": status})
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        return False
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         pass  # a scrape every few seconds would flood the terminal
@@ -487,12 +555,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _healthz(self, query: dict[str, list[str]]) -> None:
         if query:
             raise BadRequest(f"/healthz takes no query parameters (got {sorted(query)[0]!r})")
-        frame = self.server.sample()
-        if frame.gone:
-            self._send_json(503, {"status": "board gone", "board": frame.board, "error": frame.gone})
+        doc, gone = self.server.health()
+        if doc is None:
+            self._send_json(503, {"status": "board gone", "board": self.server.watch.name, "error": gone})
             return
-        self._send_json(200, {"status": "ok", "board": frame.board, "n_slots": frame.n_slots,
-                              "slots": frame.counts, "version": dpboard.__version__})
+        self._send_json(200, doc)
 
 
 def board_document(frame: Frame) -> dict[str, Any]:
@@ -545,8 +612,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=seconds(3600), default=IDLE_TIMEOUT, metavar="SECONDS",
                    help=f"a connection waiting this long for a request is closed (default {IDLE_TIMEOUT:g})")
     p.add_argument("--max-connections", type=count(1, 65536), default=None, metavar="N",
-                   help=f"open connections at most; the longest idle one is closed to make room (default "
-                        f"{MAX_CONNECTIONS}; never more than the open-file limit less {FD_RESERVE})")
+                   help=f"open connections at most; to make room, one that sent nothing goes first, then one "
+                        f"still sending its headers, then the one idle longest (default {MAX_CONNECTIONS}; never "
+                        f"more than the open-file limit less {FD_RESERVE})")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -186,7 +186,7 @@ class BoardWatch:
 
     # -- sampling -----------------------------------------------------------------------------
 
-    def _follow(self) -> None:
+    def follow(self) -> None:
         """Notice a removed or replaced board, and attach again when one of this name is there."""
         if self._board is not None and not self._board.is_current():
             self._lose_board()
@@ -207,7 +207,7 @@ class BoardWatch:
     def read_detailed(self) -> np.ndarray | None:
         """Every slot with its detail (``DETAILED_DTYPE``, one consistent read per slot), or None
         while the board is gone (``gone`` says why). The array is this watch's own, reused."""
-        self._follow()
+        self.follow()
         if self._board is None or self._reader is None:
             return None
         if self._detailed is None or len(self._detailed) != self._board.n_slots:
@@ -231,7 +231,7 @@ class BoardWatch:
         of this watch changed, so that any number of readers (``dpboard serve``'s ``/v1/board``)
         may call it; a reader derives rates from the rows' own ``publish_seq``,
         ``num_received_reqs`` and ``monotonic_ns`` between two frames."""
-        self._follow()
+        self.follow()
         now_wall = time.time_ns()
         if self._board is None or self._reader is None:
             return Frame(board=self.name, wall_time_ns=now_wall, stale_after=self.stale_after, gone=self._gone)

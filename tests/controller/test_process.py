@@ -17,7 +17,7 @@ import zmq
 from dpboard import Board
 from dpboard.controller.codec import encode_request
 from tests.support.names import ROOT
-from tests.support.procutil import kill, stop, wait_for
+from tests.support.procutil import kill, stop, wait_for, wait_until
 from tests.support.sockets import bound_pull, connected_push
 
 
@@ -330,7 +330,7 @@ def test_a_msgpack_bomb_is_refused_without_stalling_or_reaching_a_scheduler(tmp_
     without an object per element and refused at its first non-int; a frame over MAX_FRAME_BYTES is
     dropped by ZMQ; frames with str16 keys, repeated keys or deep unrelated nesting are read by one
     rule. Every valid request still goes out, and the controller's memory stays near its frames'."""
-    from dpboard.controller.process import MAX_FRAME_BYTES
+    from dpboard.controller.connections import MAX_FRAME_BYTES
 
     ep = [f"ipc://{tmp_path}/sched-{r}" for r in range(2)]
     in_ep = f"tcp://127.0.0.1:{_free_port()}"
@@ -437,3 +437,29 @@ def test_the_delivery_ledger_stays_bounded_when_ranks_never_count(board_name, tm
             for p in procs:
                 kill(p)
             ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_while_the_controller_starts_is_a_clean_exit(board_name, tmp_path):
+    """The dispatch record appears before the sockets are set up, and SIGTERM used to meet the
+    default handler then (exit -15, the record and lock files left). Signals count from the start."""
+    from pathlib import Path
+
+    from dpboard.board.dispatch_record import dispatch_record_path
+
+    with Board.create(board_name, n_slots=2):
+        for i in range(3):
+            proc = subprocess.Popen(_controller_cmd("--input", f"ipc://{tmp_path}/in{i}", "--workers",
+                                                    f"ipc://{tmp_path}/w0", f"ipc://{tmp_path}/w1", "--board",
+                                                    board_name, "--method", "round_robin"),
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                # at once: the old window was a few milliseconds wide
+                assert wait_until(lambda p=proc: Path(dispatch_record_path(board_name)).exists() or p.poll() is not None,
+                                  timeout=30, interval=0.001)
+                proc.send_signal(signal.SIGTERM)
+                _, err = proc.communicate(timeout=30)
+            finally:
+                kill(proc)
+            assert proc.returncode == 0, err
+            assert not Path(dispatch_record_path(board_name)).exists()

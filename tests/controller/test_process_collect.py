@@ -185,7 +185,7 @@ def test_a_request_whose_send_fails_leaves_no_trace_in_the_ranks_load(board_name
             if batched:  # everything queued before the loop starts: it takes them as one batch
                 for frame in frames:
                     push.send(frame)
-                wait_for(lambda: controller.input.poll(0), 10, "the requests to reach the controller")
+                wait_for(lambda: controller.input.socket.poll(0), 10, "the requests to reach the controller")
                 thread.start()
             else:
                 thread.start()

@@ -6,11 +6,7 @@ relay connecting meanwhile was not seen until libzmq's 30 s handshake timeout fr
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import resource
-import selectors
 import socket
 import subprocess
 import sys
@@ -20,6 +16,7 @@ import time
 from dpboard import Board, LoadSnapshot, SlotStatus
 from dpboard.multinode.collector import HANDSHAKE_TIMEOUT_MS, Collector
 from dpboard.multinode.relay import Relay
+from tests.support.flood import SilentFlood, cpu_seconds, limit_fds, open_fds
 from tests.support.names import new_board_name
 from tests.support.procutil import read_line, stop, wait_until
 
@@ -35,74 +32,6 @@ REOPEN_PER_SECOND = 200  # after the first FLOOD_OPEN: each accepted connection 
 CPU_BOUND = 0.15
 
 
-def _limit_fds() -> None:  # runs in the collector's child before exec
-    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of every thread of ``pid`` so far, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-class SilentFlood:
-    """Keeps up to ``FLOOD_OPEN`` TCP connections to ``port`` open that never send a byte; each one
-    the far end closes is replaced, until ``FLOOD_TOTAL`` have been opened or the time is up."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.opened = 0
-        self.closed_by_peer = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> SilentFlood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        started = time.monotonic()
-        deadline = started + FLOOD_SECONDS
-        try:
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                allowed = FLOOD_OPEN + int((time.monotonic() - started) * REOPEN_PER_SECOND)
-                while len(sel.get_map()) < FLOOD_OPEN and self.opened < min(FLOOD_TOTAL, allowed):
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    s.setblocking(False)
-                    err = s.connect_ex(("127.0.0.1", self.port))
-                    if err not in (0, errno.EINPROGRESS):
-                        s.close()
-                        break
-                    sel.register(s, selectors.EVENT_READ)
-                    self.opened += 1
-                for key, _ in sel.select(0.05):
-                    s = key.fileobj
-                    try:
-                        data = s.recv(4096)  # the collector's greeting, or its close
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    if not data:
-                        sel.unregister(s)
-                        s.close()
-                        self.closed_by_peer += 1
-        finally:
-            for key in list(sel.get_map().values()):
-                key.fileobj.close()
-            sel.close()
-
-
 def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
     name0, name1 = new_board_name(), new_board_name()
     board0 = Board.create(name0, n_slots=4)
@@ -112,7 +41,7 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
     try:
         collector = subprocess.Popen([*CLI, "collect", "--board", name0, "--bind", "tcp://127.0.0.1:*", "--quiet"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=_limit_fds)
+                                     preexec_fn=limit_fds(FD_LIMIT))
         procs.append(collector)
         endpoint = read_line(collector).split(" owns ")[1].split()[0]
         port = int(endpoint.rsplit(":", 1)[1])
@@ -127,7 +56,8 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
 
         threading.Thread(target=publish, daemon=True).start()
         reader = board0.reader(stale_after=2.0)
-        with SilentFlood(port) as flood:
+        with SilentFlood(port, keep_open=FLOOD_OPEN, total=FLOOD_TOTAL, seconds=FLOOD_SECONDS,
+                         reopen_per_second=REOPEN_PER_SECOND) as flood:
             # the flood holds more connections than the collector has fds
             assert wait_until(lambda: flood.opened >= FLOOD_OPEN, timeout=20), flood.opened
             time.sleep(1.0)
@@ -145,7 +75,7 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
             relay_started = time.monotonic()
             seen = wait_until(lambda: reader.status(2) == reader.status(3) == SlotStatus.LIVE, timeout=10)
             waited = time.monotonic() - relay_started
-            flood_alive = flood._thread.is_alive()
+            flood_alive = flood.running
             assert seen, f"node 1's ranks were not seen on node0 within 10 s of the relay's start " \
                          f"({flood.opened} flood connections opened, {flood.closed_by_peer} closed by the collector)"
             assert flood_alive, "the flood ended before the relay was seen: the test proved nothing"
@@ -154,7 +84,7 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
             for _ in range(12):
                 assert reader.status(2) == reader.status(3) == SlotStatus.LIVE
                 time.sleep(0.25)
-            assert flood._thread.is_alive() and flood.closed_by_peer > 0
+            assert flood.running and flood.closed_by_peer > 0
             assert collector.poll() is None and relay.poll() is None
         stop(collector)
         assert collector.returncode == 0
@@ -279,3 +209,91 @@ def test_over_the_cap_the_silent_peers_go_and_a_talking_relay_stays():
         finally:
             for s in silent:
                 s.close()
+
+
+JUNK = """
+import sys, time, zmq
+ctx = zmq.Context()
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(sys.argv[1])
+    socks.append(s)
+junk = b"junk" * 200  # under the 2-slot board's largest frame: ZMQ delivers it, the collector counts it
+print("sending", flush=True)
+while True:
+    for s in socks:
+        for _ in range(4):
+            try:
+                s.send(junk, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    time.sleep(0.001)
+"""
+
+
+def test_loud_junk_and_a_connection_every_50_ms_never_shed_an_established_relay():
+    """--max-peers 8, seven peers sending junk frames as fast as they can and a new silent connection
+    every 50 ms: shedding "the quietest first" (fewest bytes) closed the established relay 70-93
+    times in 12 s and node0's copy of its rank aged up to 3 s. Peers are now shed by what they proved
+    (a valid frame outranks any amount of junk): the relay is the last to go, and keeps its one connection."""
+    name0, name1 = new_board_name(), new_board_name()
+    procs: list[subprocess.Popen] = []
+    newcomers: list[socket.socket] = []
+    with Board.create(name0, n_slots=2) as b0, Board.create(name1, n_slots=2, node_id=1) as b1:
+        collector = subprocess.Popen([*CLI, "collect", "--board", name0, "--bind", "tcp://127.0.0.1:*",
+                                      "--max-peers", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(collector)
+        endpoint = read_line(collector).split(" owns ")[1].split()[0]
+        port = int(endpoint.rsplit(":", 1)[1])
+        stop_flag = threading.Event()
+        writer = b1.writer(1)
+
+        def publish() -> None:
+            k = 0
+            while not stop_flag.wait(0.002):
+                k += 1
+                writer.publish(LoadSnapshot(dp_rank=1, num_received_reqs=k))
+
+        relay = Relay(b1, endpoint, 1, remote_board=name0)
+        threads = [threading.Thread(target=publish, daemon=True),
+                   threading.Thread(target=relay.run, args=(stop_flag,), daemon=True)]
+        for t in threads:
+            t.start()
+        reader = b0.reader(stale_after=5.0)
+        try:
+            assert wait_until(lambda: reader.status(1) == SlotStatus.LIVE, timeout=20), "the relay never landed"
+            junk = subprocess.Popen([*CLI[:1], "-c", JUNK, endpoint, "7"], stdout=subprocess.PIPE, text=True)
+            procs.append(junk)
+            assert read_line(junk).strip() == "sending"
+            worst = 0.0
+            started = time.monotonic()
+            next_newcomer = started
+            while time.monotonic() - started < 12.0:
+                if time.monotonic() >= next_newcomer:
+                    next_newcomer += 0.05
+                    s = socket.socket()
+                    s.setblocking(False)
+                    s.connect_ex(("127.0.0.1", port))
+                    newcomers.append(s)
+                snap = reader.read(1)
+                if snap is not None:
+                    worst = max(worst, (time.time_ns() - snap.timestamp_ns) / 1e9)
+                time.sleep(0.01)
+            connects = relay.connects
+            bad = b0.collector_stats()["bad_magic"]
+            print(f"relay connects {connects} in 12 s, node0's copy at most {worst:.3f} s old; "
+                  f"{len(newcomers)} newcomers, {bad} junk frames counted")
+            assert bad > 0 and junk.poll() is None, "the junk never reached the collector: the test proved nothing"
+            assert connects == 1, f"the relay was shed {connects - 1} times"
+            assert worst < 1.0
+        finally:
+            stop_flag.set()
+            for t in threads:
+                t.join(10)
+            relay.close()
+            for s in newcomers:
+                s.close()
+            for proc in procs:
+                stop(proc)
