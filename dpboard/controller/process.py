@@ -38,6 +38,7 @@ import msgpack
 import zmq
 
 from dpboard.board.dispatch_record import DispatchRecord, DispatchRow
+from dpboard.board.stale import stale_after
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
 from dpboard.controller.connections import (
     DEFAULT_MAX_QUEUED_MIB,
@@ -660,7 +661,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "the received counts that acknowledge deliveries (docs/DISPATCH.md, Delivery)")
     p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
                    help="also attach a --board that this user created (e.g. 0 for root); repeatable")
-    p.add_argument("--stale-after", type=seconds(), default=1.0,
+    p.add_argument("--stale-after", type=stale_after, default=1.0,
                    help="seconds before a slot is stale (default 1)")
     p.add_argument("--refresh-interval", type=seconds(zero=True), default=DEFAULT_REFRESH_INTERVAL,
                    help="seconds between budget refreshes from the board (default 0.02; 0: every dispatch)")

@@ -17,7 +17,8 @@ from tests.support.names import ROOT
 pytestmark = pytest.mark.timeout(120)
 COMMANDS = [["top", "{b}", "--once"], ["top", "{b}", "--json"], ["dump", "{b}"], ["info", "{b}"],
             ["doctor", "{b}", "--window", "0.1"], ["serve", "{b}", "--port", "0"],
-            ["relay", "--board", "{b}", "--to", "tcp://127.0.0.1:9", "--node-id", "1", "--duration", "1"]]
+            ["relay", "--board", "{b}", "--to", "tcp://127.0.0.1:9", "--node-id", "1", "--duration", "1"],
+            ["controller", "--input", "tcp://127.0.0.1:0", "--workers", "tcp://127.0.0.1:9", "--board", "{b}"]]
 
 
 def _run(argv: list[str], board: str, value: str) -> subprocess.CompletedProcess:
