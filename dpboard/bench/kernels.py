@@ -31,7 +31,7 @@ from dpboard.options import count
 REQUESTS = (256, 4096, 16384)
 PAGES = (65536, 1 << 20)
 BACKENDS = ("numba", "numba-parallel", "numba-cuda", "cupy")
-TARGET_SIZE = (4096, 1 << 20)  # the size the and SPEC's targets are stated for
+TARGET_SIZE = (4096, 1 << 20)  # the size the kernel targets of docs/BENCHMARKS.md are stated for
 
 
 def time_calls(fn: Callable[[], Any], iterations: int, warmup: int) -> dict[str, float]:

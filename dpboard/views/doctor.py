@@ -282,8 +282,8 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
             add(Finding("critical", "a PD prefill server dispatches by round_robin",
                         f"dispatcher pid {row.pid}: method round_robin, disaggregation mode prefill",
                         "a prefill rank must be the one its bootstrap_room maps to, the rank the decode side "
-                        "waits on; round robin sends it elsewhere and the rendezvous fails (seed: Prefill 是否误改 "
-                        "RR)", "use --load-balance-method follow_bootstrap_room on the prefill server (auto "
+                        "waits on; round robin sends it elsewhere and the rendezvous fails",
+                        "use --load-balance-method follow_bootstrap_room on the prefill server (auto "
                         "picks it)", "prefill_round_robin"))
 
     # -- the PD rendezvous: decode transfer queues that grow while prefill is idle
@@ -310,7 +310,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         f"decode transfer + prealloc queues grew {window}: {grew}; {where}",
                         "decode preallocated KV for requests whose prefill never sends it: the prefill server "
                         "dispatches to another rank than the request's bootstrap_room (switched to round robin), "
-                        "or the rooms are missing or differ between the two sides (seed: 排查 PD 会合失败)",
+                        "or the rooms are missing or differ between the two sides",
                         "prefill: --load-balance-method follow_bootstrap_room (or auto); the router must give "
                         "both sides the same bootstrap_room", "pd_rendezvous"))
 
@@ -344,7 +344,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                             f"{pinned} of {rate} carried routed_dp_rank={top}; {_pct(disp.counts['routed'], total)} "
                             f"carried one at all",
                             "routed_dp_rank overrides every method (it is obeyed first): the client or gateway "
-                            "pins the requests to one rank (seed: 是否几乎都带了同一个 routed_dp_rank)",
+                            "pins the requests to one rank",
                             "drop routed_dp_rank from the requests, or have the gateway spread it over the ranks",
                             "routed_one_rank"))
         # -- refreshes against the throttle
@@ -366,7 +366,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         f"dispatcher pid {row.pid} ({row.method}): {per_s:.1f} refreshes/s {window}, {throttle}{pub}",
                         "a load-aware method that refreshes at every dispatch resets its speculative +1s to the "
                         "last snapshot, older than its picks, so a burst lands on the rank that looked least "
-                        "loaded (seed: 负载感知却突发刷新过频/无节流)",
+                        "loaded",
                         "restore SGLang's 20 ms throttle (--refresh-interval 0.02), or use an inflight_* method "
                         "(its in-flight accounting keeps the picks across refreshes)", "refresh_rate"))
         # -- rooms
@@ -388,7 +388,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
         if rejected:
             if "follow_bootstrap_room" in methods:
                 cause = ("follow_bootstrap_room refuses a request without a bootstrap_room: it was sent straight "
-                         "to the prefill server, not through the router (seed: bootstrap_room 是否缺失)")
+                         "to the prefill server, not through the router")
                 fix = "send PD requests through the router, which sets bootstrap_room"
             else:
                 cause = ("requests the dispatcher cannot place: a routed_dp_rank outside the active ranks, no rank "
@@ -410,7 +410,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
         method = sorted(methods & set(LOAD_UNAWARE))[0]
         if method == "round_robin":
             cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
-                     "ones on some ranks (seed: 长短差大可试 total_tokens)")
+                     "ones on some ranks")
             fix = ("--load-balance-method total_tokens (or dpboard's inflight_tokens); but keep "
                    "follow_bootstrap_room on a PD prefill server")
         else:
