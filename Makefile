@@ -8,10 +8,13 @@ DEMO_ARGS ?= --duration 20
 # `pip check` do not report the engine's own (uninstalled) dependencies. tests/conftest.py puts
 # the folder on sys.path and PYTHONPATH. Another engine is one more entry of ENGINE_WHEELS.
 SGLANG_VERSION ?= 0.5.23
-# The vLLM release the vLLM plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
+# The vLLM releases the vLLM plugin supports; its tests import each (the wheel alone, --no-deps:
+# docs/INTEGRATIONS.md): the newest beside SGLang in ENGINE_DIR, the previous one in a folder of its own.
 VLLM_VERSION ?= 0.33.0
+VLLM_PREVIOUS ?= 0.32.0
 ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION) vllm==$(VLLM_VERSION)
 ENGINE_DIR := $(VENV)/engines
+VLLM_PREVIOUS_DIR := $(VENV)/engines-vllm-$(VLLM_PREVIOUS)
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
@@ -32,8 +35,9 @@ $(VENV)/.installed: $(SOURCES) $(VENV)/.engines | $(VENV)/bin/python
 	touch $(VENV)/.demo $@
 
 $(VENV)/.engines: Makefile | $(VENV)/bin/python
-	rm -rf $(ENGINE_DIR)
+	rm -rf $(ENGINE_DIR) $(VLLM_PREVIOUS_DIR)
 	$(PY) -m pip install -q --no-deps --target $(ENGINE_DIR) $(ENGINE_WHEELS)
+	$(PY) -m pip install -q --no-deps --target $(VLLM_PREVIOUS_DIR) vllm==$(VLLM_PREVIOUS)
 	touch $@
 
 demo: $(VENV)/.demo
