@@ -23,7 +23,15 @@ from dpboard.bench.vllm_standins import (
 )
 
 __all__ = ["HOW_TO_GET", "STAND_INS", "TORCH_VERSION", "VLLM_VERSION", "VLLM_WHEELS", "install", "run_session",
-           "vllm_missing", "wheel_env", "wheel_missing"]
+           "vllm_missing", "wheel_env", "wheel_missing", "wheel_params"]
+
+
+def wheel_params() -> list:
+    """The supported wheels as pytest parameters: the newest, then each earlier one marked ``slow``
+    (the same tests again: minutes more, run by `make test-all` and CI)."""
+    import pytest
+
+    return [v if v == VLLM_VERSION else pytest.param(v, marks=pytest.mark.slow) for v in VLLM_WHEELS]
 
 
 def wheel_dir(version: str) -> Path | None:

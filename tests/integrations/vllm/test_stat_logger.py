@@ -23,7 +23,7 @@ from dpboard import Board, SlotStatus
 from dpboard.board import segment_path
 from tests.support.names import ROOT, new_board_name
 from tests.support.procutil import kill, read_line
-from tests.support.vllm import VLLM_WHEELS, vllm_missing, wheel_env, wheel_missing
+from tests.support.vllm import vllm_missing, wheel_env, wheel_missing, wheel_params
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(vllm_missing() is not None and not os.environ.get("CI"),
@@ -32,9 +32,10 @@ pytestmark = [pytest.mark.timeout(120),
 ENTRY_POINT = "dpboard.integrations.vllm.stat_logger:DpboardStatLogger"
 
 
-@pytest.fixture(autouse=True, params=list(VLLM_WHEELS))
+@pytest.fixture(autouse=True, params=wheel_params())
 def vllm_wheel(request, monkeypatch):
-    """Every test once per supported vLLM wheel: the host processes import that one."""
+    """Every test once per supported vLLM wheel (the earlier one marked slow): the host processes
+    import that one."""
     missing = wheel_missing(request.param)
     if missing:
         if os.environ.get("CI"):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm import VLLM_WHEELS, run_session
+from tests.support.vllm import run_session, wheel_params
 
 pytestmark = pytest.mark.timeout(1200)  # a session takes 4 to 7 minutes on a loaded 2-core machine
 
 
-@pytest.mark.parametrize("version", list(VLLM_WHEELS))
+@pytest.mark.parametrize("version", wheel_params())
 def test_vllm_startup_session(version):
-    """Once per release the plugin supports, each on its own wheel."""
+    """Once per release the plugin supports, each on its own wheel (the earlier one marked slow)."""
     run_session("startup", version)
