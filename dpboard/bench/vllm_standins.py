@@ -1,8 +1,8 @@
-"""vLLM 0.33.0's real modules in a process without torch: the import stand-ins of the vLLM tests and of
-the vLLM rows of ``dpboard bench``.
+"""vLLM's real modules (0.33.0's, or 0.32.0's) in a process without torch: the import stand-ins of the
+vLLM tests and of the vLLM rows of ``dpboard bench``.
 
 The tests and the bench import the installed ``vllm==0.33.0`` wheel (``pip install --no-deps``, which
-``make test`` does) with the pure-Python packages its modules import (the ``[test]`` extra). vLLM
+``make test`` does; the vLLM tests run once more on ``vllm==0.32.0``'s, in a folder of its own) with the pure-Python packages its modules import (the ``[test]`` extra). vLLM
 imports torch at module level almost everywhere (``vllm/__init__.py`` itself, through
 ``env_override``), for type annotations, dtype tables and custom-op registration, none of which the
 scheduler bookkeeping, the plugin loader, the stats classes or ``DPLBAsyncMPClient``'s pick ever run.
@@ -37,8 +37,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-VLLM_VERSION = "0.33.0"
-TORCH_VERSION = "2.14.0"  # the torch the vLLM 0.33.0 wheel requires (its METADATA)
+VLLM_VERSION = "0.33.0"  # the newest release the plugin supports: the wheel `make test` puts beside SGLang's
+# Every wheel the stand-ins run (the plugin's supported releases), and the torch each requires (its METADATA):
+# torch.__version__ answers the one of the wheel that is imported.
+VLLM_WHEELS = {"0.33.0": "2.14.0", "0.32.0": "2.13.0"}
+TORCH_VERSION = VLLM_WHEELS[VLLM_VERSION]
 HOW_TO_GET = (f"install vLLM's wheel alone: `.venv/bin/pip install --no-deps --target .venv/engines vllm=={VLLM_VERSION}` "
               f"(`make test` does it)")
 
@@ -52,13 +55,21 @@ STAND_INS: dict[str, str] = {
 
 
 def wheel_missing() -> str | None:
-    """Why vLLM 0.33.0's wheel cannot be imported here (None when it can); runs no package ``__init__``."""
+    """Why none of ``VLLM_WHEELS`` can be imported here (None when one can); runs no package ``__init__``."""
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed: {HOW_TO_GET}"
     found = importlib.metadata.version("vllm")
-    if found != VLLM_VERSION:
-        return f"vLLM {found} is installed; these stand-ins are for {VLLM_VERSION}: {HOW_TO_GET}"
+    if found not in VLLM_WHEELS:
+        return f"vLLM {found} is installed; these stand-ins are for {', '.join(VLLM_WHEELS)}: {HOW_TO_GET}"
     return None
+
+
+def torch_version() -> str:
+    """The torch the imported vLLM wheel requires (the newest's when none of ours is found)."""
+    try:
+        return VLLM_WHEELS.get(importlib.metadata.version("vllm"), TORCH_VERSION)
+    except importlib.metadata.PackageNotFoundError:
+        return TORCH_VERSION
 
 
 def installed() -> bool:
@@ -163,7 +174,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = StandInModule(spec.name)
         module.__path__ = []
         if spec.name == "torch":
-            module.__version__ = TORCH_VERSION
+            module.__version__ = torch_version()
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

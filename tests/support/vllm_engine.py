@@ -228,9 +228,13 @@ def connect_client(client: Any, ctx: Any, manager: Any, input_socket: Any, outpu
     client.engines_running = False
     client.engine_ranks_managed = list(range(len(client.core_engines)))
     client.stats_update_address = get_open_zmq_ipc_path()
-    client.scale_sock_addr = get_open_zmq_inproc_path()
-    client.scale_send_socket = client.resources.scale_send_socket = make_zmq_socket(
-        ctx, client.scale_sock_addr, zmq.PAIR, bind=True)
+    # the PAIR socket that wakes vLLM's stats task: "first_req" in vLLM 0.32, "scale" in 0.33
+    kind = "first_req" if hasattr(BackgroundResources, "first_req_send_socket") else "scale"
+    address = get_open_zmq_inproc_path()
+    setattr(client, f"{kind}_sock_addr", address)
+    sock = make_zmq_socket(ctx, address, zmq.PAIR, bind=True)
+    setattr(client, f"{kind}_send_socket", sock)
+    setattr(client.resources, f"{kind}_send_socket", sock)
     client.start_engine_core_monitor()
 
 

@@ -22,7 +22,8 @@ command a line:
 - ``{"op": "send", "n": K, "tokens": T, "max_tokens": M}``: K requests of T prompt tokens sent to the
   engines (``generate``); answers the rank each went to and the tokens each got back, once all finished.
 
-At EOF on stdin it shuts the client down (vLLM stops its engine cores) and exits 0.
+At EOF on stdin, or at SIGTERM or SIGINT, it shuts the client down (vLLM stops its engine cores, with
+SIGTERM) and exits 0.
 
 SPEC_JSON: ``{"moe": bool, "dp": N, "parallel": {ParallelConfig fields}, "headless": bool}`` (``parallel``
 optional: see ``vllm_config``; ``headless``: ``vllm serve --headless``, engine cores and no API server,
@@ -52,6 +53,7 @@ import collections
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -358,9 +360,9 @@ async def serve(spec: dict[str, Any]) -> int:
         say({"ready": True, "pid": os.getpid(), "client": type(client).__name__,
              "engines": [int.from_bytes(e, "little") for e in client.core_engines],
              "engine_pids": [p.pid for p in client.resources.engine_manager.processes]})
-        loop = asyncio.get_running_loop()
+        lines = command_lines()
         sent = 0
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
+        while (line := await lines.get()) is not None:
             command = json.loads(line)
             if command["op"] == "pick":
                 ranks = []
@@ -375,6 +377,24 @@ async def serve(spec: dict[str, Any]) -> int:
     finally:
         client.shutdown()
     return 0
+
+
+def command_lines() -> asyncio.Queue:
+    """The commands on stdin, a line each, then None: at EOF, or at SIGTERM or SIGINT, which end the
+    API server as they end ``vllm serve``'s (its shutdown: ``client.shutdown()``, which stops the engine
+    cores with SIGTERM). A daemon thread reads stdin, so a signal never waits for a line."""
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue = asyncio.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, None)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lines.put_nowait, None)
+    threading.Thread(target=read, daemon=True).start()
+    return lines
 
 
 async def generate(client: Any, n: int, tokens: int, max_tokens: int, first: int) -> dict[str, Any]:

@@ -25,19 +25,21 @@ def wheel_missing(module: str, version: str, name: str, how_to_get: str) -> str 
     return None
 
 
-def run_own_session(tests: Path, flag: str, missing: str | None, unset: Iterable[str], cwd: Path) -> None:
+def run_own_session(tests: Path, flag: str, missing: str | None, unset: Iterable[str], cwd: Path,
+                    env: dict[str, str] | None = None, timeout: float = 560) -> None:
     """Run ``tests`` in a pytest session of its own (``flag``=1 in its environment lets its conftest
-    collect them). Without the wheel (``missing``) skip, saying why; in CI (CI=true) fail instead."""
+    collect them; ``env`` added to it), for at most ``timeout`` seconds. Without the wheel
+    (``missing``) skip, saying why; in CI (CI=true) fail instead."""
     if missing:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run these tests: {missing}")
         pytest.skip(missing)
-    env = {**os.environ, flag: "1"}
+    env = {**os.environ, **(env or {}), flag: "1"}
     for key in unset:
         env.pop(key, None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(tests)],
-        capture_output=True, text=True, timeout=560, env=env, cwd=cwd,
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
     )
     tail = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, tail

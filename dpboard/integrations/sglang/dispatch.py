@@ -41,7 +41,8 @@ from dpboard.snapshot import SNAPSHOT_DTYPE
 logger = logging.getLogger("dpboard.sglang")
 
 STATE = "_dpboard_dispatch"  # the controller's attribute holding its Dispatcher
-FALLBACKS = "_dpboard_fallbacks"  # the controller's count of requests placed by the fallback pick
+FALLBACKS = "_dpboard_fallbacks"  # the controller's count of requests placed by a fallback pick
+ERRORS = "_dpboard_errors"  # the controller's count of exceptions in dpboard's pick or accounting
 TALLY = "_dpboard_tally"  # the controller's counts for its row of the board's dispatch record
 LOAD_AWARE = ("TOTAL_TOKENS", "TOTAL_REQUESTS")
 _module_name = "sglang.srt.managers.data_parallel_controller"
@@ -142,36 +143,77 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
             tally.rejected += 1
         raise
     if routed:
-        if dispatcher.budget is not None:
-            dispatcher.budget.charge(req.routed_dp_rank, request_tokens(req))
-        if tally is not None:
-            tally.routed += 1
-            tally.routed_per_rank[req.routed_dp_rank] += 1
-            if dispatcher.budget is None:
-                tally.per_rank[req.routed_dp_rank] += 1
-            tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
-            if not tally.countdown:
-                tally.tick()
+        try:
+            _count_routed(dispatcher, tally, req)
+        except Exception as e:  # SGLang sent it already: the count is dpboard's, the request is fine
+            _failed(controller, e, req, placed=False)
         return None
     try:
-        rank = dispatcher.dispatch(req)
-    except DpboardError as e:
-        # Never into SGLang's loop: an error there stops the controller and, through SIGQUIT to its
-        # parent, the whole server. SGLang's own budget always picks a rank; so does the fallback.
-        rank = _fallback_pick(controller, dispatcher, req, e)
+        try:
+            rank = dispatcher.dispatch(req)
+        except DpboardError as e:
+            # Never into SGLang's loop: an error there stops the controller and, through SIGQUIT to its
+            # parent, the whole server. SGLang's own budget always picks a rank; so does the fallback.
+            rank = _fallback_pick(controller, dispatcher, req, e)
+    except Exception as e:  # a bug in dpboard's pick: SGLang's own dispatch places the request
+        _failed(controller, e, req)
+        return original(controller, req)
     try:
         sys.modules[_module_name].sock_send(controller.workers[rank], req)
     except BaseException:
         dispatcher.retract(rank, req)
         raise
     if tally is not None and dispatcher.budget is None:  # a load-aware budget counts its picks itself
-        tally.per_rank[rank] += 1
-        if getattr(req, "bootstrap_room", None) is not None:
-            tally.with_room += 1
-        tally.countdown -= 1
+        try:
+            tally.per_rank[rank] += 1
+            if getattr(req, "bootstrap_room", None) is not None:
+                tally.with_room += 1
+            tally.countdown -= 1
+            if not tally.countdown:
+                tally.tick()
+        except Exception as e:  # sent already: only the record's count is lost
+            _failed(controller, e, req, placed=False)
+    return None
+
+
+def _count_routed(dispatcher: Dispatcher, tally: DispatchTally | None, req: Any) -> None:
+    """A request SGLang routed itself (routed_dp_rank): charged to the dispatcher, counted in the record."""
+    if dispatcher.budget is not None:
+        dispatcher.budget.charge(req.routed_dp_rank, request_tokens(req))
+    if tally is not None:
+        tally.routed += 1
+        tally.routed_per_rank[req.routed_dp_rank] += 1
+        if dispatcher.budget is None:
+            tally.per_rank[req.routed_dp_rank] += 1
+        tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
         if not tally.countdown:
             tally.tick()
-    return None
+
+
+def _failed(controller: Any, error: Exception, req: Any, placed: bool = True) -> None:
+    """An exception in dpboard's pick or its accounting, never SGLang's: counted in
+    ``controller._dpboard_errors`` (with ``placed``, the request went through SGLang's own dispatch: a
+    fallback, also in the dispatch record) and logged at the 1st, 10th, 100th... time, the first
+    with its traceback."""
+    count = getattr(controller, ERRORS, 0) + 1
+    setattr(controller, ERRORS, count)
+    if placed:
+        _count_fallback(controller)
+    if math.log10(count).is_integer():
+        where = "SGLang's own dispatch placed it" if placed else "only dpboard's count of it is lost"
+        logger.warning("dpboard: %s: %s in dpboard's dispatch of request %s; %s (dpboard fault #%d)",
+                       type(error).__name__, error, getattr(req, "rid", "?"), where, count,
+                       exc_info=error if count == 1 else None)
+
+
+def _count_fallback(controller: Any) -> int:
+    """One more request placed by a fallback (``controller._dpboard_fallbacks``, the dispatch record)."""
+    count = getattr(controller, FALLBACKS, 0) + 1
+    setattr(controller, FALLBACKS, count)
+    tally = getattr(controller, TALLY, None)
+    if tally is not None:
+        tally.fallbacks = count
+    return count
 
 
 def _fallback_pick(controller: Any, dispatcher: Dispatcher, req: Any, why: DpboardError) -> int:
@@ -180,11 +222,7 @@ def _fallback_pick(controller: Any, dispatcher: Dispatcher, req: Any, why: Dpboa
     loaded by the dispatcher's last-known loads among SGLang's available active workers, whatever
     their staleness, charged to the dispatcher. Counted in ``controller._dpboard_fallbacks``, and
     logged at the 1st, 10th, 100th... time so that a stuck board shows without flooding the log."""
-    count = getattr(controller, FALLBACKS, 0) + 1
-    setattr(controller, FALLBACKS, count)
-    tally = getattr(controller, TALLY, None)
-    if tally is not None:
-        tally.fallbacks = count
+    count = _count_fallback(controller)
     if math.log10(count).is_integer():
         logger.warning("dpboard: %s; request %s dispatched as SGLang's budget would (fallback #%d)",
                        why, getattr(req, "rid", "?"), count)

@@ -20,7 +20,16 @@ internal or hybrid load balancing) picks an engine in ``get_core_engine_for_requ
   handed to an engine, affinity ones included, is counted in this server's row of the sent record:
   each is one ``ADD`` the engine core counts at its intake.
 
-Without ``DPBOARD_METHOD`` nothing is patched: vLLM's pick runs as shipped.
+Without ``DPBOARD_METHOD`` nothing is patched: vLLM's pick runs as shipped. On vLLM 0.32, whose
+client keeps no streaming-input sessions, the ``streaming_reqs`` step is left out, as vLLM's own pick
+leaves it out there (versions.py).
+
+dpboard never fails a request: an exception inside its pick or its accounting sends that request
+through vLLM's own pick (``get_core_engine_for_request`` as shipped, vLLM's bookkeeping and all),
+counted (``ClientDispatch.faults``, and a fallback in the dispatch record ``dpboard doctor`` reads)
+and logged at the 1st, 10th, 100th... time, the first with its traceback. ``shutdown`` (after
+vLLM's) closes the server's rows; the last process of the deployment out removes the board and its
+records (leaving.py).
 
 The in-flight count that every server sees is global: ``GlobalInflightReader`` adds to each
 engine's waiting requests ``sum over the sent record's rows - the engine's num_received_reqs``
@@ -32,8 +41,11 @@ exact global count.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import math
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +56,9 @@ from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tal
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher, LoadBalanceMethod
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
-from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
+from dpboard.integrations.vllm import versions
+from dpboard.integrations.vllm.leaving import remove_if_gone
 from dpboard.integrations.vllm.settings import (
     DEFAULT_STALE_AFTER,
     ENV_METHOD,
@@ -52,12 +66,14 @@ from dpboard.integrations.vllm.settings import (
     dispatch_method,
     stale_after,
 )
+from dpboard.integrations.vllm.versions import SUPPORTED, Support
 from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
 
 log = logging.getLogger("dpboard.vllm")
 
 _LIVE = int(SlotStatus.LIVE)
 STATE = "_dpboard_dispatch"  # the client's attribute holding its ClientDispatch
+_open_here: Counter[str] = Counter()  # this process's open ClientDispatch objects, per board
 CORE_CLIENT = "vllm.v1.engine.core_client"
 
 
@@ -135,6 +151,9 @@ class ClientDispatch:
         self.dispatcher = Dispatcher(method, len(self.ranks), reader=reader, inflight_accounting=False)
         self.request = _Request()
         self.warned = False
+        self.faults = 0  # exceptions in dpboard's pick or accounting (each request placed by vLLM's pick)
+        self.closed = False
+        _open_here[board.name] += 1
 
     def pick(self, request: Any) -> int:
         """The engine index (into the client's core_engines) for a request vLLM leaves to balancing."""
@@ -169,11 +188,47 @@ class ClientDispatch:
             log.warning("dpboard: no engine of %s is live on board %r; vLLM's own pick decides until one is",
                         list(self.ranks), self.board.name)
 
+    def failed(self, error: Exception, request: Any, placed: bool = True) -> None:
+        """An exception in dpboard's pick or its accounting: counted (``faults``; with ``placed``, the
+        request goes through vLLM's own pick, a fallback in the dispatch record) and logged at the
+        1st, 10th, 100th... time, the first with its traceback."""
+        self.faults += 1
+        if placed and self.tally is not None:
+            try:
+                self.tally.fallbacks += 1
+                self.tally.countdown -= 1  # a failing pick refreshes nothing: tick the record here
+                if self.tally.countdown <= 0:
+                    self.tally.tick()
+            except Exception:  # noqa: BLE001 - the record is for diagnosis; the count above stands
+                pass
+        if math.log10(self.faults).is_integer():
+            where = "vLLM's own pick placed it" if placed else "it is not counted in the sent record"
+            log.warning("dpboard: %s: %s in dpboard's dispatch of request %s; %s (dpboard fault #%d)",
+                        type(error).__name__, error, getattr(request, "request_id", "?"), where, self.faults,
+                        exc_info=error if self.faults == 1 else None)
+
     def close(self) -> None:
-        if self.tally is not None:
-            self.tally.close()
-        self.sent.close()
+        """Give up this server's rows; the last process of the deployment to leave removes the board
+        and its records (leaving.py). Once; never raises."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.tally is not None:
+                self.tally.close()
+            self.sent.close()
+        except Exception:
+            log.exception("dpboard: the sent record of board %r was not closed cleanly", self.board.name)
+        name = self.board.name
         self.board.close()
+        _open_here[name] -= 1
+        if not _open_here[name]:
+            # every process gives up its rows and slots before it looks: of those leaving together, the
+            # last to look finds nothing held, and removes the board and both records (leaving.py)
+            try:
+                remove_if_gone(name, leaving=True)
+            except Exception:
+                log.exception("dpboard: board %r was not cleaned up", name)
 
 
 class _Request:
@@ -184,6 +239,25 @@ class _Request:
     def __init__(self) -> None:
         self.input_ids: Sequence[int] = ()
         self.routed_dp_rank = None
+
+
+def opened_dispatch(client: Any) -> ClientDispatch | None:
+    """``client_dispatch`` for a client vLLM just built. A bad setting stops the server with its message
+    (as at ``register``); any other failure to open the board's records is logged and leaves vLLM's own
+    pick: an API server never fails to start for dpboard's sake."""
+    try:
+        state = client_dispatch(client)
+    except InvalidInputError:
+        raise
+    except DpboardError as e:
+        log.error("dpboard: %s; this API server picks with vLLM's own pick", e)
+        return None
+    except Exception:
+        log.exception("dpboard: the board's dispatch could not be opened; this API server picks with vLLM's own pick")
+        return None
+    if state is not None:
+        atexit.register(state.close)  # an API server that exits without vLLM's shutdown
+    return state
 
 
 def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> ClientDispatch | None:
@@ -223,29 +297,36 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
     return state
 
 
-def patch(cls: type, late_interaction_index: Any) -> None:
-    """Wrap ``DPLBAsyncMPClient`` (``cls``): see the module's docstring. Once per class."""
+def patch(cls: type, late_interaction_index: Any, support: Support = SUPPORTED["0.33"],
+          version: str = "0.33") -> None:
+    """Wrap ``DPLBAsyncMPClient`` (``cls``): see the module's docstring. Once per class. ``support``:
+    the names of the running vLLM release (versions.py), ``version`` that release as vLLM says it."""
     if getattr(cls, "_dpboard_patched", False):
         return
     original_init = cls.__init__
     original_pick = cls.get_core_engine_for_request
+    original_shutdown = cls.shutdown
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        setattr(self, STATE, client_dispatch(self))
+        setattr(self, STATE, None)
+        lacking = versions.missing(self, support.client_state, "DPLBAsyncMPClient")
+        if lacking:
+            versions.step_aside(version, f"lacks {', '.join(lacking)}")
+            return
+        setattr(self, STATE, opened_dispatch(self))
 
-    def get_core_engine_for_request(self: Any, request: Any) -> Any:
-        state: ClientDispatch | None = getattr(self, STATE, None)
-        if state is None:
-            return original_pick(self, request)
-        if request.resumable:
-            self.streaming_reqs.add(request.request_id)
-        else:
-            self.streaming_reqs.discard(request.request_id)  # its session's final request, if any
+    def choose(self: Any, state: ClientDispatch, request: Any) -> tuple[Any, int, bool] | None:
+        """vLLM's rules in vLLM's order, the balancing loop replaced by dpboard's pick: (engine, its
+        index, whether it is a new request to record), or None for vLLM's own pick (no live engine)."""
+        if support.streaming_sessions:  # done again by vLLM's pick if this falls back: a set's add/discard
+            if request.resumable:
+                self.streaming_reqs.add(request.request_id)
+            else:
+                self.streaming_reqs.discard(request.request_id)  # its session's final request, if any
         engine = self.reqs_in_flight.get(request.request_id)
         if engine is not None:  # streaming-input affinity
-            state.sent_to(self.core_engines.index(engine), request)
-            return engine
+            return engine, self.core_engines.index(engine), False
         index = request.data_parallel_rank
         if index is None:
             index = late_interaction_index(request.pooling_params, len(self.core_engines))
@@ -256,18 +337,46 @@ def patch(cls: type, late_interaction_index: Any) -> None:
                 # no engine is live on the board (all stale or never published): vLLM's own pick,
                 # so that the request still goes somewhere vLLM will answer it from
                 state.warn_unavailable()
-                engine = original_pick(self, request)
-                state.sent_to(self.core_engines.index(engine), request)
-                return engine
+                return None
         else:
             state.charge(index, request)
-        engine = self.core_engines[index]
-        self.reqs_in_flight[request.request_id] = engine
-        self.engine_inflight[engine] += 1
-        state.sent_to(index, request)
+        return self.core_engines[index], index, True
+
+    def get_core_engine_for_request(self: Any, request: Any) -> Any:
+        state: ClientDispatch | None = getattr(self, STATE, None)
+        if state is None:
+            return original_pick(self, request)
+        try:
+            choice = choose(self, state, request)
+            if choice is not None:
+                state.sent_to(choice[1], request)
+        except Exception as e:  # dpboard's failure, never the user's: vLLM's own pick places it
+            state.failed(e, request)
+            choice = None
+        if choice is None:
+            engine = original_pick(self, request)  # vLLM records it in reqs_in_flight itself
+            try:
+                state.sent_to(self.core_engines.index(engine), request)
+            except Exception as e:
+                state.failed(e, request, placed=False)
+            return engine
+        engine, _, new = choice
+        if new:  # as vLLM records its own picks: abort routing and finish bookkeeping stay vLLM's
+            self.reqs_in_flight[request.request_id] = engine
+            self.engine_inflight[engine] += 1
         return engine
+
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_shutdown(self, *args, **kwargs)
+        finally:
+            state: ClientDispatch | None = getattr(self, STATE, None)
+            setattr(self, STATE, None)
+            if state is not None:
+                state.close()
 
     cls.__init__ = __init__
     cls.get_core_engine_for_request = get_core_engine_for_request
+    cls.shutdown = shutdown
     cls._dpboard_original_pick = original_pick
     cls._dpboard_patched = True

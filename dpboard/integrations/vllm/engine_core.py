@@ -31,6 +31,13 @@ from its own scheduler (vllm/v1/core/sched/scheduler.py, 0.33.0):
 An idle engine core blocks on its input queue and runs no step; a daemon thread republishes its last
 snapshot every ``HEARTBEAT_INTERVAL`` while that snapshot shows nothing running or waiting, so an
 idle engine stays LIVE on the board, and one whose process is gone or stuck in a step goes STALE.
+
+When the engine core shuts down (``shutdown``, which vLLM's ``run_engine_core`` calls on its way out,
+SIGTERM and SIGINT included) it gives up its slot, and the last engine core of the board to leave
+removes the board: vLLM starts engine cores with ``fork``, whose children never run ``atexit``.
+
+dpboard never fails an engine: an exception in the publisher is logged once, with its traceback, and
+that engine core publishes no more (its slot goes STALE, so the API servers' picks leave it).
 """
 
 from __future__ import annotations
@@ -43,34 +50,36 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpboard.board import Board, BoardWriter
+from dpboard.errors import DpboardError
+from dpboard.integrations.vllm import leaving as leaving_module
 from dpboard.integrations.vllm import settings, waiting
 from dpboard.integrations.vllm.settings import board_name, engine_slot, node_id
+from dpboard.integrations.vllm.versions import SUPPORTED, Support
 from dpboard.snapshot import LoadDetail, LoadSnapshot
 
 log = logging.getLogger("dpboard.vllm")
 
-# EngineCoreProc's input thread answers an ADD it cannot decode or preprocess with one of these
-# (vllm/v1/engine/core.py, process_input_sockets), so the request never reaches the intake.
-INPUT_THREAD_ANSWERS = ("_handle_request_preproc_error", "_handle_request_validation_error")
 STATE = "_dpboard_engine"  # the engine core's attribute holding its EnginePublisher
 HEARTBEAT_INTERVAL = 0.25  # seconds; a quarter of the readers' default staleness threshold (1 s)
 _opening = threading.Lock()  # the engine thread and the input thread may both open the publisher
 
 
-def patch(cls: type, add: Any) -> None:
-    """Wrap the intake and the step of ``cls`` (once; vLLM may load plugins again)."""
+def patch(cls: type, add: Any, support: Support = SUPPORTED["0.33"]) -> None:
+    """Wrap the intake, the step and the shutdown of ``cls`` (once; vLLM may load plugins again), with
+    the names of ``support``'s release (versions.py: the caller has checked that ``cls`` has them)."""
     if getattr(cls, "_dpboard_patched", False):
         return
     original_intake = cls._handle_client_request
-    original_errors = {name: getattr(cls, name) for name in INPUT_THREAD_ANSWERS}
+    # EngineCoreProc's input thread answers an ADD it cannot decode or preprocess (0.33: or validate)
+    # itself (vllm/v1/engine/core.py, process_input_sockets), so the request never reaches the intake.
+    original_errors = {name: getattr(cls, name) for name in support.input_thread_answers}
     original_step = cls._process_engine_step
     original_wait = cls._process_input_queue
+    original_shutdown = cls.shutdown
 
     def _handle_client_request(self: Any, request_type: Any, request: Any) -> None:
         if request_type is add:
-            publisher = engine_publisher(self)
-            if publisher is not None:
-                publisher.count_received()
+            guarded(self, EnginePublisher.count_received)
         return original_intake(self, request_type, request)
 
     def answered_by_input_thread(name: str) -> Any:
@@ -78,9 +87,7 @@ def patch(cls: type, add: Any) -> None:
 
         def counted(self: Any, request: Any, *args: Any) -> None:
             # the input thread answers this request itself: it never reaches the intake above
-            publisher = engine_publisher(self)
-            if publisher is not None:
-                publisher.count_received()
+            guarded(self, EnginePublisher.count_received)
             return original(self, request, *args)
 
         counted.__name__ = name
@@ -88,22 +95,67 @@ def patch(cls: type, add: Any) -> None:
 
     def _process_engine_step(self: Any) -> bool:
         executed = original_step(self)
-        publisher = engine_publisher(self)
-        if publisher is not None:
-            publisher.publish_from(self.scheduler)
+        guarded(self, EnginePublisher.publish_from, self.scheduler)
         return executed
 
     def _process_input_queue(self: Any) -> None:
         # the busy loop's first call, before an idle engine blocks on its queue: the slot from the start
-        engine_publisher(self)
+        guarded(self, None)
         return original_wait(self)
+
+    def shutdown(self: Any) -> None:
+        try:
+            return original_shutdown(self)
+        finally:
+            leave_board(self)
 
     cls._handle_client_request = _handle_client_request
     cls._process_input_queue = _process_input_queue
-    for name in INPUT_THREAD_ANSWERS:
+    for name in support.input_thread_answers:
         setattr(cls, name, answered_by_input_thread(name))
     cls._process_engine_step = _process_engine_step
+    cls.shutdown = shutdown
     cls._dpboard_patched = True
+
+
+def guarded(engine: Any, action: Any, *args: Any) -> None:
+    """``action(publisher, *args)`` on the engine core's publisher (opened on first use; ``action``
+    None only opens it). An exception is dpboard's, never the engine's: logged once with its
+    traceback, and this engine core publishes no more."""
+    try:
+        publisher = engine_publisher(engine)
+        if publisher is not None and action is not None:
+            action(publisher, *args)
+    except DpboardError as e:  # a setting or a board it cannot use: the message says which and the fix
+        log.error("dpboard: %s; this engine core publishes no board slot and serves on", e)
+        stop_publishing(engine)
+    except Exception:  # a bug: its traceback
+        log.exception("dpboard: the engine core's publisher failed; this engine core publishes no more "
+                      "(its slot goes stale) and serves on")
+        stop_publishing(engine)
+
+
+def stop_publishing(engine: Any) -> None:
+    publisher = engine.__dict__.get(STATE)
+    engine.__dict__[STATE] = None
+    if isinstance(publisher, EnginePublisher):
+        try:
+            publisher.close()
+        except Exception:  # noqa: BLE001 - closing what already failed: nothing more to say
+            pass
+
+
+def leave_board(engine: Any) -> None:
+    """The engine core's way out: close its publisher (giving up its slot); the last engine core of
+    the board to leave removes the board. Never raises into vLLM's shutdown."""
+    publisher = engine.__dict__.get(STATE)
+    engine.__dict__[STATE] = None
+    if not isinstance(publisher, EnginePublisher):
+        return
+    try:
+        publisher.close(leaving=True)
+    except Exception:
+        log.exception("dpboard: the engine core's board %r was not closed cleanly", publisher.board.name)
 
 
 def engine_publisher(engine: Any) -> EnginePublisher | None:
@@ -198,13 +250,20 @@ class EnginePublisher:
                     # since, which the next step publishes with the queue they join.
                     self._publish()
 
-    def close(self) -> None:
+    def close(self, *, leaving: bool = False) -> None:
+        """Stop publishing and give up the slot. ``leaving`` (the engine core shuts down): remove the
+        board and its records too when no other process of them runs (leaving.py). Each engine core
+        gives up its slot before it looks at the others, so of engine cores leaving together the last
+        one to look sees every slot given up, and removes the board."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.heartbeat_interval)
         with self.lock:
             self.writer.close()
+        name = self.board.name
         self.board.close()
+        if leaving:
+            leaving_module.remove_if_gone(name, leaving=True)
 
 
 def capacity_tokens(vllm_config: Any, scheduler: Any) -> int:

@@ -7,6 +7,10 @@ Two vLLM modules get dpboard's hooks, each when it is loaded and in whichever pr
 - ``vllm.v1.engine.core_client`` (the API servers; dispatch.py), only while ``DPBOARD_METHOD`` is set:
   ``DPLBAsyncMPClient`` picks its engines through dpboard's Dispatcher.
 
+Each patch first looks up every name of vLLM's it uses, for the vLLM release that runs
+(versions.py): an unsupported release, or a missing name, is said in one line and leaves vLLM's code
+as it is, so vLLM starts and serves with its own pick.
+
 It also lists ``DPBOARD_`` among the prefixes vLLM's Ray backend copies to its engine actors
 (``settings.carry_to_ray``), so ``--data-parallel-backend ray`` engines get the board's settings.
 
@@ -19,48 +23,92 @@ process that never loads it (a worker) is never touched and imports nothing more
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
+import logging
+import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from dpboard.integrations.vllm.settings import carry_to_ray, dispatch_method
+from dpboard.integrations.vllm import versions
+from dpboard.integrations.vllm.settings import ENV_PREFIX, carry_to_ray, dispatch_method
+from dpboard.integrations.vllm.versions import Support
 
 CORE = "vllm.v1.engine.core"
 CORE_CLIENT = "vllm.v1.engine.core_client"
 
 
-def patch_core(module: ModuleType) -> None:
+def patch_core(module: ModuleType, version: str, support: Support) -> None:
     from dpboard.integrations.vllm import engine_core
 
-    engine_core.patch(module.EngineCoreProc, module.EngineCoreRequestType.ADD)
+    cls = getattr(module, "EngineCoreProc", None)
+    request_types = getattr(module, "EngineCoreRequestType", None)
+    lacking = (["vllm.v1.engine.core.EngineCoreProc"] if cls is None else
+               versions.missing(cls, support.engine_core, "EngineCoreProc"))
+    if request_types is None or not hasattr(request_types, "ADD"):
+        lacking.append("vllm.v1.engine.core.EngineCoreRequestType.ADD")
+    if lacking:
+        versions.step_aside(version, f"lacks {', '.join(lacking)}")
+        return
+    engine_core.patch(cls, request_types.ADD, support)
 
 
-def patch_core_client(module: ModuleType) -> None:
+def patch_core_client(module: ModuleType, version: str, support: Support) -> None:
     from dpboard.integrations.vllm import dispatch
 
-    dispatch.patch(module.DPLBAsyncMPClient, module.get_late_interaction_engine_index)
+    cls = getattr(module, "DPLBAsyncMPClient", None)
+    late_interaction = getattr(module, "get_late_interaction_engine_index", None)
+    lacking = (["vllm.v1.engine.core_client.DPLBAsyncMPClient"] if cls is None else
+               versions.missing(cls, support.client, "DPLBAsyncMPClient"))
+    if late_interaction is None:
+        lacking.append("vllm.v1.engine.core_client.get_late_interaction_engine_index")
+    if lacking:
+        versions.step_aside(version, f"lacks {', '.join(lacking)}")
+        return
+    dispatch.patch(cls, late_interaction, support, version)
 
 
-def register() -> None:
-    """Patch now what is loaded, and the rest when it loads (see the module's docstring)."""
-    dispatch_method()  # a bad DPBOARD_METHOD stops vLLM here, with its message, in every process
+def register(environ: Mapping[str, str] = os.environ) -> None:
+    """Patch now what is loaded, and the rest when it loads (see the module's docstring). On a vLLM
+    release the plugin does not support, say so once and patch nothing (versions.py)."""
+    dispatch_method(environ)  # a bad DPBOARD_METHOD stops vLLM here, with its message, in every process
+    if not any(name.startswith(ENV_PREFIX) for name in environ):
+        return  # the plugin is off: nothing to patch, nothing to say
     carry_to_ray()  # the settings reach engine cores started as Ray actors (settings.py)
-    targets: dict[str, Callable[[ModuleType], None]] = {CORE: patch_core}
-    if dispatch_method() is not None:
+    log_with_vllm()
+    from dpboard.integrations.vllm.leaving import watch_from_launcher
+
+    watch_from_launcher(environ)  # `vllm serve` itself removes, at exit, what its processes left (leaving.py)
+    version, support = versions.current()
+    if support is None:
+        return
+    targets: dict[str, Callable[[ModuleType, str, Support], None]] = {CORE: patch_core}
+    if dispatch_method(environ) is not None:
         targets[CORE_CLIENT] = patch_core_client
     later = {}
     for name, patch in targets.items():
         module = sys.modules.get(name)
         if module is not None:
-            patch(module)
+            patch(module, version, support)
         else:
-            later[name] = patch
+            later[name] = functools.partial(patch, version=version, support=support)
     if later:
         _AfterImport.install(later)
+
+
+def log_with_vllm() -> None:
+    """dpboard's log lines go where vLLM's go: vLLM gives only its own logger handlers (and stops
+    it propagating), so without them a dpboard warning inside ``vllm serve`` would be lost."""
+    ours, theirs = logging.getLogger("dpboard"), logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    if theirs.handlers and ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -1,5 +1,5 @@
-"""dpboard's vLLM stat logger (DPBOARD_VLLM_PUBLISHER=stat_logger) driven through vLLM 0.33.0's own
-loading path and stats classes.
+"""dpboard's vLLM stat logger (DPBOARD_VLLM_PUBLISHER=stat_logger) driven through vLLM's own loading
+path and stats classes, on each release the plugin supports (0.33.0's wheel, then 0.32.0's).
 
 Each test starts tests/support/vllm_host.py: a process playing the vLLM API server on vLLM's real
 modules (behind tests/support/vllm.py's torch stand-ins). It finds the plugin with vLLM's own
@@ -23,13 +23,27 @@ from dpboard import Board, SlotStatus
 from dpboard.board import segment_path
 from tests.support.names import ROOT, new_board_name
 from tests.support.procutil import kill, read_line
-from tests.support.vllm import vllm_missing
+from tests.support.vllm import vllm_missing, wheel_env, wheel_missing, wheel_params
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(vllm_missing() is not None and not os.environ.get("CI"),
                                  reason=str(vllm_missing()))]
 
 ENTRY_POINT = "dpboard.integrations.vllm.stat_logger:DpboardStatLogger"
+
+
+@pytest.fixture(autouse=True, params=wheel_params())
+def vllm_wheel(request, monkeypatch):
+    """Every test once per supported vLLM wheel (the earlier one marked slow): the host processes
+    import that one."""
+    missing = wheel_missing(request.param)
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run these tests: {missing}")
+        pytest.skip(missing)
+    for key, value in wheel_env(request.param).items():
+        monkeypatch.setenv(key, value)
+    return request.param
 SPEC = {"dp": 4, "engines": [0, 1, 2, 3], "block_size": 16, "num_gpu_blocks": 4 * 4096,
         "kv_cache_size_tokens": 65_536, "max_num_seqs": 256, "served_model_name": "org/Model-8B"}
 

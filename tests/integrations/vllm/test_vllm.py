@@ -1,4 +1,5 @@
-"""The vLLM plugin against vLLM 0.33.0's real modules, in their own interpreter.
+"""The vLLM plugin against the real modules of each vLLM release it supports (0.33.0, 0.32.0), in their
+own interpreter.
 
 tests/integrations/vllm/real imports vLLM's wheel behind process-global import stand-ins
 (tests/support/vllm.py), so it runs as a pytest session of its own. Without the wheel the test
@@ -9,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.names import ROOT
-from tests.support.vllm import vllm_missing
-from tests.support.wheels import run_own_session
+from tests.support.vllm import run_session, wheel_params
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1200)  # a session takes 4 to 7 minutes on a loaded 2-core machine
 
 
-def test_vllm_session():
-    run_own_session(ROOT / "tests" / "integrations" / "vllm" / "real", "DPBOARD_VLLM_SESSION", vllm_missing(),
-                    ("DPBOARD_METHOD", "DPBOARD_VLLM_BOARD", "DPBOARD_VLLM", "VLLM_PLUGINS"), ROOT)
+@pytest.mark.parametrize("version", wheel_params())
+def test_vllm_session(version):
+    """Once per release the plugin supports, each on its own wheel (the earlier one marked slow)."""
+    run_session("real", version)

@@ -248,3 +248,31 @@ def test_a_stale_after_outside_its_bounds_is_refused_at_start_naming_the_variabl
     with pytest.raises(InvalidInputError, match=rf"DPBOARD_STALE_AFTER='{value}' must be a number of seconds in "
                                                 r"\[0.01, 1e\+06\]"):
         make_cluster(instance, tmp_path)
+
+
+def test_an_exception_in_dpboards_pick_is_answered_by_sglangs_own_dispatch(instance, tmp_path, monkeypatch, caplog):
+    """A bug in dpboard's pick (the dispatcher raising something that is not a DpboardError) once
+    went up through SGLang's _request_dispatcher, which stops the whole server. SGLang's own
+    dispatch now places the request, and the controller counts it (``_dpboard_errors``, a fallback in
+    the dispatch record) and logs it at the 1st, 10th, ... time, the first with its traceback."""
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
+    cluster = make_cluster(instance, tmp_path)
+    c = cluster.controller
+    try:
+        publish(cluster, {0: 5000, 1: 900, 2: 3000})
+
+        def broken(request):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(c._dpboard_dispatch, "dispatch", broken)
+        with caplog.at_level("WARNING", logger="dpboard.sglang"):
+            for i in range(10):
+                cluster.send(req(f"f{i}", 10))
+            got = cluster.received(10)
+        assert sorted(r for rids in got.values() for r in rids) == sorted(f"f{i}" for i in range(10))
+        assert c._dpboard_errors == 10 and c._dpboard_fallbacks == 10 and c._dpboard_tally.fallbacks == 10
+        said = [r for r in caplog.records if "injected" in r.getMessage()]
+        assert ["#1" in said[0].getMessage(), "#10" in said[1].getMessage()] == [True, True] and len(said) == 2
+        assert said[0].exc_info is not None and said[1].exc_info is None
+    finally:
+        close(cluster)

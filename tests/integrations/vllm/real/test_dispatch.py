@@ -15,7 +15,7 @@ from vllm.v1.pool.late_interaction import get_late_interaction_engine_index
 
 from dpboard.board import Board
 from dpboard.errors import InvalidInputError
-from dpboard.integrations.vllm import dispatch
+from dpboard.integrations.vllm import dispatch, versions
 from dpboard.snapshot import LoadSnapshot
 from tests.integrations.vllm.real.conftest import vllm_config
 from tests.support.vllm_engine import engine_request, make_client
@@ -87,13 +87,16 @@ def test_vllms_own_routing_rules_hold_with_dpboard_method(board_name, monkeypatc
     with engines_on_board(board_name, [0, 9, 9, 9]) as (client, state):
         # an explicit data_parallel_rank is kept, and charged
         assert client.get_core_engine_for_request(engine_request("x", 8, data_parallel_rank=2)) == client.core_engines[2]
-        # streaming input: the session's later chunks go where its first went, and count as sent there
+        # streaming input: the session's later chunks go where its first went, and count as sent there;
+        # vLLM 0.33 keeps the session in streaming_reqs, 0.32 has no such set (and its pick none either)
+        sessions = versions.support_for(versions.vllm_version()).streaming_sessions
+        assert hasattr(client, "streaming_reqs") is sessions
         first = client.get_core_engine_for_request(engine_request("s", 8, data_parallel_rank=3, resumable=True))
-        assert "s" in client.streaming_reqs
+        assert not sessions or "s" in client.streaming_reqs
         again = client.get_core_engine_for_request(engine_request("s", 4, resumable=True))
         last = client.get_core_engine_for_request(engine_request("s", 4, resumable=False))
         assert first == again == last == client.core_engines[3]
-        assert "s" not in client.streaming_reqs
+        assert not sessions or "s" not in client.streaming_reqs
         assert state.sent.totals()[3, 0] == 3 and client.engine_inflight[client.core_engines[3]] == 1
         # late interaction: a query's requests stay on the engine vLLM pins its query key to
         params = PoolingParams(late_interaction_params=LateInteractionParams(mode="score_doc", query_key="q7"))
@@ -141,3 +144,45 @@ def test_while_no_engine_is_live_vllms_own_pick_decides(board_name, monkeypatch)
         assert client.reqs_in_flight == {"a": engine} and state.sent.totals()[1, 0] == 1
     finally:
         state.close()
+
+
+def test_an_exception_in_dpboards_pick_or_accounting_is_answered_by_vllms_own_pick(board_name, monkeypatch, caplog):
+    """A bug in dpboard's pick (here: the dispatcher raising) or in its accounting (the sent row
+    raising) never reaches the request: vLLM's own pick places it, with vLLM's bookkeeping; each is
+    counted (a fallback in the dispatch record, ``faults``) and logged at the 1st, 10th, ... time."""
+    from dpboard.board.dispatch_record import read_dispatch_record
+
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
+    with engines_on_board(board_name, [0, 0, 0]) as (client, state):
+        shipped = make_client(vllm_config(3), 3)
+
+        def broken(request):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(state.dispatcher, "dispatch", broken)
+        requests = [engine_request(f"r{i}", 8) for i in range(12)]
+        with caplog.at_level("WARNING", logger="dpboard.vllm"):
+            picks = [client.get_core_engine_for_request(r) for r in requests]
+        assert picks == [DPLBAsyncMPClient._dpboard_original_pick(shipped, r) for r in requests]
+        assert client.reqs_in_flight == {f"r{i}": picks[i] for i in range(12)}
+        assert client.engine_inflight == shipped.engine_inflight
+        assert state.sent.totals()[:, 0].sum() == 12  # still counted as sent: in flight stays exact
+        assert state.faults == 12 and state.tally.fallbacks == 12
+        said = [r for r in caplog.records if "injected" in r.getMessage()]
+        assert [f"#{n}" in r.getMessage() for r, n in zip(said, (1, 10), strict=True)] == [True, True]
+        assert said[0].exc_info is not None and said[1].exc_info is None  # the first with its traceback
+        state.tally.publish()
+        rows = [row for row in read_dispatch_record(board_name) if row.alive]
+        assert [row.counts["fallbacks"] for row in rows] == [12]
+
+        # the accounting raising after dpboard picked: vLLM's pick again, and the request is placed once
+        monkeypatch.undo()
+        monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
+
+        def no_row(slot, tokens):
+            raise OSError("injected accounting")
+
+        monkeypatch.setattr(state.row, "add", no_row)
+        engine = client.get_core_engine_for_request(engine_request("acc", 8))
+        assert client.reqs_in_flight["acc"] == engine and sum(client.engine_inflight.values()) == 13
+        assert state.faults == 14  # the pick's accounting, then the fallback's: both counted

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import vllm.v1.engine.core as core
+from vllm.v1.engine.core import EngineShutdownState
 
 from dpboard.board import Board
 from dpboard.integrations.vllm import engine_core
@@ -80,15 +81,24 @@ def test_refused_and_malformed_requests_count_as_received(board_name):
     sent_errors = []
     engine._send_error_outputs_to_client = lambda ids, client: sent_errors.append(ids)
     engine._send_finish_outputs_to_client = lambda ids, client, *args: sent_errors.append(ids)
+    engine._send_abort_outputs_to_client = lambda ids, client, *args: sent_errors.append(ids)
     try:
         take_in(engine, engine_request("ok", 4))
         engine._handle_request_preproc_error(engine_request("bad", 4))  # the input thread answers it
-        engine.reject_new_requests = True  # paused: vLLM refuses new requests with an error
-        take_in(engine, engine_request("paused", 4))
+        refused = []
+        if hasattr(engine, "_reject_add_while_paused"):  # vLLM 0.33 pauses: it refuses new requests with an error
+            engine.reject_new_requests = True
+            take_in(engine, engine_request("paused", 4))
+            engine.reject_new_requests = False
+            refused.append(["paused"])
+        engine.shutdown_state = EngineShutdownState.REQUESTED  # shutting down: vLLM aborts new requests
+        take_in(engine, engine_request("late", 4))
+        engine.shutdown_state = EngineShutdownState.RUNNING
+        refused.append(["late"])
         engine._process_engine_step()
         reader = Board.attach(board_name).reader()
-        assert reader.read(0).num_received_reqs == 3
-        assert sent_errors == [["bad"], ["paused"]]
+        assert reader.read(0).num_received_reqs == 2 + len(refused)
+        assert sent_errors == [["bad"], *refused]
     finally:
         close(engine)
 

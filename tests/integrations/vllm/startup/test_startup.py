@@ -39,7 +39,7 @@ import pytest
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board
 from dpboard.board.sent import SENT_PREFIX, SentRecord
 from dpboard.snapshot import SlotStatus
-from tests.support.names import ROOT, new_board_name
+from tests.support.names import ROOT, SESSION_FILES, new_board_name
 from tests.support.procutil import read_line, stop, wait_until
 from tests.support.vllm_startup import TOKEN
 
@@ -182,6 +182,36 @@ def test_vllms_own_start_up_gives_four_live_slots_and_picks_across_them(board_na
         assert sent_totals(board_name) == [2] * DP  # with the received counts above: nothing in flight
         server.close_stdin()
         server.stopped()
+    finally:
+        server.kill()
+
+
+def board_files(name: str) -> list[str]:
+    """What of board ``name`` is in /dev/shm: the board, its sent record, its dispatch record."""
+    return sorted(p.name for kind in SESSION_FILES for p in SHM_DIR.glob(f"{kind}{name}"))
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_sigterm_or_ctrl_c_leaves_no_board_sent_or_dispatch_record(board_name, how):
+    """The way out of a served deployment: SIGTERM to the API server (``kill`` of ``vllm serve``), or
+    SIGINT to every process of its group (Ctrl-C in its terminal). vLLM's own shutdown runs (the
+    client's, whose engine manager stops the engine cores with SIGTERM; the engine cores' own signal
+    handler and ``run_engine_core``'s way out), and nothing of the board is left in /dev/shm. Before
+    the fix, the board, its sent record and its dispatch record all stayed (engine cores are forked,
+    and a forked child runs no ``atexit``; nothing closed the API server's records)."""
+    server = ApiServer({"moe": False, "dp": 2}, {"DPBOARD_METHOD": "inflight_requests", "DPBOARD_VLLM_BOARD": board_name})
+    try:
+        server.ready()
+        live_slots(board_name, [0, 1], server, dp=2)
+        answer = server.ask({"op": "send", "n": 4, "tokens": 40, "max_tokens": 3}, timeout=180)
+        assert sorted(answer["ranks"]) == [0, 0, 1, 1]
+        assert board_files(board_name) == [f"{kind}{board_name}" for kind in SESSION_FILES[::-1]]
+        if how == "sigterm":
+            server.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.proc.pid, signal.SIGINT)
+        server.stopped()
+        assert board_files(board_name) == [], server.tail()
     finally:
         server.kill()
 

@@ -1,0 +1,144 @@
+"""A deployment's way out: nothing of its board is left in /dev/shm once its processes are gone.
+
+``vllm serve`` stops its processes hard: at SIGTERM or Ctrl-C its launcher sends SIGTERM to the API
+servers, the engine cores and the coordinator, and SIGKILLs whatever still runs right after
+(``--shutdown-timeout`` 0, the default; vllm/v1/engine/utils.py, the process managers' ``shutdown``).
+Engine cores are forked, and a forked child never runs ``atexit``. So the board (created by the
+first API server or engine core to open it), the API servers' sent record and their dispatch record
+outlive the processes that would remove them. The plugin therefore removes them in three places:
+
+- each engine core and each API server, on vLLM's own shutdown path, gives up its slot or its rows
+  and removes what no other process of the deployment still holds (engine_core.py, dispatch.py);
+- the launcher (the process that runs ``vllm serve``: every other process of the deployment is its
+  child, and it outlives them all) removes, at its exit, the board and the records of this
+  deployment that no live process holds: ``at_launcher_exit``.
+
+"No live process holds it" is dpboard's own rule for its files (docs/FORMAT.md): a board whose
+creator and every slot's writer are gone, a sent record none of whose rows is held, a dispatch
+record none of whose dispatchers runs. A board one of whose processes runs is never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Mapping
+
+from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board, validate_name
+from dpboard.board.dispatch_record import remove_abandoned_records
+from dpboard.board.listing import clean_sent_records
+from dpboard.board.liveness import process_alive, process_start_ticks
+from dpboard.board.segment import unlink_if_generation
+from dpboard.errors import DpboardError
+from dpboard.integrations.vllm.settings import DERIVED_PREFIX, ENV_BOARD, ENV_ENABLE
+
+log = logging.getLogger("dpboard.vllm")
+# seconds the launcher waits at its exit for the processes it has just killed to be gone (an engine
+# core of several GB takes a moment to exit after SIGKILL)
+EXIT_WAIT = 15.0
+
+
+def remove_if_gone(name: str, *, started_after: int = 0, leaving: bool = False) -> list[str]:
+    """Remove board ``name``, its sent record and its dispatch record when no process of them runs.
+    ``started_after``: only a board whose creator started at or after that many clock ticks since
+    boot (a board of this launcher's deployment, not an older one of that name). ``leaving``: this
+    process, on its way out, does not count as the board's creator (it has given up its slot or its
+    rows already). What was removed."""
+    removed = []
+    me = os.getpid()
+    try:
+        board = Board.attach(name)
+    except DpboardError:
+        board = None  # gone already (or not ours): the records may still be there
+    if board is not None:
+        try:
+            header = board.header
+            holders = [board.owner(r) for r in range(board.n_slots)]
+            if not (leaving and header.creator_pid == me):
+                holders.append((header.creator_pid, header.creator_start_ticks))
+            mine = header.creator_start_ticks >= started_after
+            if not mine:
+                return removed
+            if not any(running(pid, ticks) for pid, ticks in holders if pid):
+                if unlink_if_generation("/" + SEGMENT_PREFIX + name, board.generation):
+                    removed.append(f"{SEGMENT_PREFIX}{name}")
+        finally:
+            board.close()
+    removed += [f"dpboard-sent.{n}" for n in clean_sent_records(name)]
+    removed += [f"dpboard-dispatch.{n}" for n in remove_abandoned_records(name)]
+    return removed
+
+
+def running(pid: int, start_ticks: int) -> bool:
+    """The process runs: alive (dpboard's rule: pid and start time) and not a zombie. The launcher
+    looks right after it killed its children, which it may not have reaped yet."""
+    if not process_alive(pid, start_ticks):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def deployment_boards(environ: Mapping[str, str]) -> list[str]:
+    """The boards this deployment may have made: the one ``DPBOARD_VLLM_BOARD`` names, or with
+    ``DPBOARD_VLLM=1`` every ``vllm-*`` board here (named after a served model, which the launcher
+    does not see)."""
+    explicit = environ.get(ENV_BOARD, "").strip()
+    if explicit:
+        try:
+            return [validate_name(explicit)]
+        except DpboardError:
+            return []
+    if environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+        return sorted(p.name[len(SEGMENT_PREFIX):] for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{DERIVED_PREFIX}*"))
+    return []
+
+
+def watch_from_launcher(environ: Mapping[str, str] = os.environ) -> bool:
+    """In the process that launches the deployment (no multiprocessing parent: ``vllm serve`` itself,
+    not an API server, engine core or worker it started), remove at exit what the deployment left
+    (``at_launcher_exit``). True when registered."""
+    if multiprocessing.parent_process() is not None:
+        return False
+    if not (environ.get(ENV_BOARD, "").strip() or environ.get(ENV_ENABLE, "").strip()):
+        return False
+    pid = os.getpid()
+    atexit.register(at_launcher_exit, pid, process_start_ticks(pid), dict(environ))
+    return True
+
+
+def at_launcher_exit(pid: int, started: int, environ: Mapping[str, str]) -> None:
+    if os.getpid() != pid:
+        return  # a forked child (an engine core) never runs atexit; a forked one that did is not the launcher
+    deadline = time.monotonic() + EXIT_WAIT
+    for name in deployment_boards(environ):
+        removed: list[str] = []
+        try:
+            while True:
+                # vLLM SIGKILLs its children and never joins them: reap the ones that have exited (a
+                # zombie still counts as running), through multiprocessing's own bookkeeping
+                multiprocessing.active_children()
+                removed += remove_if_gone(name, started_after=started)
+                left = files_of(name)
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)  # killed a moment ago: a process of several GB takes a while to exit
+        except Exception:  # noqa: BLE001 - at exit: say it, never fail the launcher's exit
+            log.exception("dpboard: board %r was not cleaned up at exit", name)
+            continue
+        if removed:
+            log.info("dpboard: removed %s, left by the deployment's processes", ", ".join(removed))
+        if left:
+            log.warning("dpboard: %s still held by running processes at exit; `dpboard clean` removes them "
+                        "once those are gone", ", ".join(left))
+
+
+def files_of(name: str) -> list[str]:
+    """What of board ``name`` is in /dev/shm: the board, its sent record, its dispatch record."""
+    return [f for f in (f"{SEGMENT_PREFIX}{name}", f"dpboard-sent.{name}", f"dpboard-dispatch.{name}")
+            if (SHM_DIR / f).exists()]
