@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+# The commands of the README: `make demo`, `make test` and `make test-all`. Each creates .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +15,12 @@ ENGINE_DIR := $(VENV)/engines
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
-.PHONY: demo test lint bench clean-boards layout wheel
+# pytest-xdist workers for `make test` and `make test-all` (auto: one per core). The tests start
+# processes of their own and wait on them, so a worker more than the cores still gains.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS)
+
+.PHONY: demo test test-all test-under-load lint bench clean-boards layout wheel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +44,22 @@ $(VENV)/.engines: Makefile | $(VENV)/bin/python
 demo: $(VENV)/.demo
 	$(VENV)/bin/dpboard demo $(DEMO_ARGS)
 
+# `make test`: every module, in minutes; the tests that need minutes by nature (marked `slow`: the
+# soak, the sixteen-server vLLM session, `bench all`) and the real-serving suite (`serving`) wait for
+# `make test-all`, which CI (.ci/run) runs.
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples
-	$(PY) -m pytest -q
+	$(PYTEST) -m "not slow and not serving"
+
+test-all: $(VENV)/.installed
+	$(VENV)/bin/ruff check dpboard tests tools examples
+	$(PYTEST) -m "not serving"
+	$(MAKE) test-serving
+
+# `make test` while busy processes keep every core loaded (tools/cpu_hog.py): a test that waits for
+# a fixed time instead of for what it needs shows here.
+test-under-load: $(VENV)/.installed
+	$(PY) tools/cpu_hog.py -- $(PYTEST) -m "not slow and not serving"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

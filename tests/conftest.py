@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.names import new_board_name, session_segments
+from tests.support.wheels import MARKERS_VARIABLE
 
 # The engines' wheels (SGLang's, ...) sit beside the venv's site-packages, where pip does not see
 # them (the Makefile's ENGINE_WHEELS): on sys.path here, and on PYTHONPATH for the processes tests start.
@@ -21,6 +22,12 @@ if ENGINE_DIR.is_dir() and str(ENGINE_DIR) not in sys.path:
 # (tests/loads/test_cuda_sources.py starts it with NUMBA_ENABLE_CUDASIM=1, which must be set before
 # numba is imported).
 collect_ignore_glob = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["loads/cudasim/*"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The engines' sessions of their own (tests/support/wheels.py) select the markers this one does:
+    `make test`'s -m "not slow and not serving" leaves their slow tests out too."""
+    os.environ[MARKERS_VARIABLE] = config.getoption("markexpr") or ""
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -77,6 +77,7 @@ def test_bench_sglang_loads_times_sglangs_own_get_loads_beside_the_board_write(t
             assert 0 < row[key]["50"] <= row[key]["99"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bench_all_json_file_holds_every_topic(tmp_path):
     path = tmp_path / "all.json"
