@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from dpboard import Board
-from dpboard.board.dispatch_record import dispatch_record_path
+from dpboard.board.dispatch_record import dispatch_record_path, read_dispatch_record
 from dpboard.controller.codec import encode_request
 from dpboard.ownership import LOCK_DIR, LOCK_PREFIX
 from tests.support.doctor_states import start_writer
@@ -232,8 +232,15 @@ def controller(name: str, tmp_path: Path, n: int, *args: str) -> Iterator[tuple[
                                     "--workers", *eps, "--board", name, "--log-every", "60", *args], cwd=ROOT,
                                    stderr=subprocess.PIPE, text=True)
             procs.append(ctl)
-            wait_for(lambda: Path(dispatch_record_path(name)).exists() or ctl.poll() is not None, 20,
+            wait_for(lambda: Path(dispatch_record_path(name)).exists() or ctl.poll() is not None, 60,
                      "the controller's dispatch record")
+            assert ctl.poll() is None, ctl.stderr.read()
+            # The record is made before the controller's loop, and its SIGTERM handler, runs: a stop
+            # before then is no clean exit. The loop's first publish of the row says it runs.
+            wait_for(lambda: _row_stamp(name) is not None or ctl.poll() is not None, 60, "the controller's row")
+            claimed = _row_stamp(name)
+            wait_for(lambda: _row_stamp(name) != claimed or ctl.poll() is not None, 60,
+                     "the controller's loop publishing its row")
             assert ctl.poll() is None, ctl.stderr.read()
             yield connected_push(ctx, in_ep), ctl
             if ctl.poll() is None:  # one a test killed on purpose is not asked for a clean exit
@@ -243,6 +250,12 @@ def controller(name: str, tmp_path: Path, n: int, *args: str) -> Iterator[tuple[
             for p in procs:
                 stop(p)
             ctx.destroy(linger=0)
+
+
+def _row_stamp(name: str) -> int | None:
+    """When the board's first dispatcher row was last published (None: no row claimed yet)."""
+    rows = read_dispatch_record(name)
+    return rows[0].wall_ns if rows else None
 
 
 def feed_during(push: zmq.Socket, frame: Callable[[int], bytes], args: list[str], gap: float = 0.004,
