@@ -34,6 +34,7 @@ from dpboard.options import count, seconds
 from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
 
 DEFAULT_WINDOW = 30.0
+HEALTHY_WINDOW = 1.0  # seconds of samples before top's header calls a board healthy
 SAMPLES = 7  # reads over a window: at its start, its end and five between
 SEVERITIES = ("critical", "warning", "info")
 LOAD_UNAWARE = ("round_robin", "follow_bootstrap_room")
@@ -551,8 +552,13 @@ class DoctorWatch:
 
 
 def header_line(document: dict[str, Any]) -> str:
-    """One line for ``top``'s header, from a ``DoctorWatch.document()``: how many findings, the worst."""
+    """One line for ``top``'s header, from a ``DoctorWatch.document()``: how many findings, the worst.
+    A window shorter than ``HEALTHY_WINDOW`` (``top --once``'s two reads) shows what a look finds,
+    not a verdict: what goes wrong over time (rates, queues that grow) needs longer to show."""
     faults = [f for f in document["findings"] if f["severity"] != "info"]
+    if not faults and document["window_s"] < HEALTHY_WINDOW:
+        return (f"doctor: nothing found in a {document['window_s']:.1f} s look "
+                f"(dpboard doctor watches {DEFAULT_WINDOW:g} s)")
     if not faults:
         return f"doctor: healthy over {document['window_s']:.0f} s"
     worst = faults[0]
