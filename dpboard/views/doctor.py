@@ -21,7 +21,7 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from dpboard.options import count, seconds
 from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
 
 DEFAULT_WINDOW = 30.0
+PROGRESS_EVERY = 1.0  # seconds between two updates of doctor's progress count on a terminal
 HEALTHY_WINDOW = 1.0  # seconds of samples before top's header calls a board healthy
 SAMPLES = 7  # reads over a window: at its start, its end and five between
 SEVERITIES = ("critical", "warning", "info")
@@ -593,18 +594,45 @@ def _only_board() -> str:
     raise InvalidInputError(f"{len(mine)} boards here ({', '.join(b.name for b in mine)}): name the one to check")
 
 
-def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids: tuple[int, ...]) -> list[Sample]:
-    """``n`` samples evenly over ``window`` seconds (bounded: ``n`` reads and ``window`` of sleep)."""
+def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids: tuple[int, ...],
+            progress: Callable[[float, int], None] | None = None) -> list[Sample]:
+    """``n`` samples evenly over ``window`` seconds (bounded: ``n`` reads and ``window`` of sleep);
+    ``progress(seconds, samples)`` is told how far it is, at least every ``PROGRESS_EVERY`` s."""
     buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
     start = time.monotonic()
-    samples = []
+    samples: list[Sample] = []
     for i in range(n):
         wake = start + window * i / (n - 1)
-        delay = wake - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        while (delay := wake - time.monotonic()) > 0:
+            time.sleep(min(delay, PROGRESS_EVERY))
+            if progress is not None:
+                progress(time.monotonic() - start, len(samples))
         samples.append(take_sample(board, reader, trust_uids=trust_uids, buffer=buffer))
     return samples
+
+
+class Progress:
+    """What ``dpboard doctor`` shows on stderr while it watches: on a terminal a count rewritten in
+    place and erased at the end, elsewhere one line when the window starts."""
+
+    def __init__(self, name: str, window: float, n: int, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.name, self.window, self.n = name, window, n
+        self.stream.write(f"dpboard doctor: watching board {name} for {window:g} s ({n} samples) ..."
+                          + ("" if self.live else "\n"))
+        self.stream.flush()
+
+    def __call__(self, seconds: float, samples: int) -> None:
+        if self.live:
+            self.stream.write(f"\r\x1b[Kdpboard doctor: watching board {self.name}: {min(seconds, self.window):.0f} "
+                              f"of {self.window:g} s, {samples} of {self.n} samples")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
 
 
 def render(report: dict[str, Any], findings: Sequence[Finding]) -> str:
@@ -644,7 +672,11 @@ def run(args: argparse.Namespace) -> int:
     with Board.attach(name, trust_uids=trust) as board:
         reader = board.reader(stale_after=args.stale_after)
         read_dispatch_record(name, trust_uids=trust)  # a refused record fails now, not after the window
-        samples = collect(board, reader, args.window, args.samples, trust)
+        progress = Progress(name, args.window, args.samples)
+        try:
+            samples = collect(board, reader, args.window, args.samples, trust, progress)
+        finally:
+            progress.close()
     findings = diagnose(samples, stale_after=args.stale_after)
     report = summary(samples)
     ok = healthy(findings)

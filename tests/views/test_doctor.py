@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -454,3 +456,38 @@ def test_without_a_name_several_boards_are_named_for_the_user_to_choose(board_na
         res = doctor("--window", "0.2")
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "name the one to check" in res.stderr and board_name in res.stderr and other in res.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_window_shows_its_progress_in_a_terminal(board_name):
+    """A 30 s window with nothing on screen looks hung: at 80 columns a count of the seconds and
+    samples so far is rewritten in place, and gone when the report comes."""
+    socket = f"dpboard-doctor-{os.getpid()}"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    command = (f"{sys.executable} -m dpboard.cli doctor {board_name} --window 6 --samples 3; "
+               f"echo DOCTOR-EXITED-$?; sleep 30")
+    with writers(board_name, 2, {0: [], 1: []}):
+        subprocess.run([*tmux, "new-session", "-d", "-s", "doctor", "-x", "80", "-y", "30", command],
+                       check=True, timeout=30, env={**os.environ, "TERM": "xterm-256color"}, cwd=ROOT)
+        try:
+            counts, screen = set(), ""
+            deadline = time.monotonic() + 90
+            while "DOCTOR-EXITED-" not in screen and time.monotonic() < deadline:
+                screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "doctor"], capture_output=True,
+                                        text=True, timeout=30).stdout
+                counts.update(re.findall(rf"watching board {board_name}: (\d+) of 6 s, \d of 3 samples", screen))
+                time.sleep(0.2)
+        finally:
+            subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+    assert "DOCTOR-EXITED-0" in screen, screen
+    assert len(counts) >= 2, (counts, screen)  # a live count, not one line
+    assert "watching board" not in screen and f"dpboard doctor: board {board_name}, 2 slots" in screen, screen
+
+
+def test_the_window_is_said_in_one_line_without_a_terminal(board_name):
+    with writers(board_name, 2, {0: [], 1: []}):
+        res = doctor(board_name, "--window", "0.5", "--json")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == f"dpboard doctor: watching board {board_name} for 0.5 s (7 samples) ...\n"
+    assert json.loads(res.stdout)["healthy"] is True
