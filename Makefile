@@ -15,10 +15,11 @@ ENGINE_DIR := $(VENV)/engines
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
-# pytest-xdist workers for `make test` and `make test-all` (auto: one per core). The tests start
-# processes of their own and wait on them, so a worker more than the cores still gains.
+# pytest-xdist workers for `make test` and `make test-all` (auto: one per core), each taking whole
+# files: a file's tests share its module fixtures, and tests/board/test_board.py's machine-wide
+# `dpboard clean` never sweeps the dead boards another of its tests holds on purpose.
 TEST_WORKERS ?= auto
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS)
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-all test-under-load lint bench clean-boards layout wheel
 
