@@ -33,11 +33,11 @@ import errno
 import mmap
 import os
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import posix_ipc
 
 from dpboard.board.errors import BoardError, BoardLayoutError
@@ -46,13 +46,16 @@ from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_nam
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned, refuse_link
-from dpboard.snapshot import pack_owner, unpack_owner
+from dpboard.snapshot import RecordLayout, pack_owner, unpack_owner
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
 DISPATCH_VERSION = 1
 DISPATCH_PREFIX = "dpboard-dispatch."
 DISPATCH_HEADER_SIZE = 64
-DISPATCH_HEADER_DTYPE = np.dtype({
+DISPATCH_HEADER = RecordLayout({
     "names": ["magic", "version", "rows", "slots", "row_size", "creator_pid"],
     "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8"],
     "offsets": [0, 8, 12, 16, 20, 24],
@@ -69,7 +72,7 @@ COUNTERS: tuple[str, ...] = (
     "rejected",  # answered with an error instead of dispatched
 )
 ROW_HEAD_SIZE = 128
-ROW_DTYPE = np.dtype({
+ROW_HEAD = RecordLayout({
     # holder: the owner word of a board's slot (pid and start time, snapshot.pack_owner): pids are recycled
     "names": ["seq", "holder", "method", "mode", "wall_ns", "monotonic_ns", "refresh_interval_ns", *COUNTERS],
     "formats": ["<u8", "<u8", f"S{METHOD_BYTES}", f"S{MODE_BYTES}", "<i8", "<i8", "<i8"] + ["<i8"] * len(COUNTERS),
@@ -144,7 +147,9 @@ class DispatchRecord:
                 raise
             finally:
                 shm.close_fd()
-            header = np.ndarray((), DISPATCH_HEADER_DTYPE, mapping, 0)
+            import numpy as np
+
+            header = np.ndarray((), DISPATCH_HEADER.dtype, mapping, 0)
             header["version"], header["rows"], header["slots"] = DISPATCH_VERSION, rows, slots
             header["row_size"], header["creator_pid"] = row_size(slots), os.getpid()
             header["magic"] = DISPATCH_MAGIC  # last: an attacher that sees the magic sees a whole header
@@ -170,7 +175,9 @@ class DispatchRecord:
         method_raw = _text(method, METHOD_BYTES, "method")
         mode_raw = _text(mode, MODE_BYTES, "disaggregation mode")
         off = DISPATCH_HEADER_SIZE + index * self._size
-        head = np.ndarray((), ROW_DTYPE, self._mapping, off)
+        import numpy as np
+
+        head = np.ndarray((), ROW_HEAD.dtype, self._mapping, off)
         holder, holder_ticks = unpack_owner(int(head["holder"]))
         pid = os.getpid()
         if holder not in (0, pid) and process_alive(holder, holder_ticks):
@@ -217,15 +224,16 @@ class DispatchRow:
         self._per_slot = per_slot
         self._next = 0.0
         self.closed = False
+        self._one = head.dtype["seq"].type(1)  # the sequence's own type: never a float on the way
 
     def due(self, now: float) -> bool:
         return now >= self._next
 
     def _begin(self) -> None:
-        self._head["seq"] += np.uint64(1)  # odd: a write is under way
+        self._head["seq"] += self._one  # odd: a write is under way
 
     def _end(self) -> None:
-        self._head["seq"] += np.uint64(1)
+        self._head["seq"] += self._one
 
     def publish(self, refreshes: int, requests: int, routed: int, with_room: int, fallbacks: int, rejected: int,
                 per_rank: Any, routed_per_rank: Any = None) -> None:
@@ -281,7 +289,7 @@ class DispatchTally:
 
     def publish(self) -> None:
         per_rank = self.requests_per_rank()
-        self.row.publish(self.refreshes, int(np.sum(per_rank)), self.routed, self.with_room, self.fallbacks,
+        self.row.publish(self.refreshes, int(sum(per_rank)), self.routed, self.with_room, self.fallbacks,
                          self.rejected, per_rank, self.routed_per_rank)
 
     def close(self) -> None:
@@ -384,18 +392,19 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
             torn = raw is None
             if torn:
                 raw = bytes(mapping[off: off + size])  # the pid and method only, for the report
-            head = np.frombuffer(raw, ROW_DTYPE, 1)[0]
+            head = ROW_HEAD.unpack(raw)
             pid, start_ticks = unpack_owner(int(head["holder"]))
             if pid == 0:
                 continue
-            per = np.frombuffer(raw, "<i8", 2 * slots, ROW_HEAD_SIZE).reshape(slots, 2)
+            per = struct.unpack_from(f"<{2 * slots}q", raw, ROW_HEAD_SIZE)
             out.append(DispatchRowSample(
                 row=index, pid=pid, alive=process_alive(pid, start_ticks),
-                method=head["method"].decode(errors="replace"), mode=head["mode"].decode(errors="replace"),
+                method=head["method"].rstrip(b"\0").decode(errors="replace"),
+                mode=head["mode"].rstrip(b"\0").decode(errors="replace"),
                 refresh_interval=int(head["refresh_interval_ns"]) / 1e9,
                 age_s=(now - int(head["monotonic_ns"])) / 1e9, wall_ns=int(head["wall_ns"]),
                 counts={name: int(head[name]) for name in COUNTERS},
-                per_rank=per[:, 0].tolist(), routed_per_rank=per[:, 1].tolist(), torn=torn))
+                per_rank=list(per[0::2]), routed_per_rank=list(per[1::2]), torn=torn))
         return out
     finally:
         mapping.close()
@@ -414,8 +423,8 @@ def _read_row(mapping: mmap.mmap, off: int, size: int) -> bytes | None:
 
 
 def _header_of(mapping: mmap.mmap) -> tuple[int, int, int, int]:
-    header = np.frombuffer(bytes(mapping[0:DISPATCH_HEADER_SIZE]), DISPATCH_HEADER_DTYPE, 1)[0]
-    return int(header["version"]), int(header["rows"]), int(header["slots"]), int(header["row_size"])
+    header = DISPATCH_HEADER.unpack(mapping)
+    return header["version"], header["rows"], header["slots"], header["row_size"]
 
 
 def _attach(board: str, path: str, deadline: float, trust_uids: tuple[int, ...], *, writable: bool) -> mmap.mmap:
@@ -481,7 +490,7 @@ def remove_if_abandoned(board: str, *, leaving: bool = False) -> bool:
         if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode) or st.st_size < DISPATCH_HEADER_SIZE:
             return False
         head = os.pread(fd, DISPATCH_HEADER_SIZE, 0)
-        header = np.frombuffer(head, DISPATCH_HEADER_DTYPE, 1)[0]
+        header = DISPATCH_HEADER.unpack(head)
         rows, slots = int(header["rows"]), int(header["slots"])
         if (head[:8] != DISPATCH_MAGIC or not 1 <= rows <= MAX_ROWS or not 1 <= slots <= MAX_SLOTS
                 or st.st_size != record_size(rows, slots)):
@@ -527,3 +536,10 @@ def _unlink(name: str, pid: int) -> None:
     except posix_ipc.ExistentialError:
         pass
 
+
+def __getattr__(name: str) -> Any:
+    """``DISPATCH_HEADER_DTYPE`` and ``ROW_DTYPE``, the records' NumPy types, built on first use."""
+    layouts = {"DISPATCH_HEADER_DTYPE": DISPATCH_HEADER, "ROW_DTYPE": ROW_HEAD}
+    if name in layouts:
+        return layouts[name].dtype
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,8 +45,7 @@ import os
 import stat
 import struct
 import time
-
-import numpy as np
+from typing import Any
 
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive, process_start_ticks
@@ -54,13 +53,27 @@ from dpboard.board.names import SHM_DIR, validate_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
 from dpboard.ownership import check_owned, open_refusal
-from dpboard.snapshot import pack_owner, unpack_owner
+from dpboard.snapshot import RecordLayout, pack_owner, unpack_owner
+
+# NumPy, bound by the first record opened: record_state and remove_record (what `dpboard clean`
+# calls) read headers with the standard library and load no NumPy.
+np: Any = None
+
+
+def _numpy() -> Any:
+    global np
+    if np is None:
+        import numpy
+
+        np = numpy
+    return np
+
 
 SENT_MAGIC = b"DPBSENT\x00"
 SENT_VERSION = 2
 SENT_PREFIX = "dpboard-sent."
 SENT_HEADER_SIZE = 64
-SENT_HEADER_DTYPE = np.dtype({
+SENT_HEADER = RecordLayout({
     "names": ["magic", "version", "rows", "slots", "row_size", "creator_pid", "generation", "creator_start_ticks"],
     "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8", "<u8", "<i8"],
     "offsets": [0, 8, 12, 16, 20, 24, 32, 40],
@@ -116,6 +129,7 @@ class SentRecord:
         self._fd = fd
         self._mapping = mapping
         words = row_size(slots) // 8
+        _numpy()
         self._table = np.ndarray((rows, words), "<i8", mapping, SENT_HEADER_SIZE)
         self._seq = self._table[:, 0].view("<u8")
         self._holder = self._table[:, HOLDER_WORD].view("<u8")
@@ -352,7 +366,7 @@ def _create(path: str, board: str, size: int, rows: int, slots: int,
         os.fchmod(fd, 0o600)  # exact, whatever the umask
         reserve_pages(fd, size, f"the sent record of board {board!r}")
         mapping = mmap.mmap(fd, size)
-        header = np.ndarray((), SENT_HEADER_DTYPE, mapping, 0)
+        header = _numpy().ndarray((), SENT_HEADER.dtype, mapping, 0)
         pid = os.getpid()
         header["version"], header["rows"], header["slots"] = SENT_VERSION, rows, slots
         header["row_size"], header["creator_pid"] = row_size(slots), pid
@@ -411,8 +425,8 @@ def _check_or_replace(fd: int, path: str, board: str, rows: int, slots: int, gen
     if found[:8] != SENT_MAGIC:
         _replace(fd, path)
         return None
-    header = np.frombuffer(found, SENT_HEADER_DTYPE, 1)[0]
-    version, found_rows, found_slots = int(header["version"]), int(header["rows"]), int(header["slots"])
+    header = SENT_HEADER.unpack(found)
+    version, found_rows, found_slots = header["version"], header["rows"], header["slots"]
     whole = (version == SENT_VERSION and int(header["row_size"]) == row_size(found_slots) and
              1 <= found_rows <= MAX_ROWS and 1 <= found_slots <= MAX_SLOTS and
              st.st_size == record_size(found_rows, found_slots))
@@ -478,8 +492,8 @@ def record_state(path: str) -> tuple[int | None, list[int]] | None:
         found = os.pread(fd, SENT_HEADER_SIZE, 0)
         if len(found) < SENT_HEADER_SIZE or found[:8] != SENT_MAGIC:
             return None, []
-        header = np.frombuffer(found, SENT_HEADER_DTYPE, 1)[0]
-        rows, slots = int(header["rows"]), int(header["slots"])
+        header = SENT_HEADER.unpack(found)
+        rows, slots = header["rows"], header["slots"]
         if (int(header["version"]) != SENT_VERSION or not 1 <= rows <= MAX_ROWS or not 1 <= slots <= MAX_SLOTS
                 or st.st_size != record_size(rows, slots)):
             return None, []
@@ -520,3 +534,10 @@ def _unlink_at_exit(path: str, inode: int, pid: int) -> None:
     if os.getpid() != pid:
         return  # a forked child does not remove its parent's record
     remove_record(path, inode=inode)
+
+
+def __getattr__(name: str) -> Any:
+    """``SENT_HEADER_DTYPE``, the header's NumPy type, built on first use."""
+    if name == "SENT_HEADER_DTYPE":
+        return SENT_HEADER.dtype
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

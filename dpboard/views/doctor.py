@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 import time
 from collections import deque
@@ -25,13 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, list_boards, process_alive
 from dpboard.board.dispatch_record import DispatchRowSample, read_dispatch_record
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.options import count, seconds
-from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
+from dpboard.snapshot import DETAIL_FIELD_OFFSETS, DETAIL_FLAG, DETAIL_MODE_BYTES, DETAIL_PRESENT, SlotStatus
 
 DEFAULT_WINDOW = 30.0
 PROGRESS_EVERY = 1.0  # seconds between two updates of doctor's progress count on a terminal
@@ -48,6 +47,11 @@ KV_ROOMY = 0.7
 MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
 _LIVE, _STALE, _TORN = SlotStatus.LIVE.label, SlotStatus.STALE.label, SlotStatus.TORN.label
 _DISAGG = DETAIL_PRESENT | DETAIL_FLAG["disaggregation"]
+_MODE_AT = DETAIL_FIELD_OFFSETS["disaggregation_mode"]
+_WORD = struct.Struct("<q")  # the flags word and the PD queues, read from a slot's detail bytes
+_PD_QUEUES = [(f, DETAIL_FIELD_OFFSETS[f"disaggregation_{f}"]) for f in (
+    "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs")]
 
 
 @dataclass(frozen=True)
@@ -75,35 +79,29 @@ class Sample:
     dispatch: list[DispatchRowSample] | None = None  # None: the board has no dispatch record
 
 
-def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = (),
-                buffer: np.ndarray | None = None) -> Sample:
-    """Every slot of ``board`` (with its detail's PD queues, and who holds it) and its dispatch record."""
-    arr = buffer if buffer is not None and len(buffer) == board.n_slots else np.zeros(board.n_slots, DETAILED_DTYPE)
-    reader.read_detailed_array(arr)
+def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = ()) -> Sample:
+    """Every slot of ``board`` (with its detail's PD queues, and who holds it) and its dispatch record,
+    as plain values from the C reader (no NumPy: ``dpboard doctor`` starts as fast as ``ls``)."""
     now = time.monotonic()
     now_ns = time.monotonic_ns()
     ranks = []
-    for rank, rec in enumerate(arr):
-        load, detail = rec["load"], rec["detail"]
-        status = SlotStatus(int(load["status"]))
+    for rank in range(board.n_slots):
+        status, snap, raw = reader.read_detailed(rank)
         owner = board.owner_pid(rank)
-        pid = int(load["writer_pid"]) if status.has_snapshot else owner
+        load = snap._asdict() if snap is not None else {}
+        pid = load["writer_pid"] if status.has_snapshot else owner
         row: dict[str, Any] = {
             "rank": rank, "status": status.label, "pid": pid, "owner_pid": owner,
             "pid_alive": bool(pid) and process_alive(pid),
-            "age_s": (now_ns - int(load["monotonic_ns"])) / 1e9 if status.has_snapshot else None,
-            **{f: int(load[f]) for f in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
-                                         "num_total_tokens", "max_total_num_tokens", "num_received_reqs",
-                                         "publish_seq")},
+            "age_s": (now_ns - load["monotonic_ns"]) / 1e9 if status.has_snapshot else None,
+            **{f: load.get(f, 0) for f in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                           "num_total_tokens", "max_total_num_tokens", "num_received_reqs",
+                                           "publish_seq")},
             "pd": None,
         }
-        if status.has_snapshot and int(detail["flags"]) & _DISAGG == _DISAGG:
-            row["pd"] = {
-                "mode": bytes(detail["disaggregation_mode"]).rstrip(b"\0").decode(errors="replace"),
-                **{f: int(detail[f"disaggregation_{f}"]) for f in (
-                    "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
-                    "decode_transfer_queue_reqs")},
-            }
+        if raw is not None and _WORD.unpack_from(raw, 0)[0] & _DISAGG == _DISAGG:
+            mode = raw[_MODE_AT: _MODE_AT + DETAIL_MODE_BYTES].rstrip(b"\0").decode(errors="replace")
+            row["pd"] = {"mode": mode, **{f: _WORD.unpack_from(raw, at)[0] for f, at in _PD_QUEUES}}
         ranks.append(row)
     dispatch = read_dispatch_record(board.name, trust_uids=trust_uids)
     return Sample(now, board.name, board.n_slots, ranks, dispatch)
@@ -497,7 +495,6 @@ class DoctorWatch:
         self.samples: deque[Sample] = deque()
         self._reader_of: tuple[Board, BoardReader] | None = None
         self._board_id: tuple[str, int] | None = None
-        self._buffer: np.ndarray | None = None
         self._error: str | None = None
 
     def observe(self, board: Board | None, reader: BoardReader | None) -> None:
@@ -510,9 +507,8 @@ class DoctorWatch:
         if self._board_id != (board.name, board.generation):
             self.samples.clear()  # another incarnation: its counters began again
             self._board_id = (board.name, board.generation)
-            self._buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
         try:
-            self.samples.append(take_sample(board, reader, trust_uids=self.trust_uids, buffer=self._buffer))
+            self.samples.append(take_sample(board, reader, trust_uids=self.trust_uids))
             self._error = None
         except DpboardError as e:
             self._error = str(e)  # a dispatch record that is refused: said, never fatal to the view
@@ -598,7 +594,6 @@ def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids
             progress: Callable[[float, int], None] | None = None) -> list[Sample]:
     """``n`` samples evenly over ``window`` seconds (bounded: ``n`` reads and ``window`` of sleep);
     ``progress(seconds, samples)`` is told how far it is, at least every ``PROGRESS_EVERY`` s."""
-    buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
     start = time.monotonic()
     samples: list[Sample] = []
     for i in range(n):
@@ -607,7 +602,7 @@ def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids
             time.sleep(min(delay, PROGRESS_EVERY))
             if progress is not None:
                 progress(time.monotonic() - start, len(samples))
-        samples.append(take_sample(board, reader, trust_uids=trust_uids, buffer=buffer))
+        samples.append(take_sample(board, reader, trust_uids=trust_uids))
     return samples
 
 
@@ -670,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or _only_board()
     trust = tuple(args.trust_uid)
     with Board.attach(name, trust_uids=trust) as board:
-        reader = board.reader(stale_after=args.stale_after)
+        reader = board.reader(stale_after=args.stale_after, arrays=False)
         read_dispatch_record(name, trust_uids=trust)  # a refused record fails now, not after the window
         progress = Progress(name, args.window, args.samples)
         try:
