@@ -17,9 +17,10 @@ SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_lay
 
 # pytest-xdist workers for `make test` and `make test-all` (auto: one per core), each taking whole
 # files: a file's tests share its module fixtures, and tests/board/test_board.py's machine-wide
-# `dpboard clean` never sweeps the dead boards another of its tests holds on purpose.
+# `dpboard clean` never sweeps the dead boards another of its tests holds on purpose. Files go in
+# the order tests/conftest.py collects them (the engines' long sessions first), not largest first.
 TEST_WORKERS ?= auto
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test test-all test-under-load lint bench clean-boards layout wheel
 
