@@ -73,12 +73,17 @@ def test_demo_runs_and_cleans_up():
 @pytest.mark.parametrize(("sig", "how"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"),
                                          (signal.SIGHUP, "SIGHUP")])
 def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
+    import os
+    import shutil
+
     name = new_board_name()
-    workdirs_before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
+    # a temporary folder of this demo's own (short: its sockets' paths must fit), so that another
+    # demo running meanwhile (another test, another run) is never taken for one left behind
+    tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")
     proc = subprocess.Popen(
         [PYTHON, "-m", "dpboard.cli", "demo", "--duration", "120", "--ranks", "2", "--board", name,
          "--print-every", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": tmp},
     )
     try:
         deadline = time.monotonic() + 120
@@ -92,11 +97,12 @@ def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
         check_summary(out, 2)
         assert not Path(f"/dev/shm/dpboard.{name}").exists()
         assert processes_mentioning(name) == []  # the schedulers and the controller are gone
-        assert set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) <= workdirs_before
+        assert list(Path(tmp).glob("dpboard-demo-*")) == []  # its work folder went with it
     finally:
         kill(proc)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("args", "words"), [
