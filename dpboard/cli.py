@@ -8,14 +8,16 @@ that ``dpboard dump`` or ``dpboard top`` never pay for Numba. A command module p
 Output into a closed pipe (``dpboard ls | head -1``) ends quietly with status 141, as a writer
 killed by SIGPIPE does.
 
-Errors: a ``DpboardError`` (bad input, a board that cannot be used as asked, a busy endpoint, ...)
-and an argument error are printed as one line and exit with status 2. Anything else is a bug: it
+Errors: a ``DpboardError`` (bad input, a board that cannot be used as asked, a busy endpoint, ...),
+an argument error and an unknown command (with the nearest command names: ``dpboard tpo`` asks
+"did you mean top?") are printed as one line and exit with status 2. Anything else is a bug: it
 shows its traceback, so that it never passes for a user's mistake.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -63,11 +65,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_command(word: str) -> str:
+    """The one-line error for a command that does not exist, naming the nearest ones."""
+    near = difflib.get_close_matches(word, COMMANDS, n=2, cutoff=0.5)
+    if near:
+        return f"dpboard: no command {word!r}: did you mean {' or '.join(near)}? (dpboard --help lists them all)"
+    return f"dpboard: no command {word!r}: the commands are {', '.join(COMMANDS)} (dpboard COMMAND --help for one)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # dpboard's own options take no value: the first word that is not an option is the command
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command not in COMMANDS:
-        command = None
+    if command is not None and command not in COMMANDS:
+        print(unknown_command(command), file=sys.stderr)
+        return USAGE_ERROR
     parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.command is None:

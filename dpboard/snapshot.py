@@ -8,43 +8,79 @@ extension and the CUDA source get the same facts from ``kernels/dpboard_layout.h
 board checks at import that the compiled extension agrees. docs/FORMAT.md describes the layout
 byte by byte.
 
-This module imports only the standard library and NumPy, so read-only tools start fast.
+This module imports only the standard library at import; the NumPy records (``HEADER_DTYPE``,
+``SNAPSHOT_DTYPE``, ``DETAIL_DTYPE``, ...) are built from the plain facts here when first asked for,
+so that the commands that need no array (``dpboard ls``, ``info``, ``clean``) never load NumPy.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+import functools
+import struct
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 LAYOUT_VERSION = 2
 MAGIC = b"DPBOARD\x00"
 MAX_INT64 = 2**63 - 1
 
+# -- fixed records ------------------------------------------------------------------------------
+
+_STRUCT_CODES = {"u1": "B", "<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
+
+
+class RecordLayout:
+    """A fixed little-endian record given once as a NumPy-style spec (names, formats, offsets,
+    itemsize): ``dtype`` (NumPy, built on first use, for arrays over a mapping) and ``struct`` /
+    ``unpack`` (the standard library, for a plain read that needs no NumPy)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.names: tuple[str, ...] = tuple(spec["names"])
+        fields = sorted(zip(spec["offsets"], spec["formats"], strict=True))
+        fmt, at = "<", 0
+        for offset, code in fields:
+            fmt += "x" * (offset - at) + (f"{code[1:]}s" if code[0] == "S" else _STRUCT_CODES[code])
+            at = offset + (int(code[1:]) if code[0] == "S" else struct.calcsize("<" + _STRUCT_CODES[code]))
+        self.struct = struct.Struct(fmt + "x" * (spec["itemsize"] - at))
+        self._order = [spec["names"][spec["offsets"].index(offset)] for offset, _ in fields]
+        assert self.struct.size == spec["itemsize"], (self.struct.size, spec["itemsize"])
+
+    @functools.cached_property
+    def dtype(self) -> np.dtype:
+        import numpy as np
+
+        return np.dtype(self.spec)
+
+    def unpack(self, buf: Any, offset: int = 0) -> dict[str, Any]:
+        """The record at ``offset`` of ``buf`` as a dict of plain values."""
+        return dict(zip(self._order, self.struct.unpack_from(buf, offset), strict=True))
+
+
 # -- the board header -------------------------------------------------------------------------
 
 HEADER_SIZE = 512
-HEADER_DTYPE = np.dtype(
-    {
-        "names": [
-            "magic",
-            "layout_version",
-            "header_size",
-            "n_slots",
-            "slot_size",
-            "creator_pid",
-            "creation_time_ns",
-            "generation",
-            "name",
-            "node_id",
-            "creator_start_ticks",
-        ],
-        "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8", "<i8", "<u8", "S64", "<i8", "<u8"],
-        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 48, 112, 120],
-        "itemsize": 128,
-    }
-)
+HEADER_LAYOUT = RecordLayout({
+    "names": [
+        "magic",
+        "layout_version",
+        "header_size",
+        "n_slots",
+        "slot_size",
+        "creator_pid",
+        "creation_time_ns",
+        "generation",
+        "name",
+        "node_id",
+        "creator_start_ticks",
+    ],
+    "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8", "<i8", "<u8", "S64", "<i8", "<u8"],
+    "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 48, 112, 120],
+    "itemsize": 128,
+})
 # Bytes 128..255 of the header belong to the collector that writes relayed snapshots into this
 # board (dpboard.multinode.collector): its pid and frame counters, written only by it.
 # Bytes 256..511 are reserved and zero.
@@ -65,8 +101,8 @@ COLLECTOR_STATS_FIELDS: tuple[str, ...] = (
     "bad_load",  # a negative load field (appended: the fields above keep their offsets)
     "bad_owner",  # a frame for a node id another connection or CURVE key speaks for (appended too)
 )
-COLLECTOR_STATS_DTYPE = np.dtype([(f, "<u8") for f in COLLECTOR_STATS_FIELDS])
-assert COLLECTOR_STATS_OFFSET + COLLECTOR_STATS_DTYPE.itemsize <= 256
+COLLECTOR_STATS_SIZE = 8 * len(COLLECTOR_STATS_FIELDS)  # COLLECTOR_STATS_DTYPE: one <u8 per field
+assert COLLECTOR_STATS_OFFSET + COLLECTOR_STATS_SIZE <= 256
 
 # -- the slot ---------------------------------------------------------------------------------
 
@@ -167,14 +203,12 @@ class SlotStatus(enum.IntEnum):
 # as in a slot minus the sequence word, so the C reader copies them in one run.
 RECORD_SIZE = 112
 RECORD_STATUS_OFFSET = 8 * NUM_FIELDS
-SNAPSHOT_DTYPE = np.dtype(
-    {
-        "names": [*FIELD_NAMES, "status"],
-        "formats": ["<i8"] * NUM_FIELDS + ["u1"],
-        "offsets": [8 * i for i in range(NUM_FIELDS)] + [RECORD_STATUS_OFFSET],
-        "itemsize": RECORD_SIZE,
-    }
-)
+_SNAPSHOT_SPEC: dict[str, Any] = {
+    "names": [*FIELD_NAMES, "status"],
+    "formats": ["<i8"] * NUM_FIELDS + ["u1"],
+    "offsets": [8 * i for i in range(NUM_FIELDS)] + [RECORD_STATUS_OFFSET],
+    "itemsize": RECORD_SIZE,
+}
 
 
 # -- the detail: what an engine reports beyond the dispatch fields --------------------------------
@@ -273,34 +307,44 @@ def _columns(prefix: str, record: type[NamedTuple]) -> list[tuple[str, str]]:
     return [(prefix + f, formats[kinds[f]]) for f in record._fields if kinds[f] in formats]
 
 
-DETAIL_DTYPE = np.dtype(
+_DETAIL_COLUMNS: list[tuple[Any, ...]] = (
     [("flags", "<u8")]
     + _columns("", LoadDetail)  # the scalars (the sections and decode_moments are not plain types)
     + [("decode_moments_count", "<i8"), ("decode_moments", "<f8", (MAX_DECODE_MOMENTS,))]
     + [col for name, section in DETAIL_SECTIONS.items() for col in _columns(f"{name}_", section)]
 )
-assert tuple(DETAIL_DTYPE.names[1 : 1 + len(DETAIL_SCALARS)]) == DETAIL_SCALARS
-DETAIL_SIZE = DETAIL_DTYPE.itemsize
+assert tuple(c[0] for c in _DETAIL_COLUMNS[1 : 1 + len(DETAIL_SCALARS)]) == DETAIL_SCALARS
+
+
+def _column_size(column: tuple[Any, ...]) -> int:
+    """Bytes of one packed column: "<i8", "<u8", "<f8" and "S<n>" formats, times its shape."""
+    fmt = column[1]
+    size = int(fmt[1:]) if fmt[0] == "S" else int(fmt[-1])
+    for n in column[2] if len(column) > 2 else ():
+        size *= n
+    return size
+
+
+DETAIL_SIZE = sum(_column_size(c) for c in _DETAIL_COLUMNS)  # DETAIL_DTYPE.itemsize (checked when built)
+# where each column of the detail starts in its bytes (DETAIL_DTYPE's offsets): a plain read of a few
+# of them (``BoardReader.read_detailed``'s bytes) needs no NumPy
+DETAIL_FIELD_OFFSETS: dict[str, int] = {
+    c[0]: sum(_column_size(b) for b in _DETAIL_COLUMNS[:i]) for i, c in enumerate(_DETAIL_COLUMNS)}
 DETAIL_WORDS = DETAIL_SIZE // 8
 assert DETAIL_SIZE % 8 == 0 and DETAIL_OFFSET + DETAIL_SIZE <= SLOT_SIZE
 # What a GPU-direct kernel writes, as int64 words from the slot's start: the sequence, the fields,
 # and the detail's flags word (0: a kernel publishes no detail).
 DIRECT_SLOT_WORDS = DETAIL_OFFSET // 8 + 1
 
-# read_detailed_array(): a read_array record followed by the slot's detail words, one consistent read.
-DETAILED_DTYPE = np.dtype(
-    {
-        "names": ["load", "detail"],
-        "formats": [SNAPSHOT_DTYPE, DETAIL_DTYPE],
-        "offsets": [0, RECORD_SIZE],
-        "itemsize": RECORD_SIZE + DETAIL_SIZE,
-    }
-)
 
 
 def pack_detail(detail: LoadDetail | None, out: np.ndarray | None = None) -> np.ndarray:
     """``detail`` as one DETAIL_DTYPE record (into ``out`` when given): what ``publish`` stores."""
-    rec = np.zeros(1, DETAIL_DTYPE) if out is None else out
+    if out is None:
+        import numpy as np
+
+        out = np.zeros(1, _numpy_records()["DETAIL_DTYPE"])
+    rec = out
     rec[0] = 0
     if detail is None:
         return rec
@@ -353,15 +397,12 @@ def unpack_detail(rec: np.void | np.ndarray) -> LoadDetail | None:
     return LoadDetail(**values)
 
 
-_PRESENT_BIT = np.uint64(DETAIL_PRESENT)
-_UNKNOWN_BITS = ~np.uint64(DETAIL_PRESENT | sum(DETAIL_FLAG.values()))
-_MOMENTS_BIT = np.uint64(DETAIL_FLAG["decode_moments"])
-_DISAGGREGATION_BIT = np.uint64(DETAIL_FLAG["disaggregation"])
-
-
 def detail_problem(details: np.ndarray) -> str | None:
     """What makes any of these DETAIL_DTYPE records one ``unpack_detail`` cannot read back as the
     engine wrote it (a detail that came from elsewhere: a relay frame), or None when all are sound."""
+    import numpy as np
+
+    _PRESENT_BIT, _UNKNOWN_BITS, _MOMENTS_BIT, _DISAGGREGATION_BIT = _flag_words()
     flags = details["flags"]
     if not len(flags):
         return None
@@ -389,6 +430,51 @@ def segment_size(n_slots: int) -> int:
 
 def slot_offset(rank: int) -> int:
     return HEADER_SIZE + rank * SLOT_SIZE
+
+
+# -- the NumPy records, built from the facts above on first use ------------------------------------
+
+
+@functools.cache
+def _numpy_records() -> dict[str, Any]:
+    import numpy as np
+
+    header = HEADER_LAYOUT.dtype
+    snapshot = np.dtype(_SNAPSHOT_SPEC)
+    detail = np.dtype(_DETAIL_COLUMNS)
+    assert detail.itemsize == DETAIL_SIZE, (detail.itemsize, DETAIL_SIZE)
+    assert {name: detail.fields[name][1] for name in detail.names} == DETAIL_FIELD_OFFSETS
+    stats = np.dtype([(f, "<u8") for f in COLLECTOR_STATS_FIELDS])
+    assert stats.itemsize == COLLECTOR_STATS_SIZE
+    return {
+        "HEADER_DTYPE": header,
+        "COLLECTOR_STATS_DTYPE": stats,
+        "SNAPSHOT_DTYPE": snapshot,
+        "DETAIL_DTYPE": detail,
+        # read_detailed_array(): a read_array record followed by the slot's detail words, one consistent read
+        "DETAILED_DTYPE": np.dtype({"names": ["load", "detail"], "formats": [snapshot, detail],
+                                    "offsets": [0, RECORD_SIZE], "itemsize": RECORD_SIZE + DETAIL_SIZE}),
+    }
+
+
+@functools.cache
+def _flag_words() -> tuple[Any, Any, Any, Any]:
+    import numpy as np
+
+    return (np.uint64(DETAIL_PRESENT), ~np.uint64(DETAIL_PRESENT | sum(DETAIL_FLAG.values())),
+            np.uint64(DETAIL_FLAG["decode_moments"]), np.uint64(DETAIL_FLAG["disaggregation"]))
+
+
+def __getattr__(name: str) -> Any:
+    """``HEADER_DTYPE``, ``SNAPSHOT_DTYPE``, ... : NumPy is imported when one is first asked for."""
+    if name in _NUMPY_RECORDS:
+        value = _numpy_records()[name]
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_NUMPY_RECORDS = ("HEADER_DTYPE", "COLLECTOR_STATS_DTYPE", "SNAPSHOT_DTYPE", "DETAIL_DTYPE", "DETAILED_DTYPE")
 
 
 # -- the load kernels' codes ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A controller in front of two fake schedulers, on one machine, for a few seconds.
+"""A controller in front of two fake schedulers, on one machine, until every request is delivered.
 
     python examples/run_controller.py [--requests 500] [--method inflight_tokens]
 
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--requests", type=count(1, 1_000_000), default=500, help="requests the client sends")
     parser.add_argument("--method", default="inflight_tokens", choices=METHOD_CHOICES, help="the controller's method")
-    parser.add_argument("--duration", type=seconds(3600), default=2.0,
-                        help="seconds the controller runs (the client sends one request every 2 ms)")
+    parser.add_argument("--duration", type=seconds(3600), default=60.0,
+                        help="seconds the controller runs at most: it stops once every request sent has reached "
+                             "a scheduler (the client sends one request every 2 ms)")
     args = parser.parse_args(argv)
 
     tmp = tempfile.mkdtemp()
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             client.send(encode_request(f"r{i}", input_ids=[0] * random.choice([30, 30, 30, 3000]),
                                        bootstrap_room=room))
             time.sleep(0.002)
+        # every request acknowledged by a scheduler's count (or the duration up), then the controller stops
+        while runner.is_alive() and controller.stats["delivered"] + controller.stats["rejected"] < args.requests:
+            runner.join(0.05)
+        controller.stop()
         runner.join()
         stop.set()
         for t in threads:

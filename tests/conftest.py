@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.names import new_board_name, session_segments
+from tests.support.wheels import MARKERS_VARIABLE, run_own_session
 
 # The engines' wheels (SGLang's, ...) sit beside the venv's site-packages, where pip does not see
 # them (the Makefile's ENGINE_WHEELS): on sys.path here, and on PYTHONPATH for the processes tests start.
@@ -21,6 +22,28 @@ if ENGINE_DIR.is_dir() and str(ENGINE_DIR) not in sys.path:
 # (tests/loads/test_cuda_sources.py starts it with NUMBA_ENABLE_CUDASIM=1, which must be set before
 # numba is imported).
 collect_ignore_glob = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["loads/cudasim/*"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The engines' sessions of their own (tests/support/wheels.py) select the markers this one does:
+    `make test`'s -m "not slow and not serving" leaves their slow tests out too. A pytest-xdist
+    worker is started with COLUMNS=80 and LINES=24: the processes a test starts in a terminal of its
+    own (tmux at 150 columns) would take those over the terminal's size."""
+    os.environ[MARKERS_VARIABLE] = config.getoption("markexpr") or ""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The engines' sessions of their own (a pytest run each, minutes on a small machine) first: with
+    `make test`'s workers each taking whole files, the rest of the suite then runs beside them
+    instead of after them. The order of everything else stays."""
+    def own_session(item: pytest.Item) -> bool:
+        module = getattr(item, "module", None)
+        return getattr(module, "run_own_session", None) is run_own_session
+
+    items.sort(key=lambda item: not own_session(item))
 
 
 @pytest.fixture(scope="session", autouse=True)

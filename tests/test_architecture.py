@@ -19,7 +19,7 @@ from tests.support.names import ROOT
 PACKAGE = ROOT / "dpboard"
 
 LAYERS: list[set[str]] = [
-    {"errors", "snapshot", "stopping", "options", "processes"},  # the leaf contract and shared plumbing
+    {"errors", "snapshot", "stopping", "options", "processes", "lazy"},  # the leaf contract and shared plumbing
     {"ownership", "guard"},  # files in shared directories, single-owner locks, endpoints | connection bounds
     {"board", "loads"},  # the segment and its seqlock | tables -> counters
     {"publish"},  # counters -> the rank's slot

@@ -35,6 +35,19 @@ def test_a_bad_argument_is_status_2():
     assert out.returncode == 2 and "argument --stale-after: 'soon' is not a number" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(("typo", "meant"), [("tpo", "top"), ("servee", "serve"), ("lss", "ls"), ("bnech", "bench")])
+def test_a_mistyped_command_is_one_line_naming_the_command_meant(typo, meant):
+    out = dpboard(typo, "cluster")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stdout == ""
+    assert out.stderr.startswith(f"dpboard: no command {typo!r}: did you mean {meant}")
+
+
+def test_a_word_like_no_command_lists_every_command():
+    out = dpboard("xyzzy")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert all(name in out.stderr for name in cli.COMMANDS) and "did you mean" not in out.stderr
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch):
     from dpboard.views import inspect
 

@@ -513,7 +513,8 @@ static int check_stale_after_ns(long long stale_after_ns) {
     return 0;
 }
 
-/* BoardView(mapping, offset, n_slots, snapshot_type, statuses, out, stale_after_ns, max_retries) */
+/* BoardView(mapping, offset, n_slots, snapshot_type, statuses, out, stale_after_ns, max_retries);
+   out: the reader's own SNAPSHOT_DTYPE array for read_array(), or None for the plain reads only */
 static int view_init(BoardView *self, PyObject *args, PyObject *kwds) {
     PyObject *mapping, *snapshot_type, *statuses, *out;
     Py_ssize_t offset, n_slots;
@@ -560,12 +561,16 @@ static int view_init(BoardView *self, PyObject *args, PyObject *kwds) {
         self->has_view = 0;
         return -1;
     }
-    if (get_record_buffer(out, &self->out, n_slots) < 0) {
-        PyBuffer_Release(&self->view);
-        self->has_view = 0;
-        return -1;
+    /* out=None: a view for the plain reads (read, read_all, read_with_status, status), which hand
+       Python values and need no array; its read_array() then takes one. */
+    if (out != Py_None) {
+        if (get_record_buffer(out, &self->out, n_slots) < 0) {
+            PyBuffer_Release(&self->view);
+            self->has_view = 0;
+            return -1;
+        }
+        self->has_out = 1;
     }
-    self->has_out = 1;
     self->slots = (const char *)self->view.buf + offset;
     self->n_slots = n_slots;
     self->stale_after_ns = stale_after_ns;
@@ -598,6 +603,11 @@ static PyObject *view_read_array(BoardView *self, PyObject *const *args, Py_ssiz
     }
     PyObject *out = nargs + nkw == 1 ? args[0] : Py_None;
     if (out == Py_None) {
+        if (!self->has_out) {
+            PyErr_SetString(PyExc_TypeError, "this reader was made without an array of its own (plain reads "
+                                             "only): pass read_array(out=...) a SNAPSHOT_DTYPE array");
+            return NULL;
+        }
         fill_records(self, (char *)self->out.buf);
         Py_INCREF(self->out_obj);
         return self->out_obj;

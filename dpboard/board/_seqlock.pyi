@@ -59,7 +59,7 @@ class BoardView:
         n_slots: int,
         snapshot_type: type[LoadSnapshot],
         statuses: tuple[SlotStatus, ...],
-        out: np.ndarray,
+        out: np.ndarray | None,
         stale_after_ns: int,
         max_retries: int,
     ) -> None: ...

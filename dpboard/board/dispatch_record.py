@@ -8,9 +8,9 @@ its throttle, how many requests went to each rank, how many came with ``routed_d
 ``bootstrap_room``, how many were placed by a fallback or rejected. The board's layout is unchanged.
 docs/FORMAT.md ("The dispatch record") has it byte by byte.
 
-Layout (little-endian): a 64-byte header (``DISPATCH_HEADER_DTYPE``: magic ``DPBDISP\\0``, version,
+Layout (little-endian): a 64-byte header (``DISPATCH_HEADER``: magic ``DPBDISP\\0``, version,
 rows, slots, row size, creator pid), then ``rows`` rows of ``row_size(slots)`` bytes: a 128-byte row
-head (``ROW_DTYPE``: ``seq``, ``pid``, method, disaggregation mode, the publish's wall and monotonic
+head (``ROW_HEAD``: ``seq``, ``pid``, method, disaggregation mode, the publish's wall and monotonic
 stamps, the refresh interval, then the cumulative counters) and per slot ``dispatched`` and
 ``routed`` (i64 each). One row per dispatching process (the vLLM API servers each have one).
 
@@ -31,31 +31,33 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.board.side_record import (
     HEADER_SIZE,
     SideFile,
     SideFormat,
-    base_header_dtype,
+    base_header_layout,
     leave_records_of,
     read_mapped,
     remove_if_unheld,
     row_alive,
 )
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
-from dpboard.snapshot import unpack_owner
+from dpboard.snapshot import RecordLayout, unpack_owner
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
 DISPATCH_VERSION = 1
 DISPATCH_PREFIX = "dpboard-dispatch."
 DISPATCH_HEADER_SIZE = HEADER_SIZE
-DISPATCH_HEADER_DTYPE = base_header_dtype([], [], [])
+DISPATCH_HEADER = base_header_layout([], [], [])
 METHOD_BYTES = 32
 MODE_BYTES = 8
 COUNTERS: tuple[str, ...] = (
@@ -67,7 +69,7 @@ COUNTERS: tuple[str, ...] = (
     "rejected",  # answered with an error instead of dispatched
 )
 ROW_HEAD_SIZE = 128
-ROW_DTYPE = np.dtype({
+ROW_HEAD = RecordLayout({
     # holder: the owner word of a board's slot (pid and start time, snapshot.pack_owner): pids are recycled
     "names": ["seq", "holder", "method", "mode", "wall_ns", "monotonic_ns", "refresh_interval_ns", *COUNTERS],
     "formats": ["<u8", "<u8", f"S{METHOD_BYTES}", f"S{MODE_BYTES}", "<i8", "<i8", "<i8"] + ["<i8"] * len(COUNTERS),
@@ -86,7 +88,7 @@ def row_size(slots: int) -> int:
 
 
 DISPATCH_FORMAT = SideFormat("dispatch record", DISPATCH_PREFIX, DISPATCH_MAGIC, DISPATCH_VERSION,
-                             DISPATCH_HEADER_DTYPE, row_size, MAX_ROWS, MAX_SLOTS, rows_are="rows (dispatchers)",
+                             DISPATCH_HEADER, row_size, MAX_ROWS, MAX_SLOTS, rows_are="rows (dispatchers)",
                              one_shape="one dispatcher count per board; stop the other dispatchers first")
 
 
@@ -145,7 +147,9 @@ class DispatchRecord:
         method_raw = _text(method, METHOD_BYTES, "method")
         mode_raw = _text(mode, MODE_BYTES, "disaggregation mode")
         off = DISPATCH_HEADER_SIZE + index * self._size
-        head = np.ndarray((), ROW_DTYPE, self._mapping, off)
+        import numpy as np
+
+        head = np.ndarray((), ROW_HEAD.dtype, self._mapping, off)
         per_slot = np.ndarray((self.slots, 2), "<i8", self._mapping, off + ROW_HEAD_SIZE)
 
         def reset(_: int) -> None:
@@ -185,15 +189,16 @@ class DispatchRow:
         self._per_slot = per_slot
         self._next = 0.0
         self.closed = False
+        self._one = head.dtype["seq"].type(1)  # the sequence's own type: never a float on the way
 
     def due(self, now: float) -> bool:
         return now >= self._next
 
     def _begin(self) -> None:
-        self._head["seq"] += np.uint64(1)  # odd: a write is under way
+        self._head["seq"] += self._one  # odd: a write is under way
 
     def _end(self) -> None:
-        self._head["seq"] += np.uint64(1)
+        self._head["seq"] += self._one
 
     def publish(self, refreshes: int, requests: int, routed: int, with_room: int, fallbacks: int, rejected: int,
                 per_rank: Any, routed_per_rank: Any = None) -> None:
@@ -249,7 +254,7 @@ class DispatchTally:
 
     def publish(self) -> None:
         per_rank = self.requests_per_rank()
-        self.row.publish(self.refreshes, int(np.sum(per_rank)), self.routed, self.with_room, self.fallbacks,
+        self.row.publish(self.refreshes, int(sum(per_rank)), self.routed, self.with_room, self.fallbacks,
                          self.rejected, per_rank, self.routed_per_rank)
 
     def close(self) -> None:
@@ -352,19 +357,20 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
             torn = raw is None
             if torn:
                 raw = bytes(mapping[off: off + size])  # the pid and method only, for the report
-            head = np.frombuffer(raw, ROW_DTYPE, 1)[0]
+            head = ROW_HEAD.unpack(raw)
             word = int(head["holder"])
             pid = unpack_owner(word)[0]
             if pid == 0:
                 continue
-            per = np.frombuffer(raw, "<i8", 2 * slots, ROW_HEAD_SIZE).reshape(slots, 2)
+            per = struct.unpack_from(f"<{2 * slots}q", raw, ROW_HEAD_SIZE)
             out.append(DispatchRowSample(
                 row=index, pid=pid, alive=row_alive(DISPATCH_FORMAT, fd, index, slots, word),
-                method=head["method"].decode(errors="replace"), mode=head["mode"].decode(errors="replace"),
+                method=head["method"].rstrip(b"\0").decode(errors="replace"),
+                mode=head["mode"].rstrip(b"\0").decode(errors="replace"),
                 refresh_interval=int(head["refresh_interval_ns"]) / 1e9,
                 age_s=(now - int(head["monotonic_ns"])) / 1e9, wall_ns=int(head["wall_ns"]),
                 counts={name: int(head[name]) for name in COUNTERS},
-                per_rank=per[:, 0].tolist(), routed_per_rank=per[:, 1].tolist(), torn=torn))
+                per_rank=list(per[0::2]), routed_per_rank=list(per[1::2]), torn=torn))
         return out
     finally:
         mapping.close()
@@ -410,3 +416,11 @@ def remove_abandoned_records(board: str | None = None) -> list[str]:
         if not (SHM_DIR / (SEGMENT_PREFIX + name)).exists() and remove_if_abandoned(name):
             removed.append(name)
     return removed
+
+
+def __getattr__(name: str) -> Any:
+    """``DISPATCH_HEADER_DTYPE`` and ``ROW_DTYPE``, the records' NumPy types, built on first use."""
+    layouts = {"DISPATCH_HEADER_DTYPE": DISPATCH_HEADER, "ROW_DTYPE": ROW_HEAD}
+    if name in layouts:
+        return layouts[name].dtype
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

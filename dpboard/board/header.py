@@ -9,11 +9,10 @@ from typing import Any
 from dpboard.board.errors import BoardLayoutError
 from dpboard.board.liveness import process_alive
 from dpboard.board.names import MAX_SLOTS
-from dpboard.snapshot import HEADER_DTYPE, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE, segment_size
+from dpboard.snapshot import HEADER_LAYOUT, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE, segment_size
 
 # The header's fields, little-endian, at the offsets HEADER_DTYPE gives them (packed in one call).
-HEADER_STRUCT = struct.Struct("<8sIIII q q Q 64s q Q")
-assert HEADER_STRUCT.size == HEADER_DTYPE.itemsize
+HEADER_STRUCT: struct.Struct = HEADER_LAYOUT.struct
 NO_MAGIC = b"\x00" * 8
 
 

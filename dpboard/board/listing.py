@@ -17,7 +17,6 @@ import struct
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import posix_ipc
 
 from dpboard.board.dispatch_record import remove_abandoned_records
@@ -41,6 +40,8 @@ from dpboard.snapshot import (
 
 _SEQ_WORD = 0
 _MONOTONIC_WORD = FIELDS_OFFSET // 8 + FIELD_INDEX["monotonic_ns"]
+# a slot's sequence word and its monotonic stamp, the words between them skipped
+_SEQ_AND_STAMP = struct.Struct(f"<q{8 * (_MONOTONIC_WORD - _SEQ_WORD - 1)}xq")
 
 
 @dataclass(frozen=True)
@@ -98,19 +99,15 @@ def _damage(header: BoardHeader, size: int) -> str | None:
 
 def _last_publish_age(mm: mmap.mmap, n_slots: int) -> float | None:
     """Seconds since the latest whole publish into any slot, from the slots' monotonic stamps.
-    ``n_slots`` is bounded by ``_damage`` first: at most MAX_SLOTS * 16 bytes are copied."""
-    words = np.frombuffer(mm, dtype=np.int64, count=n_slots * SLOT_SIZE // 8, offset=HEADER_SIZE)
-    try:
-        slots = words.reshape(n_slots, SLOT_SIZE // 8)
-        seq = slots[:, _SEQ_WORD].copy()
-        stamps = slots[:, _MONOTONIC_WORD].copy()
-        del slots
-    finally:
-        del words  # the caller closes the mapping: no export may outlive it, error or not
-    whole = (seq != 0) & (seq % 2 == 0)
-    if not whole.any():
+    ``n_slots`` is bounded by ``_damage`` first: at most MAX_SLOTS * 16 bytes are read (plain
+    values: the listing loads no NumPy)."""
+    latest = None
+    for rank in range(n_slots):
+        seq, stamp = _SEQ_AND_STAMP.unpack_from(mm, HEADER_SIZE + rank * SLOT_SIZE)
+        if seq != 0 and seq % 2 == 0 and (latest is None or stamp > latest):
+            latest = stamp
+    if latest is None:
         return None
-    latest = int(stamps[whole].max())
     return (time.monotonic_ns() - latest) / 1e9  # negative: a stamp ahead of this clock (not recent)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import errno
 import mmap
+import numbers
 import os
 import secrets
 import stat
@@ -18,9 +19,8 @@ import struct
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import posix_ipc
 
 from dpboard.board.dispatch_record import remove_if_abandoned
@@ -42,14 +42,12 @@ from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
 from dpboard.ownership import check_owned, describe_owner, lock_range
 from dpboard.snapshot import (
-    COLLECTOR_STATS_DTYPE,
     COLLECTOR_STATS_FIELDS,
     COLLECTOR_STATS_OFFSET,
     HEADER_SIZE,
     LAYOUT_VERSION,
     MAGIC,
     SLOT_SIZE,
-    SNAPSHOT_DTYPE,
     LoadSnapshot,
     SlotStatus,
     pack_owner,
@@ -57,6 +55,9 @@ from dpboard.snapshot import (
     slot_offset,
     unpack_owner,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULT_STALE_AFTER = 1.0
 MAX_NODE_ID = 2**63 - 1  # the header's node_id is a signed 64-bit word
@@ -358,7 +359,7 @@ class Board:
         return self._mapping
 
     def _check_rank(self, rank: int) -> int:
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.n_slots:
+        if not isinstance(rank, numbers.Integral) or not 0 <= rank < self.n_slots:  # NumPy's integers too
             raise IndexError(
                 f"rank {rank!r} is out of range: board {self._name!r} has {self.n_slots} slots "
                 f"(ranks 0..{self.n_slots - 1})"
@@ -443,11 +444,20 @@ class Board:
             live_writers[key] = weakref.ref(w, lambda ref, key=key: forget_writer(key, ref))
         return w
 
-    def reader(self, *, stale_after: float = DEFAULT_STALE_AFTER, max_retries: int = DEFAULT_MAX_RETRIES) -> BoardReader:
+    def reader(self, *, stale_after: float = DEFAULT_STALE_AFTER, max_retries: int = DEFAULT_MAX_RETRIES,
+               arrays: bool = True) -> BoardReader:
         """A reader of every slot. ``stale_after``: seconds without a publish before a slot is STALE,
-        in [MIN_STALE_AFTER, MAX_STALE_AFTER] (``dpboard.board.stale``)."""
+        in [MIN_STALE_AFTER, MAX_STALE_AFTER] (``dpboard.board.stale``). ``arrays=False``: a reader for the
+        plain reads only (``read``, ``read_all``, ``read_with_status``, ``status``: Python values), which
+        loads no NumPy; its ``read_array`` then needs ``out``."""
         stale_after = check_stale_after(stale_after)
-        out = np.zeros(self.n_slots, dtype=SNAPSHOT_DTYPE)
+        out = None
+        if arrays:
+            import numpy as np
+
+            from dpboard.snapshot import SNAPSHOT_DTYPE
+
+            out = np.zeros(self.n_slots, dtype=SNAPSHOT_DTYPE)
         r = BoardReader(
             self._require_mapping(), HEADER_SIZE, self.n_slots, LoadSnapshot, _STATUSES, out,
             int(stale_after * 1e9), max_retries,
@@ -462,13 +472,18 @@ class Board:
 
         Only the board's collector writes it (dpboard.multinode.collector); it keeps this board's
         mapping alive while it is held."""
+        import numpy as np
+
+        from dpboard.snapshot import COLLECTOR_STATS_DTYPE
+
         return np.frombuffer(self._require_mapping(), dtype=COLLECTOR_STATS_DTYPE, count=1,
                              offset=COLLECTOR_STATS_OFFSET)
 
     def collector_stats(self) -> dict[str, Any]:
-        """The collector's pid and frame counters, plus whether that collector is alive."""
-        rec = self.collector_stats_record()[0]
-        stats: dict[str, Any] = {name: int(rec[name]) for name in COLLECTOR_STATS_FIELDS}
+        """The collector's pid and frame counters, plus whether that collector is alive (plain
+        values, read without NumPy)."""
+        values = struct.unpack_from(f"<{len(COLLECTOR_STATS_FIELDS)}Q", self._require_mapping(), COLLECTOR_STATS_OFFSET)
+        stats: dict[str, Any] = dict(zip(COLLECTOR_STATS_FIELDS, values, strict=True))
         stats["collector_alive"] = int(process_alive(stats["collector_pid"], stats["collector_start_ticks"]))
         return stats
 

@@ -6,7 +6,7 @@ requests in flight from all of them: ``sum of sent over the rows - received``. T
 unchanged: this is a file of its own, ``/dev/shm/dpboard-sent.<board>``, created beside the board by
 the first sender. docs/FORMAT.md ("The sent record") has it byte by byte.
 
-Layout (little-endian): a 64-byte header (``SENT_HEADER_DTYPE``: magic ``DPBSENT\\0``, version, rows,
+Layout (little-endian): a 64-byte header (``SENT_HEADER``: magic ``DPBSENT\\0``, version, rows,
 slots, row size, creator pid, the board's generation, creator start ticks), then ``rows`` rows of
 ``row_size`` bytes: ``seq`` (u64), ``holder`` (the owner word of a board slot: pid and start ticks;
 0 while free), ``shared`` (1 once ``base`` holds something), 8 reserved bytes, then per slot
@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import os
 import time
-
-import numpy as np
+from typing import Any
 
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import validate_name
@@ -50,7 +49,7 @@ from dpboard.board.side_record import (
     HOLDER_WORD,
     SideFile,
     SideFormat,
-    base_header_dtype,
+    base_header_layout,
     held,
     open_existing,
     read_header,
@@ -59,11 +58,25 @@ from dpboard.board.side_record import (
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.snapshot import unpack_owner
 
+# NumPy, bound when the first record is opened: record_state and remove_record (what `dpboard clean`
+# calls) read headers with the standard library and load no NumPy.
+np: Any = None
+
+
+def _numpy() -> Any:
+    global np
+    if np is None:
+        import numpy
+
+        np = numpy
+    return np
+
+
 SENT_MAGIC = b"DPBSENT\x00"
 SENT_VERSION = 2
 SENT_PREFIX = "dpboard-sent."
 SENT_HEADER_SIZE = HEADER_SIZE
-SENT_HEADER_DTYPE = base_header_dtype(["generation", "creator_start_ticks"], ["<u8", "<i8"], [32, 40])
+SENT_HEADER = base_header_layout(["generation", "creator_start_ticks"], ["<u8", "<i8"], [32, 40])
 ROW_HEADER = 32  # seq, holder, shared, reserved
 SHARED_WORD = 2  # 1 once the holder has shared its base
 COUNTS_WORD = ROW_HEADER // 8
@@ -90,7 +103,7 @@ def record_size(rows: int, slots: int) -> int:
     return SENT_FORMAT.size(rows, slots)
 
 
-SENT_FORMAT = SideFormat("sent record", SENT_PREFIX, SENT_MAGIC, SENT_VERSION, SENT_HEADER_DTYPE, row_size,
+SENT_FORMAT = SideFormat("sent record", SENT_PREFIX, SENT_MAGIC, SENT_VERSION, SENT_HEADER, row_size,
                          MAX_ROWS, MAX_SLOTS, rows_are="rows (API servers)",
                          one_shape="one API-server count per deployment, stop the other servers first")
 
@@ -113,6 +126,7 @@ class SentRecord:
         self.generation = generation
         self.is_owner = side.is_owner
         self._side = side
+        _numpy()
         words = row_size(slots) // 8
         self._table = side.table
         self._seq = side.seq
@@ -320,3 +334,10 @@ def remove_record(path: str, *, force: bool = False, inode: int | None = None) -
     """Remove the record at ``path`` (ours only) when nobody holds it, or with ``force``; only the file
     ``inode`` when given. True when it was removed."""
     return remove_if_unheld(SENT_FORMAT, path, force=force, inode=inode)
+
+
+def __getattr__(name: str) -> Any:
+    """``SENT_HEADER_DTYPE``, the header's NumPy type, built on first use."""
+    if name == "SENT_HEADER_DTYPE":
+        return SENT_HEADER.dtype
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dpboard import snapshot
 from dpboard.board import _seqlock
-from dpboard.snapshot import DETAIL_DTYPE, LoadDetail, LoadSnapshot, SlotStatus, pack_detail, unpack_detail
+from dpboard.snapshot import LoadDetail, LoadSnapshot, SlotStatus, pack_detail, unpack_detail
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The facts the extension's reads and writes depend on, compared at import.
 _COMPILED_LAYOUT = (
@@ -94,6 +96,10 @@ class BoardWriter(_seqlock.SlotWriter):
     def publish_detailed(self, snapshot: LoadSnapshot, detail: LoadDetail | None) -> None:
         """Publish the fields and the detail as one write (None: no detail, as ``publish``)."""
         if self._detail_buffer is None:
+            import numpy as np
+
+            from dpboard.snapshot import DETAIL_DTYPE
+
             self._detail_buffer = np.zeros(1, DETAIL_DTYPE)
         self.publish(snapshot, pack_detail(detail, self._detail_buffer))
 
@@ -116,6 +122,10 @@ class BoardReader(_seqlock.BoardView):
     def read_detail(self, rank: int) -> tuple[SlotStatus, LoadSnapshot | None, LoadDetail | None]:
         """The slot's status, snapshot and detail, from one write (the detail is None when the writer
         published none, and with the snapshot when the slot is EMPTY or TORN)."""
+        import numpy as np
+
+        from dpboard.snapshot import DETAIL_DTYPE
+
         status, snap, raw = self.read_detailed(rank)
         detail = None if raw is None else unpack_detail(np.frombuffer(raw, DETAIL_DTYPE)[0])
         return status, snap, detail

@@ -37,9 +37,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive, process_start_ticks
@@ -47,7 +45,10 @@ from dpboard.board.names import SHM_DIR, validate_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, NotFoundError, UnavailableError
 from dpboard.ownership import check_owned, lock_range, open_refusal, range_held, same_file, unlock_range
-from dpboard.snapshot import pack_owner, unpack_owner
+from dpboard.snapshot import RecordLayout, pack_owner, unpack_owner
+
+if TYPE_CHECKING:
+    pass
 
 HEADER_SIZE = 64
 SEQ_WORD, HOLDER_WORD = 0, 1  # the first two words of every row
@@ -55,7 +56,7 @@ ATTACH_LOCK = (56, 8)  # (offset, length) in the header: the bytes every process
 OPEN_ATTEMPTS = 50  # a record replaced or removed while we open it: open again, this many times at most
 FLOCK_TRIES = 1000  # 1 ms apart: a replacer or an attacher holds the flock a moment at most
 HEADER_WAIT = 5.0  # seconds an attacher waits for a creator's magic
-BASE_DTYPE = {  # the fields every side record's header starts with
+BASE_HEADER = {  # the fields every side record's header starts with
     "names": ["magic", "version", "rows", "slots", "row_size", "creator_pid"],
     "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8"],
     "offsets": [0, 8, 12, 16, 20, 24],
@@ -70,7 +71,7 @@ class SideFormat:
     prefix: str  # the file's name in /dev/shm before the board's: "dpboard-sent."
     magic: bytes
     version: int
-    header_dtype: np.dtype  # HEADER_SIZE bytes, BASE_DTYPE's fields first
+    header: RecordLayout  # HEADER_SIZE bytes, BASE_HEADER's fields first
     row_size: Callable[[int], int]  # of a record of that many slots
     max_rows: int
     max_slots: int
@@ -150,7 +151,7 @@ def read_header(fmt: SideFormat, fd: int, path: str, *, wait: float = 0.0) -> tu
         time.sleep(0.005)
     if raw[:8] != fmt.magic:
         return (f"has no {fmt.what} header: it is not one, or its creator died while creating it")
-    header = np.frombuffer(raw, fmt.header_dtype, 1)[0]
+    header = fmt.header.unpack(raw)  # plain values: a reader (doctor, clean) needs no NumPy
     damage = fmt.damage(header, st.st_size)
     return damage if damage is not None else (header, st)
 
@@ -174,7 +175,9 @@ def _create(fmt: SideFormat, path: str, board: str, rows: int, slots: int,
         reserve_pages(fd, size, f"the {fmt.what} of board {board!r}")
         lock_range(fd, *ATTACH_LOCK, shared=True)
         mapping = mmap.mmap(fd, size)
-        header = np.ndarray((), fmt.header_dtype, mapping, 0)
+        import numpy as np
+
+        header = np.ndarray((), fmt.header.dtype, mapping, 0)
         header["version"], header["rows"], header["slots"] = fmt.version, rows, slots
         header["row_size"], header["creator_pid"] = fmt.row_size(slots), os.getpid()
         for name, value in fields.items():
@@ -299,6 +302,8 @@ class SideFile:
         self.mapping = mapping
         self.inode = os.fstat(fd).st_ino
         self.row_size = fmt.row_size(slots)
+        import numpy as np
+
         self.table = np.ndarray((rows, self.row_size // 8), "<i8", mapping, HEADER_SIZE)
         self.seq = self.table[:, SEQ_WORD].view("<u8")
         self.holder = self.table[:, HOLDER_WORD].view("<u8")
@@ -491,11 +496,11 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
-def base_header_dtype(extra_names: list[str], extra_formats: list[str], extra_offsets: list[int]) -> np.dtype:
-    """A side record's header dtype: ``BASE_DTYPE``'s fields, then the record's own."""
-    return np.dtype({
-        "names": BASE_DTYPE["names"] + extra_names,
-        "formats": BASE_DTYPE["formats"] + extra_formats,
-        "offsets": BASE_DTYPE["offsets"] + extra_offsets,
+def base_header_layout(extra_names: list[str], extra_formats: list[str], extra_offsets: list[int]) -> RecordLayout:
+    """A side record's header: ``BASE_HEADER``'s fields, then the record's own."""
+    return RecordLayout({
+        "names": BASE_HEADER["names"] + extra_names,
+        "formats": BASE_HEADER["formats"] + extra_formats,
+        "offsets": BASE_HEADER["offsets"] + extra_offsets,
         "itemsize": HEADER_SIZE,
     })

@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,9 +41,10 @@ from dpboard.views.top import render, render_text
 from dpboard.views.watch import BoardWatch, Frame
 
 MAX_RANKS = 256
-SETTLE_TIMEOUT = 3.0  # seconds for in-flight requests to reach their schedulers at the end
+SETTLE_TIMEOUT = 10.0  # seconds for in-flight requests to reach their schedulers at the end (a loaded machine)
 READY_TIMEOUT = 120.0  # seconds for every scheduler to publish its first snapshot (cold Numba cache)
 STOP_TIMEOUT = 5.0
+COMPILE_NOTE_AFTER = 1.0  # seconds of kernel warm-up after which the demo says that Numba compiles
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -90,6 +93,23 @@ def _check(args: argparse.Namespace) -> None:
 
 # -- the run's statistics -------------------------------------------------------------------------
 
+# Joins a figure to its label and unit while the summary is wrapped: textwrap breaks at spaces only.
+_KEEP = "\N{NO-BREAK SPACE}"
+
+
+def fit_lines(lines: list[str], width: int | None) -> str:
+    """``lines`` joined; with ``width`` (a terminal's), each broken between its words to fit, so
+    that the terminal never breaks one inside a figure; ``_KEEP`` holds words together."""
+    if width is not None:
+        lines = [textwrap.fill(line, max(width, 20), subsequent_indent="      ", break_long_words=False,
+                               break_on_hyphens=False) for line in lines]
+    return "\n".join(lines).replace(_KEEP, " ")
+
+
+def terminal_width() -> int | None:
+    """The terminal's width when stdout is one; None for a pipe or a file (nothing wraps there)."""
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
 
 @dataclass
 class RunStats:
@@ -133,28 +153,31 @@ class RunStats:
         return [f"  {lost} of the requests sent never reached a scheduler: refused by the controller, or still "
                 f"in flight when the load stopped"]
 
-    def summary(self, method: str) -> str:
+    def summary(self, method: str, width: int | None = None) -> str:
+        """The run in a few lines; with ``width`` (a terminal's), each line is broken between its
+        items to fit, never inside one ("p99 27.9 ms" stays whole)."""
         served = sum(self.served_by_rank)
 
         def pct(values: list[float], q: float) -> str:
-            return f"{np.percentile(values, q) * 1e3:.1f} ms" if values else "-"
+            return f"{np.percentile(values, q) * 1e3:.1f}{_KEEP}ms" if values else "-"
 
         lines = [
             f"dpboard demo: {self.ranks} rank{'s' if self.ranks != 1 else ''}, method {method}, {self.load_seconds:.1f} s of load",
             f"  requests sent {self.sent}, received by schedulers {sum(self.received_by_rank)}, served {served}",
             *self._undelivered(method),
-            f"  queueing delay (arrival at scheduler -> first scheduled): p50 {pct(self.queue_s, 50)}, "
-            f"p99 {pct(self.queue_s, 99)}",
-            f"  end-to-end latency (sent -> finished): p50 {pct(self.latency_s, 50)}, p99 {pct(self.latency_s, 99)}",
+            f"  queueing delay (arrival at scheduler -> first scheduled): p50{_KEEP}{pct(self.queue_s, 50)}, "
+            f"p99{_KEEP}{pct(self.queue_s, 99)}",
+            f"  end-to-end latency (sent -> finished): p50{_KEEP}{pct(self.latency_s, 50)}, "
+            f"p99{_KEEP}{pct(self.latency_s, 99)}",
         ]
         if self.imbalance:
-            lines.append(f"  imbalance (max/mean total tokens over live ranks): mean {np.mean(self.imbalance):.2f}, "
-                         f"worst {max(self.imbalance):.2f} over {len(self.imbalance)} samples")
+            lines.append(f"  imbalance (max/mean total tokens over live ranks): mean{_KEEP}{np.mean(self.imbalance):.2f}, "
+                         f"worst{_KEEP}{max(self.imbalance):.2f} over{_KEEP}{len(self.imbalance)}{_KEEP}sample{'s' if len(self.imbalance) != 1 else ''}")
         else:
             lines.append("  imbalance: no sample had load on a live rank")
         lines.append("  served per rank:   " + " ".join(f"{r}:{n}" for r, n in enumerate(self.served_by_rank)))
         lines.append("  received per rank: " + " ".join(f"{r}:{n}" for r, n in enumerate(self.received_by_rank)))
-        return "\n".join(lines)
+        return fit_lines(lines, width)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -229,10 +252,30 @@ def _controller_argv(args: argparse.Namespace, board: str, requests: str, schedu
 
 def _warm_kernels() -> None:
     """Compile the CPU kernels once here (or load them from Numba's cache), so that N schedulers do not
-    all compile them at once."""
+    all compile them at once. Loading them takes a fraction of a second; a warm-up still going after
+    ``COMPILE_NOTE_AFTER`` is the first run's compile, and is said as it happens: the screen would
+    otherwise stay blank for as long as it takes."""
     from dpboard.loads import cpu as kernels_cpu
 
-    kernels_cpu.warm_up((np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.int8)))
+    done = threading.Event()
+    noted = threading.Event()
+
+    def note() -> None:
+        if not done.wait(COMPILE_NOTE_AFTER):
+            print("dpboard demo: Numba is compiling the load kernels (the first run on this machine; "
+                  "cached for the next ones) ...", flush=True)
+            noted.set()
+
+    started = time.monotonic()
+    notice = threading.Thread(target=note, daemon=True)
+    notice.start()
+    try:
+        kernels_cpu.warm_up((np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.int8)))
+    finally:
+        done.set()
+        notice.join()
+    if noted.is_set():
+        print(f"dpboard demo: kernels compiled in {time.monotonic() - started:.0f} s", flush=True)
 
 
 class DemoRun:
@@ -290,6 +333,9 @@ class DemoRun:
         """Every scheduler has published once (True), or the demo was stopped first (False)."""
         assert self.board is not None
         reader = self.board.reader(stale_after=5.0)
+        n = self.args.ranks
+        print(f"dpboard demo: waiting for the first publish of {n} scheduler process{'es' if n != 1 else ''} ...",
+              flush=True)
         deadline = time.monotonic() + READY_TIMEOUT
         while any(s is None for s in reader.read_all()):
             self.cluster.check()
@@ -402,15 +448,37 @@ class DemoRun:
         if stop.signal is not None:
             how = "Ctrl-C" if stop.signal == signal.SIGINT else signal.Signals(stop.signal).name
             print(f"dpboard demo: stopped by {how}", file=sys.stderr)
-        print(self.stats.summary(self.args.method), flush=True)
+        print(self.stats.summary(self.args.method, terminal_width()), flush=True)
+        hint = path_hint()
+        if hint:
+            print(fit_lines(hint.splitlines(), terminal_width()), flush=True)
         return 0
+
+
+def path_hint() -> str | None:
+    """How to run ``dpboard`` by name next time, when the folder it runs from is not on PATH (as
+    after ``make demo``, which runs .venv/bin/dpboard); None when it is."""
+    bin_dir = Path(sys.executable).parent
+    script = bin_dir / "dpboard"
+    found = shutil.which("dpboard")
+    if not script.exists() or (found is not None and Path(found).resolve() == script.resolve()):
+        return None
+    try:
+        shown = bin_dir.relative_to(Path.cwd())
+    except ValueError:
+        shown = bin_dir
+    activate = shown / "activate"
+    how = f"`. {activate}` puts it there" if (bin_dir / "activate").exists() else f"add {shown} to PATH"
+    return (f"dpboard demo: the dpboard command is {shown / 'dpboard'}, not on PATH:\n"
+            f"  {how} (or run {shown / 'dpboard'} itself)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
     _check(args)
     demo = DemoRun(args)
-    print(f"dpboard demo: board {demo.name!r}, {args.ranks} rank{'s' if args.ranks != 1 else ''}, method {args.method}, "
-          f"{demo.shape.rate:g} req/s (x{demo.shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
+    print(fit_lines([f"dpboard demo: board {demo.name!r}, {args.ranks}{_KEEP}rank{'s' if args.ranks != 1 else ''}, "
+                     f"method {args.method}, {demo.shape.rate:g}{_KEEP}req/s (x{demo.shape.burst_factor:g} bursts), "
+                     f"{args.duration:g}{_KEEP}s"], terminal_width()), flush=True)
     _warm_kernels()
     return demo.run()
 

@@ -18,23 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, list_boards, process_alive
 from dpboard.board.dispatch_record import DispatchRowSample, read_dispatch_record
 from dpboard.board.stale import stale_after
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.options import count, seconds
-from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SlotStatus
+from dpboard.snapshot import DETAIL_FIELD_OFFSETS, DETAIL_FLAG, DETAIL_MODE_BYTES, DETAIL_PRESENT, SlotStatus
 
 DEFAULT_WINDOW = 30.0
+PROGRESS_EVERY = 1.0  # seconds between two updates of doctor's progress count on a terminal
+HEALTHY_WINDOW = 1.0  # seconds of samples before top's header calls a board healthy
 SAMPLES = 7  # reads over a window: at its start, its end and five between
 SEVERITIES = ("critical", "warning", "info")
 LOAD_UNAWARE = ("round_robin", "follow_bootstrap_room")
@@ -47,6 +48,11 @@ KV_ROOMY = 0.7
 MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
 _LIVE, _STALE, _TORN = SlotStatus.LIVE.label, SlotStatus.STALE.label, SlotStatus.TORN.label
 _DISAGG = DETAIL_PRESENT | DETAIL_FLAG["disaggregation"]
+_MODE_AT = DETAIL_FIELD_OFFSETS["disaggregation_mode"]
+_WORD = struct.Struct("<q")  # the flags word and the PD queues, read from a slot's detail bytes
+_PD_QUEUES = [(f, DETAIL_FIELD_OFFSETS[f"disaggregation_{f}"]) for f in (
+    "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs")]
 
 
 @dataclass(frozen=True)
@@ -83,35 +89,29 @@ def shown(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = (),
-                buffer: np.ndarray | None = None) -> Sample:
-    """Every slot of ``board`` (with its detail's PD queues, and who holds it) and its dispatch record."""
-    arr = buffer if buffer is not None and len(buffer) == board.n_slots else np.zeros(board.n_slots, DETAILED_DTYPE)
-    reader.read_detailed_array(arr)
+def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = ()) -> Sample:
+    """Every slot of ``board`` (with its detail's PD queues, and who holds it) and its dispatch record,
+    as plain values from the C reader (no NumPy: ``dpboard doctor`` starts as fast as ``ls``)."""
     now = time.monotonic()
     now_ns = time.monotonic_ns()
     ranks = []
-    for rank, rec in enumerate(arr):
-        load, detail = rec["load"], rec["detail"]
-        status = SlotStatus(int(load["status"]))
+    for rank in range(board.n_slots):
+        status, snap, raw = reader.read_detailed(rank)
         owner = board.owner_pid(rank)
-        pid = int(load["writer_pid"]) if status.has_snapshot else owner
+        load = snap._asdict() if snap is not None else {}
+        pid = load["writer_pid"] if status.has_snapshot else owner
         row: dict[str, Any] = {
             "rank": rank, "status": status.label, "pid": pid, "owner_pid": owner,
             "pid_alive": bool(pid) and process_alive(pid),
-            "age_s": (now_ns - int(load["monotonic_ns"])) / 1e9 if status.has_snapshot else None,
-            **{f: int(load[f]) for f in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
-                                         "num_total_tokens", "max_total_num_tokens", "num_received_reqs",
-                                         "publish_seq")},
+            "age_s": (now_ns - load["monotonic_ns"]) / 1e9 if status.has_snapshot else None,
+            **{f: load.get(f, 0) for f in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                           "num_total_tokens", "max_total_num_tokens", "num_received_reqs",
+                                           "publish_seq")},
             "pd": None,
         }
-        if status.has_snapshot and int(detail["flags"]) & _DISAGG == _DISAGG:
-            row["pd"] = {
-                "mode": shown(bytes(detail["disaggregation_mode"]).rstrip(b"\0").decode(errors="replace")),
-                **{f: int(detail[f"disaggregation_{f}"]) for f in (
-                    "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
-                    "decode_transfer_queue_reqs")},
-            }
+        if raw is not None and _WORD.unpack_from(raw, 0)[0] & _DISAGG == _DISAGG:
+            mode = shown(raw[_MODE_AT: _MODE_AT + DETAIL_MODE_BYTES].rstrip(b"\0").decode(errors="replace"))
+            row["pd"] = {"mode": mode, **{f: _WORD.unpack_from(raw, at)[0] for f, at in _PD_QUEUES}}
         ranks.append(row)
     refused = None
     try:
@@ -518,7 +518,6 @@ class DoctorWatch:
         self.samples: deque[Sample] = deque()
         self._reader_of: tuple[Board, BoardReader] | None = None
         self._board_id: tuple[str, int] | None = None
-        self._buffer: np.ndarray | None = None
         self._error: str | None = None
 
     def observe(self, board: Board | None, reader: BoardReader | None) -> None:
@@ -531,9 +530,8 @@ class DoctorWatch:
         if self._board_id != (board.name, board.generation):
             self.samples.clear()  # another incarnation: its counters began again
             self._board_id = (board.name, board.generation)
-            self._buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
         try:
-            self.samples.append(take_sample(board, reader, trust_uids=self.trust_uids, buffer=self._buffer))
+            self.samples.append(take_sample(board, reader, trust_uids=self.trust_uids))
             self._error = None
         except DpboardError as e:
             self._error = str(e)
@@ -571,8 +569,13 @@ class DoctorWatch:
 
 
 def header_line(document: dict[str, Any]) -> str:
-    """One line for ``top``'s header, from a ``DoctorWatch.document()``: how many findings, the worst."""
+    """One line for ``top``'s header, from a ``DoctorWatch.document()``: how many findings, the worst.
+    A window shorter than ``HEALTHY_WINDOW`` (``top --once``'s two reads) shows what a look finds,
+    not a verdict: what goes wrong over time (rates, queues that grow) needs longer to show."""
     faults = [f for f in document["findings"] if f["severity"] != "info"]
+    if not faults and document["window_s"] < HEALTHY_WINDOW:
+        return (f"doctor: nothing found in a {document['window_s']:.1f} s look "
+                f"(dpboard doctor watches {DEFAULT_WINDOW:g} s)")
     if not faults:
         return f"doctor: healthy over {document['window_s']:.0f} s"
     worst = faults[0]
@@ -607,18 +610,44 @@ def _only_board() -> str:
     raise InvalidInputError(f"{len(mine)} boards here ({', '.join(b.name for b in mine)}): name the one to check")
 
 
-def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids: tuple[int, ...]) -> list[Sample]:
-    """``n`` samples evenly over ``window`` seconds (bounded: ``n`` reads and ``window`` of sleep)."""
-    buffer = np.zeros(board.n_slots, DETAILED_DTYPE)
+def collect(board: Board, reader: BoardReader, window: float, n: int, trust_uids: tuple[int, ...],
+            progress: Callable[[float, int], None] | None = None) -> list[Sample]:
+    """``n`` samples evenly over ``window`` seconds (bounded: ``n`` reads and ``window`` of sleep);
+    ``progress(seconds, samples)`` is told how far it is, at least every ``PROGRESS_EVERY`` s."""
     start = time.monotonic()
-    samples = []
+    samples: list[Sample] = []
     for i in range(n):
         wake = start + window * i / (n - 1)
-        delay = wake - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        samples.append(take_sample(board, reader, trust_uids=trust_uids, buffer=buffer))
+        while (delay := wake - time.monotonic()) > 0:
+            time.sleep(min(delay, PROGRESS_EVERY))
+            if progress is not None:
+                progress(time.monotonic() - start, len(samples))
+        samples.append(take_sample(board, reader, trust_uids=trust_uids))
     return samples
+
+
+class Progress:
+    """What ``dpboard doctor`` shows on stderr while it watches: on a terminal a count rewritten in
+    place and erased at the end, elsewhere one line when the window starts."""
+
+    def __init__(self, name: str, window: float, n: int, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.name, self.window, self.n = name, window, n
+        self.stream.write(f"dpboard doctor: watching board {name} for {window:g} s ({n} samples) ..."
+                          + ("" if self.live else "\n"))
+        self.stream.flush()
+
+    def __call__(self, seconds: float, samples: int) -> None:
+        if self.live:
+            self.stream.write(f"\r\x1b[Kdpboard doctor: watching board {self.name}: {min(seconds, self.window):.0f} "
+                              f"of {self.window:g} s, {samples} of {self.n} samples")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
 
 
 def render(report: dict[str, Any], findings: Sequence[Finding]) -> str:
@@ -656,8 +685,12 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or _only_board()
     trust = tuple(args.trust_uid)
     with Board.attach(name, trust_uids=trust) as board:
-        reader = board.reader(stale_after=args.stale_after)
-        samples = collect(board, reader, args.window, args.samples, trust)
+        reader = board.reader(stale_after=args.stale_after, arrays=False)
+        progress = Progress(name, args.window, args.samples)
+        try:
+            samples = collect(board, reader, args.window, args.samples, trust, progress)
+        finally:
+            progress.close()
     findings = diagnose(samples, stale_after=args.stale_after)
     report = summary(samples)
     ok = healthy(findings)

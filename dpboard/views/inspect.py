@@ -1,6 +1,8 @@
 """``dpboard ls | info | dump | clean``: read-only looks at boards, and removal of dead ones.
 
-Imports only the board (NumPy + the C reader): these commands must start fast.
+Imports only the board and reads it through the C reader's plain values: ``ls``, ``info``,
+``clean`` (and ``dump``) load no NumPy, so they start in about the time the interpreter does
+(docs/BENCHMARKS.md, "Start-up").
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _is_valid_name(name: str) -> bool:
 
 def run_info(args: argparse.Namespace) -> int:
     board = Board.attach(args.name, trust_uids=args.trust_uid)
-    rows = slot_rows(board.reader(stale_after=args.stale_after))
+    rows = slot_rows(board.reader(stale_after=args.stale_after, arrays=False))
     info = {
         "board": board.name,
         "segment": str(segment_path(board.name)),
@@ -133,7 +135,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_dump(args: argparse.Namespace) -> int:
     board = Board.attach(args.name, trust_uids=args.trust_uid)
-    rows = slot_rows(board.reader(stale_after=args.stale_after))
+    rows = slot_rows(board.reader(stale_after=args.stale_after, arrays=False))
     if args.json:
         print(json.dumps({"board": board.name, "n_slots": board.n_slots, "slots": rows}, indent=2))
         return 0

@@ -1,28 +1,33 @@
 """The one row model every view shares: a board slot as a plain dict, and how its status and age read.
 
-``slot_rows`` turns one ``read_array()`` into one dict per slot (every snapshot field, ``status`` as
-its label, ``token_usage`` and ``age_s``); ``dpboard dump``, ``info``, ``top``, ``serve`` and the demo
-all show these rows, so a field or a status means the same everywhere.
+``slot_rows`` reads every slot into one dict (every snapshot field, ``status`` as its label,
+``token_usage`` and ``age_s``); ``dpboard dump``, ``info``, ``top``, ``serve`` and the demo all show
+these rows, so a field or a status means the same everywhere. The rows come from the C reader's
+plain values (``read_with_status``), so a command that shows them needs no NumPy.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dpboard.board import BoardReader
 from dpboard.snapshot import FIELD_NAMES, SlotStatus, token_usage
+
+if TYPE_CHECKING:
+    from dpboard.board import BoardReader
+
+_NO_SNAPSHOT = dict.fromkeys(FIELD_NAMES, 0)  # an EMPTY or TORN slot's fields, as read_array gives them
 
 
 def slot_rows(reader: BoardReader) -> list[dict[str, Any]]:
     """One dict per slot, every snapshot field plus status (its label), token usage and age (seconds;
     negative for a stamp ahead of this process's clock, which reads as STALE beyond ``stale_after``)."""
-    arr = reader.read_array().copy()
+    reads = [reader.read_with_status(rank) for rank in range(reader.n_slots)]
     now_mono = time.monotonic_ns()
     rows = []
-    for rec in arr:
-        row: dict[str, Any] = {name: int(rec[name]) for name in FIELD_NAMES}
-        status = SlotStatus(int(rec["status"]))
+    for rank, (status, snap) in enumerate(reads):
+        row: dict[str, Any] = dict(zip(FIELD_NAMES, snap, strict=True)) if snap is not None else {
+            **_NO_SNAPSHOT, "dp_rank": rank}
         row["status"] = status.label
         row["token_usage"] = token_usage(row["num_used_tokens"], row["max_total_num_tokens"])
         row["age_s"] = (now_mono - row["monotonic_ns"]) / 1e9 if status.has_snapshot else None

@@ -15,6 +15,7 @@ import io
 import json
 import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -160,9 +161,9 @@ def render_header(frame: Frame, width: int | None = None) -> Text:
         line = header_line(frame.doctor)
         faults = [f for f in frame.doctor["findings"] if f["severity"] != "info"]
         style = "green" if not faults else "bold red" if faults[0]["severity"] == "critical" else "yellow"
-        if width is not None and len(line) > width:
-            line = line[: max(width - 1, 0)] + "…"  # one screen line, whatever the title
-        lines.append([Text(line, style=style)])
+        # a narrow terminal wraps it between words, as the lines above between their items
+        lines.extend([Text(part, style=style)] for part in
+                     (textwrap.wrap(line, width, break_on_hyphens=False) if width else [line]))
     return _flow(lines, width)
 
 

@@ -32,14 +32,14 @@ def test_bench_all_help_is_its_own():
     assert "bench board" not in out.stdout
 
 
-@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "sglang_loads", "all"])
+@pytest.mark.parametrize("topic", [*TOPICS, "all"])
 def test_every_topic_takes_quick_and_json_file(topic):
     out = dpboard("bench", topic, "--help")
     assert out.returncode == 0 and "--quick" in out.stdout and "--json FILE" in out.stdout
     assert "``" not in out.stdout
 
 
-@pytest.mark.parametrize("topic", ["board", "dispatch", "relay", "kernels", "engine", "sglang_loads", "all"])
+@pytest.mark.parametrize("topic", [*TOPICS, "all"])
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(topic, tmp_path):
     out = dpboard("bench", topic, "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -57,6 +57,20 @@ def test_bench_dispatch_json_file_holds_the_figures_it_printed(tmp_path):
     assert doc["quick"] is True and {row["ranks"] for row in doc["dispatch"]} == {8}
     for row in doc["dispatch"]:
         assert row["method"] in out.stdout and row["dpboard_ns"]["50"] > 0 and row["baseline_ns"]["50"] > 0
+
+
+def test_bench_startup_times_each_read_only_command_beside_a_bare_interpreter(tmp_path):
+    path = tmp_path / "startup.json"
+    out = dpboard("bench", "startup", "--quick", "--json", str(path), timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    rows = doc["commands"]
+    assert doc["quick"] is True and doc["rounds"] == 3
+    assert [label.split()[0:2] for label in rows] == [["python", "-c"], ["python", "-c"], ["dpboard", "ls"],
+                                                      ["dpboard", "info"], ["dpboard", "clean"], ["dpboard", "doctor"]]
+    assert rows["python -c pass"]["vs_python"] == 1.0
+    for label, row in rows.items():
+        assert 0 < row["median_ms"] <= row["p90_ms"] and label in out.stdout
 
 
 def test_bench_sglang_loads_times_sglangs_own_get_loads_beside_the_board_write(tmp_path):
@@ -77,6 +91,7 @@ def test_bench_sglang_loads_times_sglangs_own_get_loads_beside_the_board_write(t
             assert 0 < row[key]["50"] <= row[key]["99"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bench_all_json_file_holds_every_topic(tmp_path):
     path = tmp_path / "all.json"

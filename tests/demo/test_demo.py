@@ -73,12 +73,17 @@ def test_demo_runs_and_cleans_up():
 @pytest.mark.parametrize(("sig", "how"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"),
                                          (signal.SIGHUP, "SIGHUP")])
 def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
+    import os
+    import shutil
+
     name = new_board_name()
-    workdirs_before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
+    # a temporary folder of this demo's own (short: its sockets' paths must fit), so that another
+    # demo running meanwhile (another test, another run) is never taken for one left behind
+    tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")
     proc = subprocess.Popen(
         [PYTHON, "-m", "dpboard.cli", "demo", "--duration", "120", "--ranks", "2", "--board", name,
          "--print-every", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": tmp},
     )
     try:
         deadline = time.monotonic() + 120
@@ -92,11 +97,12 @@ def test_a_stop_signal_stops_everything_and_prints_the_summary(sig, how):
         check_summary(out, 2)
         assert not Path(f"/dev/shm/dpboard.{name}").exists()
         assert processes_mentioning(name) == []  # the schedulers and the controller are gone
-        assert set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) <= workdirs_before
+        assert list(Path(tmp).glob("dpboard-demo-*")) == []  # its work folder went with it
     finally:
         kill(proc)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("args", "words"), [
@@ -218,3 +224,63 @@ def test_a_child_killed_past_its_stop_timeout_leaves_nothing_in_dev_shm():
         kill(proc)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def test_the_first_run_says_that_numba_compiles_and_the_last_lines_how_to_reach_dpboard(tmp_path):
+    """An empty Numba cache is a first run: the demo says that it compiles while it does, before the
+    board is shown; the venv's bin folder is not on PATH (as after `make demo`): its last lines say
+    how to get the dpboard command."""
+    import os
+    import sys
+
+    name = new_board_name()
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"), "PATH": path}
+    proc = subprocess.run([PYTHON, "-m", "dpboard.cli", "demo", "--duration", "1", "--ranks", "1", "--board", name],
+                          capture_output=True, text=True, timeout=170, env=env)
+    try:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = proc.stdout.splitlines()
+        compiling = next(i for i, line in enumerate(lines) if line.startswith("dpboard demo: Numba is compiling"))
+        compiled = next(i for i, line in enumerate(lines) if re.fullmatch(r"dpboard demo: kernels compiled in \d+ s", line))
+        first_frame = next(i for i, line in enumerate(lines) if line.startswith("dpboard top"))
+        assert compiling < compiled < first_frame
+        named = re.fullmatch(r"dpboard demo: the dpboard command is (\S+), not on PATH:", lines[-2])
+        assert named and Path(named.group(1)).resolve() == (Path(venv_bin) / "dpboard").resolve(), lines[-2:]
+        assert re.fullmatch(r"  `\. \S+/activate` puts it there \(or run \S+/dpboard itself\)", lines[-1]), lines[-1]
+    finally:
+        for pid in processes_mentioning(name):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def test_no_path_hint_when_dpboard_is_on_path(monkeypatch):
+    import os
+    import sys
+
+    from dpboard.demo.run import path_hint
+
+    venv_bin = str(Path(sys.executable).parent)
+    others = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
+    monkeypatch.setenv("PATH", os.pathsep.join([venv_bin, *others]))
+    assert path_hint() is None
+    monkeypatch.setenv("PATH", os.pathsep.join(others))
+    assert "not on PATH" in path_hint()
+
+
+def test_the_summary_fits_a_terminal_and_breaks_between_figures():
+    from dpboard.demo.run import RunStats
+
+    stats = RunStats(ranks=16, sent=2089, queue_s=[0.0103, 0.2857], latency_s=[1.9229, 3.8062], imbalance=[1.17, 1.52])
+    stats.served_by_rank = [200 + r for r in range(16)]
+    stats.received_by_rank = [2300 + r for r in range(16)]
+    wide = stats.summary("total_tokens")
+    for width in (60, 80, 100):
+        text = stats.summary("total_tokens", width)
+        assert all(len(line) <= width for line in text.splitlines()), text
+        # the same words, only the breaks differ: no figure is split from its label or unit
+        assert text.split() == wide.split()
+        figures = re.findall(r"p\d+ [\d.]+ ms|(?:mean|worst) [\d.]+|over \d+ samples|\d+:\d+", wide)
+        assert len(figures) == 4 + 2 + 1 + 2 * 16
+        for figure in figures:
+            assert re.search(rf"(^|\s){re.escape(figure)}(\s|,|$)", text), (figure, text)

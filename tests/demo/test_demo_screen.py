@@ -43,7 +43,10 @@ def test_make_demo_fits_the_terminal_width(columns):
     venv = Path(os.environ.get("VIRTUAL_ENV") or Path(sys.executable).parents[1])
     command = (f"make -s -C {ROOT} demo VENV={venv} "
                f"DEMO_ARGS='--duration 60 --ranks {RANKS} --board {name} --interval 0.3'; sleep 30")
-    env = {**os.environ, "TERM": "xterm-256color"}
+    # the venv's bin folder off PATH, as in a shell where `make demo` was typed
+    venv_bin = str(venv / "bin")
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
+    env = {**os.environ, "TERM": "xterm-256color", "PATH": path}
     subprocess.run([*tmux, "new-session", "-d", "-s", "demo", "-x", str(columns), "-y", "30", command],
                    check=True, timeout=30, env=env)
     try:
@@ -65,6 +68,20 @@ def test_make_demo_fits_the_terminal_width(columns):
             assert title in heading, (title, heading)
         assert "…" not in "".join(rows.values()), screen
         assert all(len(line.rstrip()) <= columns for line in screen.splitlines())
+
+        # Ctrl-C: the summary and the last lines, each line within the width (-J joins the lines the
+        # terminal itself wrapped: one longer than the width would have been cut mid-figure)
+        subprocess.run([*tmux, "send-keys", "-t", "demo", "C-c"], check=True, timeout=30)
+        deadline = time.monotonic() + 60
+        joined = ""
+        while "not on PATH" not in joined and time.monotonic() < deadline:
+            time.sleep(0.3)
+            joined = subprocess.run([*tmux, "capture-pane", "-p", "-J", "-t", "demo"], capture_output=True,
+                                    text=True, timeout=30).stdout
+        summary = joined[joined.index("dpboard demo: "):].rstrip().splitlines()
+        assert any(line.startswith("  queueing delay") for line in summary), joined
+        assert all(len(line) <= columns for line in summary), "\n".join(summary)
+        assert summary[-1].startswith("  `. ") and "/activate` puts it there" in summary[-1], joined
     finally:
         subprocess.run([*tmux, "send-keys", "-t", "demo", "C-c"], capture_output=True, timeout=30)
         deadline = time.monotonic() + 30

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,29 @@ PYTHON = sys.executable
 def run_example(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
+
+
+@contextlib.contextmanager
+def publishing(board: Board, snapshot: LoadSnapshot) -> Iterator[None]:
+    """``snapshot`` published every 50 ms while the example runs: its rank stays live however long
+    the example takes to start (a single publish goes stale after 1 s on a busy machine)."""
+    stop_event = threading.Event()
+    writer = board.writer(snapshot.dp_rank)
+
+    def run() -> None:
+        while True:
+            writer.publish(snapshot)
+            if stop_event.wait(0.05):
+                return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop_event.set()
+        thread.join(10)
+        writer.close()
 
 
 def test_every_example_has_a_test():
@@ -58,8 +84,8 @@ def test_relay_two_nodes():
 
 
 def test_watch_board(board_name):
-    with Board.create(board_name, n_slots=2) as board:
-        board.writer(0).publish(LoadSnapshot(dp_rank=0, num_total_tokens=300, max_total_num_tokens=1000))
+    with Board.create(board_name, n_slots=2) as board, publishing(
+            board, LoadSnapshot(dp_rank=0, num_total_tokens=300, max_total_num_tokens=1000)):
         out = run_example("watch_board.py", board_name, "--seconds", "1.2")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -68,8 +94,8 @@ def test_watch_board(board_name):
 
 
 def test_serve_board(board_name):
-    with Board.create(board_name, n_slots=2) as board:
-        board.writer(1).publish(LoadSnapshot(dp_rank=1, num_total_tokens=77, max_total_num_tokens=1000))
+    with Board.create(board_name, n_slots=2) as board, publishing(
+            board, LoadSnapshot(dp_rank=1, num_total_tokens=77, max_total_num_tokens=1000)):
         proc = subprocess.Popen([PYTHON, str(EXAMPLES / "serve_board.py"), board_name], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
         try:
@@ -79,7 +105,7 @@ def test_serve_board(board_name):
                 lines.append(read_line(proc, max(1.0, deadline - time.monotonic())))
             assert any(re.match(r"rank 1: live\s+total tokens 77", line) for line in lines), lines
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=10)
+            proc.wait(timeout=60)  # a loaded machine: the exit is bounded, generously
             assert proc.returncode == 0
         finally:
             stop(proc)
@@ -118,7 +144,7 @@ def test_serve_board_waits_for_a_board_when_told(board_name):
         assert read_line(proc, 30).startswith("/v1/loads: 503 board")  # no board yet: the server says so
         assert read_line(proc, 30).startswith(f"serving board {board_name!r}")
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=10)
+        proc.wait(timeout=60)
         assert proc.returncode == 0
     finally:
         stop(proc)

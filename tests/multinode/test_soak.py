@@ -109,6 +109,7 @@ def sample_resources(procs: dict[str, subprocess.Popen]) -> dict[str, tuple[int,
     return {name: (rss_bytes(p.pid), fd_count(p.pid)) for name, p in procs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_deployment_holds_for_minutes(tmp_path):
     name0 = new_board_name()

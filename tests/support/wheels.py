@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# tests/conftest.py puts the session's -m expression here, for the sessions it runs of its own
+MARKERS_VARIABLE = "DPBOARD_TEST_MARKERS"
+
 
 def wheel_missing(module: str, version: str, name: str, how_to_get: str) -> str | None:
     """Why ``module`` at ``version`` cannot be imported here (None when it can). find_spec runs no
@@ -37,8 +40,11 @@ def run_own_session(tests: Path, flag: str, missing: str | None, unset: Iterable
     env = {**os.environ, **(env or {}), flag: "1"}
     for key in unset:
         env.pop(key, None)
+    # the same selection as the session that runs this one: `make test` leaves its slow tests out
+    marks = os.environ.get(MARKERS_VARIABLE)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(tests)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         *(["-m", marks] if marks else []), str(tests)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
     )
     tail = result.stdout[-6000:] + result.stderr[-3000:]

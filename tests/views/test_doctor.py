@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +20,9 @@ import pytest
 import zmq
 
 from dpboard import Board
-from dpboard.board.dispatch_record import dispatch_record_path
+from dpboard.board.dispatch_record import dispatch_record_path, read_dispatch_record
 from dpboard.controller.codec import encode_request
+from dpboard.errors import DpboardError
 from dpboard.ownership import LOCK_DIR, LOCK_PREFIX
 from tests.support.doctor_states import start_writer
 from tests.support.mixed_board import STALE_AFTER, STALE_RANK, TORN_RANK, mixed_board
@@ -232,7 +236,7 @@ def controller(name: str, tmp_path: Path, n: int, *args: str) -> Iterator[tuple[
                                     "--workers", *eps, "--board", name, "--log-every", "60", *args], cwd=ROOT,
                                    stderr=subprocess.PIPE, text=True)
             procs.append(ctl)
-            wait_for(lambda: Path(dispatch_record_path(name)).exists() or ctl.poll() is not None, 20,
+            wait_for(lambda: Path(dispatch_record_path(name)).exists() or ctl.poll() is not None, 60,
                      "the controller's dispatch record")
             assert ctl.poll() is None, ctl.stderr.read()
             _wait_serving(name, ctl)
@@ -250,8 +254,6 @@ def _wait_serving(name: str, ctl: subprocess.Popen) -> None:
     """Until the controller's loop runs (its SIGTERM handler in place): its row is claimed before the
     loop starts, and published again by the loop's first turn. A record it could not use (a test's
     planted file) gives no row: then the loop's start is not seen here."""
-    from dpboard.board.dispatch_record import read_dispatch_record
-    from dpboard.errors import DpboardError
 
     def row() -> object:
         try:
@@ -423,7 +425,9 @@ def test_tops_header_says_healthy_when_it_is(board_name):
         text = subprocess.run([sys.executable, "-m", "dpboard.cli", "top", board_name, "--once"], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
     assert text.returncode == 0, text.stderr
-    assert any(ln.startswith("doctor: healthy") for ln in text.stdout.splitlines()), text.stdout
+    # one look (two reads 0.2 s apart) is no window to call healthy: it says what it saw
+    (line,) = [ln for ln in text.stdout.splitlines() if ln.startswith("doctor:")]
+    assert re.fullmatch(r"doctor: nothing found in a 0\.\d s look \(dpboard doctor watches 30 s\)", line), line
 
 
 @pytest.mark.timeout(60)
@@ -459,3 +463,38 @@ def test_without_a_name_several_boards_are_named_for_the_user_to_choose(board_na
         res = doctor("--window", "0.2")
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "name the one to check" in res.stderr and board_name in res.stderr and other in res.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_window_shows_its_progress_in_a_terminal(board_name):
+    """A 30 s window with nothing on screen looks hung: at 80 columns a count of the seconds and
+    samples so far is rewritten in place, and gone when the report comes."""
+    socket = f"dpboard-doctor-{os.getpid()}"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    command = (f"{sys.executable} -m dpboard.cli doctor {board_name} --window 6 --samples 3; "
+               f"echo DOCTOR-EXITED-$?; sleep 30")
+    with writers(board_name, 2, {0: [], 1: []}):
+        subprocess.run([*tmux, "new-session", "-d", "-s", "doctor", "-x", "80", "-y", "30", command],
+                       check=True, timeout=30, env={**os.environ, "TERM": "xterm-256color"}, cwd=ROOT)
+        try:
+            counts, screen = set(), ""
+            deadline = time.monotonic() + 90
+            while "DOCTOR-EXITED-" not in screen and time.monotonic() < deadline:
+                screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "doctor"], capture_output=True,
+                                        text=True, timeout=30).stdout
+                counts.update(re.findall(rf"watching board {board_name}: (\d+) of 6 s, \d of 3 samples", screen))
+                time.sleep(0.2)
+        finally:
+            subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+    assert "DOCTOR-EXITED-0" in screen, screen
+    assert len(counts) >= 2, (counts, screen)  # a live count, not one line
+    assert "watching board" not in screen and f"dpboard doctor: board {board_name}, 2 slots" in screen, screen
+
+
+def test_the_window_is_said_in_one_line_without_a_terminal(board_name):
+    with writers(board_name, 2, {0: [], 1: []}):
+        res = doctor(board_name, "--window", "0.5", "--json")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == f"dpboard doctor: watching board {board_name} for 0.5 s (7 samples) ...\n"
+    assert json.loads(res.stdout)["healthy"] is True

@@ -99,6 +99,13 @@ def test_live_page_shows_the_board_and_follows_a_change(chromium, board_name, tm
                 assert page.evaluate(cell(r, "age_s")).endswith("ms")
             assert page.evaluate(cell(EMPTY_RANK, "status")) == "empty"
             assert page.evaluate(cell(EMPTY_RANK, "token_usage")) == "never written"
+            # a rank never written has no history to draw: no line, not a flat one at zero
+            lines = "document.querySelectorAll('tr[data-rank=\"{}\"] td[data-key=\"history\"] polyline').length"
+            assert page.evaluate(lines.format(EMPTY_RANK)) == 0
+            assert all(page.evaluate(lines.format(r)) == 1 for r in (*LIVE, STALE_RANK))
+            # the doctor's findings line (the stale rank), as the README's screenshot shows it
+            page.wait_for("!document.getElementById('findings').hidden")
+            assert page.evaluate("document.getElementById('findings').textContent").startswith("doctor: ")
             assert page.evaluate("document.getElementById('ranks').textContent") == "6 live · 1 stale · 1 empty"
             assert page.evaluate("document.getElementById('imbalance').textContent") == f"{imbalance(pub.totals()):.2f}x"
             chromium_png = page.screenshot()

@@ -383,6 +383,12 @@ def test_live_view_fits_the_terminal_width(mixed, columns, kept, dropped):
             assert title not in heading, (title, heading)
         assert all(len(line.rstrip()) <= columns for line in screen.splitlines())
         assert "…" not in "".join(rows.values())  # no cell is cut: a column is there whole or not at all
+        # the header's doctor line (the stale and torn ranks' finding) is wrapped whole, never cut
+        lines = screen.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("doctor: "))
+        end = next(i for i, line in enumerate(lines) if line.lstrip().startswith("RANK"))
+        doctor = " ".join(line.strip() for line in lines[start:end] if line.strip())
+        assert "…" not in doctor and doctor.endswith("(dpboard doctor for the evidence)"), doctor
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
 
