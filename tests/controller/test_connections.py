@@ -177,7 +177,11 @@ def test_malformed_frames_with_megabyte_rids_cost_a_few_log_lines(tmp_path):
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "dpboard.cli", "controller", "--input", in_ep, "--workers",
                                  w_ep, "--errors", err_ep, "--method", "round_robin", "--stats-json",
-                                 "--log-every", "60"], stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=ROOT)
+                                 "--log-every", "60",
+                                 # room for all 100 answers (a 1 MiB rid each): this test is about the log;
+                                 # the answers' byte bound has a test of its own, below
+                                 "--max-queued-mib", "256"],
+                                stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=ROOT)
     try:
         push = connected_push(ctx, in_ep)
         rid = "r" * 2**20
