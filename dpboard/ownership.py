@@ -368,6 +368,20 @@ def process_alive(pid: int, start_ticks: int = 0) -> bool:
     return True
 
 
+def process_exited(pid: int) -> bool:
+    """True when ``pid`` and every thread of it have exited (reaped or not). A thread-group leader
+    shows as a zombie while its other threads (a BLAS pool's) are still exiting with its files, and
+    so its locks, still open: it has exited only once it is the last task left."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        if state not in (b"Z", b"X"):
+            return False
+        return os.listdir(f"/proc/{pid}/task") in ([], [str(pid)])
+    except (OSError, IndexError):
+        return True
+
+
 def same_file(fd: int, path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` still names the file open at ``fd`` (no link followed)."""
     try:

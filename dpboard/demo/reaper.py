@@ -22,7 +22,7 @@ from pathlib import Path
 from dpboard.board.dispatch_record import remove_if_abandoned
 from dpboard.board.names import segment_name
 from dpboard.board.segment import unlink_if_generation
-from dpboard.ownership import endpoint_lock_key, remove_abandoned_locks
+from dpboard.ownership import endpoint_lock_key, process_exited, remove_abandoned_locks
 
 CHILDREN_TIMEOUT = 15.0  # seconds for the demo's other children to exit once it is gone
 PARENT_TIMEOUT = 5.0  # seconds for a dying demo's last thread to exit after its death signal
@@ -42,20 +42,11 @@ def _children(workdir: Path) -> list[int]:
         return []
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (an exited child waiting to be reaped does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
-
-
 def reap(board: str, generation: int, workdir: Path, requests_endpoint: str) -> None:
     """Once the demo's other children have exited (bounded), remove its board (that incarnation
     only), their leftovers and the work folder."""
     deadline = time.monotonic() + CHILDREN_TIMEOUT
-    while any(_running(pid) for pid in _children(workdir)) and time.monotonic() < deadline:
+    while any(not process_exited(pid) for pid in _children(workdir)) and time.monotonic() < deadline:
         time.sleep(0.05)
     unlink_if_generation(segment_name(board), generation)
     remove_leftovers(board, requests_endpoint)

@@ -111,4 +111,4 @@ def test_relay_across_network_namespaces(two_hosts):
         finally:
             for proc in procs:
                 stop(proc)
-        assert all(proc.returncode == 0 for proc in procs), [p.stderr.read() for p in procs]
+        assert all(proc.returncode == 0 for proc in procs), [(p.returncode, p.stderr.read()) for p in procs]

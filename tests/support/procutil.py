@@ -36,11 +36,12 @@ def read_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    """``sig`` (SIGTERM: a clean exit), then SIGKILL after 10 s; always reaps the child."""
+    """``sig`` (SIGTERM: a clean exit), then SIGKILL after 30 s (a loaded machine's clean exit can
+    take seconds); always reaps the child."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
-            proc.wait(10)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from dpboard.ownership import process_exited
 from tests.support.names import ROOT
 from tests.support.procutil import kill, read_line, wait_for
 
@@ -42,12 +43,4 @@ def start_in_time_namespace(script: str, *args: str) -> tuple[subprocess.Popen, 
 def kill_in_time_namespace(proc: subprocess.Popen, pid: int) -> None:
     """Kill it (SIGKILL) and wait, bounded, until the Python process has exited too (its locks gone)."""
     kill(proc)
-    wait_for(lambda: _gone(pid), 30, f"process {pid} in the time namespace to exit")
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")  # exited, not yet reaped
-    except OSError:
-        return True
+    wait_for(lambda: process_exited(pid), 30, f"process {pid} in the time namespace to exit")
