@@ -78,6 +78,7 @@ def test_make_demo_fits_the_terminal_width(columns):
             time.sleep(0.3)
             joined = subprocess.run([*tmux, "capture-pane", "-p", "-J", "-t", "demo"], capture_output=True,
                                     text=True, timeout=30).stdout
+        assert "dpboard demo: " in joined, f"no summary within 60 s of Ctrl-C:\n{joined}"
         summary = joined[joined.index("dpboard demo: "):].rstrip().splitlines()
         assert any(line.startswith("  queueing delay") for line in summary), joined
         assert all(len(line) <= columns for line in summary), "\n".join(summary)
