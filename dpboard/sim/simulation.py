@@ -110,6 +110,12 @@ class SimConfig:
     # on under DP attention (SGLang's default), off for independent ranks (the earlier cells' model)
     overlap_schedule: bool | None = None
 
+    def lockstep_section(self, group_size: int) -> tuple[int, int] | None:
+        """What the ranks of a lockstep group of ``group_size`` publish as their lockstep detail."""
+        if self.lockstep is None:
+            return None
+        return group_size, self.rank.prefill_step_tokens
+
     @property
     def overlap(self) -> bool:
         return self.lockstep is not None if self.overlap_schedule is None else self.overlap_schedule
@@ -320,7 +326,9 @@ class Simulation:
         else:
             delayer = PrefillDelayer(config.n_ranks) if config.prefill_delayer else None
             self.groups = [RankGroup(0, list(self.ranks), config.lockstep, delayer)]
-        self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
+        self.board = SimBoard(
+            config.n_ranks, self.clock, config.publish.visibility_delay_s, lockstep=config.lockstep_section(config.n_ranks)
+        )
         self.policy: Policy = make_policy(
             policy_spec,
             label=self.method,
