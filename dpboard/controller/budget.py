@@ -386,6 +386,7 @@ class DPBudget:
         self.snap_waiting = np.zeros(n, np.int64)
         self.admitted = np.zeros(n, np.int64)
         self.prefilling = np.zeros(n, np.int64)
+        self.follows = np.zeros(n, bool)  # the last snapshot read was the one after the snapshot read before
         self.status = np.zeros(n, np.uint8)  # the SlotStatus seen at the last refresh
         self._ranks = np.arange(n)
         core_type = ArgminCore if (use_extension and ArgminCore is not None) else PyArgminCore
@@ -441,6 +442,9 @@ class DPBudget:
         if changed.any():
             idx = np.flatnonzero(changed)
             sel = records[idx]
+            # the snapshot follows the one read before it: what the rank admitted in between is its
+            # current batch (_count_prefilling)
+            self.follows[idx] = sel["publish_seq"] == self.last_seq[idx] + 1
             self.last_seq[idx] = sel["publish_seq"]
             self.last_timestamp_ns[idx] = sel["timestamp_ns"]
             self.snap_requests[idx] = saturating_add(sel["num_running_reqs"], sel["num_waiting_reqs"])
@@ -478,14 +482,17 @@ class DPBudget:
         queue nor in its queued-prefill figure, yet still ahead of a new request's first token.
         Waiting requests are the last ones received (first come, first served), so the rank has
         admitted ``acked - waiting`` of ours; the ring gives their cumulative tokens. A decode step
-        admits nothing, so its snapshot clears the figure. When the ring no longer remembers the
-        earlier count (about ``ledger_capacity`` requests queued), the batch counts as nothing."""
+        admits nothing, so its snapshot clears the figure. Only a snapshot that follows the one read
+        before it (``publish_seq`` one more) tells the batch of this step: after a gap in the reads
+        (no dispatch for a while) what was admitted in between was prefilled in steps since gone, and
+        counts as nothing. When the ring no longer remembers the earlier count (about
+        ``ledger_capacity`` requests queued), the batch counts as nothing too."""
         acked = self.acked[idx]
         now = np.clip(acked - self.snap_waiting[idx], 0, acked)
         before = self.admitted[idx]
         cap = self.ring.shape[1]
         ranks = self._ranks[idx]
-        known = (now > before) & (self.sent_reqs[idx] - before < cap)
+        known = (now > before) & (self.sent_reqs[idx] - before < cap) & self.follows[idx]
         tokens = self.ring[ranks, now % cap] - self.ring[ranks, before % cap]
         self.prefilling[idx] = np.where(known, np.maximum(tokens, 0), 0)
         self.admitted[idx] = now

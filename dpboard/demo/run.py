@@ -67,6 +67,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--board", default=None, help="board name (default demo-<pid>)")
     p.add_argument("--seed", type=count(0, 2**32 - 1), default=0,
                    help="seed of the load generator: arrivals, prompt and output lengths (default 0)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="the schedulers step together, as SGLang's DP attention runs ranks (a prefill step "
+                        "decodes nothing; chunk 8192 / ranks) and publish their lockstep section; the "
+                        "controller's auto picks inflight_lockstep then")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -213,11 +217,19 @@ class Cluster:
                 proc.wait(timeout=STOP_TIMEOUT)
 
 
+def method_label(args: argparse.Namespace) -> str:
+    """The method as the controller runs it: ``auto`` with what it resolves to."""
+    if args.method != "auto":
+        return args.method
+    return f"auto ({resolve_load_balance_method(args.method, lockstep=args.dp_attention).value})"
+
+
 def _controller_argv(args: argparse.Namespace, board: str, requests: str, schedulers: list[str]) -> list[str]:
     # --duration bounds the controller even if the demo itself is killed without a chance to stop it.
     bound = READY_TIMEOUT + args.duration + 60
+    lockstep = ["--lockstep"] if args.dp_attention else []
     return ["dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
-            "--method", args.method, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
+            "--method", args.method, *lockstep, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
 
 
 def _warm_kernels() -> None:
@@ -270,7 +282,8 @@ class DemoRun:
             self.cluster.start(f"scheduler-{r}", [
                 "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
                 self.sched_eps[r], "--results", self.results_ep, "--num-pages", str(args.num_pages),
-                "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed)],
+                "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed),
+                *(["--dp-attention"] if args.dp_attention else [])],
                 env=env)
         self.cluster.start("controller", _controller_argv(args, self.name, self.requests_ep, self.sched_eps),
                            env=env)
@@ -389,14 +402,14 @@ class DemoRun:
         if stop.signal is not None:
             how = "Ctrl-C" if stop.signal == signal.SIGINT else signal.Signals(stop.signal).name
             print(f"dpboard demo: stopped by {how}", file=sys.stderr)
-        print(self.stats.summary(self.args.method), flush=True)
+        print(self.stats.summary(method_label(self.args)), flush=True)
         return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
     _check(args)
     demo = DemoRun(args)
-    print(f"dpboard demo: board {demo.name!r}, {args.ranks} rank{'s' if args.ranks != 1 else ''}, method {args.method}, "
+    print(f"dpboard demo: board {demo.name!r}, {args.ranks} rank{'s' if args.ranks != 1 else ''}, method {method_label(args)}, "
           f"{demo.shape.rate:g} req/s (x{demo.shape.burst_factor:g} bursts), {args.duration:g} s", flush=True)
     _warm_kernels()
     return demo.run()
