@@ -12,8 +12,8 @@ method with and without SGLang's prefill delayer. Seeds 0-2 where the seed chang
 method on Mooncake (the bucket spread) and on the scenarios (the draw), only the seeded routers
 (vLLM's, Dynamo's) on Azure. The sensitivity cells rerun the 16-rank cells at 0.5 and 0.9 with one
 profile term changed (the extend floor halved, the eager term 0; DeepEP's term 0 and doubled and a
-new_token_ratio of 0.21 on the 16-rank trace-file cells at 0.9). The PD cells run the whole files,
-8 prefill : 16 decode ranks.
+new_token_ratio of 0.21 on the 16-rank trace-file cells at 0.9), seed 0, the rows the verdict
+compares. The PD cells run the whole files, 8 prefill : 16 decode ranks.
 
 Each cell is one JSON file written when it is done, so an interrupted sweep resumes where it
 stopped; runs go one after another in this process (``nice`` it on a shared machine).
@@ -72,16 +72,15 @@ SENSITIVITY = {
 MAIN_SENSITIVITY = ("floor-halved", "eager-0")
 PD_METHODS = (
     "follow_bootstrap_room/round_robin",
-    "follow_bootstrap_room/inflight_lockstep:cadence=step",
-    "round_robin",
     "total_tokens:cadence=sglang",
-    "cache_aware",
     "dynamo_kv",
     "inflight_cache:cadence=step",
-    "inflight_ttft:cadence=step",
     "inflight_lockstep:cadence=step",
     "inflight_cache:cadence=step/inflight_lockstep:cadence=step",
 )
+# a sensitivity cell asks whether the order of the rows that matter changes: seed 0, those rows
+SENSITIVITY_METHODS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang", "cache_aware",
+                       "dynamo_kv", "inflight_ttft:cadence=step", "inflight_cache:cadence=step", LOCKSTEP)
 
 
 def cells() -> list[dict[str, Any]]:
@@ -127,7 +126,10 @@ def _methods(cell: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     if cell.get("pd"):
         methods = PD_METHODS
     else:
-        methods = [m for m in METHODS if cell["trace"] == "mooncake" or not m.startswith("inflight_cache")]
+        methods = SENSITIVITY_METHODS if cell.get("variant") else METHODS
+        methods = [m for m in methods if cell["trace"] == "mooncake" or not m.startswith("inflight_cache")]
+    if cell.get("variant"):
+        return [(m, (0,)) for m in methods]
     every = cell["trace"] != "azure"
     return [(m, SEEDS if every or m.split(":")[0] in SEEDED else (0,)) for m in methods]
 
@@ -251,6 +253,19 @@ def verdict(doc: dict[str, Any], ours: str = LOCKSTEP) -> dict[str, Any]:
     return out
 
 
+def _cell_heading(name: str, doc: dict[str, Any]) -> str:
+    cell = doc["cell"]
+    info = doc["trace_info"].get("0", {})
+    trace = {"azure": "Azure conversation", "mooncake": "Mooncake conversation"}.get(cell["trace"], f"`{cell['trace']}`")
+    variant = f", {cell['variant']}" if cell.get("variant") else ""
+    if cell.get("pd"):
+        return f"**PD {cell['pd'][0]}:{cell['pd'][1]}, {trace}, load {cell['load']:g}** (the whole file)"
+    independent = info.get("independent_load")
+    also = f", {independent:.2f} of an independent rank's" if isinstance(independent, float) else ""
+    return (f"**{trace}, {cell['ranks']} ranks, load {cell['load']:g}{variant}** (chunk {doc['chunk']}{also}; "
+            f"{doc['wall_s']:.0f} s of CPU)")
+
+
 def table(args: argparse.Namespace) -> int:
     out = Path(args.out)
     docs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
@@ -258,10 +273,14 @@ def table(args: argparse.Namespace) -> int:
     if args.cells:
         for name in order:
             doc = docs[name]
-            info = doc["trace_info"].get("0", {})
-            print(f"\n**{name}** (chunk {doc['chunk']}, {doc['wall_s']:.0f} s of CPU; load "
-                  f"{info.get('load', float('nan')):.2f} of the lockstep capacity):\n")
+            fold = args.fold and (doc["cell"]["ranks"] != 16 or doc["cell"].get("variant"))
+            if fold:
+                print(f"\n<details><summary>{_cell_heading(name, doc).replace('**', '')}</summary>\n")
+            else:
+                print(f"\n{_cell_heading(name, doc)}:\n")
             print(_cell_table(doc))
+            if fold:
+                print("\n</details>")
     print("\n| cell | lockstep goodput / best seed or peer | p99 TTFT / best row | with the delayer: goodput | p99 TTFT | best goodput (seed or peer) | best p99 TTFT |")
     print("|---|---:|---:|---:|---:|---|---|")
     for name in order:
@@ -291,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table", help="the verdict table (and with --cells every cell's table)")
     t.add_argument("--out", default="out/lockstep")
     t.add_argument("--cells", action="store_true")
+    t.add_argument("--fold", action="store_true", help="with --cells: the cells other than 16 ranks in <details>")
     args = p.parse_args(argv)
     return run(args) if args.command == "run" else table(args)
 
