@@ -173,6 +173,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "eager_decode_rank_steps": result.eager_decode_rank_steps,
         "delayer_held_passes": result.delayer_held_passes,
         "delayer_timeouts": result.delayer_timeouts,
+        # per output token decoded: how many steps a running request went without a token, its
+        # rank prefilling (SGLang runs a prefill batch alone)
+        "stalled_decode_share": result.stalled_decodes / max(1, sum(r.output_len - 1 for r in result.requests)),
         "evicted_tokens": result.evicted_tokens,
         "requests_per_rank_min": int(per_rank.min()),
         "requests_per_rank_max": int(per_rank.max()),

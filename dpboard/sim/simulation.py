@@ -181,6 +181,7 @@ class RunResult:
     sample_decoded: np.ndarray | None = None  # per sample: output tokens the sampled ranks' decode steps gave so far
     delayer_held_passes: int = 0  # passes in which the prefill delayer held prefill back
     delayer_timeouts: int = 0  # waits the delayer ended because max_delay_passes ran out
+    stalled_decodes: int = 0  # request-steps without a token because the request's rank prefilled
 
 
 SIM_OPTIONS = ("cadence", "publish_every", "prefill_delayer")
@@ -526,6 +527,7 @@ class Simulation:
             sample_decoded=np.asarray(self._sampler.decoded, dtype=np.int64),
             delayer_held_passes=sum(g.delayer.held_passes for g in self.groups if g.delayer is not None),
             delayer_timeouts=sum(g.delayer.timeouts for g in self.groups if g.delayer is not None),
+            stalled_decodes=sum(g.stalled_decodes for g in self.groups),
         )
 
 

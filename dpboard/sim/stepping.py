@@ -91,6 +91,7 @@ class RankGroup:
         "_attn_decode",
         "delayer",
         "held_idle_passes",
+        "stalled_decodes",
     )
 
     def __init__(
@@ -118,6 +119,7 @@ class RankGroup:
         self.extend_steps = 0
         self.eager_decode_rank_steps = 0
         self.held_idle_passes = 0  # passes without a forward: the delayer held the only work there was
+        self.stalled_decodes = 0  # running requests that got no token because their rank prefilled
         if lockstep is not None:
             self._attn_prefill = self.config.prefill_s_per_token - lockstep.moe_prefill_s_per_token
             self._attn_decode = self.config.decode_s_per_request - lockstep.moe_decode_s_per_token
@@ -133,6 +135,8 @@ class RankGroup:
                 self.steps += 1
                 self.rank_steps += 1
                 rank.busy_s += duration
+                if rank.state == PREFILL:
+                    self.stalled_decodes += len(rank.running)
             return duration
         delayer = self.delayer
         allow = True if delayer is None else delayer.allow(self.ranks)
@@ -179,6 +183,7 @@ class RankGroup:
             state = rank.state
             if state == PREFILL:
                 own = self._attn_prefill * rank.step_tokens
+                self.stalled_decodes += len(rank.running)
             elif state == DECODE:
                 own = self._attn_decode * rank.step_tokens + cfg.decode_s_per_kv_token * rank.step_kv_tokens + eager
                 eager_ranks += 1

@@ -208,3 +208,15 @@ def test_summaries_carry_the_delayers_record():
     (result,) = simulate(hand([0.0], [10], [2], ranks=2), ["round_robin"], lockstep_config(prefill_delayer=True))
     s = summarize(result)
     assert s["delayer_held_passes"] == 29 and s["delayer_timeouts"] == 1
+
+
+def test_a_prefill_step_stalls_the_running_requests_of_its_own_rank_only():
+    # rank 0: A (10 tokens, 5 out) at t=0, then B (100 tokens, 2 out) at 15 ms: B's prefill step gives A
+    # no token (one stalled decode). Rank 1: C (50 tokens, 3 out) at 5 ms prefills while A decodes on
+    # rank 0: a step longer for A, but A gets its token, so nothing is stalled there.
+    trace = hand([0.0, 0.005, 0.015], [10, 50, 100], [5, 3, 2])
+    (result,) = simulate(trace, ["round_robin"], lockstep_config())
+    assert [r.rank for r in result.requests] == [0, 1, 0]
+    assert result.stalled_decodes == 1
+    s = summarize(result)
+    assert s["stalled_decode_share"] == pytest.approx(1 / (4 + 2 + 1))
