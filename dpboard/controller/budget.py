@@ -417,7 +417,11 @@ class DPBudget:
         self.update_from_array(snapshots_to_array(loads, self.num_workers))
 
     def update_from_array(
-        self, records: np.ndarray, queued_prefill: np.ndarray | None = None, chunk: np.ndarray | None = None
+        self,
+        records: np.ndarray,
+        queued_prefill: np.ndarray | None = None,
+        chunk: np.ndarray | None = None,
+        pd_role: np.ndarray | None = None,
     ) -> None:
         """Refresh from ``SNAPSHOT_DTYPE`` records, one per rank (``BoardReader.read_array()``).
 
@@ -425,7 +429,11 @@ class DPBudget:
         not reported); the backlog takes it over ``num_total_tokens - num_used_tokens``, which counts
         cached prefixes as work and misses the rest of a prompt whose chunked prefill is under way.
         ``chunk``, when given, is each rank's prefill chunk from its lockstep detail (0: not
-        reported, then ``lockstep_chunk``)."""
+        reported, then ``lockstep_chunk``). ``pd_role``, when given, marks the ranks that serve one
+        side of PD disaggregation: a prefill server runs no decodes and a decode server no prefill,
+        so no prefill of theirs stalls a decode, and ``inflight_lockstep`` keys them as
+        ``inflight_ttft`` does (their running requests count as none, their chunk as one token: the
+        earliest first token is the smallest queue, exactly)."""
         n = self.num_workers
         if records.dtype != SNAPSHOT_DTYPE or len(records) < n:
             raise InvalidInputError(
@@ -462,6 +470,10 @@ class DPBudget:
             if chunk is not None:
                 reported = chunk[idx]
                 self.chunk[idx] = np.where(reported > 0, reported, self.lockstep_chunk)
+            if pd_role is not None:
+                pd = idx[pd_role[idx]]
+                self.running[pd] = 0
+                self.chunk[pd] = 1
             if not self.inflight_accounting:
                 # SGLang: a new snapshot overwrites the speculative charges of its rank
                 self.total_requests[idx] = self.snap_requests[idx]

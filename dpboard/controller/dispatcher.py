@@ -208,15 +208,18 @@ class Dispatcher:
         """For the backlog methods: the records and, per rank, the prefill work the engine itself
         reports queued (``num_waiting_uncached_tokens`` of the slot's detail: the waiting prompts
         less what its prefix cache holds of them, plus the rest of a prompt whose chunked prefill is
-        under way), -1 where the engine reports no detail, and the prefill chunk of its lockstep
-        detail (0 where it has none). Read from one write per slot."""
+        under way), -1 where the engine reports no detail, the prefill chunk of its lockstep
+        detail (0 where it has none), and whether it serves one side of PD disaggregation (its
+        detail's disaggregation mode: prefill or decode). Read from one write per slot."""
         n = self.num_workers
         detailed = np.zeros(n, DETAILED_DTYPE)
         queued = np.full(n, -1, np.int64)
         chunk = np.zeros(n, np.int64)
+        pd_role = np.zeros(n, bool)
         lockstep_bit = np.uint64(DETAIL_FLAG["lockstep"])
+        disagg_bit = np.uint64(DETAIL_FLAG["disaggregation"])
 
-        def read() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def read() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             arr = reader.read_detailed_array(detailed)
             detail = arr["detail"][:n]
             flags = detail["flags"]
@@ -225,7 +228,9 @@ class Dispatcher:
             queued[present] = detail["num_waiting_uncached_tokens"][present]
             np.copyto(chunk, detail["lockstep_chunk_tokens"])
             chunk[(flags & lockstep_bit) == 0] = 0
-            return arr["load"], queued, chunk
+            mode = detail["disaggregation_mode"]
+            np.copyto(pd_role, ((flags & disagg_bit) != 0) & ((mode == b"prefill") | (mode == b"decode")))
+            return arr["load"], queued, chunk, pd_role
 
         return read
 
@@ -285,8 +290,8 @@ class Dispatcher:
 
     def _refresh(self) -> None:
         if self._read_queued is not None:
-            records, queued, chunk = self._read_queued()
-            self.budget.update_from_array(records, queued, chunk)
+            records, queued, chunk, pd_role = self._read_queued()
+            self.budget.update_from_array(records, queued, chunk, pd_role)
         else:
             records = self._read_records()
             self.budget.update_from_array(records)

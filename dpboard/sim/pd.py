@@ -124,8 +124,12 @@ class PdSimulation(Simulation):
             delayer = PrefillDelayer(n_p) if config.prefill_delayer else None
             self.groups = [RankGroup(0, prefill, config.lockstep, delayer), RankGroup(1, decode, config.lockstep)]
         self._decode_group = [any(rank.role == DECODE_ROLE for rank in group.ranks) for group in self.groups]
-        self.prefill_board = SimBoard(n_p, self.clock, p_pub.visibility_delay_s, lockstep=config.lockstep_section(n_p))
-        self.decode_board = SimBoard(n_d, self.clock, d_pub.visibility_delay_s, lockstep=config.lockstep_section(n_d))
+        self.prefill_board = SimBoard(
+            n_p, self.clock, p_pub.visibility_delay_s, lockstep=config.lockstep_section(n_p), mode="prefill"
+        )
+        self.decode_board = SimBoard(
+            n_d, self.clock, d_pub.visibility_delay_s, lockstep=config.lockstep_section(n_d), mode="decode"
+        )
         common = {"clock": self.clock, "refresh_interval_s": config.refresh_interval_s, "seed": self.trace.seed}
         p_name, d_name = split_pd_method(self.method)
         self.prefill_method, self.decode_method = p_name, d_name

@@ -196,3 +196,35 @@ def test_the_board_carries_each_ranks_lockstep_section(board_name):
         assert d.method is M.INFLIGHT_LOCKSTEP and d.budget.core.horizon == 2
         d.refresh()
         assert d.budget.chunk.tolist() == [64, 2048, 64, 64]
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_on_one_side_of_pd_the_lockstep_pick_is_inflight_ttfts(board_name, mode):
+    # a PD server's ranks run no prefill beside their decodes (a prefill server decodes nothing, a
+    # decode server prefills nothing): no decode is stalled, and the pick is the smallest queue
+    from dpboard.snapshot import DisaggregationDetail
+
+    queued = [3000, 500, 2000, 800]
+    running = [0, 40, 2, 9]
+    with Board.create(board_name, n_slots=4) as board:
+        for rank in range(4):
+            detail = LoadDetail(num_waiting_uncached_tokens=queued[rank], disaggregation=DisaggregationDetail(mode),
+                                lockstep=LockstepDetail(group_size=4, chunk_tokens=512))
+            board.writer(rank).publish_detailed(
+                LoadSnapshot(dp_rank=rank, num_running_reqs=running[rank], num_total_tokens=10_000,
+                             num_used_tokens=10_000, max_total_num_tokens=10**6), detail)
+        picks = {}
+        for method in ("inflight_lockstep", "inflight_ttft"):
+            d = Dispatcher(method, 4, reader=board.reader())
+            picks[method] = [d.dispatch(TokReq(400)) for _ in range(6)]
+        assert picks["inflight_lockstep"] == picks["inflight_ttft"]
+        assert picks["inflight_ttft"][0] == 1  # the smallest queue, whatever it runs
+        # colocated, the same figures pick by stalled decodes: first tokens in 7, 2, 5 and 3 steps of
+        # 512 tokens, rank 0 beyond max(2, horizon 6); one step added on each of the others, which
+        # stalls 40, 2 and 9 decodes: rank 2
+        for rank in range(4):
+            board.writer(rank).publish_detailed(
+                LoadSnapshot(dp_rank=rank, num_running_reqs=running[rank], num_total_tokens=10_000,
+                             num_used_tokens=10_000, max_total_num_tokens=10**6),
+                LoadDetail(num_waiting_uncached_tokens=queued[rank], lockstep=LockstepDetail(4, 512)))
+        assert Dispatcher("inflight_lockstep", 4, reader=board.reader()).dispatch(TokReq(400)) == 2
