@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import numpy as np
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAGIC = b"DPBOARD\x00"
 MAX_INT64 = 2**63 - 1
 
@@ -259,6 +259,18 @@ class QueueDetail(NamedTuple):
     prealloc_ready: int
 
 
+class LockstepDetail(NamedTuple):
+    """How a rank steps, for dispatch (dpboard's, not SGLang's: its LoadSnapshot has no such section).
+
+    Under DP attention (SGLang's ``--enable-dp-attention``, vLLM's MoE data parallelism) every rank
+    of a group runs each forward together: one rank's prefill makes the step an extend step for all.
+    """
+
+    group_size: int = 1  # ranks that step together, this one included (1: it steps alone)
+    chunk_tokens: int = 0  # prompt tokens one prefill step computes at most on this rank (SGLang's
+    # --chunked-prefill-size after its division by the attention-DP size); 0: not known
+
+
 class LoadDetail(NamedTuple):
     """A rank's load beyond the dispatch fields: the rest of SGLang's LoadSnapshot, field for field.
 
@@ -282,8 +294,10 @@ class LoadDetail(NamedTuple):
     lora: LoraDetail | None = None
     disaggregation: DisaggregationDetail | None = None
     queues: QueueDetail | None = None
+    lockstep: LockstepDetail | None = None  # dpboard's own section, after SGLang's
 
 
+# SGLang's sections, in its order
 DETAIL_SECTIONS: dict[str, type[NamedTuple]] = {
     "memory": MemoryDetail,
     "speculative": SpeculativeDetail,
@@ -291,11 +305,14 @@ DETAIL_SECTIONS: dict[str, type[NamedTuple]] = {
     "disaggregation": DisaggregationDetail,
     "queues": QueueDetail,
 }
+# dpboard's own sections, after SGLang's (an SGLang snapshot carries none of them)
+OWN_SECTIONS: dict[str, type[NamedTuple]] = {"lockstep": LockstepDetail}
+ALL_SECTIONS: dict[str, type[NamedTuple]] = {**DETAIL_SECTIONS, **OWN_SECTIONS}
 DETAIL_SCALARS: tuple[str, ...] = LoadDetail._fields[:10]
 # flags: bit 0 = the slot holds a detail; bit 1 = decode_moments present; bits 2.. = the sections.
 DETAIL_PRESENT = 1
 DETAIL_FLAG: dict[str, int] = {
-    name: 1 << (i + 1) for i, name in enumerate(("decode_moments", *DETAIL_SECTIONS))
+    name: 1 << (i + 1) for i, name in enumerate(("decode_moments", *ALL_SECTIONS))
 }
 
 
@@ -311,7 +328,7 @@ _DETAIL_COLUMNS: list[tuple[Any, ...]] = (
     [("flags", "<u8")]
     + _columns("", LoadDetail)  # the scalars (the sections and decode_moments are not plain types)
     + [("decode_moments_count", "<i8"), ("decode_moments", "<f8", (MAX_DECODE_MOMENTS,))]
-    + [col for name, section in DETAIL_SECTIONS.items() for col in _columns(f"{name}_", section)]
+    + [col for name, section in ALL_SECTIONS.items() for col in _columns(f"{name}_", section)]
 )
 assert tuple(c[0] for c in _DETAIL_COLUMNS[1 : 1 + len(DETAIL_SCALARS)]) == DETAIL_SCALARS
 
@@ -358,7 +375,7 @@ def pack_detail(detail: LoadDetail | None, out: np.ndarray | None = None) -> np.
         rec["decode_moments_count"] = len(moments)
         rec["decode_moments"][0, : len(moments)] = moments
         flags |= DETAIL_FLAG["decode_moments"]
-    for name in DETAIL_SECTIONS:
+    for name in ALL_SECTIONS:
         section = getattr(detail, name)
         if section is None:
             continue
@@ -390,7 +407,7 @@ def unpack_detail(rec: np.void | np.ndarray) -> LoadDetail | None:
     count = moments_count(int(rec["decode_moments_count"]))
     if flags & DETAIL_FLAG["decode_moments"] and count is not None:
         values["decode_moments"] = tuple(float(v) for v in rec["decode_moments"][:count])
-    for name, section in DETAIL_SECTIONS.items():
+    for name, section in ALL_SECTIONS.items():
         if flags & DETAIL_FLAG[name]:
             items = [rec[f"{name}_{f}"].item() for f in section._fields]
             values[name] = section(*(v.decode() if isinstance(v, bytes) else v for v in items))

@@ -58,10 +58,9 @@ from dpboard.sim.prefix_cache import prefix_tokens
 from dpboard.sim.profile import load_profile
 from dpboard.sim.report import summarize
 from dpboard.sim.simulation import PublishConfig, SimConfig, Simulation
-from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
+from dpboard.sim.trace import SCENARIOS, Trace, scenario_trace
 from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
 from dpboard.sim.transfer import parse_pd
-from dpboard.sim.workload import offered_load, pd_offered_load
 
 METRICS = (
     ("p50 TTFT ms", "ttft_p50_ms", "{:.0f}"),
@@ -166,22 +165,6 @@ def shared_prefix(trace: Trace) -> tuple[int, ...]:
     return tuple(common)
 
 
-def scenario_trace(name: str, ranks: int, seed: int, load: float | None, profile, pd) -> Trace:
-    """A synthetic scenario. With its own profile (``synthetic``) ``--load`` multiplies its rates, as
-    ``dpboard sim --load`` does; with another profile its arrival times are scaled so that the work
-    it offers is that share of the profile's capacity (the busier pool's with ``--pd``), as a trace
-    file's are: the scenarios' rates were set for the synthetic rank."""
-    if profile.name == SCENARIO_PROFILE or load is None:
-        return generate_trace(scenario(name).scaled(load=1.0 if load is None else load), ranks, seed)
-    trace = generate_trace(scenario(name), ranks, seed)
-    span = trace.spec.duration_s if trace.spec is not None else float(trace.arrival_s.max())
-    if pd is not None:
-        natural = pd_offered_load(trace.prompt_len, trace.output_len, span, pd.n_prefill, pd.n_decode, profile.rank)
-    else:
-        natural = offered_load(trace.prompt_len, trace.output_len, span, ranks, profile.rank)
-    return dataclasses.replace(trace, arrival_s=trace.arrival_s * (natural / load))
-
-
 def runs_of(method: str, trace: Trace, config: SimConfig, index_check: bool):
     """(label, simulation, probe or None) for the method, and with --index-check its two variants."""
     sim = make_simulation(trace, method, config)
@@ -230,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pd", metavar="P:D", default=None,
                    help="PD disaggregation: P prefill and D decode ranks (methods are PREFILL/DECODE, as dpboard sim)")
     p.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="prompt tokens per prefill step per rank, 0 = off (default: the profile's)")
+                   help="prompt tokens per prefill step per rank, 0 = off (default as dpboard sim: the profile's, "
+                        "SGLang's rule for colocated ranks in lockstep)")
+    p.add_argument("--prefill-delayer", action="store_true",
+                   help="every method with SGLang's prefill delayer (a method alone: prefill_delayer=on in its spec)")
     p.add_argument("--json", metavar="PATH", help="write every seed's summary of every method here")
     p.add_argument("--index-check", action="store_true",
                    help="the prefix index against the ranks' true caches, and two variants of the method (see above)")
@@ -249,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     if pd is not None:
         args.ranks = pd.n_ranks
     dp_attention = profile.dp_attention if args.dp_attention is None else args.dp_attention
+    rank, _ = profile.run_rank(args.ranks, dp_attention=dp_attention, pd=pd is not None,
+                               chunk_given=args.chunked_prefill_size is not None)
     config = SimConfig(
-        n_ranks=args.ranks, rank=profile.rank, publish=PublishConfig(cadence=args.cadence),
+        n_ranks=args.ranks, rank=rank, publish=PublishConfig(cadence=args.cadence),
         lockstep=profile.lockstep if dp_attention else None, pd=pd,
-        slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s,
+        slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s, prefill_delayer=args.prefill_delayer,
     )  # fmt: skip
     trace_file = read_trace_file(args.trace_file) if args.trace_file else None
     window = parse_window(args.window) if args.window else (None, None)
@@ -260,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     probes: dict[str, list[IndexProbe]] = {}
     for seed in range(args.seeds):
         if trace_file is not None:
-            trace = shape_trace(trace_file, n_ranks=args.ranks, seed=seed, rank=profile.rank, window=window,
-                                load=args.load, pd=(pd.n_prefill, pd.n_decode) if pd is not None else None)  # fmt: skip
+            trace = shape_trace(trace_file, n_ranks=args.ranks, seed=seed, rank=rank, window=window,
+                                load=args.load, pd=(pd.n_prefill, pd.n_decode) if pd is not None else None,
+                                lockstep=config.lockstep)  # fmt: skip
         else:
-            trace = scenario_trace(args.trace or "bursty", args.ranks, seed, args.load, profile, pd)
+            own = profile.name == SCENARIO_PROFILE
+            trace = scenario_trace(args.trace or "bursty", args.ranks, seed, load=args.load,
+                                   rank=None if own else rank, lockstep=config.lockstep,
+                                   pd=(pd.n_prefill, pd.n_decode) if pd is not None else None)  # fmt: skip
         for method in methods:
             for label, sim, probe in runs_of(method, trace, config, args.index_check):
                 per_method.setdefault(label, []).append(summarize(sim.run()))

@@ -103,6 +103,9 @@ class BaselineController:
         return [self.dispatch(req, refresh=False) for req in reqs]
 
 
+BENCH_STALE_AFTER = 600.0  # seconds
+
+
 def _publish_all(board: Board, writers, rng: random.Random) -> None:
     for w in writers:
         w.publish_values(rng.randint(0, 50), rng.randint(0, 50), 0, rng.randint(0, 10**6), 0, 10**6, 0)
@@ -157,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             reqs = [Request(i, rng.randint(16, 4096)) for i in range(args.batch)]
             block = reqs[:256]
             for method in (M.TOTAL_TOKENS, M.TOTAL_REQUESTS, M.INFLIGHT_TOKENS, M.INFLIGHT_BACKLOG,
-                           M.INFLIGHT_CACHE, M.INFLIGHT_TTFT):
-                reader = board.reader()
+                           M.INFLIGHT_CACHE, M.INFLIGHT_TTFT, M.INFLIGHT_LOCKSTEP):
+                # staleness is not what is measured: a loaded machine must not make the slots stale
+                # between two of the bench's publishes (a health-aware method would then refuse)
+                reader = board.reader(stale_after=BENCH_STALE_AFTER)
                 ours = Dispatcher(method, n, reader=reader)
                 # the backlog key is compared with SGLang's token method, the nearest it has
                 base_method = M.TOTAL_REQUESTS if method is M.TOTAL_REQUESTS else M.TOTAL_TOKENS
@@ -203,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         ["method", "ranks", "what", "dpboard p50", "p90", "p99", "baseline p50", "p90", "p99", "speed-up p50"],
         rows,
     ))
+    p50 = {(f["method"], f["ranks"], f["what"]): f["dpboard_ns"][50] for f in figures}
+    for (method, n, label), lockstep in p50.items():
+        ttft = p50.get((M.INFLIGHT_TTFT.value, n, label))
+        if method == M.INFLIGHT_LOCKSTEP.value and ttft:
+            # the lockstep key scans the ranks twice (the earliest first token, then the stalls)
+            verdicts.append(f"- inflight_lockstep against inflight_ttft, {n} ranks, {label}: {fmt_ns(lockstep)} "
+                            f"against {fmt_ns(ttft)} ({lockstep / ttft:.2f}x)")
     if verdicts:
         print()
         print("\n".join(verdicts))

@@ -13,7 +13,7 @@ instant (what a reader on that node would see: the publish period alone). The fi
 controller actually gets; the difference is the relay's share.
 
 With ``--detail`` the relay path runs a second time with every publish carrying an engine's whole
-snapshot (the SGLang plugin's case), so that frames hold 440-byte records instead of 104. The writers
+snapshot (the SGLang plugin's case), so that frames hold 456-byte records instead of 104. The writers
 then publish a ``LoadSnapshot`` object in every run, with the detail or without it, so that the
 runs differ only in what the relay carries.
 
@@ -358,7 +358,7 @@ def _table(args: argparse.Namespace, relay: dict[str, Any], naive: dict[str, Any
            detailed: dict[str, Any] | None = None) -> str:
     rows = [("dpboard relay (batched frame per tick)", relay)]
     if detailed is not None:
-        rows.append(("dpboard relay, every slot with a detail (440-byte records)", detailed))
+        rows.append(("dpboard relay, every slot with a detail (456-byte records)", detailed))
     if naive is not None:
         rows.append(("baseline: one msgpack message per publish", naive))
     lines = [

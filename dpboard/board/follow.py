@@ -18,7 +18,7 @@ import numpy as np
 
 from dpboard.board.segment import DEFAULT_STALE_AFTER, Board
 from dpboard.errors import DpboardError, NotFoundError
-from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot
+from dpboard.snapshot import DETAILED_DTYPE, SNAPSHOT_DTYPE, LoadSnapshot
 
 LOGGER_NAME = "dpboard.board"
 
@@ -125,6 +125,7 @@ class FollowingReader:
         self._reader = board.reader(stale_after=self.stale_after)
         # a larger board than needed is read whole, then cut to the slots in use
         self._full = None if board.n_slots == self.n_slots else np.zeros(board.n_slots, SNAPSHOT_DTYPE)
+        self._full_detailed: np.ndarray | None = None  # the same for detailed reads, made at the first
 
     def read_array(self) -> np.ndarray:
         if self.follower.poll():
@@ -139,3 +140,17 @@ class FollowingReader:
         if self.follower.poll():
             self._attach()
         return self._reader.read_all()[: self.n_slots]
+
+    def read_detailed_array(self, out: np.ndarray) -> np.ndarray:
+        """``BoardReader.read_detailed_array`` of the followed board, its first ``n_slots`` records in
+        ``out`` (the engines' detail: what the backlog and lockstep methods read beyond the fields)."""
+        if self.follower.poll():
+            self._attach()
+        if self._full is None:
+            return self._reader.read_detailed_array(out)
+        full = self._full_detailed
+        if full is None or len(full) != len(self._full):
+            full = self._full_detailed = np.zeros(len(self._full), DETAILED_DTYPE)
+        self._reader.read_detailed_array(full)
+        out[: self.n_slots] = full[: self.n_slots]
+        return out

@@ -17,7 +17,11 @@
  *     inflight_cache) of (backlog + the tokens the rank's prefix cache does not hold, tokens); or
  *     (by_headroom, inflight_ttft) the same among the ranks whose KV can hold the uncached prompt
  *     (tokens[r] + uncached <= capacity[r], or no capacity published), before any rank that cannot,
- *     and among those the fewest tokens[r] + uncached; ties
+ *     and among those the fewest tokens[r] + uncached; or (by_lockstep, inflight_lockstep) among
+ *     the ranks with room whose first token comes within max(earliest, horizon) group steps
+ *     (s[r] = ceil((backlog[r] + uncached) / chunk[r])), the fewest running[r] * (s[r] -
+ *     ceil(backlog[r] / chunk[r])) (the decodes its prefill stalls), then the earlier s[r], then
+ *     fewer tokens; no rank with room: as by_headroom; ties
  *     go to the first rank met scanning from 0 (seed) or from the rank after the last pick (rotate).
  *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget
  *     (to tokens, and to backlog when the budget keeps one: the prompt queues for prefill),
@@ -46,12 +50,15 @@ static PyObject *InvalidInputError, *UnavailableError;
 
 typedef struct {
     PyObject_HEAD
-    Py_buffer bufs[9]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring, backlog, capacity */
+    Py_buffer bufs[11]; /* tokens, requests, candidate, routable, sent_reqs, sent_tokens, ring, backlog, capacity,
+                           running, chunk */
     int nbufs;
     int64_t *tokens, *requests, *sent_reqs, *sent_tokens, *ring, *backlog, *capacity;
+    const int64_t *running, *chunk;
     const uint8_t *candidate, *routable;
     Py_ssize_t n, ring_cap;
-    int by_tokens, rotate, by_backlog, by_headroom;
+    int by_tokens, rotate, by_backlog, by_headroom, by_lockstep;
+    int64_t horizon;
     Py_ssize_t next_start;
 } Core;
 
@@ -99,7 +106,10 @@ static int core_init(Core *self, PyObject *args, PyObject *kwds) {
         self->nbufs = 0;
         self->n = 0;
         self->tokens = self->requests = self->sent_reqs = self->sent_tokens = self->ring = self->backlog = NULL;
+        self->capacity = NULL;
+        self->running = self->chunk = NULL;
         self->candidate = self->routable = NULL;
+        self->by_lockstep = 0;
         self->ring_cap = 0;
     }
     return -1;
@@ -108,16 +118,29 @@ static int core_init(Core *self, PyObject *args, PyObject *kwds) {
 static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", "requests", "candidate", "routable", "sent_reqs",
                              "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog",
-                             "capacity", "by_headroom", NULL};
+                             "capacity", "by_headroom", "running", "chunk", "by_lockstep", "horizon", NULL};
     PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None, *capacity = Py_None;
-    int by_tokens = 1, rotate = 0, by_backlog = 0, by_headroom = 0;
+    PyObject *running = Py_None, *chunk = Py_None;
+    int by_tokens = 1, rotate = 0, by_backlog = 0, by_headroom = 0, by_lockstep = 0;
+    long long horizon = 0;
     if (self->nbufs) {
         PyErr_SetString(PyExc_RuntimeError, "ArgminCore is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOpOp", kwlist, &tok, &req, &cand, &rout, &sreq, &stok,
-                                     &ring, &by_tokens, &rotate, &backlog, &by_backlog, &capacity, &by_headroom))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOpOpOOpL", kwlist, &tok, &req, &cand, &rout, &sreq,
+                                     &stok, &ring, &by_tokens, &rotate, &backlog, &by_backlog, &capacity,
+                                     &by_headroom, &running, &chunk, &by_lockstep, &horizon))
         return -1;
+    if (by_lockstep && (backlog == Py_None || capacity == Py_None || running == Py_None || chunk == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "by_lockstep needs the backlog, capacity, running and chunk arrays (queued prefill, KV "
+                        "capacity, running requests and prefill chunk per rank)");
+        return -1;
+    }
+    if (horizon < 0) {
+        PyErr_SetString(PyExc_ValueError, "horizon must be >= 0 group steps");
+        return -1;
+    }
     if (by_headroom && (backlog == Py_None || capacity == Py_None)) {
         PyErr_SetString(PyExc_ValueError,
                         "by_headroom needs the backlog and capacity arrays (queued prefill and KV capacity per rank)");
@@ -145,6 +168,12 @@ static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds) {
     if (capacity != Py_None &&
         get_array(self, capacity, "capacity", 8, n, (void **)&self->capacity, NULL) < 0)
         return -1;
+    if (running != Py_None && get_array(self, running, "running", 8, n, (void **)&self->running, NULL) < 0)
+        return -1;
+    if (chunk != Py_None && get_array(self, chunk, "chunk", 8, n, (void **)&self->chunk, NULL) < 0)
+        return -1;
+    self->by_lockstep = by_lockstep;
+    self->horizon = (int64_t)horizon;
     self->by_backlog = by_backlog;
     self->by_headroom = by_headroom;
     self->by_tokens = by_tokens;
@@ -327,6 +356,66 @@ static Py_ssize_t argmin_headroom(Core *self, int64_t t) {
     return settle_pick(self, best);
 }
 
+/* ceil(a / c) for a >= 0, c >= 1. */
+static inline int64_t ceil_div(int64_t a, int64_t c) { return a / c + (a % c != 0); }
+
+/* The inflight_lockstep pick (see the header comment), t prompt tokens of which sav[r] are cached on
+   rank r (sav NULL: none). Two scans in the same order: the earliest first-token step among the
+   ranks whose KV has room (and, should no rank have room, inflight_ttft's pick among the full ones),
+   then the fewest stalled decodes among the ranks within max(earliest, horizon) steps. */
+static Py_ssize_t argmin_lockstep(Core *self, int64_t t, const int64_t *sav, int64_t *uncached_out) {
+    const Py_ssize_t n = self->n;
+    const int64_t *tok = self->tokens, *bl = self->backlog, *cap = self->capacity;
+    const int64_t *run = self->running, *chk = self->chunk;
+    const uint8_t *cand = self->candidate;
+    Py_ssize_t start = self->rotate ? self->next_start : 0;
+    if (start < 0 || start >= n) start = 0;
+    int64_t earliest = INT64_MAX, fk = 0, ft = 0, fu = 0;
+    Py_ssize_t full_best = -1, i = start;
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t u = sav ? (t > sav[i] ? t - sav[i] : 0) : t, need = sat_add(tok[i], u);
+        if (cap[i] > 0 && need > cap[i]) {
+            if (full_best < 0 || need < fk || (need == fk && tok[i] < ft)) {
+                full_best = i;
+                fk = need;
+                ft = tok[i];
+                fu = u;
+            }
+            continue;
+        }
+        int64_t s = ceil_div(sat_add(bl[i] > 0 ? bl[i] : 0, u), chk[i] > 0 ? chk[i] : 1);
+        if (s < earliest) earliest = s;
+    }
+    if (earliest == INT64_MAX) {
+        if (full_best >= 0) *uncached_out = fu;
+        return settle_pick(self, full_best);
+    }
+    const int64_t limit = earliest > self->horizon ? earliest : self->horizon;
+    Py_ssize_t best = -1;
+    int64_t bk = 0, bs = 0, bt = 0, bu = 0;
+    i = start;
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t u = sav ? (t > sav[i] ? t - sav[i] : 0) : t;
+        if (cap[i] > 0 && sat_add(tok[i], u) > cap[i]) continue;
+        int64_t c = chk[i] > 0 ? chk[i] : 1, b = bl[i] > 0 ? bl[i] : 0;
+        int64_t s = ceil_div(sat_add(b, u), c);
+        if (s > limit) continue;
+        int64_t key, added = s - ceil_div(b, c);
+        if (__builtin_mul_overflow(run[i] > 0 ? run[i] : 0, added, &key)) key = INT64_MAX;
+        if (best < 0 || key < bk || (key == bk && (s < bs || (s == bs && tok[i] < bt)))) {
+            best = i;
+            bk = key;
+            bs = s;
+            bt = tok[i];
+            bu = u;
+        }
+    }
+    if (best >= 0) *uncached_out = bu;
+    return settle_pick(self, best);
+}
+
 static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
     self->tokens[r] = sat_add(self->tokens[r], t);
     self->requests[r] = sat_add(self->requests[r], 1);
@@ -352,7 +441,9 @@ static Py_ssize_t pick_one(Core *self, PyObject *req, int64_t *tokens_out) {
     int64_t t = request_tokens(req);
     if (t < 0) return -1;
     if (!routed) {
-        rank = self->by_headroom ? argmin_headroom(self, t) : argmin(self);
+        int64_t unused;
+        rank = self->by_lockstep ? argmin_lockstep(self, t, NULL, &unused)
+               : self->by_headroom ? argmin_headroom(self, t) : argmin(self);
         if (rank < 0) return -1;
     }
     charge(self, rank, t);
@@ -477,6 +568,7 @@ static PyObject *core_pick_saving(Core *self, PyObject *const *args, Py_ssize_t 
     int64_t t = routed < 0 ? -1 : request_tokens(args[0]);
     if (t >= 0) {
         if (routed) u = t > sav[rank] ? t - sav[rank] : 0;
+        else if (self->by_lockstep) rank = argmin_lockstep(self, t, sav, &u);
         else rank = argmin_saving(self, t, sav, &u);
     }
     PyBuffer_Release(&sb);
@@ -492,7 +584,9 @@ static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
         PyErr_Format(InvalidInputError, "estimated tokens must be in [0, %lld], got %lld", (long long)MAX_REQUEST_TOKENS, t);
         return NULL;
     }
-    Py_ssize_t rank = self->by_headroom ? argmin_headroom(self, (int64_t)t) : argmin(self);
+    int64_t unused;
+    Py_ssize_t rank = self->by_lockstep ? argmin_lockstep(self, (int64_t)t, NULL, &unused)
+                      : self->by_headroom ? argmin_headroom(self, (int64_t)t) : argmin(self);
     if (rank < 0) return NULL;
     charge(self, rank, (int64_t)t);
     return PyLong_FromSsize_t(rank);
@@ -576,6 +670,18 @@ static int core_set_by_backlog(Core *self, PyObject *v, void *c) {
 }
 
 static PyObject *core_get_by_headroom(Core *self, void *c) { return PyBool_FromLong(self->by_headroom); }
+static PyObject *core_get_by_lockstep(Core *self, void *c) { return PyBool_FromLong(self->by_lockstep); }
+static PyObject *core_get_horizon(Core *self, void *c) { return PyLong_FromLongLong(self->horizon); }
+static int core_set_horizon(Core *self, PyObject *v, void *c) {
+    long long h = v ? PyLong_AsLongLong(v) : -1;
+    if (h == -1 && PyErr_Occurred()) return -1;
+    if (h < 0) {
+        PyErr_SetString(PyExc_ValueError, "horizon must be >= 0 group steps");
+        return -1;
+    }
+    self->horizon = (int64_t)h;
+    return 0;
+}
 
 static PyMethodDef core_methods[] = {
     {"pick", (PyCFunction)core_pick, METH_O, "pick(req) -> rank: routed rank or argmin, charged."},
@@ -600,6 +706,10 @@ static PyGetSetDef core_getset[] = {
      "argmin of (backlog, tokens) when true (overrides by_tokens)", NULL},
     {"by_headroom", (getter)core_get_by_headroom, NULL,
      "argmin of (overflows KV, backlog + request or tokens + request, tokens) when true (inflight_ttft)", NULL},
+    {"by_lockstep", (getter)core_get_by_lockstep, NULL,
+     "the inflight_lockstep pick when true (fewest stalled decodes within the horizon)", NULL},
+    {"horizon", (getter)core_get_horizon, (setter)core_set_horizon,
+     "inflight_lockstep: group steps to the first token any rank may take", NULL},
     {NULL},
 };
 

@@ -23,7 +23,7 @@ Refresh rules (docs/DISPATCH.md, rule 6 and "What dpboard adds, and why"):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,7 +114,18 @@ class PyArgminCore:
         by_backlog: bool = False,
         capacity: np.ndarray | None = None,
         by_headroom: bool = False,
+        running: np.ndarray | None = None,
+        chunk: np.ndarray | None = None,
+        by_lockstep: bool = False,
+        horizon: int = 0,
     ):
+        if by_lockstep and (backlog is None or capacity is None or running is None or chunk is None):
+            raise InvalidInputError(
+                "by_lockstep needs the backlog, capacity, running and chunk arrays (queued prefill, KV "
+                "capacity, running requests and prefill chunk per rank)"
+            )
+        if horizon < 0:
+            raise InvalidInputError("horizon must be >= 0 group steps")
         if by_backlog and backlog is None:
             raise InvalidInputError("by_backlog needs the backlog array (queued prefill tokens per rank)")
         if by_headroom and (backlog is None or capacity is None):
@@ -122,6 +133,7 @@ class PyArgminCore:
                 "by_headroom needs the backlog and capacity arrays (queued prefill and KV capacity per rank)"
             )
         self.capacity, self.by_headroom = capacity, bool(by_headroom)
+        self.running, self.chunk, self.by_lockstep, self.horizon = running, chunk, bool(by_lockstep), int(horizon)
         self.tokens, self.requests, self.backlog = tokens, requests, backlog
         self.candidate, self.routable = candidate, routable
         self.sent_reqs, self.sent_tokens, self.ring = sent_reqs, sent_tokens, ring
@@ -133,26 +145,55 @@ class PyArgminCore:
         r = getattr(req, "routed_dp_rank", None)
         return None if r is None else check_routed_rank(r, self.routable)
 
+    def _scan(self, tokens: int, savings: np.ndarray | None) -> Iterator[tuple[int, int, int]]:
+        """(rank, uncached tokens, KV tokens) of each candidate, in the C core's scan order."""
+        n = self.n
+        start = self.next_start if self.rotate else 0
+        for k in range(n):
+            i = (start + k) % n
+            if self.candidate[i]:
+                yield i, tokens if savings is None else max(0, tokens - int(savings[i])), int(self.tokens[i])
+
     def _argmin_saving(self, tokens: int, savings: np.ndarray | None) -> tuple[int, int]:
         """(rank, uncached tokens) with the lowest ``backlog + uncached``, ties to fewer KV tokens;
         with by_headroom, the ranks whose KV cannot hold the uncached prompt (``tokens + uncached >
         capacity``) come after the others, keyed ``tokens + uncached``. ``_dispatch.c``'s
         argmin_saving."""
-        n = self.n
-        start = self.next_start if self.rotate else 0
         cap = self.capacity if self.by_headroom else None
         best, best_key, best_uncached = -1, None, 0
-        for k in range(n):
-            i = (start + k) % n
-            if not self.candidate[i]:
-                continue
-            uncached = tokens if savings is None else max(0, tokens - int(savings[i]))
-            held = int(self.tokens[i])
+        for i, uncached, held in self._scan(tokens, savings):
             cost = _sat(int(self.backlog[i]) + uncached)
             full = 0
             if cap is not None and cap[i] > 0 and _sat(held + uncached) > cap[i]:
                 full, cost = 1, _sat(held + uncached)
             key = (full, cost, held)
+            if best < 0 or key < best_key:
+                best, best_key, best_uncached = i, key, uncached
+        return self._settle_pick(best), best_uncached
+
+    def _argmin_lockstep(self, tokens: int, savings: np.ndarray | None) -> tuple[int, int]:
+        """(rank, uncached tokens) of the inflight_lockstep pick: ``_dispatch.c``'s argmin_lockstep."""
+        cap = self.capacity
+        rows = []  # (i, uncached, first-token step, backlog, chunk) of the ranks with room, in scan order
+        full_best, full_key, full_uncached = -1, None, 0
+        for i, uncached, held in self._scan(tokens, savings):
+            need = _sat(held + uncached)
+            if cap[i] > 0 and need > cap[i]:
+                if full_best < 0 or (need, held) < full_key:
+                    full_best, full_key, full_uncached = i, (need, held), uncached
+                continue
+            chunk = max(1, int(self.chunk[i]))
+            backlog = max(0, int(self.backlog[i]))
+            rows.append((i, uncached, -(-_sat(backlog + uncached) // chunk), backlog, chunk))
+        if not rows:
+            return self._settle_pick(full_best), full_uncached
+        limit = max(min(row[2] for row in rows), self.horizon)
+        best, best_key, best_uncached = -1, None, 0
+        for i, uncached, step, backlog, chunk in rows:
+            if step > limit:
+                continue
+            stalled = _sat(max(0, int(self.running[i])) * (step - -(-backlog // chunk)))
+            key = (stalled, step, int(self.tokens[i]))
             if best < 0 or key < best_key:
                 best, best_key, best_uncached = i, key, uncached
         return self._settle_pick(best), best_uncached
@@ -229,12 +270,18 @@ class PyArgminCore:
         tokens = request_tokens(req)
         if routed is not None:
             rank = routed
-        elif self.by_headroom:
-            rank = self._argmin_saving(tokens, None)[0]
         else:
-            rank = self._argmin()
+            rank = self._argmin_tokens(tokens)
         self._charge(rank, tokens)
         return rank, tokens
+
+    def _argmin_tokens(self, tokens: int) -> int:
+        """The rank for a request of ``tokens`` tokens with no saving anywhere."""
+        if self.by_lockstep:
+            return self._argmin_lockstep(tokens, None)[0]
+        if self.by_headroom:
+            return self._argmin_saving(tokens, None)[0]
+        return self._argmin()
 
     def pick(self, req: Any) -> int:
         return self._pick(req)[0]
@@ -262,14 +309,15 @@ class PyArgminCore:
             uncached = max(0, tokens - int(savings[routed]))
             self.charge(routed, uncached)
             return routed, uncached
-        best, best_uncached = self._argmin_saving(tokens, savings)
+        pick = self._argmin_lockstep if self.by_lockstep else self._argmin_saving
+        best, best_uncached = pick(tokens, savings)
         self.charge(best, best_uncached)
         return best, best_uncached
 
     def pick_tokens(self, tokens: int) -> int:
         if not 0 <= tokens <= MAX_REQUEST_TOKENS:
             raise InvalidInputError(f"estimated tokens must be in [0, {MAX_REQUEST_TOKENS}], got {tokens}")
-        rank = self._argmin_saving(tokens, None)[0] if self.by_headroom else self._argmin()
+        rank = self._argmin_tokens(tokens)
         self._charge(rank, tokens)
         return rank
 
@@ -289,6 +337,9 @@ class DPBudget:
         by_tokens: bool = True,
         by_backlog: bool = False,
         by_headroom: bool = False,
+        by_lockstep: bool = False,
+        lockstep_horizon: int = 0,
+        lockstep_chunk: int = 1,
         rotate_ties: bool = False,
         inflight_accounting: bool = False,
         ledger_capacity: int = DEFAULT_LEDGER_CAPACITY,
@@ -298,6 +349,9 @@ class DPBudget:
             raise InvalidInputError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not isinstance(ledger_capacity, int) or ledger_capacity < 2:
             raise InvalidInputError(f"ledger_capacity must be an int >= 2, got {ledger_capacity!r}")
+        for name, value, low in (("lockstep_horizon", lockstep_horizon, 0), ("lockstep_chunk", lockstep_chunk, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_REQUEST_TOKENS:
+                raise InvalidInputError(f"{name} must be an int in [{low}, {MAX_REQUEST_TOKENS}], got {value!r}")
         n = num_workers
         self.num_workers = n
         self.inflight_accounting = bool(inflight_accounting)
@@ -305,6 +359,11 @@ class DPBudget:
         self.total_tokens = np.zeros(n, np.int64)
         self.backlog = np.zeros(n, np.int64)  # prompt tokens queued for prefill (in flight included)
         self.capacity = np.zeros(n, np.int64)  # KV tokens each rank holds at most (0: not published)
+        # inflight_lockstep: each rank's running requests (its last snapshot's) and prefill chunk (its
+        # lockstep detail's, else lockstep_chunk)
+        self.running = np.zeros(n, np.int64)
+        self.lockstep_chunk = lockstep_chunk
+        self.chunk = np.full(n, lockstep_chunk, np.int64)
         self.candidate = np.ones(n, np.uint8)
         self.routable = np.ones(n, np.uint8)
         self.sent_reqs = np.zeros(n, np.int64)
@@ -327,6 +386,7 @@ class DPBudget:
         self.snap_waiting = np.zeros(n, np.int64)
         self.admitted = np.zeros(n, np.int64)
         self.prefilling = np.zeros(n, np.int64)
+        self.follows = np.zeros(n, bool)  # the last snapshot read was the one after the snapshot read before
         self.status = np.zeros(n, np.uint8)  # the SlotStatus seen at the last refresh
         self._ranks = np.arange(n)
         core_type = ArgminCore if (use_extension and ArgminCore is not None) else PyArgminCore
@@ -344,6 +404,10 @@ class DPBudget:
             by_backlog=by_backlog,
             capacity=self.capacity,
             by_headroom=by_headroom,
+            running=self.running,
+            chunk=self.chunk,
+            by_lockstep=by_lockstep,
+            horizon=lockstep_horizon,
         )
 
     # -- refresh ------------------------------------------------------------------------------------
@@ -352,12 +416,24 @@ class DPBudget:
         """Refresh from snapshots (SGLang's signature); each goes to the rank its ``dp_rank`` names."""
         self.update_from_array(snapshots_to_array(loads, self.num_workers))
 
-    def update_from_array(self, records: np.ndarray, queued_prefill: np.ndarray | None = None) -> None:
+    def update_from_array(
+        self,
+        records: np.ndarray,
+        queued_prefill: np.ndarray | None = None,
+        chunk: np.ndarray | None = None,
+        pd_role: np.ndarray | None = None,
+    ) -> None:
         """Refresh from ``SNAPSHOT_DTYPE`` records, one per rank (``BoardReader.read_array()``).
 
         ``queued_prefill``, when given, is the prefill work each rank's engine reports queued (-1:
         not reported); the backlog takes it over ``num_total_tokens - num_used_tokens``, which counts
-        cached prefixes as work and misses the rest of a prompt whose chunked prefill is under way."""
+        cached prefixes as work and misses the rest of a prompt whose chunked prefill is under way.
+        ``chunk``, when given, is each rank's prefill chunk from its lockstep detail (0: not
+        reported, then ``lockstep_chunk``). ``pd_role``, when given, marks the ranks that serve one
+        side of PD disaggregation: a prefill server runs no decodes and a decode server no prefill,
+        so no prefill of theirs stalls a decode, and ``inflight_lockstep`` keys them as
+        ``inflight_ttft`` does (their running requests count as none, their chunk as one token: the
+        earliest first token is the smallest queue, exactly)."""
         n = self.num_workers
         if records.dtype != SNAPSHOT_DTYPE or len(records) < n:
             raise InvalidInputError(
@@ -374,6 +450,9 @@ class DPBudget:
         if changed.any():
             idx = np.flatnonzero(changed)
             sel = records[idx]
+            # the snapshot follows the one read before it: what the rank admitted in between is its
+            # current batch (_count_prefilling)
+            self.follows[idx] = sel["publish_seq"] == self.last_seq[idx] + 1
             self.last_seq[idx] = sel["publish_seq"]
             self.last_timestamp_ns[idx] = sel["timestamp_ns"]
             self.snap_requests[idx] = saturating_add(sel["num_running_reqs"], sel["num_waiting_reqs"])
@@ -387,6 +466,14 @@ class DPBudget:
             self.snap_received[idx] = sel["num_received_reqs"]
             self.snap_waiting[idx] = sel["num_waiting_reqs"]
             self.capacity[idx] = sel["max_total_num_tokens"]
+            self.running[idx] = sel["num_running_reqs"]
+            if chunk is not None:
+                reported = chunk[idx]
+                self.chunk[idx] = np.where(reported > 0, reported, self.lockstep_chunk)
+            if pd_role is not None:
+                pd = idx[pd_role[idx]]
+                self.running[pd] = 0
+                self.chunk[pd] = 1
             if not self.inflight_accounting:
                 # SGLang: a new snapshot overwrites the speculative charges of its rank
                 self.total_requests[idx] = self.snap_requests[idx]
@@ -407,14 +494,17 @@ class DPBudget:
         queue nor in its queued-prefill figure, yet still ahead of a new request's first token.
         Waiting requests are the last ones received (first come, first served), so the rank has
         admitted ``acked - waiting`` of ours; the ring gives their cumulative tokens. A decode step
-        admits nothing, so its snapshot clears the figure. When the ring no longer remembers the
-        earlier count (about ``ledger_capacity`` requests queued), the batch counts as nothing."""
+        admits nothing, so its snapshot clears the figure. Only a snapshot that follows the one read
+        before it (``publish_seq`` one more) tells the batch of this step: after a gap in the reads
+        (no dispatch for a while) what was admitted in between was prefilled in steps since gone, and
+        counts as nothing. When the ring no longer remembers the earlier count (about
+        ``ledger_capacity`` requests queued), the batch counts as nothing too."""
         acked = self.acked[idx]
         now = np.clip(acked - self.snap_waiting[idx], 0, acked)
         before = self.admitted[idx]
         cap = self.ring.shape[1]
         ranks = self._ranks[idx]
-        known = (now > before) & (self.sent_reqs[idx] - before < cap)
+        known = (now > before) & (self.sent_reqs[idx] - before < cap) & self.follows[idx]
         tokens = self.ring[ranks, now % cap] - self.ring[ranks, before % cap]
         self.prefilling[idx] = np.where(known, np.maximum(tokens, 0), 0)
         self.admitted[idx] = now

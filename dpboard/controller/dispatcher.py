@@ -30,9 +30,33 @@ from dpboard.controller.prefix_index import (
     request_block_hashes,
 )
 from dpboard.errors import InvalidInputError, UnavailableError
-from dpboard.snapshot import DETAIL_PRESENT, DETAILED_DTYPE, SNAPSHOT_DTYPE, SlotStatus
+from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SNAPSHOT_DTYPE, SlotStatus
 
 DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most once per 20 ms
+# inflight_lockstep: a rank whose first token comes within this many group steps is as good as the
+# earliest one (docs/DISPATCH.md, "inflight_lockstep": measured on the DP-attention cells)
+DEFAULT_LOCKSTEP_HORIZON = 6
+# SGLang's --chunked-prefill-size default on an 80 GB H100; under DP attention it divides it by the
+# DP size: each rank's chunk when its board says nothing of it
+SGLANG_CHUNKED_PREFILL_SIZE = 8192
+
+
+def default_lockstep_chunk(num_workers: int) -> int:
+    """The per-rank chunk SGLang runs ``num_workers`` DP-attention ranks with by default."""
+    return max(1, SGLANG_CHUNKED_PREFILL_SIZE // max(1, num_workers))
+
+
+def ranks_in_lockstep(reader: Any, num_workers: int) -> bool:
+    """Whether the board says its ranks step in lockstep: a live slot whose lockstep section counts
+    a group of more than one rank (what ``auto`` looks at). False for a reader without details."""
+    read = getattr(reader, "read_detailed_array", None)
+    if read is None:
+        return False
+    records = read(np.zeros(num_workers, DETAILED_DTYPE))[:num_workers]
+    detail = records["detail"]
+    present = (detail["flags"] & np.uint64(DETAIL_FLAG["lockstep"])) != 0
+    live = records["load"]["status"] == int(SlotStatus.LIVE)
+    return bool((present & live & (detail["lockstep_group_size"] > 1)).any())
 
 _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
@@ -53,6 +77,11 @@ class Dispatcher:
     (``prefix_block_size`` tokens per block; each rank's capacity from its ``max_total_num_tokens``,
     ``prefix_capacity_blocks`` until the board reports one). A request's blocks are its
     ``block_hashes`` when it carries them, else hashes of its ``input_ids``.
+
+    ``inflight_lockstep`` reads each rank's prefill chunk from its slot's lockstep detail
+    (``lockstep_chunk`` where a rank publishes none; default SGLang's rule, 8192 / ``num_workers``)
+    and takes any rank whose first token comes within ``lockstep_horizon`` group steps.
+    ``lockstep``: the ranks step in lockstep, so ``auto`` resolves to ``inflight_lockstep``.
     """
 
     def __init__(
@@ -72,8 +101,11 @@ class Dispatcher:
         use_extension: bool = True,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        lockstep: bool = False,
+        lockstep_horizon: int = DEFAULT_LOCKSTEP_HORIZON,
+        lockstep_chunk: int | None = None,
     ):
-        self.method = resolve_load_balance_method(method, disaggregation_mode)
+        self.method = resolve_load_balance_method(method, disaggregation_mode, lockstep=lockstep)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise InvalidInputError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
                              f"got {num_workers!r}")
@@ -97,6 +129,8 @@ class Dispatcher:
         self.reader = reader
         self.budget: DPBudget | None = None
         self.prefix: PrefixIndex | None = None
+        self.lockstep_horizon = lockstep_horizon
+        self.lockstep_chunk = default_lockstep_chunk(num_workers) if lockstep_chunk is None else lockstep_chunk
         if self.method.is_load_aware:
             self._setup_load_aware(reader, ledger_capacity, use_extension)
         if self.method.uses_prefix_index:
@@ -132,6 +166,9 @@ class Dispatcher:
             by_tokens=self.method.by_tokens,
             by_backlog=self.method.by_backlog,
             by_headroom=self.method.by_headroom,
+            by_lockstep=self.method.by_lockstep,
+            lockstep_horizon=self.lockstep_horizon,
+            lockstep_chunk=self.lockstep_chunk,
             rotate_ties=self.rotate_ties,
             inflight_accounting=self.inflight_accounting,
             ledger_capacity=ledger_capacity,
@@ -167,22 +204,33 @@ class Dispatcher:
         if self.method.by_backlog and hasattr(reader, "read_detailed_array"):
             self._read_queued = self._queued_prefill_reader(reader)
 
-    def _queued_prefill_reader(self, reader: Any) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    def _queued_prefill_reader(self, reader: Any) -> Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """For the backlog methods: the records and, per rank, the prefill work the engine itself
         reports queued (``num_waiting_uncached_tokens`` of the slot's detail: the waiting prompts
         less what its prefix cache holds of them, plus the rest of a prompt whose chunked prefill is
-        under way), -1 where the engine reports no detail. Read from one write per slot."""
+        under way), -1 where the engine reports no detail, the prefill chunk of its lockstep
+        detail (0 where it has none), and whether it serves one side of PD disaggregation (its
+        detail's disaggregation mode: prefill or decode). Read from one write per slot."""
         n = self.num_workers
         detailed = np.zeros(n, DETAILED_DTYPE)
         queued = np.full(n, -1, np.int64)
+        chunk = np.zeros(n, np.int64)
+        pd_role = np.zeros(n, bool)
+        lockstep_bit = np.uint64(DETAIL_FLAG["lockstep"])
+        disagg_bit = np.uint64(DETAIL_FLAG["disaggregation"])
 
-        def read() -> tuple[np.ndarray, np.ndarray]:
+        def read() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             arr = reader.read_detailed_array(detailed)
             detail = arr["detail"][:n]
-            present = (detail["flags"] & DETAIL_PRESENT) != 0
+            flags = detail["flags"]
+            present = (flags & DETAIL_PRESENT) != 0
             queued[:] = -1
             queued[present] = detail["num_waiting_uncached_tokens"][present]
-            return arr["load"], queued
+            np.copyto(chunk, detail["lockstep_chunk_tokens"])
+            chunk[(flags & lockstep_bit) == 0] = 0
+            mode = detail["disaggregation_mode"]
+            np.copyto(pd_role, ((flags & disagg_bit) != 0) & ((mode == b"prefill") | (mode == b"decode")))
+            return arr["load"], queued, chunk, pd_role
 
         return read
 
@@ -242,8 +290,8 @@ class Dispatcher:
 
     def _refresh(self) -> None:
         if self._read_queued is not None:
-            records, queued = self._read_queued()
-            self.budget.update_from_array(records, queued)
+            records, queued, chunk, pd_role = self._read_queued()
+            self.budget.update_from_array(records, queued, chunk, pd_role)
         else:
             records = self._read_records()
             self.budget.update_from_array(records)

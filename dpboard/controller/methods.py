@@ -17,7 +17,9 @@ class LoadBalanceMethod(str, enum.Enum):
     ``inflight_requests`` and ``inflight_tokens`` keep SGLang's keys; ``inflight_backlog`` keys on the
     prefill work queued at the rank; ``inflight_cache`` on that work plus the part of the prompt the
     rank's prefix cache does not hold; ``inflight_ttft``, the one to leave on, on that plus the
-    tokens that would not fit the rank's KV capacity (docs/DISPATCH.md says when to use which).
+    tokens that would not fit the rank's KV capacity; ``inflight_lockstep``, for ranks that step in
+    lockstep (DP attention), among the ranks whose first token comes within a few group steps, on
+    the running decodes its prefill would stall (docs/DISPATCH.md says when to use which).
     """
 
     ROUND_ROBIN = "round_robin"
@@ -29,6 +31,7 @@ class LoadBalanceMethod(str, enum.Enum):
     INFLIGHT_BACKLOG = "inflight_backlog"
     INFLIGHT_CACHE = "inflight_cache"
     INFLIGHT_TTFT = "inflight_ttft"
+    INFLIGHT_LOCKSTEP = "inflight_lockstep"
 
     @property
     def is_load_aware(self) -> bool:
@@ -53,6 +56,7 @@ class LoadBalanceMethod(str, enum.Enum):
             LoadBalanceMethod.INFLIGHT_BACKLOG,
             LoadBalanceMethod.INFLIGHT_CACHE,
             LoadBalanceMethod.INFLIGHT_TTFT,
+            LoadBalanceMethod.INFLIGHT_LOCKSTEP,
         )
 
     @property
@@ -63,7 +67,11 @@ class LoadBalanceMethod(str, enum.Enum):
         prompt's prefill, less what the rank's prefix cache already holds of it: the key is
         ``backlog + max(0, prompt - cached)``, ties to the lighter KV.
         """
-        return self in (LoadBalanceMethod.INFLIGHT_CACHE, LoadBalanceMethod.INFLIGHT_TTFT)
+        return self in (
+            LoadBalanceMethod.INFLIGHT_CACHE,
+            LoadBalanceMethod.INFLIGHT_TTFT,
+            LoadBalanceMethod.INFLIGHT_LOCKSTEP,
+        )
 
     @property
     def by_headroom(self) -> bool:
@@ -78,7 +86,22 @@ class LoadBalanceMethod(str, enum.Enum):
         blocks). Its backlog also keeps the batch a rank is prefilling (the requests of ours the
         rank took out of its waiting queue since its previous snapshot), which the engine's queued
         figure leaves out though it is still ahead of a new request's first token."""
-        return self is LoadBalanceMethod.INFLIGHT_TTFT
+        return self in (LoadBalanceMethod.INFLIGHT_TTFT, LoadBalanceMethod.INFLIGHT_LOCKSTEP)
+
+    @property
+    def by_lockstep(self) -> bool:
+        """True for ``inflight_lockstep``: ``inflight_ttft``'s figures, chosen for ranks in lockstep.
+
+        With DP attention every rank's step ends together, a prompt's first token on rank r comes
+        ``s_r = ceil((backlog_r + uncached) / chunk_r)`` group steps from now, and each step in
+        which r prefills gives none of r's running requests a token (SGLang runs a rank's prefill
+        batch on its own). Among the ranks whose KV has room, those with ``s_r`` at most
+        ``max(min s, horizon)`` are as good for the first token; among them the pick is the one
+        whose prefill stalls the fewest decodes: ``running_r * (s_r - ceil(backlog_r / chunk_r))``
+        (running requests times the prefill steps the prompt adds there; 0 where it fills a chunk
+        already under way), then the earlier ``s_r``, then fewer KV tokens. No rank with room: as
+        ``inflight_ttft``. docs/DISPATCH.md, "inflight_lockstep", says why."""
+        return self is LoadBalanceMethod.INFLIGHT_LOCKSTEP
 
     @property
     def is_improved(self) -> bool:
@@ -89,6 +112,7 @@ class LoadBalanceMethod(str, enum.Enum):
             LoadBalanceMethod.INFLIGHT_BACKLOG,
             LoadBalanceMethod.INFLIGHT_CACHE,
             LoadBalanceMethod.INFLIGHT_TTFT,
+            LoadBalanceMethod.INFLIGHT_LOCKSTEP,
         )
 
     def __str__(self) -> str:
@@ -138,18 +162,23 @@ def parse_load_balance_method(method: str | LoadBalanceMethod) -> LoadBalanceMet
 
 
 def resolve_load_balance_method(
-    method: str | LoadBalanceMethod, disaggregation_mode: str | None = None
+    method: str | LoadBalanceMethod, disaggregation_mode: str | None = None, *, lockstep: bool = False
 ) -> LoadBalanceMethod:
     """Resolve ``auto`` and the PD prefill rule before a controller starts (docs/DISPATCH.md, rule 1).
 
-    ``auto``: no PD -> round_robin; PD prefill -> follow_bootstrap_room; PD decode -> round_robin.
-    ``round_robin`` in PD prefill warns and becomes follow_bootstrap_room: decode finds the prefill
-    rank by ``bootstrap_room``, so prefill must map rooms to ranks stably.
+    ``auto``: no PD -> round_robin, or inflight_lockstep where the ranks step in lockstep
+    (``lockstep``: DP attention, vLLM's MoE DP); PD prefill -> follow_bootstrap_room; PD decode ->
+    round_robin. ``round_robin`` in PD prefill warns and becomes follow_bootstrap_room: decode finds
+    the prefill rank by ``bootstrap_room``, so prefill must map rooms to ranks stably.
     """
     mode = parse_disaggregation_mode(disaggregation_mode)
     parsed = parse_load_balance_method(method)
     if parsed == AUTO:
-        return LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM if mode == "prefill" else LoadBalanceMethod.ROUND_ROBIN
+        if mode == "prefill":
+            return LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM
+        if mode == "null" and lockstep:
+            return LoadBalanceMethod.INFLIGHT_LOCKSTEP
+        return LoadBalanceMethod.ROUND_ROBIN
     assert isinstance(parsed, LoadBalanceMethod)
     if mode == "prefill" and parsed is LoadBalanceMethod.ROUND_ROBIN:
         warnings.warn(

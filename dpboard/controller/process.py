@@ -49,11 +49,18 @@ from dpboard.controller.connections import (
     shown,
 )
 from dpboard.controller.delivery import DeliveryLedger
-from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, Dispatcher
+from dpboard.controller.dispatcher import (
+    DEFAULT_LOCKSTEP_HORIZON,
+    DEFAULT_REFRESH_INTERVAL,
+    Dispatcher,
+    ranks_in_lockstep,
+)
 from dpboard.controller.methods import (
+    AUTO,
     DISAGGREGATION_MODES,
     METHOD_CHOICES,
     ReaderOwner,
+    parse_load_balance_method,
     resolve_load_balance_method,
     zmq_reader_owner,
 )
@@ -653,8 +660,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(inflight_backlog without prefix reuse); PD prefill: inflight_cache through "
                         "SGLang's bootstrap registration rather than auto's follow_bootstrap_room; PD "
                         "decode: auto (round_robin) or inflight_cache, equal there; DP attention with "
-                        "prefill and decode on the same ranks: inflight_ttft for p99 TTFT, total_tokens "
-                        "for goodput under a tight TPOT SLO (no method is best at both)")
+                        "prefill and decode on the same ranks (ranks in lockstep): inflight_lockstep, "
+                        "what auto picks there")
+    p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=None,
+                   help="the ranks step in lockstep (SGLang's DP attention, vLLM's MoE DP): auto picks "
+                        "inflight_lockstep (default: as the --board's slots say when the controller starts)")
+    p.add_argument("--lockstep-horizon", type=count(0, 10_000), default=DEFAULT_LOCKSTEP_HORIZON, metavar="STEPS",
+                   help="inflight_lockstep: group steps to the first token within which any rank is as good as "
+                        f"the earliest (default {DEFAULT_LOCKSTEP_HORIZON})")
     p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
                    help="PD role of this server (null: no PD)")
     p.add_argument("--board", help="the schedulers' board: loads for load-aware methods, and with any method "
@@ -780,6 +793,10 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
 
 def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any,
            stop: threading.Event) -> int:
+    # auto for ranks in lockstep (--lockstep, or the board's lockstep sections): inflight_lockstep
+    if parse_load_balance_method(args.method) == AUTO:
+        lockstep = ranks_in_lockstep(reader, len(endpoints)) if args.lockstep is None and reader else args.lockstep
+        method = resolve_load_balance_method(AUTO, args.disaggregation_mode, lockstep=bool(lockstep))
     dispatcher = Dispatcher(
         method,
         len(endpoints),
@@ -789,6 +806,7 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
         inflight_accounting=args.inflight_accounting,
         health_aware=args.health_aware,
         rotate_ties=args.rotate_ties,
+        lockstep_horizon=args.lockstep_horizon,
     )
     record = _open_record(args, dispatcher) if args.board else None
     try:

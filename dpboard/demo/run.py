@@ -71,6 +71,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--board", default=None, help="board name (default demo-<pid>)")
     p.add_argument("--seed", type=count(0, 2**32 - 1), default=0,
                    help="seed of the load generator: arrivals, prompt and output lengths (default 0)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="the schedulers step together, as SGLang's DP attention runs ranks (a prefill step "
+                        "decodes nothing; chunk 8192 / ranks) and publish their lockstep section; the "
+                        "controller's auto picks inflight_lockstep then")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -243,11 +247,19 @@ class Cluster:
                 proc.wait(timeout=STOP_TIMEOUT)
 
 
+def method_label(args: argparse.Namespace) -> str:
+    """The method as the controller runs it: ``auto`` with what it resolves to."""
+    if args.method != "auto":
+        return args.method
+    return f"auto ({resolve_load_balance_method(args.method, lockstep=args.dp_attention).value})"
+
+
 def _controller_argv(args: argparse.Namespace, board: str, requests: str, schedulers: list[str]) -> list[str]:
     # --duration bounds the controller even if the demo itself is killed without a chance to stop it.
     bound = READY_TIMEOUT + args.duration + 60
+    lockstep = ["--lockstep"] if args.dp_attention else []
     return ["dpboard.cli", "controller", "--input", requests, "--workers", *schedulers,
-            "--method", args.method, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
+            "--method", args.method, *lockstep, "--board", board, "--duration", f"{bound:g}", "--log-every", "3600"]
 
 
 def _warm_kernels() -> None:
@@ -324,7 +336,8 @@ class DemoRun:
             self.cluster.start(f"scheduler-{r}", [
                 "dpboard.demo.scheduler", "--board", self.name, "--rank", str(r), "--requests",
                 self.sched_eps[r], "--results", self.results_ep, "--num-pages", str(args.num_pages),
-                "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed)],
+                "--page-size", str(args.page_size), "--step-ms", str(args.step_ms), "--seed", str(args.seed),
+                *(["--dp-attention"] if args.dp_attention else [])],
                 env=env)
         self.cluster.start("controller", _controller_argv(args, self.name, self.requests_ep, self.sched_eps),
                            env=env)
@@ -448,7 +461,7 @@ class DemoRun:
         if stop.signal is not None:
             how = "Ctrl-C" if stop.signal == signal.SIGINT else signal.Signals(stop.signal).name
             print(f"dpboard demo: stopped by {how}", file=sys.stderr)
-        print(self.stats.summary(self.args.method, terminal_width()), flush=True)
+        print(self.stats.summary(method_label(self.args), terminal_width()), flush=True)
         hint = path_hint()
         if hint:
             print(fit_lines(hint.splitlines(), terminal_width()), flush=True)
@@ -477,8 +490,8 @@ def run_demo(args: argparse.Namespace) -> int:
     _check(args)
     demo = DemoRun(args)
     print(fit_lines([f"dpboard demo: board {demo.name!r}, {args.ranks}{_KEEP}rank{'s' if args.ranks != 1 else ''}, "
-                     f"method {args.method}, {demo.shape.rate:g}{_KEEP}req/s (x{demo.shape.burst_factor:g} bursts), "
-                     f"{args.duration:g}{_KEEP}s"], terminal_width()), flush=True)
+                     f"method {method_label(args)}, {demo.shape.rate:g}{_KEEP}req/s "
+                     f"(x{demo.shape.burst_factor:g} bursts), {args.duration:g}{_KEEP}s"], terminal_width()), flush=True)
     _warm_kernels()
     return demo.run()
 

@@ -8,6 +8,13 @@ retracted: its pages are freed and it waits again), and finishes requests that r
 output length: their pages are freed, and with some probability the prompt's pages
 stay behind as an EVICTABLE cached prefix that later allocations reclaim.
 
+With ``dp_attention`` (``--dp-attention``) a rank runs as SGLang runs one under DP attention: a
+step either prefills (admits up to ``chunk`` prompt tokens, and a batch of ``T`` tokens takes
+``ceil(T / chunk)`` steps) or decodes, never both, so a prefill stalls the rank's running requests;
+and the ranks of the group step together: each waits, before a step, until every rank of the group
+has published the step before (their ``publish_seq`` on the board), as DP attention's gather makes
+every rank wait for the others. It publishes the lockstep section (the group's size, its chunk).
+
 Run as ``python -m dpboard.demo.scheduler ...``: it receives requests from its controller on a
 ZMQ PULL socket, publishes its load into the board through the embedding API every step, and
 sends one completion record per finished request to the demo (queueing delay included). A frame
@@ -46,12 +53,15 @@ class SchedulerModel:
 
     def __init__(self, *, num_pages: int = 4096, page_size: int = 16, max_reqs: int = 2048,
                  max_running: int = 48, prefill_budget: int = 16384, prefix_share: float = 0.5,
-                 seed: int = 0) -> None:
-        if num_pages < 1 or page_size < 1 or max_reqs < 1 or max_running < 1:
-            raise InvalidInputError("num_pages, page_size, max_reqs and max_running must all be >= 1")
+                 seed: int = 0, dp_attention: bool = False, chunk: int = 512) -> None:
+        if num_pages < 1 or page_size < 1 or max_reqs < 1 or max_running < 1 or chunk < 1:
+            raise InvalidInputError("num_pages, page_size, max_reqs, max_running and chunk must all be >= 1")
         self.page_size = page_size
         self.max_running = max_running
-        self.prefill_budget = prefill_budget
+        self.dp_attention = dp_attention
+        self.chunk = chunk
+        self.prefill_budget = chunk if dp_attention else prefill_budget
+        self.prefill_steps_left = 0  # dp_attention: steps still to prefill the batch admitted last
         self.prefix_share = prefix_share
         self.rng = np.random.default_rng(seed)
         self.req_state = np.zeros(max_reqs, dtype=np.int8)
@@ -160,15 +170,28 @@ class SchedulerModel:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self, now: float) -> list[dict[str, Any]]:
-        """Admit, decode, finish. Returns the completion records of the requests that finished."""
+        """Admit, decode, finish. Returns the completion records of the requests that finished.
+
+        Under DP attention a step that prefills does not decode (SGLang runs a prefill batch alone)."""
         while self.overflow and self.free_rows:
             req, arrived = self.overflow.popleft()
             self._enqueue(req, arrived)
-        self._admit(now)
+        if not self.dp_attention:
+            self._admit(now)
+            return self._decode_and_finish(now)
+        if self.prefill_steps_left > 0:
+            self.prefill_steps_left -= 1
+            return []
+        tokens = self._admit(now)
+        if tokens:
+            self.prefill_steps_left = -(-tokens // self.chunk) - 1
+            return []
         return self._decode_and_finish(now)
 
-    def _admit(self, now: float) -> None:
+    def _admit(self, now: float) -> int:
+        """Admit waiting requests while pages and the budget last; returns the prompt tokens admitted."""
         budget = self.prefill_budget
+        admitted = 0
         while self.waiting and self.num_running < self.max_running:
             row = self.waiting[0]
             prompt = int(self.req_seqlen[row])
@@ -183,6 +206,8 @@ class SchedulerModel:
             self.req_state[row] = RUNNING
             self.num_running += 1
             budget -= prompt
+            admitted += prompt
+        return admitted
 
     def _decode_and_finish(self, now: float) -> list[dict[str, Any]]:
         rows = np.flatnonzero(self.req_state == RUNNING)
@@ -239,12 +264,14 @@ class SchedulerPublisher:
     """Publishes the model's tables through the embedding API (``dpboard.publish.publisher.LoadPublisher``,
     Numba CPU kernel), with the count of requests received so far."""
 
-    def __init__(self, board: Any, rank: int, model: SchedulerModel) -> None:
+    def __init__(self, board: Any, rank: int, model: SchedulerModel, group: int = 1) -> None:
         from dpboard.publish.publisher import LoadPublisher
+        from dpboard.snapshot import LoadDetail, LockstepDetail
 
         self.model = model
+        detail = LoadDetail(lockstep=LockstepDetail(group_size=group, chunk_tokens=model.chunk)) if model.dp_attention else None
         self.pub = LoadPublisher(board, rank, (model.req_state, model.req_seqlen, model.page_state),
-                                 page_size=model.page_size, backend="numba")
+                                 page_size=model.page_size, backend="numba", detail=detail)
 
     def publish(self) -> None:
         self.pub.step(num_received_reqs=self.model.num_received)
@@ -255,6 +282,36 @@ class SchedulerPublisher:
 
 def _parent_gone(parent: int) -> bool:
     return os.getppid() != parent
+
+
+class GroupBarrier:
+    """DP attention's wait for the group: a rank steps once every rank of ``0..group-1`` has
+    published as many times as it has (the board's ``publish_seq``), at most ``timeout`` seconds (a
+    rank that is gone does not stop the others for good)."""
+
+    POLL_S = 0.0002
+
+    def __init__(self, board: Any, rank: int, group: int, timeout: float = 5.0) -> None:
+        from dpboard.snapshot import SNAPSHOT_DTYPE
+
+        if not 0 <= rank < group <= board.n_slots:
+            raise InvalidInputError(f"rank {rank} is not in a group of {group} ranks of a {board.n_slots}-slot board")
+        self.reader = board.reader()
+        self.records = np.zeros(board.n_slots, SNAPSHOT_DTYPE)
+        self.rank, self.group, self.timeout = rank, group, timeout
+        self.late = 0  # waits that ran out
+
+    def wait(self, keep_waiting: Any) -> bool:
+        """True once the group has caught up; False when ``keep_waiting()`` turns false or time runs out."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            seqs = self.reader.read_array(self.records)["publish_seq"][: self.group]
+            if seqs.min() >= seqs[self.rank]:
+                return True
+            if not keep_waiting() or time.monotonic() > deadline:
+                self.late += 1
+                return False
+            time.sleep(self.POLL_S)
 
 
 def _say_dropped(n: int) -> bool:
@@ -273,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=48)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dp-attention", action="store_true",
+                   help="step in lockstep with ranks 0..group-1, a prefill step decoding nothing")
+    p.add_argument("--group", type=int, default=0, help="--dp-attention: ranks that step together (default: the board's)")
+    p.add_argument("--chunk", type=int, default=0, help="--dp-attention: prompt tokens per prefill step (default 8192 / group)")
     args = p.parse_args(argv)
 
     import zmq
@@ -289,10 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo decides when to stop, not the terminal
 
-    model = SchedulerModel(num_pages=args.num_pages, page_size=args.page_size, max_running=args.max_running,
-                           seed=args.seed * 1000 + args.rank)
     board = Board.attach(args.board)
-    publisher = SchedulerPublisher(board, args.rank, model)
+    group = args.group or board.n_slots
+    chunk = args.chunk or max(1, 8192 // group)  # SGLang's rule: --chunked-prefill-size 8192 over the DP size
+    model = SchedulerModel(num_pages=args.num_pages, page_size=args.page_size, max_running=args.max_running,
+                           seed=args.seed * 1000 + args.rank, dp_attention=args.dp_attention, chunk=chunk)
+    publisher = SchedulerPublisher(board, args.rank, model, group=group)
+    barrier = GroupBarrier(board, args.rank, group) if args.dp_attention else None
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(args.requests)
@@ -304,24 +368,34 @@ def main(argv: list[str] | None = None) -> int:
     step_s = args.step_ms / 1e3
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
+    def drain() -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                raw = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            why = model.receive_frame(raw, now)
+            if why is not None and _say_dropped(model.num_dropped):
+                print(f"scheduler rank {args.rank}: dropped a request frame it cannot use ({model.num_dropped} "
+                      f"so far): {why}", file=sys.stderr, flush=True)
+
+    def serving() -> bool:
+        return not stopping and not _parent_gone(parent)
+
     try:
         next_step = time.monotonic()
-        while not stopping and not _parent_gone(parent):
+        while serving():
             timeout_ms = max(0.0, (next_step - time.monotonic()) * 1e3)
             if poller.poll(timeout_ms):
-                now = time.monotonic()
-                while True:
-                    try:
-                        raw = pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    why = model.receive_frame(raw, now)
-                    if why is not None and _say_dropped(model.num_dropped):
-                        print(f"scheduler rank {args.rank}: dropped a request frame it cannot use ({model.num_dropped} "
-                              f"so far): {why}", file=sys.stderr, flush=True)
+                drain()
             now = time.monotonic()
             if now < next_step:
                 continue
+            if barrier is not None:
+                barrier.wait(serving)  # the group's previous step is done everywhere
+                drain()
+                now = time.monotonic()
             records = model.step(now)
             publisher.publish()
             if records:

@@ -7,7 +7,7 @@ byte by byte)::
          0    4  magic          b"DPRL"
          4    2  version        u16, WIRE_VERSION
          6    2  header_size    u16, 104
-         8    2  record_size    u16, 104 (the fields) or 440 (the fields, then the detail)
+         8    2  record_size    u16, 104 (the fields) or 456 (the fields, then the detail)
         10    2  reserved       u16, 0
         12    4  count          u32, number of records that follow
         16    8  node_id        i64, the sending node (every record's node_id must equal it)
@@ -15,9 +15,9 @@ byte by byte)::
         32    8  sent_ns        i64, the relay's CLOCK_REALTIME when it packed the frame
         40   64  board          the board name the frame is meant for, UTF-8, NUL-padded
        104  record_size * count records: the 13 int64 fields of a LoadSnapshot, in slot order, each
-                                followed in a 440-byte record by the slot's detail (DETAIL_DTYPE)
+                                followed in a 456-byte record by the slot's detail (DETAIL_DTYPE)
 
-A relay sends 440-byte records when a slot it sends holds a detail (an engine's whole snapshot:
+A relay sends 456-byte records when a slot it sends holds a detail (an engine's whole snapshot:
 SGLang's sections), so that node0's readers see a remote rank as its own node does; boards without
 detail (dpboard's kernels) keep the 104-byte records.
 
@@ -47,7 +47,7 @@ from dpboard.snapshot import (
 )
 
 WIRE_MAGIC = b"DPRL"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 BOARD_NAME_SIZE = 64
 # The most records one frame may hold: a board has at most 65536 slots (dpboard.board.MAX_SLOTS).
 MAX_RECORDS = 65536
@@ -61,7 +61,7 @@ DETAILED_RECORD_SIZE = DETAILED_RECORD_DTYPE.itemsize
 MAX_FRAME_SIZE = HEADER_SIZE + MAX_RECORDS * DETAILED_RECORD_SIZE
 
 assert HEADER_SIZE == 104 and RECORD_SIZE == 8 * NUM_FIELDS == 104
-assert DETAILED_RECORD_SIZE == RECORD_SIZE + DETAIL_SIZE == 440
+assert DETAILED_RECORD_SIZE == RECORD_SIZE + DETAIL_SIZE == 456
 
 # Why a frame was refused; each is a counter of the collector (dpboard.snapshot.COLLECTOR_STATS_FIELDS).
 BAD_MAGIC = "bad_magic"

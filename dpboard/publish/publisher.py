@@ -25,7 +25,7 @@ from dpboard.loads.compute import CUDA_BACKENDS, check_raw, resolve_backend
 from dpboard.loads.counters import KVLoads, finish_raw, raw_has_errors
 from dpboard.loads.reference import raw_counts_numpy
 from dpboard.loads.tables import check_tables
-from dpboard.snapshot import NUM_RAW
+from dpboard.snapshot import NUM_RAW, LoadDetail, LoadSnapshot, pack_detail
 
 Tables = tuple[Any, Any, Any]
 TablesSource = Tables | Callable[[], Tables]
@@ -47,6 +47,8 @@ class LoadPublisher:
         (no device-to-host synchronisation at all; ``step()`` then returns None). Needs a GPU; the
         slot must not be published by anything else meanwhile.
       node_id, takeover: passed to ``board.writer`` (ignored when ``board`` is already a writer).
+      detail: a ``LoadDetail`` published with every snapshot, packed once here (a scheduler that
+        steps in lockstep gives its ``lockstep`` section: the group's size and its prefill chunk).
 
     ``step(num_received_reqs=n)`` computes and publishes, returns the ``KVLoads`` it published.
     Bad tables (codes outside the enums, seqlens outside [0, 2**32]) raise ValueError and publish nothing.
@@ -64,6 +66,7 @@ class LoadPublisher:
         gpu_direct: bool = False,
         node_id: int | None = None,
         takeover: bool = False,
+        detail: LoadDetail | None = None,
     ) -> None:
         if isinstance(board, Board):
             if rank is None:
@@ -89,7 +92,10 @@ class LoadPublisher:
         self._requested_backend = backend
         self.backend = ""
         self.steps = 0
+        self._detail = None if detail is None else pack_detail(detail)
         self._want_direct = bool(gpu_direct)
+        if gpu_direct and detail is not None:
+            raise InvalidInputError("a GPU-direct kernel publishes no detail: give detail=None with gpu_direct=True")
         self._bind(tables() if callable(tables) else tables)
         if gpu_direct:
             if self.backend not in CUDA_BACKENDS:
@@ -179,6 +185,14 @@ class LoadPublisher:
             direct.launch(num_received_reqs)
             return None
         loads = self.compute()
+        if self._detail is not None:
+            self.writer.publish(
+                LoadSnapshot(self.rank, loads.num_running_reqs, loads.num_waiting_reqs, loads.num_used_tokens,
+                             loads.num_total_tokens, loads.num_active_tokens, loads.max_total_num_tokens,
+                             num_received_reqs),
+                self._detail,
+            )
+            return loads
         self.writer.publish_values(
             loads.num_running_reqs,
             loads.num_waiting_reqs,

@@ -15,7 +15,7 @@ from dpboard.sim.pd import simulate_any
 from dpboard.sim.peers import PEERS
 from dpboard.sim.profile import Profile, load_profile, load_profile_file, profile_names
 from dpboard.sim.simulation import CADENCES, PublishConfig, SimConfig, default_methods
-from dpboard.sim.trace import SCENARIOS, Trace, generate_trace, scenario
+from dpboard.sim.trace import SCENARIOS, Trace, scenario_trace
 from dpboard.sim.tracefile import parse_window, read_trace_file, shape_trace
 from dpboard.sim.transfer import parse_pd
 
@@ -41,8 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="with --trace-file: scale arrival times so the offered work per rank is this share of a "
-        "rank's capacity (e.g. 0.8; default: the file's own timing); with --trace: multiply the "
-        "scenario's arrival rates (default 1.0)",
+        "rank's capacity (e.g. 0.8; default: the file's own timing), of the lockstep group's under "
+        "--dp-attention, of the busier pool's under --pd; with --trace on the synthetic profile: "
+        "multiply the scenario's arrival rates (default 1.0), on another profile: that share of its "
+        "capacity, as a file's (default 0.75)",
     )
     p.add_argument("--window", metavar="START:END", help="--trace-file: only requests in this span of the file, seconds")
     p.add_argument(
@@ -64,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"(vLLM's API server picking through the board with {VLLM_BOARD_METHOD}); with --pd, PREFILL/DECODE. "
         "Options after ':' are separated by ';' here: "
         "Dispatcher keywords (refresh_interval=0, rotate_ties=false, ...), the peer's parameters, or "
-        "cadence=step|sglang|period and publish_every=N for that method alone. Default: the seed "
+        "cadence=step|sglang|period, publish_every=N and prefill_delayer=on|off for that method alone. Default: the seed "
         "methods, the peers and dpboard's methods",
     )
     prof = p.add_mutually_exclusive_group()
@@ -78,7 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-capacity", type=int, default=None, help="KV tokens per rank (default: the profile's)")
     p.add_argument("--max-running", type=int, default=None, help="running batch limit per rank (default: the profile's)")
     p.add_argument(
-        "--chunked-prefill-size", type=int, default=None, help="prompt tokens per prefill step, 0 = off (default: the profile's)"
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prompt tokens per prefill step per rank, 0 = off (default: the profile's; for colocated "
+        "ranks in lockstep SGLang's rule, its --chunked-prefill-size over the ranks: 8192 / 16 = 512 "
+        "per rank on deepseek-v3-dp-attention-h100)",
     )
     p.add_argument(
         "--dp-attention",
@@ -87,6 +94,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks step in lockstep as SGLang's DP attention runs them: a step lasts as long as the "
         "slowest rank's, one rank's prefill makes it an extend step for all, idle ranks run idle "
         "batches (default: the profile's dp_attention; on for deepseek-v3-dp-attention-h100)",
+    )
+    p.add_argument(
+        "--prefill-delayer",
+        action="store_true",
+        help="SGLang's --enable-prefill-delayer with its defaults (lockstep groups only): when some "
+        "ranks but not all could prefill, hold prefill back for up to 30 passes so that they prefill "
+        "together",
+    )
+    p.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SGLang's overlap scheduler: a request received during a step is admitted one step later "
+        "(default: on with --dp-attention, as SGLang runs; off for independent ranks, the model of the "
+        "earlier independent-rank results)",
+    )
+    p.add_argument(
+        "--new-token-ratio",
+        type=float,
+        default=0.0,
+        help="admission keeps this share of the running requests' remaining outputs free in the KV "
+        "pool, SGLang's new_token_ratio held constant (0.21 is its start under DP attention: 0.7 x "
+        "schedule_conservativeness x 0.3); default 0: none kept, a decode step that overflows retracts",
     )
     p.add_argument(
         "--pd",
@@ -169,9 +199,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         pd = profile.pd(n_prefill, n_decode)
         ranks = pd.n_ranks
     dp_attention = profile.dp_attention if args.dp_attention is None else args.dp_attention
+    rank, _ = profile.run_rank(
+        ranks, dp_attention=dp_attention, pd=pd is not None, chunk_given=args.chunked_prefill_size is not None
+    )
+    if args.new_token_ratio:
+        rank = dataclasses.replace(rank, new_token_ratio=args.new_token_ratio).validate()
     config = SimConfig(
         n_ranks=ranks,
-        rank=profile.rank,
+        rank=rank,
         publish=PublishConfig(
             cadence=args.cadence,
             every_decode_steps=args.publish_every,
@@ -187,6 +222,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         slo_ttft_s=profile.slo_ttft_s if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=profile.slo_tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
         pd=pd,
+        prefill_delayer=args.prefill_delayer,
+        overlap_schedule=args.overlap_schedule,
     ).validate()
     if args.trace_file:
         if args.duration is not None:
@@ -201,6 +238,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
             spread=not args.no_spread,
             load=args.load,
             pd=(pd.n_prefill, pd.n_decode) if pd is not None else None,
+            lockstep=config.lockstep,
         )
         return config, trace, profile
     if args.window or args.no_spread:
@@ -208,10 +246,18 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
     duration = args.duration if args.duration is not None else (10.0 if args.quick else None)
     if duration is not None and duration <= 0:
         raise InvalidInputError(f"--duration must be > 0 seconds, got {duration}")
-    spec = scenario(args.trace or DEFAULT_SCENARIO).scaled(
-        load=1.0 if args.load is None else args.load, duration_s=duration
+    own = profile.name == SCENARIO_PROFILE and not args.profile_file
+    trace = scenario_trace(
+        args.trace or DEFAULT_SCENARIO,
+        ranks,
+        args.seed,
+        load=args.load,
+        rank=None if own else config.rank,
+        lockstep=config.lockstep,
+        pd=(pd.n_prefill, pd.n_decode) if pd is not None else None,
+        duration_s=duration,
     )
-    return config, generate_trace(spec, ranks, args.seed), profile
+    return config, trace, profile
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,7 +272,13 @@ def run(args: argparse.Namespace) -> int:
     summaries = [sim_report.summarize(r) for r in results]
     # With --json - the JSON owns stdout; the table goes to stderr so a pipe gets pure JSON.
     human = sys.stderr if args.json == "-" else sys.stdout
-    print(sim_report.header_text(trace, config, methods, profile.name), file=human)
+    _, chunk_rule = profile.run_rank(
+        config.n_ranks,
+        dp_attention=config.lockstep is not None,
+        pd=config.pd is not None,
+        chunk_given=args.chunked_prefill_size is not None,
+    )
+    print(sim_report.header_text(trace, config, methods, profile.name, chunk_rule=chunk_rule), file=human)
     print(sim_report.table(summaries), file=human)
     if args.json:
         doc = sim_report.to_json(
@@ -262,11 +314,16 @@ def _command_line(args: argparse.Namespace) -> str:
         ("--pd", args.pd, None),
         ("--slo-ttft-ms", args.slo_ttft_ms, None),
         ("--slo-tpot-ms", args.slo_tpot_ms, None),
+        ("--new-token-ratio", args.new_token_ratio, 0.0),
     ):
         if value != default:
             parts.append(f"{flag} {value}")
     if args.dp_attention is not None:
         parts.append("--dp-attention" if args.dp_attention else "--no-dp-attention")
+    if args.overlap_schedule is not None:
+        parts.append("--overlap-schedule" if args.overlap_schedule else "--no-overlap-schedule")
+    if args.prefill_delayer:
+        parts.append("--prefill-delayer")
     if args.no_spread:
         parts.append("--no-spread")
     if args.methods:

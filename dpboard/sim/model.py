@@ -71,6 +71,10 @@ class RankConfig:
     decode_base_s: float = 0.010
     decode_s_per_request: float = 0.0
     decode_s_per_kv_token: float = 60e-9  # +6 ms per step per 100k tokens in the batch
+    # SGLang's new_token_ratio, held constant: admission keeps this share of every running request's
+    # remaining output (and of the new request's) free in the KV pool. 0: no room kept (the model
+    # retracts when a decode step would overflow instead)
+    new_token_ratio: float = 0.0
 
     def validate(self) -> RankConfig:
         if self.kv_capacity < 1 or self.max_running < 1 or self.max_prefill_tokens < 1:
@@ -88,6 +92,8 @@ class RankConfig:
         ):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"rank {name} must be >= 0 seconds")
+        if not 0.0 <= self.new_token_ratio <= 1.0:
+            raise InvalidInputError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
         if self.prefill_base_s + self.prefill_s_per_token <= 0 or self.decode_base_s + self.decode_s_per_request <= 0:
             raise InvalidInputError(
                 "a prefill step and a decode step must each take some time: give prefill_base_s or "
@@ -139,6 +145,7 @@ class SimRequest:
         "prefill_rank",
         "prefilled_s",
         "kv_ready_s",
+        "admit_step",
     )
 
     def __init__(
@@ -178,6 +185,7 @@ class SimRequest:
         self.prefill_rank = -1
         self.prefilled_s = -1.0
         self.kv_ready_s = -1.0
+        self.admit_step = 0  # the rank's first step that may admit it (the overlap scheduler's fence)
 
     @property
     def block_hashes(self) -> tuple[int, ...]:
@@ -217,6 +225,7 @@ class RankModel:
         *,
         queued_prefill: str = SGLANG_REPORT,
         role: str = BOTH,
+        overlap: bool = False,
     ):
         if queued_prefill not in QUEUED_PREFILL_REPORTS:
             raise InvalidInputError(
@@ -225,6 +234,11 @@ class RankModel:
         if role not in ROLES:
             raise InvalidInputError(f"rank role {role!r} is not one of {', '.join(ROLES)}")
         self.role = role
+        # SGLang's overlap scheduler (on by default) forms the next batch while the GPU runs the
+        # current one, so a request received during step j is admitted from step j + 2 at the
+        # earliest (j + 1 without it); one received while nothing runs is admitted at once.
+        self.overlap = overlap
+        self.step_index = 0  # steps begun (an idle batch in a lockstep group counts)
         self.rank = rank
         self.config = config.validate()
         self.queued_prefill = queued_prefill
@@ -235,6 +249,7 @@ class RankModel:
         # when they arrived in the queue (SGLang matches the waiting queue against its radix cache)
         self.waiting_uncached = 0
         self.running: dict[int, SimRequest] = {}  # rid -> request in decode, in admission order
+        self._finish_sum = 0  # sum of the running requests' finish_step: their remaining outputs in O(1)
         self._finish_heap: list[tuple[int, int, int]] = []  # (finish_step, rid, epoch)
         self.private_tokens = 0  # KV held outside the prefix cache (running and prefilling requests)
         self.decode_steps = 0
@@ -354,7 +369,10 @@ class RankModel:
 
     # -- events --------------------------------------------------------------------------------
 
-    def receive(self, req: SimRequest, now_s: float) -> None:
+    def receive(self, req: SimRequest, now_s: float, in_step: bool = False) -> None:
+        """A request reaches the rank; ``in_step``: while its (group's) step runs, which with the
+        overlap scheduler delays its admission by one step."""
+        req.admit_step = self.step_index + (2 if in_step and self.overlap else 1)
         if self.role == PREFILL_ROLE:
             req.prefill_rank = self.rank
         else:
@@ -373,12 +391,12 @@ class RankModel:
         self.bootstrap_reqs += 1
         self.bootstrap_tokens += req.seqlen
 
-    def release(self, req: SimRequest, now_s: float) -> None:
+    def release(self, req: SimRequest, now_s: float, in_step: bool = False) -> None:
         """A PD prefill rank: the decode side has pre-allocated; the request joins the waiting queue."""
         self.bootstrap_reqs -= 1
         self.bootstrap_tokens -= req.seqlen
         self.received -= 1  # counted once, by receive
-        self.receive(req, now_s)
+        self.receive(req, now_s, in_step)
 
     def receive_remote(self, req: SimRequest, now_s: float) -> None:
         """A PD decode rank: the request joins the pre-allocation queue."""
@@ -459,17 +477,66 @@ class RankModel:
             return self.waiting_tokens + chunked
         return sum(int(req.seqlen * miss) for req in self.waiting) + chunked
 
-    def begin_step(self, now_s: float) -> float | None:
-        """Choose the next step and return its duration, or None when there is nothing to do."""
+    @property
+    def fenced(self) -> bool:
+        """The step just formed left waiting requests out because of the overlap scheduler's fence."""
+        return bool(self.waiting) and self.waiting[0].admit_step > self.step_index
+
+    def reform_unfenced(self, now_s: float, admit: bool = True) -> float | None:
+        """Nothing runs after all: the scheduler's loop has no batch in flight to overlap with, so
+        it forms its next batch at once with every request received. Forms this step again so."""
+        for req in self.waiting:
+            if req.admit_step > self.step_index:
+                req.admit_step = self.step_index
+        return self._choose_step(now_s, admit)
+
+    def prefill_ready(self) -> bool:
+        """Whether the next step would prefill if allowed: a prompt is being chunked, or the head of
+        the waiting queue may be admitted and fits the KV pool (what SGLang's PrefillAdder reports
+        to the prefill delayer as ``local_prefillable``)."""
+        if self._chunked is not None:
+            return True
+        cfg = self.config
+        waiting = self.waiting
+        if not waiting or len(self.running) >= cfg.max_running or waiting[0].admit_step > self.step_index + 1:
+            return False
+        req = waiting[0]
+        ids = req.block_ids
+        cache = self.cache
+        matched = cache.match(ids) if ids else 0
+        cached = min(prefix_tokens(req.prompt_len, len(ids), matched), req.seqlen - 1)
+        free = cfg.kv_capacity - self.private_tokens - cache.tokens - len(self.running) + cache.evictable_tokens
+        return req.seqlen - cached + 1 <= free
+
+    @property
+    def prefill_batch_size(self) -> int:
+        """Requests in the prefill batch of the step under way (0 when it does not prefill)."""
+        return len(self._prefill_batch) if self.state == PREFILL else 0
+
+    @property
+    def chunking(self) -> bool:
+        """A prompt's chunked prefill is under way (it continues whatever the prefill delayer says)."""
+        return self._chunked is not None
+
+    def begin_step(self, now_s: float, admit: bool = True) -> float | None:
+        """Choose the next step and return its duration, or None when there is nothing to do.
+
+        ``admit`` False (the prefill delayer holds prefill back this pass): no new request is
+        admitted; a prompt being chunked goes on."""
+        self.step_index += 1
+        return self._choose_step(now_s, admit)
+
+    def _choose_step(self, now_s: float, admit: bool) -> float | None:
         cfg = self.config
         if self._ready:  # PD decode: requests whose KV arrived join the batch (no compute: prebuilt)
             for req in self._ready:
                 req.finish_step = self.decode_steps + (req.output_len - req.generated)
                 self.running[req.rid] = req
+                self._finish_sum += req.finish_step
                 heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
             self._ready.clear()
-        if self._chunked is not None or (self.waiting and len(self.running) < cfg.max_running):
-            tokens = self._form_prefill_batch(now_s)
+        if self._chunked is not None or (admit and self.waiting and len(self.running) < cfg.max_running):
+            tokens = self._form_prefill_batch(now_s, admit)
             if tokens:
                 self.state = PREFILL
                 self.step_tokens = tokens
@@ -500,8 +567,9 @@ class RankModel:
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _form_prefill_batch(self, now_s: float) -> int:
-        """Put this step's prefill work in ``_prefill_batch``; returns the prompt tokens it computes."""
+    def _form_prefill_batch(self, now_s: float, admit: bool = True) -> int:
+        """Put this step's prefill work in ``_prefill_batch``; returns the prompt tokens it computes
+        (with ``admit`` False, only the rest of the prompt being chunked)."""
         cfg = self.config
         chunk = cfg.chunked_prefill_size
         budget = chunk or cfg.max_prefill_tokens
@@ -516,12 +584,19 @@ class RankModel:
             tokens = take
             budget -= take
             self._chunked = None if take == req.prefill_left else req
-        # Room for the prompts plus one decode token for everything already running.
+        # Room for the prompts plus one decode token for everything already running, and, with a
+        # new_token_ratio, that share of the running requests' remaining outputs.
         free = cfg.kv_capacity - self.private_tokens - self.cache.tokens - len(self.running)
+        ratio = cfg.new_token_ratio
+        if ratio:
+            free -= int(ratio * (self._finish_sum - len(self.running) * self.decode_steps))
         slots = cfg.max_running - len(self.running) - len(batch)
         waiting = self.waiting
-        while waiting and slots > 0 and self._chunked is None and (budget > 0 or not batch):
+        step = self.step_index
+        while admit and waiting and slots > 0 and self._chunked is None and (budget > 0 or not batch):
             req = waiting[0]
+            if req.admit_step > step:
+                break  # received while the previous step ran: the overlap scheduler takes it next step
             ids = req.block_ids
             cache = self.cache
             matched = cache.match(ids) if ids else 0
@@ -532,16 +607,17 @@ class RankModel:
                 break  # unchunked: whole prompts only, and only the first may exceed the budget
             if matched:
                 cache.acquire(ids, matched)
-            if need + 1 > free:
-                free += cache.evict(need + 1 - free)
-                if need + 1 > free:
+            room = need + 1 + (int(ratio * (req.output_len - req.generated)) if ratio else 0)
+            if room > free:
+                free += cache.evict(room - free)
+                if room > free:
                     if matched:
                         cache.release(ids, matched)
                     break
             waiting.popleft()
             self.waiting_tokens -= seqlen
             self.waiting_uncached -= req.queued_uncached
-            free -= need + 1
+            free -= room
             slots -= 1
             self.private_tokens += need
             req.private_kv = need
@@ -585,6 +661,7 @@ class RankModel:
             else:
                 req.finish_step = self.decode_steps + (req.output_len - req.generated)
                 self.running[req.rid] = req
+                self._finish_sum += req.finish_step
                 heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
 
     def _hand_off(self, req: SimRequest, now_s: float) -> None:
@@ -653,6 +730,7 @@ class RankModel:
             if req is None or req.epoch != epoch:
                 continue  # retracted since this entry was pushed
             del self.running[rid]
+            self._finish_sum -= req.finish_step
             req.generated = req.output_len
             self._finish(req, now_s)
 
@@ -660,6 +738,7 @@ class RankModel:
         """Send the newest running request back to the head of the queue; returns the KV tokens freed."""
         rid = next(reversed(self.running))
         req = self.running.pop(rid)
+        self._finish_sum -= req.finish_step
         req.generated = req.output_len - (req.finish_step - self.decode_steps)
         freed = self._drop_kv(req)
         req.epoch += 1

@@ -37,6 +37,7 @@ from dpboard.errors import InvalidInputError
 from dpboard.sim.methods import make_policy, parse_method_spec
 from dpboard.sim.model import DECODE_ROLE, PREFILL_ROLE, RankModel, SimRequest
 from dpboard.sim.policy import SimBoard
+from dpboard.sim.prefill_delayer import PrefillDelayer
 from dpboard.sim.simulation import (
     RunResult,
     SimConfig,
@@ -112,16 +113,23 @@ class PdSimulation(Simulation):
         pd = config.pd
         assert pd is not None
         n_p, n_d = pd.n_prefill, pd.n_decode
-        prefill = [RankModel(i, config.rank, queued_prefill=config.queued_prefill, role=PREFILL_ROLE) for i in range(n_p)]
-        decode = [RankModel(i, config.rank, queued_prefill=config.queued_prefill, role=DECODE_ROLE) for i in range(n_d)]
+        common_rank = {"queued_prefill": config.queued_prefill, "overlap": config.overlap}
+        prefill = [RankModel(i, config.rank, role=PREFILL_ROLE, **common_rank) for i in range(n_p)]
+        decode = [RankModel(i, config.rank, role=DECODE_ROLE, **common_rank) for i in range(n_d)]
         self.ranks = prefill + decode
         if config.lockstep is None:
             self.groups = [RankGroup(g, [rank]) for g, rank in enumerate(self.ranks)]
         else:
-            self.groups = [RankGroup(0, prefill, config.lockstep), RankGroup(1, decode, config.lockstep)]
+            # SGLang ignores --enable-prefill-delayer on a decode server (no prefill to hold)
+            delayer = PrefillDelayer(n_p) if config.prefill_delayer else None
+            self.groups = [RankGroup(0, prefill, config.lockstep, delayer), RankGroup(1, decode, config.lockstep)]
         self._decode_group = [any(rank.role == DECODE_ROLE for rank in group.ranks) for group in self.groups]
-        self.prefill_board = SimBoard(n_p, self.clock, p_pub.visibility_delay_s)
-        self.decode_board = SimBoard(n_d, self.clock, d_pub.visibility_delay_s)
+        self.prefill_board = SimBoard(
+            n_p, self.clock, p_pub.visibility_delay_s, lockstep=config.lockstep_section(n_p), mode="prefill"
+        )
+        self.decode_board = SimBoard(
+            n_d, self.clock, d_pub.visibility_delay_s, lockstep=config.lockstep_section(n_d), mode="decode"
+        )
         common = {"clock": self.clock, "refresh_interval_s": config.refresh_interval_s, "seed": self.trace.seed}
         p_name, d_name = split_pd_method(self.method)
         self.prefill_method, self.decode_method = p_name, d_name
@@ -195,8 +203,9 @@ class PdSimulation(Simulation):
                 self._push(self.now + send, _RELEASE, req.rid, req.prefill_rank)
 
     def _on_release(self, t: float, rid: int, p: int) -> None:
-        self.ranks[p].release(self.requests[rid], t)
-        self._wake(self._group_of[p])
+        g = self._group_of[p]
+        self.ranks[p].release(self.requests[rid], t, self.groups[g].busy)
+        self._wake(g)
 
     def _start_step(self, g: int) -> None:
         if self._decode_group[g]:

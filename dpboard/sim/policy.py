@@ -26,7 +26,7 @@ import numpy as np
 from dpboard.controller.budget import snapshots_to_array
 from dpboard.errors import InvalidInputError
 from dpboard.sim.model import RankModel, SimRequest
-from dpboard.snapshot import DETAIL_PRESENT, SNAPSHOT_DTYPE, LoadSnapshot
+from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, SNAPSHOT_DTYPE, LoadSnapshot
 
 
 class Policy:
@@ -65,12 +65,26 @@ class SimBoard:
     rank, the newest snapshot visible now (None before the first). The delay is the same for every
     publish, so one FIFO keeps visibility order. A rank also reports its queued prefill work (SGLang's
     ``num_waiting_uncached_tokens``), which a real board carries in the slot's detail:
-    ``read_detailed_array`` gives both, as ``BoardReader.read_detailed_array`` does.
+    ``read_detailed_array`` gives both, as ``BoardReader.read_detailed_array`` does, with the
+    lockstep section of a DP-attention group (its size and the ranks' chunk) when given one, and the
+    disaggregation mode of a PD pool.
     """
 
-    def __init__(self, n_ranks: int, clock: Callable[[], float], delay_s: float = 0.0):
+    def __init__(
+        self,
+        n_ranks: int,
+        clock: Callable[[], float],
+        delay_s: float = 0.0,
+        lockstep: tuple[int, int] | None = None,
+        mode: str | None = None,
+    ):
         if delay_s < 0:
             raise InvalidInputError(f"snapshot visibility delay must be >= 0 seconds, got {delay_s}")
+        # (group size, chunk tokens): the lockstep section every rank of a DP-attention group
+        # publishes in its detail, as the SGLang plugin does
+        self.lockstep = lockstep
+        # PD: the pool's disaggregation mode, which SGLang's servers report in the detail
+        self.mode = mode
         self._visible: list[LoadSnapshot | None] = [None] * n_ranks
         self._queued = np.full(n_ranks, -1, np.int64)  # the visible snapshots' queued prefill (-1: none)
         self._pending: deque[tuple[float, int, LoadSnapshot, int]] = deque()
@@ -109,7 +123,16 @@ class SimBoard:
         snapshots_to_array(self._visible, len(self._visible), self._records)
         out["load"] = self._records
         detail = out["detail"]
-        detail["flags"] = np.where(self._queued >= 0, DETAIL_PRESENT, 0)
+        published = self._queued >= 0
+        flags = np.where(published, DETAIL_PRESENT, 0).astype(np.uint64)
+        if self.lockstep is not None:
+            flags[published] |= np.uint64(DETAIL_FLAG["lockstep"])
+            detail["lockstep_group_size"] = self.lockstep[0]
+            detail["lockstep_chunk_tokens"] = self.lockstep[1]
+        if self.mode is not None:
+            flags[published] |= np.uint64(DETAIL_FLAG["disaggregation"])
+            detail["disaggregation_mode"] = self.mode.encode()
+        detail["flags"] = flags
         detail["num_waiting_uncached_tokens"] = np.maximum(self._queued, 0)
         return out
 

@@ -22,6 +22,11 @@ their units in the name:
 ``moe_decode_token_us``   lockstep: the routed-expert part of ``decode_request_us`` (optional, 0)
 ``eager_decode_ms``       lockstep: what a decode batch pays in a step where another rank extends
                           (no CUDA graph; optional, 0)
+``deepep_normal_ms``      lockstep: what a step with an extend costs the group more, its MoE
+                          all-to-all running in DeepEP's normal mode (optional, 0)
+``server_chunked_prefill_size``  SGLang's ``--chunked-prefill-size`` default on this GPU: under
+                          colocated DP attention each rank's chunk is this divided by the
+                          group's size (optional, 0: the rank's ``chunked_prefill_size``)
 ``slo_ttft_ms``           goodput: the time-to-first-token SLO (optional, default 1000)
 ``slo_tpot_ms``           goodput: the time-per-output-token SLO (optional, default 100)
 ``kv_bytes_per_token``    PD: KV bytes a prompt token sends to the decode side (optional, 131072)
@@ -39,6 +44,7 @@ user's own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +77,8 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "moe_prefill_token_us": ("moe_prefill_s_per_token", 1e6, False, 0.0),
     "moe_decode_token_us": ("moe_decode_s_per_token", 1e6, False, 0.0),
     "eager_decode_ms": ("eager_decode_s", 1e3, False, 0.0),
+    "deepep_normal_ms": ("extend_dispatch_s", 1e3, False, 0.0),
+    "server_chunked_prefill_size": ("server_chunked_prefill_size", 1, True, 0),
     "slo_ttft_ms": ("slo_ttft_s", 1e3, False, 1000.0),
     "slo_tpot_ms": ("slo_tpot_s", 1e3, False, 100.0),
     "kv_bytes_per_token": ("kv_bytes_per_token", 1, False, 131072.0),
@@ -91,6 +99,8 @@ class Profile:
     rank: RankConfig
     dp_attention: bool = False  # the ranks step in lockstep unless told otherwise
     lockstep: LockstepCost = LockstepCost()  # the lockstep terms (used with DP attention)
+    # SGLang's --chunked-prefill-size before its DP-attention division (0: none given)
+    server_chunked_prefill_size: int = 0
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     # PD disaggregation's transfer terms (dpboard.sim.transfer)
@@ -109,6 +119,24 @@ class Profile:
             kv_transfer_base_s=self.kv_transfer_base_s,
             bootstrap_rtt_s=self.bootstrap_rtt_s,
         ).validate()
+
+    def dp_attention_chunk(self, group_size: int) -> int:
+        """The per-rank chunk SGLang runs a colocated DP-attention group of ``group_size`` ranks with:
+        ``--chunked-prefill-size`` divided by the attention-DP size (``_handle_data_parallelism`` in
+        ``sglang/srt/arg_groups/parallel_hook.py``); the rank's own chunk without a server figure."""
+        if self.server_chunked_prefill_size <= 0:
+            return self.rank.chunked_prefill_size
+        return max(1, self.server_chunked_prefill_size // max(1, group_size))
+
+    def run_rank(self, n_ranks: int, *, dp_attention: bool, pd: bool, chunk_given: bool) -> tuple[RankConfig, str]:
+        """The rank model of a run and, when SGLang's DP-attention rule set its chunk, the rule in
+        words: colocated ranks in lockstep (no PD pools, no ``--chunked-prefill-size``) take
+        ``dp_attention_chunk(n_ranks)``; otherwise the profile's (or the flag's) chunk stands."""
+        if not dp_attention or pd or chunk_given or self.server_chunked_prefill_size <= 0:
+            return self.rank, ""
+        chunk = self.dp_attention_chunk(n_ranks)
+        rule = f"SGLang's --chunked-prefill-size {self.server_chunked_prefill_size} / {n_ranks} ranks"
+        return dataclasses.replace(self.rank, chunked_prefill_size=chunk).validate(), rule
 
     def as_dict(self) -> dict[str, str]:
         return {"name": self.name, "description": self.description, "source": self.source, "path": self.path}
@@ -181,6 +209,7 @@ def load_profile_file(path: str | Path) -> Profile:
             moe_prefill_s_per_token=run["moe_prefill_s_per_token"],
             moe_decode_s_per_token=run["moe_decode_s_per_token"],
             eager_decode_s=run["eager_decode_s"],
+            extend_dispatch_s=run["extend_dispatch_s"],
         ).validate(rank)
     except InvalidInputError as e:
         raise InvalidInputError(f"profile file {p}: {e}") from None
@@ -198,4 +227,5 @@ def load_profile_file(path: str | Path) -> Profile:
         kv_link_bytes_per_s=float(run["kv_link_bytes_per_s"]),
         kv_transfer_base_s=float(run["kv_transfer_base_s"]),
         bootstrap_rtt_s=float(run["bootstrap_rtt_s"]),
+        server_chunked_prefill_size=int(run["server_chunked_prefill_size"]),
     )

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpboard.errors import UnavailableError
+from dpboard.sim.workload import LOCKSTEP_BASIS
 
 if TYPE_CHECKING:
     from dpboard.sim.simulation import RunResult, SimConfig
@@ -170,6 +171,11 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "idle_rank_step_share": result.idle_rank_steps / result.rank_steps if result.rank_steps else 0.0,
         "extend_step_share": result.extend_steps / result.group_steps if result.group_steps else 0.0,
         "eager_decode_rank_steps": result.eager_decode_rank_steps,
+        "delayer_held_passes": result.delayer_held_passes,
+        "delayer_timeouts": result.delayer_timeouts,
+        # per output token decoded: how many steps a running request went without a token, its
+        # rank prefilling (SGLang runs a prefill batch alone)
+        "stalled_decode_share": result.stalled_decodes / max(1, sum(r.output_len - 1 for r in result.requests)),
         "evicted_tokens": result.evicted_tokens,
         "requests_per_rank_min": int(per_rank.min()),
         "requests_per_rank_max": int(per_rank.max()),
@@ -185,12 +191,18 @@ def summarize(result: RunResult) -> dict[str, Any]:
 def describe_trace(trace: Trace) -> str:
     """One line on where the trace came from and how it was shaped."""
     s = trace.summary()
+    info = trace.info
     if trace.spec is not None:
+        scaled = ""
+        if "time_scale" in info:
+            scaled = (
+                f"; times x{info['time_scale']:.4g} -> {s['last_arrival_s']:.0f} s, offered load "
+                f"{_load_phrase(info)}"
+            )
         return (
             f"trace {trace.name}: {s['requests']} requests ({s['burst_requests']} in bursts) over "
-            f"{trace.spec.duration_s:g} s, seed {trace.seed}"
+            f"{trace.spec.duration_s:g} s{scaled}, seed {trace.seed}"
         )
-    info = trace.info
     lo, hi = info["window_s"]
     window = "" if (lo == 0 and hi is None) else f", window {lo:g}:{'' if hi is None else f'{hi:g}'} s"
     spread = ", bucketed times spread (seeded)" if info["spread"] else ""
@@ -199,11 +211,23 @@ def describe_trace(trace: Trace) -> str:
     return (
         f"trace {info['path']} ({info['format_label']}): {s['requests']} of {info['file_requests']} requests"
         f"{window}{spread}{zero}{blocks}; times x{info['time_scale']:.4g} -> {s['last_arrival_s']:.0f} s, "
-        f"offered load {info['load']:.2f} of capacity per rank (as recorded: {info['natural_load']:.3f}); seed {trace.seed}"
+        f"offered load {_load_phrase(info)} (as recorded: {info['natural_load']:.3f}); seed {trace.seed}"
     )
 
 
-def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = None, profile: str = "") -> str:
+def _load_phrase(info: dict[str, Any]) -> str:
+    """What the offered load is a share of, with the independent ranks' figure beside the lockstep one."""
+    if info.get("load_basis") == LOCKSTEP_BASIS:
+        return (
+            f"{info['load']:.2f} of the lockstep group's capacity per rank ({info['independent_load']:.2f} "
+            f"of an independent rank's)"
+        )
+    return f"{info['load']:.2f} of capacity per rank"
+
+
+def header_text(
+    trace: Trace, config: SimConfig, methods: list[str] | None = None, profile: str = "", *, chunk_rule: str = ""
+) -> str:
     own = " (unless a method names its own cadence)" if any("cadence=" in m for m in methods or []) else ""
     pub = config.publish
     cadence = {
@@ -213,8 +237,14 @@ def header_text(trace: Trace, config: SimConfig, methods: list[str] | None = Non
     }[pub.cadence]
     rank = config.rank
     chunk = f"chunked prefill {rank.chunked_prefill_size}" if rank.chunked_prefill_size else "no chunked prefill"
+    if chunk_rule:
+        chunk += f" ({chunk_rule})"
     named = f"profile {profile}: " if profile else ""
     stepping = "in lockstep (DP attention)" if config.lockstep is not None else "stepping independently"
+    if config.prefill_delayer:
+        stepping += ", SGLang's prefill delayer (30 passes)"
+    if config.overlap:
+        stepping += ", overlap scheduler"
     pd = config.pd
     if pd is not None:
         stepping += (

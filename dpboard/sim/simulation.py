@@ -48,6 +48,7 @@ from dpboard.sim.model import (
     SimRequest,
 )
 from dpboard.sim.policy import Policy, SimBoard
+from dpboard.sim.prefill_delayer import PrefillDelayer
 from dpboard.sim.stepping import LockstepCost, RankGroup
 from dpboard.sim.trace import Trace
 from dpboard.sim.transfer import PdConfig
@@ -104,6 +105,20 @@ class SimConfig:
     slo_ttft_s: float = 1.0  # goodput: a request meets its SLOs with TTFT and TPOT at most these
     slo_tpot_s: float = 0.1
     pd: PdConfig | None = None  # PD disaggregation: prefill and decode pools (n_ranks is their sum)
+    prefill_delayer: bool = False  # SGLang's --enable-prefill-delayer, its defaults (lockstep groups that prefill)
+    # SGLang's overlap scheduler: a request received during a step is admitted a step later. None:
+    # on under DP attention (SGLang's default), off for independent ranks (the earlier cells' model)
+    overlap_schedule: bool | None = None
+
+    def lockstep_section(self, group_size: int) -> tuple[int, int] | None:
+        """What the ranks of a lockstep group of ``group_size`` publish as their lockstep detail."""
+        if self.lockstep is None:
+            return None
+        return group_size, self.rank.prefill_step_tokens
+
+    @property
+    def overlap(self) -> bool:
+        return self.lockstep is not None if self.overlap_schedule is None else self.overlap_schedule
 
     def validate(self) -> SimConfig:
         if self.n_ranks < 1:
@@ -126,6 +141,10 @@ class SimConfig:
         self.publish.validate()
         if self.lockstep is not None:
             self.lockstep.validate(self.rank)
+        if self.prefill_delayer and self.lockstep is None:
+            raise InvalidInputError(
+                "--prefill-delayer holds prefill back so that ranks in lockstep prefill together: it needs --dp-attention"
+            )
         if self.pd is not None:
             self.pd.validate()
             if self.pd.n_ranks != self.n_ranks:
@@ -160,16 +179,20 @@ class RunResult:
     eager_decode_rank_steps: int = 0  # decode rank-steps run without their CUDA graph (an extend step)
     pd: dict[str, Any] | None = None  # PD: both sides' methods and the transfer stage's record
     sample_decoded: np.ndarray | None = None  # per sample: output tokens the sampled ranks' decode steps gave so far
+    delayer_held_passes: int = 0  # passes in which the prefill delayer held prefill back
+    delayer_timeouts: int = 0  # waits the delayer ended because max_delay_passes ran out
+    stalled_decodes: int = 0  # request-steps without a token because the request's rank prefilled
 
 
-SIM_OPTIONS = ("cadence", "publish_every")
+SIM_OPTIONS = ("cadence", "publish_every", "prefill_delayer")
 
 
 def split_sim_options(spec: str, config: SimConfig) -> tuple[str, SimConfig]:
     """Take the simulator's own options out of a method spec and apply them to this run's config.
 
     ``total_tokens:cadence=sglang`` runs total_tokens with SGLang's publish cadence whatever the
-    command line says, so one table can compare methods each with the cadence its system ships with.
+    command line says, so one table can compare methods each with the cadence its system ships with;
+    ``prefill_delayer=on`` runs that method's group with SGLang's prefill delayer.
     """
     name, options = parse_method_spec(spec)
     sim_options = {k: options.pop(k) for k in SIM_OPTIONS if k in options}
@@ -177,6 +200,11 @@ def split_sim_options(spec: str, config: SimConfig) -> tuple[str, SimConfig]:
         sim_options.setdefault("cadence", "step")  # the engines publish from their schedulers every step
     if not sim_options:
         return spec, config
+    if "prefill_delayer" in sim_options:
+        value = sim_options.pop("prefill_delayer")
+        if not isinstance(value, bool):
+            raise InvalidInputError(f"prefill_delayer={value!r} in {spec!r}: use on or off")
+        config = dataclasses.replace(config, prefill_delayer=value)
     publish = config.publish
     if "cadence" in sim_options:
         publish = dataclasses.replace(publish, cadence=str(sim_options["cadence"]))
@@ -290,12 +318,18 @@ class Simulation:
         """The ranks, their groups, the board and the policy; per rank (the simulation's index) the
         board it publishes to, the policy that dispatches to it and its publish settings."""
         config = self.config
-        self.ranks = [RankModel(r, config.rank, queued_prefill=config.queued_prefill) for r in range(config.n_ranks)]
+        self.ranks = [
+            RankModel(r, config.rank, queued_prefill=config.queued_prefill, overlap=config.overlap)
+            for r in range(config.n_ranks)
+        ]
         if config.lockstep is None:
             self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
         else:
-            self.groups = [RankGroup(0, list(self.ranks), config.lockstep)]
-        self.board = SimBoard(config.n_ranks, self.clock, config.publish.visibility_delay_s)
+            delayer = PrefillDelayer(config.n_ranks) if config.prefill_delayer else None
+            self.groups = [RankGroup(0, list(self.ranks), config.lockstep, delayer)]
+        self.board = SimBoard(
+            config.n_ranks, self.clock, config.publish.visibility_delay_s, lockstep=config.lockstep_section(config.n_ranks)
+        )
         self.policy: Policy = make_policy(
             policy_spec,
             label=self.method,
@@ -386,8 +420,9 @@ class Simulation:
         self._push(t + self.config.send_delay_s, _RECEIVE, rid, rank)
 
     def _on_receive(self, t: float, rid: int, r: int) -> None:
-        self.ranks[r].receive(self.requests[rid], t)
-        self._wake(self._group_of[r])
+        g = self._group_of[r]
+        self.ranks[r].receive(self.requests[rid], t, self.groups[g].busy)
+        self._wake(g)
 
     def _wake(self, g: int) -> None:
         """A member of group ``g`` has new work: an idle group starts a step now (a busy one
@@ -490,6 +525,9 @@ class Simulation:
             extend_steps=sum(g.extend_steps for g in self.groups),
             eager_decode_rank_steps=sum(g.eager_decode_rank_steps for g in self.groups),
             sample_decoded=np.asarray(self._sampler.decoded, dtype=np.int64),
+            delayer_held_passes=sum(g.delayer.held_passes for g in self.groups if g.delayer is not None),
+            delayer_timeouts=sum(g.delayer.timeouts for g in self.groups if g.delayer is not None),
+            stalled_decodes=sum(g.stalled_decodes for g in self.groups),
         )
 
 

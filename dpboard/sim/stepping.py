@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from dpboard.errors import InvalidInputError
 from dpboard.sim.model import DECODE, IDLE, PREFILL, RankConfig, RankModel
+from dpboard.sim.prefill_delayer import IDLE_PASS_S, PrefillDelayer
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,12 @@ class LockstepCost:
     moe_prefill_s_per_token: float = 0.0  # routed-expert cost of one prompt token, spread over the group
     moe_decode_s_per_token: float = 0.0  # routed-expert cost of one decode token, spread over the group
     eager_decode_s: float = 0.0  # what a decode batch pays without its CUDA graph (a step in which some rank extends)
+    # DeepEP's auto mode runs a step with an extend in normal mode for every rank, slower than the
+    # low-latency mode of decode steps: the extra cost of such a step, for the whole group
+    extend_dispatch_s: float = 0.0
 
     def validate(self, rank: RankConfig) -> LockstepCost:
-        for name in ("moe_prefill_s_per_token", "moe_decode_s_per_token", "eager_decode_s"):
+        for name in ("moe_prefill_s_per_token", "moe_decode_s_per_token", "eager_decode_s", "extend_dispatch_s"):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"lockstep {name} must be >= 0 seconds")
         if self.moe_prefill_s_per_token > rank.prefill_s_per_token:
@@ -85,13 +89,25 @@ class RankGroup:
         "eager_decode_rank_steps",
         "_attn_prefill",
         "_attn_decode",
+        "delayer",
+        "held_idle_passes",
+        "stalled_decodes",
     )
 
-    def __init__(self, gid: int, ranks: list[RankModel], lockstep: LockstepCost | None = None):
+    def __init__(
+        self,
+        gid: int,
+        ranks: list[RankModel],
+        lockstep: LockstepCost | None = None,
+        delayer: PrefillDelayer | None = None,
+    ):
         if not ranks:
             raise InvalidInputError("a rank group needs at least one rank")
         if lockstep is None and len(ranks) != 1:
             raise InvalidInputError("independent ranks step one to a group: give the group a LockstepCost")
+        if delayer is not None and lockstep is None:
+            raise InvalidInputError("the prefill delayer holds a lockstep group's prefill: it needs DP attention")
+        self.delayer = delayer
         self.gid = gid
         self.ranks = ranks
         self.config = ranks[0].config
@@ -102,22 +118,41 @@ class RankGroup:
         self.idle_rank_steps = 0
         self.extend_steps = 0
         self.eager_decode_rank_steps = 0
+        self.held_idle_passes = 0  # passes without a forward: the delayer held the only work there was
+        self.stalled_decodes = 0  # running requests that got no token because their rank prefilled
         if lockstep is not None:
             self._attn_prefill = self.config.prefill_s_per_token - lockstep.moe_prefill_s_per_token
             self._attn_decode = self.config.decode_s_per_request - lockstep.moe_decode_s_per_token
 
     def begin(self, now_s: float) -> float | None:
         if self.lockstep is None:
-            duration = self.ranks[0].begin_step(now_s)
+            rank = self.ranks[0]
+            duration = rank.begin_step(now_s)
+            if duration is None and rank.fenced:
+                duration = rank.reform_unfenced(now_s)
             self.busy = duration is not None
             if duration is not None:
                 self.steps += 1
                 self.rank_steps += 1
-                self.ranks[0].busy_s += duration
+                rank.busy_s += duration
+                if rank.state == PREFILL:
+                    self.stalled_decodes += len(rank.running)
             return duration
+        delayer = self.delayer
+        allow = True if delayer is None else delayer.allow(self.ranks)
         for rank in self.ranks:
-            rank.begin_step(now_s)
+            rank.begin_step(now_s, allow)
         duration = self._lockstep_s()
+        if duration is None and any(rank.fenced for rank in self.ranks):
+            for rank in self.ranks:
+                rank.reform_unfenced(now_s, allow)
+            duration = self._lockstep_s()
+        if delayer is not None:
+            delayer.observe(self.ranks, allow)
+            if duration is None and not allow:
+                # the hold left nobody with tokens: no forward, the loop gathers again at once
+                self.held_idle_passes += 1
+                duration = IDLE_PASS_S
         self.busy = duration is not None
         return duration
 
@@ -148,6 +183,7 @@ class RankGroup:
             state = rank.state
             if state == PREFILL:
                 own = self._attn_prefill * rank.step_tokens
+                self.stalled_decodes += len(rank.running)
             elif state == DECODE:
                 own = self._attn_decode * rank.step_tokens + cfg.decode_s_per_kv_token * rank.step_kv_tokens + eager
                 eager_ranks += 1
@@ -155,7 +191,7 @@ class RankGroup:
                 continue
             if own > attention:
                 attention = own
-        base = cfg.prefill_base_s if extend else cfg.decode_base_s
+        base = cfg.prefill_base_s + cost.extend_dispatch_s if extend else cfg.decode_base_s
         duration = (
             base
             + attention

@@ -209,3 +209,48 @@ def generate_trace(spec: TraceSpec, n_ranks: int, seed: int) -> Trace:
         output_len=output,
         is_burst=is_burst,
     )
+
+
+# A scenario on a rank model other than the one its rates were set for runs at this share of that
+# model's capacity unless told otherwise: below saturation, where the methods differ.
+FOREIGN_PROFILE_LOAD = 0.75
+
+
+def scenario_trace(
+    name: str,
+    n_ranks: int,
+    seed: int,
+    *,
+    load: float | None,
+    rank: Any = None,
+    lockstep: Any = None,
+    pd: tuple[int, int] | None = None,
+    duration_s: float | None = None,
+) -> Trace:
+    """A named scenario for a run. Without ``rank`` (the ``synthetic`` profile, which the scenarios'
+    rates were set for) ``load`` multiplies its rates (default 1.0). With another rank model its
+    arrival times are scaled so that the work it offers is ``load`` (default ``FOREIGN_PROFILE_LOAD``)
+    of that model's capacity, as a trace file's are (``dpboard.sim.workload``: the lockstep group's
+    under ``lockstep``, the busier pool's under ``pd``)."""
+    spec = scenario(name)
+    if rank is None:
+        return generate_trace(spec.scaled(load=1.0 if load is None else load, duration_s=duration_s), n_ranks, seed)
+    from dpboard.sim.workload import LOCKSTEP_BASIS, RANK_BASIS, offered_loads
+
+    target = FOREIGN_PROFILE_LOAD if load is None else load
+    if not target > 0:
+        raise InvalidInputError(f"--load must be > 0 (a share of the ranks' capacity, e.g. 0.8), got {target}")
+    trace = generate_trace(spec.scaled(duration_s=duration_s), n_ranks, seed)
+    span = trace.spec.duration_s if trace.spec is not None else float(trace.arrival_s.max())
+    natural, independent = offered_loads(
+        trace.prompt_len, trace.output_len, span, n_ranks, rank, lockstep=lockstep, pd=pd
+    )
+    scale = natural / target if natural > 0 else 1.0
+    info = {
+        "time_scale": scale,
+        "natural_load": natural,
+        "load": natural / scale,
+        "load_basis": LOCKSTEP_BASIS if independent is not None else RANK_BASIS,
+        "independent_load": None if independent is None else independent / scale,
+    }
+    return dataclasses.replace(trace, arrival_s=trace.arrival_s * scale, info=info)

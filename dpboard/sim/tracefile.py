@@ -39,8 +39,9 @@ import numpy as np
 from dpboard.errors import InvalidInputError, NotFoundError
 from dpboard.sim.model import RankConfig
 from dpboard.sim.prefix_cache import BLOCK_TOKENS
+from dpboard.sim.stepping import LockstepCost
 from dpboard.sim.trace import BlockTable, Trace
-from dpboard.sim.workload import offered_load, pd_offered_load
+from dpboard.sim.workload import LOCKSTEP_BASIS, RANK_BASIS, offered_loads
 
 AZURE = "azure"
 MOONCAKE = "mooncake"
@@ -410,11 +411,13 @@ def shape_trace(
     spread: bool = True,
     load: float | None = None,
     pd: tuple[int, int] | None = None,
+    lockstep: LockstepCost | None = None,
 ) -> Trace:
     """The run's trace from a file: spread (bucketed formats), window, then time-scaled to ``load``.
 
     ``load`` is the offered work per rank as a share of a rank's capacity (``dpboard.sim.workload``),
-    with ``pd`` (prefill, decode ranks) that of the busier pool; None keeps the file's own timing."""
+    with ``pd`` (prefill, decode ranks) that of the busier pool, with ``lockstep`` (DP attention)
+    that of the lockstep group; None keeps the file's own timing."""
     if n_ranks < 1:
         raise InvalidInputError(f"a trace needs at least one rank, got n_ranks={n_ranks}")
     if load is not None and not (math.isfinite(load) and load > 0):
@@ -442,10 +445,7 @@ def shape_trace(
     blocks = tf.blocks.take(order) if tf.blocks is not None else None
     # The span the requests were offered over: the window when it is closed, else up to the last one.
     span = (end - lo) if end is not None else float(times[-1])
-    if pd is not None:
-        natural = pd_offered_load(prompt, output, span, pd[0], pd[1], rank)
-    else:
-        natural = offered_load(prompt, output, span, n_ranks, rank)
+    natural, independent = offered_loads(prompt, output, span, n_ranks, rank, lockstep=lockstep, pd=pd)
     scale = 1.0
     if load is not None:
         if not math.isfinite(natural) or natural <= 0:
@@ -466,6 +466,8 @@ def shape_trace(
         "natural_load": natural,
         "time_scale": scale,
         "load": natural / scale,
+        "load_basis": LOCKSTEP_BASIS if independent is not None else RANK_BASIS,
+        "independent_load": None if independent is None else independent / scale,
     }
     return Trace(
         name=Path(tf.path).name,

@@ -24,7 +24,7 @@ def test_the_relay_bench_samples_node0s_copy_beside_the_local_board(tmp_path):
     assert sampled["node0"]["p50"] >= sampled["local"]["p50"]
     assert sampled["node0"]["p99"] >= sampled["local"]["p50"]
     # --detail: the same run again with every slot carrying an SGLang snapshot's detail
-    assert "every slot with a detail (440-byte records)" in out.stdout
+    assert "every slot with a detail (456-byte records)" in out.stdout
     detailed = figures["detailed"]
     assert detailed["samples"] > 0 and detailed["bad"] == 0
     assert detailed["sampled"]["instants"] > 50

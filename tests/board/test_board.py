@@ -440,7 +440,7 @@ def test_a_detail_that_does_not_fit_is_refused(board):
             disaggregation=DisaggregationDetail("prefill-and-decode")))
     with pytest.raises(ValueError, match="decode_moments has 9 values; a slot holds 8"):
         w.publish_detailed(LoadSnapshot(dp_rank=1), LoadDetail(decode_moments=(0.0,) * 9))
-    with pytest.raises(ValueError, match="detail must be 336 bytes"):
+    with pytest.raises(ValueError, match="detail must be 352 bytes"):
         w.publish(LoadSnapshot(dp_rank=1), b"short")
     assert board.reader().read(1) is None  # nothing was published
 

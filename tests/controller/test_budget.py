@@ -393,3 +393,10 @@ def test_inflight_ttft_keeps_the_batch_being_prefilled_in_the_backlog(use_extens
     # new sends add on top, as in-flight tokens, until the rank counts them
     ttft.charge(0, 50)
     assert ttft.backlog.tolist() == [350, 0]
+    # after a gap in the reads (no dispatch for a while: snapshots 2 and 3 were never read) the rank
+    # admitted the three long ago: they are not the batch of the step it starts now
+    late = budget(True)
+    for tokens in (100, 200, 300):
+        late.charge(0, tokens)
+    assert publish(late, 1, waiting=3, used=0, waiting_tokens=600) == [600, 0]
+    assert publish(late, 4, waiting=0, used=606, waiting_tokens=0) == [0, 0]

@@ -369,9 +369,9 @@ def test_the_collector_buffers_only_what_its_board_can_receive(board_name):
     from dpboard.multinode.collector import RECEIVE_BUFFER_BYTES, frame_bound
 
     with Board.create(board_name, n_slots=4) as board, Collector(board, "tcp://127.0.0.1:*") as c:
-        assert frame_bound(4) == 104 + 4 * 440 == 1864
-        assert c.socket.getsockopt(zmq.MAXMSGSIZE) == 1864
-        assert c.socket.getsockopt(zmq.RCVHWM) * 1864 <= RECEIVE_BUFFER_BYTES
+        assert frame_bound(4) == 104 + 4 * 456 == 1928
+        assert c.socket.getsockopt(zmq.MAXMSGSIZE) == 1928
+        assert c.socket.getsockopt(zmq.RCVHWM) * 1928 <= RECEIVE_BUFFER_BYTES
         before = _rss_mb()
         flood = f"""
 import sys, zmq

@@ -102,7 +102,8 @@ GOOD = pack_frame(records([0, 1, 2]), node_id=1, board="b", frame_seq=0)
         (b"XXXX" + GOOD[4:], "bad_magic"),
         (GOOD[:5], "bad_length"),
         (_with_header(GOOD, version=1), "bad_version"),  # the version before the detail
-        (_with_header(GOOD, version=3), "bad_version"),
+        (_with_header(GOOD, version=2), "bad_version"),  # the version before the lockstep section
+        (_with_header(GOOD, version=4), "bad_version"),
         (_with_header(GOOD, version=0), "bad_version"),
         (GOOD[:HEADER_SIZE - 1], "bad_length"),  # truncated header
         (GOOD[:-1], "bad_length"),  # truncated record
@@ -173,7 +174,7 @@ GOOD_DETAILED = pack_frame(records([0, 1, 2]), node_id=1, board="b", frame_seq=0
 def test_a_detailed_frame_round_trips_every_detail():
     data = GOOD_DETAILED
     assert len(data) == HEADER_SIZE + 3 * DETAILED_RECORD_SIZE
-    assert struct.unpack_from("<H", data, 8)[0] == DETAILED_RECORD_SIZE == 440
+    assert struct.unpack_from("<H", data, 8)[0] == DETAILED_RECORD_SIZE == 456
     frame = unpack_frame(data)
     validate_records(frame, n_slots=8)
     assert frame.records.tolist() == records([0, 1, 2]).tolist()
@@ -203,7 +204,7 @@ def _detailed_with(mutate) -> bytes:
     ("data", "reason"),
     [
         (GOOD_DETAILED[:-1], "bad_length"),
-        (_with_header(GOOD_DETAILED, record_size=RECORD_SIZE), "bad_length"),  # the body is 440-byte records
+        (_with_header(GOOD_DETAILED, record_size=RECORD_SIZE), "bad_length"),  # the body is 456-byte records
         (_with_header(GOOD, record_size=DETAILED_RECORD_SIZE), "bad_length"),
         (_detailed_with(lambda d: d["flags"].__setitem__(0, d["flags"][0] | np.uint64(1 << 40))), "bad_load"),
         (_detailed_with(lambda d: d["flags"].__setitem__(1, DETAIL_FLAG["memory"])), "bad_load"),
@@ -211,7 +212,7 @@ def _detailed_with(mutate) -> bytes:
         (_detailed_with(lambda d: d["decode_moments_count"].__setitem__(0, -1)), "bad_load"),
         (_detailed_with(lambda d: d["disaggregation_mode"].__setitem__(0, b"\xff\xfe")), "bad_load"),
     ],
-    ids=["truncated", "says-104", "says-440", "unknown-flag", "no-present-bit", "moments-9", "moments-neg",
+    ids=["truncated", "says-104", "says-456", "unknown-flag", "no-present-bit", "moments-9", "moments-neg",
          "mode-not-utf8"],
 )
 def test_bad_detailed_frames_are_refused_with_their_reason(data, reason):

@@ -36,6 +36,8 @@ COST = LockstepCost(moe_prefill_s_per_token=40e-6, moe_decode_s_per_token=0.5e-3
 
 
 def lockstep_config(n_ranks: int = 2, **kw) -> SimConfig:
+    # the hand-worked cases take each request into the step after it arrives (no overlap scheduler)
+    kw.setdefault("overlap_schedule", False)
     return SimConfig(n_ranks=n_ranks, rank=RANK, lockstep=COST, send_delay_s=0.0, **kw)
 
 

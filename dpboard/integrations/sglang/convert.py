@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.snapshot import (
+    ALL_SECTIONS,
     DETAIL_DTYPE,
     DETAIL_FLAG,
     DETAIL_PRESENT,
@@ -87,7 +88,7 @@ assert DETAIL_DTYPE.names == (
     "flags", "timestamp", "num_waiting_uncached_tokens", "num_prealloc_ready_tokens", "max_running_requests",
     "token_usage", "gen_throughput", "cache_hit_rate", "utilization", "total_prefill_uncached_tokens",
     "total_prefill_busy_us", "decode_moments_count", "decode_moments",
-    *(f"{name}_{field}" for name, section in DETAIL_SECTIONS.items() for field in section._fields),
+    *(f"{name}_{field}" for name, section in ALL_SECTIONS.items() for field in section._fields),
 )
 
 _F_MOMENTS = DETAIL_FLAG["decode_moments"]
@@ -96,6 +97,8 @@ _NO_MOMENTS = (0.0,) * MAX_DECODE_MOMENTS
 _ZERO_SECTION = {name: (0,) * len(section._fields) for name, section in DETAIL_SECTIONS.items()}
 _ZERO_SECTION["disaggregation"] = (b"", *_ZERO_SECTION["disaggregation"][1:])
 _MODE_BYTES = DETAIL_DTYPE["disaggregation_mode"].itemsize
+_F_LOCKSTEP = DETAIL_FLAG["lockstep"]
+_NO_LOCKSTEP = (0,) * len(ALL_SECTIONS["lockstep"]._fields)
 
 
 @functools.cache
@@ -113,9 +116,15 @@ def dispatch_fields(snap: Any, num_received_reqs: int) -> tuple[int, ...]:
             int(num_received_reqs), 0, 0, 0, 0, 0)
 
 
-def pack(snap: Any, out: bytearray | memoryview) -> None:
-    """SGLang's snapshot's detail into ``out`` (DETAIL_SIZE bytes), as ``BoardWriter.publish`` takes it."""
+def pack(snap: Any, out: bytearray | memoryview, lockstep: tuple[int, int] | None = None) -> None:
+    """SGLang's snapshot's detail into ``out`` (DETAIL_SIZE bytes), as ``BoardWriter.publish`` takes it;
+    ``lockstep`` (group size, chunk tokens) is dpboard's own section, what SGLang's snapshot lacks."""
     flags = DETAIL_PRESENT
+    if lockstep is None:
+        own = _NO_LOCKSTEP
+    else:
+        own = lockstep
+        flags |= _F_LOCKSTEP
     moments = snap.decode_moments
     if moments is None:
         count, values = 0, _NO_MOMENTS
@@ -145,7 +154,7 @@ def pack(snap: Any, out: bytearray | memoryview) -> None:
         int(snap.num_prealloc_ready_tokens), int(snap.max_running_requests), float(snap.token_usage),
         float(snap.gen_throughput), float(snap.cache_hit_rate), float(snap.utilization),
         int(snap.total_prefill_uncached_tokens), int(snap.total_prefill_busy_us), count, *values,
-        *memory, *speculative, *lora, *disaggregation, *queues,
+        *memory, *speculative, *lora, *disaggregation, *queues, *own,
     )
 
 

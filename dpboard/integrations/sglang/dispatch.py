@@ -113,13 +113,14 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     if num_workers > board.n_slots:
         reader = _PaddedReader(reader, num_workers)
     mode = module.get_disagg().disaggregation_mode
-    method = resolve_load_balance_method(settings.method, mode)
+    lockstep = _dp_attention(module)  # DPBOARD_METHOD=auto under --enable-dp-attention: inflight_lockstep
+    method = resolve_load_balance_method(settings.method, mode, lockstep=lockstep)
     tally = open_tally(board.name, 1, 0, num_workers, method=method.value, mode=mode,
                        refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=logger)
     if tally is not None:
         reader = TickingReader(reader, tally)  # the record is published from the refreshes
     dispatcher = Dispatcher(settings.method, num_workers, reader=reader, active=controller._active_workers,
-                            disaggregation_mode=mode)
+                            disaggregation_mode=mode, lockstep=lockstep)
     if tally is not None and dispatcher.budget is not None:
         tally.source = dispatcher.budget.sent_reqs.copy  # the budget's own count of each rank's requests
     setattr(controller, STATE, dispatcher)
@@ -128,6 +129,14 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.method, board.name,
                 num_workers)
     return None
+
+
+def _dp_attention(module: Any) -> bool:
+    """Whether this server runs DP attention (its ranks step in lockstep)."""
+    try:
+        return bool(module.get_parallel().attn_dp_enabled)
+    except Exception:  # an SGLang without the flag: as without DP attention
+        return False
 
 
 def dispatch_request(original: Any, controller: Any, req: Any) -> None:

@@ -129,6 +129,7 @@ class BoardLoadWriter:
         self.num_received_reqs = 0
         self._writer = board.writer(dp_rank)
         self._detail = bytearray(convert.DETAIL_STRUCT.size)
+        self.lockstep = lockstep_section(dp_size)  # what inflight_lockstep reads of this rank
         self._relay: Relay | None = None
         if relay_to is not None:
             self._relay = Relay(board, relay_to, board.node_id, ranks=[dp_rank])
@@ -139,7 +140,7 @@ class BoardLoadWriter:
         if snapshot.dp_rank != self.dp_rank:
             raise ValueError(
                 f"snapshot dp_rank={snapshot.dp_rank} does not match writer dp_rank={self.dp_rank}")
-        convert.pack(snapshot, self._detail)
+        convert.pack(snapshot, self._detail, self.lockstep)
         self._writer.publish(convert.dispatch_fields(snapshot, self.num_received_reqs), self._detail)
         if self._relay is not None:
             self._relay.tick()  # non-blocking: a full pipe drops the frame, the next write resends
@@ -151,6 +152,25 @@ class BoardLoadWriter:
 
     def __repr__(self) -> str:
         return f"BoardLoadWriter(board={self.board_name!r}, dp_rank={self.dp_rank}, dp_size={self.dp_size})"
+
+
+def lockstep_section(dp_size: int) -> tuple[int, int] | None:
+    """(group size, chunk tokens) of a rank of this server under DP attention, else None: with
+    ``--enable-dp-attention`` every DP rank runs each forward with the others, and each prefills at
+    most its ``--chunked-prefill-size`` after SGLang's division by the DP size (the value SGLang's
+    own scheduler reads, ``get_schedule().chunked_prefill_size``; 0 when it cannot be read)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_schedule
+
+        if not get_parallel().attn_dp_enabled:
+            return None
+    except Exception:  # an SGLang whose context this plugin does not know: no section, nothing breaks
+        return None
+    try:
+        chunk = int(get_schedule().chunked_prefill_size or 0)
+    except Exception:
+        chunk = 0
+    return dp_size, max(chunk, 0)
 
 
 # -- the reader -------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ import numpy as np
 from dpboard.board import Board, BoardReader
 from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.board.sent import SentRecord, SentWriter
-from dpboard.controller import Dispatcher, LoadBalanceMethod
+from dpboard.controller import Dispatcher, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
 from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
 from dpboard.integrations.vllm import versions
@@ -136,7 +136,8 @@ class ClientDispatch:
     """What one DPLBAsyncMPClient decides with: the dispatcher, and this server's sent row."""
 
     def __init__(self, method: Any, board: Board, sent: SentRecord, row: SentWriter, ranks: Sequence[int],
-                 stale_after: float = DEFAULT_STALE_AFTER, tally: DispatchTally | None = None) -> None:
+                 stale_after: float = DEFAULT_STALE_AFTER, tally: DispatchTally | None = None,
+                 lockstep: int | None = None) -> None:
         self.board = board
         self.sent = sent
         self.row = row
@@ -148,7 +149,10 @@ class ClientDispatch:
         self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks, row)
         self.tally = tally  # this server's row of the dispatch record (dpboard doctor), published per refresh
         reader = self.reader if tally is None else TickingReader(self.reader, tally)
-        self.dispatcher = Dispatcher(method, len(self.ranks), reader=reader, inflight_accounting=False)
+        # a MoE model's engines step together (DPEngineCoreProc): auto picks inflight_lockstep, whose
+        # chunk is the engines' step budget (the reader carries no detail)
+        self.dispatcher = Dispatcher(method, len(self.ranks), reader=reader, inflight_accounting=False,
+                                     lockstep=lockstep is not None, lockstep_chunk=lockstep)
         self.request = _Request()
         self.warned = False
         self.faults = 0  # exceptions in dpboard's pick or accounting (each request placed by vLLM's pick)
@@ -258,6 +262,13 @@ def opened_dispatch(client: Any) -> ClientDispatch | None:
     if state is not None:
         atexit.register(state.close)  # an API server that exits without vLLM's shutdown
     return state
+def moe_step_budget(config: Any) -> int | None:
+    """A MoE model under data parallelism (its engines step in lockstep): the engines' step budget
+    in tokens (``max_num_batched_tokens``); None for a dense model or one engine."""
+    if int(config.parallel_config.data_parallel_size) <= 1 or not getattr(config.model_config, "is_moe", False):
+        return None
+    budget = getattr(config.scheduler_config, "max_num_batched_tokens", None)
+    return budget if isinstance(budget, int) and budget > 0 else 8192
 
 
 def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> ClientDispatch | None:
@@ -269,6 +280,8 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
         raise InvalidInputError(f"{ENV_METHOD}=follow_bootstrap_room follows SGLang's PD bootstrap rooms, which vLLM's "
                                 f"requests do not carry: pick another method (docs/INTEGRATIONS.md, vLLM)")
     config = client.vllm_config
+    step_budget = moe_step_budget(config)
+    method = resolve_load_balance_method(method, lockstep=step_budget is not None)  # auto for MoE DP: inflight_lockstep
     name = board_name(environ, getattr(config.model_config, "served_model_name", None))
     if name is None:
         raise InvalidInputError(f"{ENV_METHOD}={method.value} dispatches from a board: name it with "
@@ -285,7 +298,7 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
                                refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=log)
             if tally is not None:  # the requests per engine: what this server's sent row counts
                 tally.source = lambda: [row.sent(s)[0] for s in range(n_slots)]
-            state = ClientDispatch(method, board, sent, row, ranks, stale, tally)
+            state = ClientDispatch(method, board, sent, row, ranks, stale, tally, lockstep=step_budget)
         except BaseException:
             sent.close()
             raise

@@ -27,6 +27,10 @@ from its own scheduler (vllm/v1/core/sched/scheduler.py, 0.33.0):
 - ``num_received_reqs``: ``ADD`` messages the engine core took in (``_handle_client_request``, and
   the ones its input thread answers itself with a preprocessing error), counted at intake: every
   request an API server sent that the engine has seen, whether it then runs, waits or is refused.
+- the detail's ``lockstep`` section, for a MoE model's engine under data parallelism (its engine
+  core keeps ``data_parallel_size`` > 1, and every engine runs each forward with the others, dummy
+  batches included: ``DPEngineCoreProc``): the DP size and the step's token budget
+  (``scheduler_config.max_num_batched_tokens``), what ``inflight_lockstep`` reads.
 
 An idle engine core blocks on its input queue and runs no step; a daemon thread republishes its last
 snapshot every ``HEARTBEAT_INTERVAL`` while that snapshot shows nothing running or waiting, so an
@@ -55,7 +59,7 @@ from dpboard.integrations.vllm import leaving as leaving_module
 from dpboard.integrations.vllm import settings, waiting
 from dpboard.integrations.vllm.settings import board_name, engine_slot, node_id
 from dpboard.integrations.vllm.versions import SUPPORTED, Support
-from dpboard.snapshot import LoadDetail, LoadSnapshot
+from dpboard.snapshot import LoadDetail, LoadSnapshot, LockstepDetail
 
 log = logging.getLogger("dpboard.vllm")
 
@@ -174,7 +178,7 @@ class EnginePublisher:
     """One engine core's slot: what the scheduler holds, published at every step and kept live."""
 
     def __init__(self, board: Board, writer: BoardWriter, *, capacity_tokens: int, max_running_requests: int,
-                 heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL, lockstep: LockstepDetail | None = None) -> None:
         self.board = board
         self.writer = writer
         self.rank = writer.rank
@@ -183,7 +187,8 @@ class EnginePublisher:
         self.received = 0
         self.lock = threading.Lock()  # the step and the heartbeat thread share the slot's one writer
         self.snapshot = LoadSnapshot(dp_rank=self.rank)
-        self.detail = LoadDetail(max_running_requests=self.max_running_requests)
+        self.lockstep = lockstep
+        self.detail = LoadDetail(max_running_requests=self.max_running_requests, lockstep=lockstep)
         self.published_at = time.monotonic()
         self._stop = threading.Event()
         self.heartbeat_interval = heartbeat_interval
@@ -205,7 +210,8 @@ class EnginePublisher:
             board.close()
             raise
         publisher = cls(board, writer, capacity_tokens=capacity_tokens(vllm_config, scheduler),
-                        max_running_requests=getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0)
+                        max_running_requests=getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0,
+                        lockstep=lockstep_section(vllm_config))
         publisher.publish_from(scheduler)
         publisher._thread.start()
         log.info("dpboard: engine core of DP rank %d publishes into board %r (%d slots)", rank, name, n_slots)
@@ -226,7 +232,7 @@ class EnginePublisher:
             )
             self.detail = LoadDetail(
                 timestamp=time.time(), num_waiting_uncached_tokens=queued,
-                max_running_requests=self.max_running_requests, token_usage=usage,
+                max_running_requests=self.max_running_requests, token_usage=usage, lockstep=self.lockstep,
             )
             self._publish()
 
@@ -264,6 +270,16 @@ class EnginePublisher:
         self.board.close()
         if leaving:
             leaving_module.remove_if_gone(name, leaving=True)
+
+
+def lockstep_section(vllm_config: Any) -> LockstepDetail | None:
+    """The engine's lockstep section: a MoE model's engine core under DP keeps ``data_parallel_size``
+    (a dense model's is reset to 1, settings.py ``engine_slot``) and steps with the others."""
+    size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    if size <= 1:
+        return None
+    budget = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0)
+    return LockstepDetail(group_size=size, chunk_tokens=budget if isinstance(budget, int) and budget > 0 else 0)
 
 
 def capacity_tokens(vllm_config: Any, scheduler: Any) -> int:

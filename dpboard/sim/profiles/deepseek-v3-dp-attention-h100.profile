@@ -34,6 +34,18 @@
 # eager_decode_ms: no published figure. SGLang runs a decode without its CUDA graph when any rank
 #   extends (can_run_decode_cuda_graph is the min over ranks); 61 layers x ~20 kernels launched at
 #   ~10 us each is ~12 ms: an estimate, not a measurement.
+# deepep_normal_ms: no published figure. SGLang's DeepEP auto mode runs every rank's MoE all-to-all
+#   in normal mode in a step where any rank extends (DeepEPMode.resolve in
+#   sglang/srt/layers/moe/utils.py), in low-latency mode otherwise. Normal mode's dispatch waits on
+#   the host for the count of tokens each rank receives and exchanges the counts first (DeepEP's
+#   docs: "the CPU will wait for GPU's signal to arrive"), which low-latency mode does not: 58 MoE
+#   layers x ~100 us is ~6 ms per such step: an estimate, not a measurement. The blog's prefill
+#   figures (normal mode throughout) carry its bandwidth part already.
+# server_chunked_prefill_size: SGLang's --chunked-prefill-size default on an 80 GB H100 (8,192,
+#   _handle_gpu_memory_settings in sglang/srt/arg_groups/memory_hook.py). Under colocated DP
+#   attention SGLang divides it by the attention-DP size (parallel_hook.py): 512 per rank on 16
+#   ranks. chunked_prefill_size (16,384 per rank) is the blog's PD prefill setting, kept for
+#   independent ranks and PD pools.
 # slo_tpot_ms: the blog's ITL of "about 100 ms" at its decode operating point; slo_ttft_ms: the top
 #   of the 2-5 s TTFT it lists among its limitations. A request meets both when it is served at
 #   least as well as the blog's deployment served it.
@@ -56,6 +68,8 @@ dp_attention = 1
 moe_prefill_token_us = 74
 moe_decode_token_us = 56
 eager_decode_ms = 12
+deepep_normal_ms = 6
+server_chunked_prefill_size = 8192
 slo_ttft_ms = 5000
 slo_tpot_ms = 100
 kv_bytes_per_token = 70272

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 io = sys.modules["sglang.srt.managers.io_struct"]
 LAUNCH = "sglang.srt.managers.data_parallel_controller.DataParallelController.launch_dp_schedulers"
+LAUNCH_DPA = "sglang.srt.managers.data_parallel_controller.DataParallelController.launch_dp_attention_schedulers"
 
 
 def bind_workers(self, server_args, port_args):
@@ -40,8 +41,9 @@ def launch_without_processes(loaded_plugins):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(LAUNCH, bind_workers, HookType.REPLACE)
+    HookRegistry.register(LAUNCH_DPA, bind_workers, HookType.REPLACE)  # under --enable-dp-attention
     HookRegistry.apply_hooks()
-    assert LAUNCH in HookRegistry._patched
+    assert LAUNCH in HookRegistry._patched and LAUNCH_DPA in HookRegistry._patched
 
 
 @dataclass
@@ -78,8 +80,8 @@ def req(rid: str, tokens: int = 10, routed: int | None = None):
                                         bootstrap_room=None, time_stats=None)
 
 
-def make_cluster(instance, tmp_path, method: str = "total_tokens") -> Cluster:
-    sgl.set_context(dp_size=3, load_balance_method=method, role="dp_controller")
+def make_cluster(instance, tmp_path, method: str = "total_tokens", **context) -> Cluster:
+    sgl.set_context(dp_size=3, load_balance_method=method, role="dp_controller", **context)
     args = instance.port_args
     args.scheduler_input_ipc_name = f"ipc://{tmp_path}/input"
     args.worker_endpoints = [f"ipc://{tmp_path}/worker{r}" for r in range(3)]
@@ -274,5 +276,41 @@ def test_an_exception_in_dpboards_pick_is_answered_by_sglangs_own_dispatch(insta
         said = [r for r in caplog.records if "injected" in r.getMessage()]
         assert ["#1" in said[0].getMessage(), "#10" in said[1].getMessage()] == [True, True] and len(said) == 2
         assert said[0].exc_info is not None and said[1].exc_info is None
+    finally:
+        close(cluster)
+
+
+def test_auto_under_dp_attention_dispatches_with_inflight_lockstep(instance, tmp_path, monkeypatch):
+    # SGLang divided --chunked-prefill-size 8192 by the 3 DP ranks: each rank's writer publishes that
+    monkeypatch.setenv("DPBOARD_METHOD", "auto")
+    cluster = make_cluster(instance, tmp_path, attn_dp_enabled=True, chunked_prefill_size=2730)
+    try:
+        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch
+        assert dispatcher.method.value == "inflight_lockstep"
+        import msgspec
+
+        # rank 0 runs 30 decodes, rank 1 one, rank 2 ten; nothing is queued anywhere
+        for rank, running in {0: 30, 1: 1, 2: 10}.items():
+            snap = msgspec.structs.replace(sgl.full_snapshot(rank, 1), num_running_reqs=running, num_waiting_reqs=0,
+                                           num_waiting_uncached_tokens=0, num_total_tokens=1000, num_used_tokens=1000,
+                                           max_total_num_tokens=100_000)
+            # colocated: no rank serves one side of PD (full_snapshot varies the mode by rank)
+            snap = msgspec.structs.replace(snap, disaggregation=msgspec.structs.replace(snap.disaggregation,
+                                                                                        mode="null"))
+            cluster.writers[rank].write(snap)
+        for i in range(3):
+            cluster.send(req(f"r{i}", 100))
+        # three 100-token prompts share one chunk on rank 1, where a prefill stalls one decode
+        assert cluster.received(3) == {1: ["r0", "r1", "r2"]}
+        assert dispatcher.budget.chunk.tolist() == [2730, 2730, 2730]
+    finally:
+        close(cluster)
+
+
+def test_auto_without_dp_attention_keeps_round_robin(instance, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPBOARD_METHOD", "auto")
+    cluster = make_cluster(instance, tmp_path)
+    try:
+        assert cluster.controller._dpboard_dispatch.method.value == "round_robin"
     finally:
         close(cluster)

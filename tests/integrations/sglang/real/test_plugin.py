@@ -12,6 +12,7 @@ import pytest
 
 import dpboard
 from dpboard.board import list_boards, segment_path
+from dpboard.integrations.sglang import transport
 from dpboard.integrations.sglang.transport import BoardLoadReader, BoardLoadWriter, board_name_for
 from dpboard.snapshot import SlotStatus
 from tests.integrations.sglang.real.conftest import dpc, drop_boards, ls
@@ -329,3 +330,22 @@ def test_a_malformed_moments_count_reads_alike_in_the_plugin_and_in_serve(instan
         proc.wait(10)
     assert doc["loads"][0]["decode_moments"] is None
     writer.close()
+
+
+def test_a_rank_under_dp_attention_publishes_its_lockstep_section(instance):
+    from dpboard.snapshot import LockstepDetail
+
+    sgl.set_context(dp_size=3, attn_dp_enabled=True, chunked_prefill_size=2730)
+    writer = ls.create_load_snapshot_writer(instance.port_args, 3, 1)
+    writer.write(sgl.full_snapshot(1, 1))
+    board = transport._boards[instance.board]
+    _, _, detail = board.reader().read_detail(1)
+    assert detail.lockstep == LockstepDetail(group_size=3, chunk_tokens=2730)
+    # SGLang reads its snapshot back unchanged: the section is dpboard's own
+    reader = ls.create_load_snapshot_reader(instance.port_args, caller="TokenizerManager")
+    assert reader.read(1).to_dict(include={"all"}) == sgl.full_snapshot(1, 1).to_dict(include={"all"})
+    # without DP attention: no section
+    sgl.set_context(dp_size=3)
+    plain = ls.create_load_snapshot_writer(instance.port_args, 3, 2)
+    plain.write(sgl.full_snapshot(2, 1))
+    assert board.reader().read_detail(2)[2].lockstep is None

@@ -1,0 +1,329 @@
+"""The DP-attention cells of docs/DISPATCH.md ("DP attention: the second pass, measured"): run them,
+one cell per JSON file, then tabulate them.
+
+    python tools/lockstep_sweep.py run --out out/lockstep            # every cell not yet in --out
+    python tools/lockstep_sweep.py run --out out/lockstep --only azure-16-0.9
+    python tools/lockstep_sweep.py table --out out/lockstep           # the markdown tables
+
+A cell is a trace (the first 1,200 s of the Azure conversation and Mooncake conversation files, or
+the ``bursty`` and ``longshort`` scenarios), a rank count (8, 16, 32) and a load (0.5, 0.75, 0.9 of
+the lockstep group's capacity), on ``deepseek-v3-dp-attention-h100`` with SGLang's chunk rule, each
+method with and without SGLang's prefill delayer. Seeds 0-2 where the seed changes the run: every
+method on Mooncake (the bucket spread) and on the scenarios (the draw), only the seeded routers
+(vLLM's, Dynamo's) on Azure. The sensitivity cells rerun the 16-rank cells at 0.5 and 0.9 with one
+profile term changed (the extend floor halved, the eager term 0; DeepEP's term 0 and doubled and a
+new_token_ratio of 0.21 on the 16-rank trace-file cells at 0.9), seed 0, the rows the verdict
+compares. The PD cells run the whole files, 8 prefill : 16 decode ranks.
+
+Each cell is one JSON file written when it is done, so an interrupted sweep resumes where it
+stopped; runs go one after another in this process (``nice`` it on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dpboard.sim.pd import make_simulation  # noqa: E402
+from dpboard.sim.profile import Profile, load_profile  # noqa: E402
+from dpboard.sim.report import summarize  # noqa: E402
+from dpboard.sim.simulation import SimConfig  # noqa: E402
+from dpboard.sim.trace import scenario_trace  # noqa: E402
+from dpboard.sim.tracefile import read_trace_file, shape_trace  # noqa: E402
+
+PROFILE = "deepseek-v3-dp-attention-h100"
+TRACES = {"azure": "traces/azure2023_conv.csv", "mooncake": "traces/mooncake_conversation.jsonl"}
+SCENARIOS = ("bursty", "longshort")
+WINDOW = (0.0, 1200.0)
+LOADS = (0.5, 0.75, 0.9)
+RANKS = (8, 16, 32)
+SEEDS = (0, 1, 2)
+LOCKSTEP = "inflight_lockstep:cadence=step"
+METHODS = (
+    "round_robin",
+    "total_requests:cadence=sglang",
+    "total_tokens:cadence=sglang",
+    "vllm",
+    "cache_aware",
+    "dynamo_kv",
+    "inflight_ttft:cadence=step",
+    "inflight_cache:cadence=step",  # Mooncake only: elsewhere the same picks as inflight_backlog
+    LOCKSTEP,
+)
+SEEDED = ("vllm", "dynamo_kv")  # routers whose ties or servers are drawn from the seed
+SENSITIVITY = {
+    "floor-halved": lambda p: dataclasses.replace(p, rank=dataclasses.replace(p.rank, prefill_base_s=p.rank.prefill_base_s / 2)),
+    "eager-0": lambda p: dataclasses.replace(p, lockstep=dataclasses.replace(p.lockstep, eager_decode_s=0.0)),
+    "deepep-0": lambda p: dataclasses.replace(p, lockstep=dataclasses.replace(p.lockstep, extend_dispatch_s=0.0)),
+    "deepep-2x": lambda p: dataclasses.replace(
+        p, lockstep=dataclasses.replace(p.lockstep, extend_dispatch_s=2 * p.lockstep.extend_dispatch_s)),
+    "ratio-0.21": lambda p: dataclasses.replace(p, rank=dataclasses.replace(p.rank, new_token_ratio=0.21)),
+}
+MAIN_SENSITIVITY = ("floor-halved", "eager-0")
+PD_METHODS = (
+    "follow_bootstrap_room/round_robin",
+    "total_tokens:cadence=sglang",
+    "dynamo_kv",
+    "inflight_cache:cadence=step",
+    "inflight_lockstep:cadence=step",
+    "inflight_cache:cadence=step/inflight_lockstep:cadence=step",
+)
+# a sensitivity cell asks whether the order of the rows that matter changes: seed 0, those rows
+SENSITIVITY_METHODS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang", "cache_aware",
+                       "dynamo_kv", "inflight_ttft:cadence=step", "inflight_cache:cadence=step", LOCKSTEP)
+
+
+def cells() -> list[dict[str, Any]]:
+    out = []
+    for trace in (*TRACES, *SCENARIOS):
+        for ranks in RANKS:
+            for load in LOADS:
+                out.append({"name": f"{trace}-{ranks}-{load:g}", "trace": trace, "ranks": ranks, "load": load})
+    for variant in SENSITIVITY:
+        # the two unpublished terms the verdict rests on, everywhere at 16 ranks; the others on one
+        # cell of each trace file
+        traces, loads = ((*TRACES, *SCENARIOS), (0.5, 0.9)) if variant in MAIN_SENSITIVITY else (TRACES, (0.9,))
+        for trace in traces:
+            for load in loads:
+                out.append({"name": f"{variant}-{trace}-16-{load:g}", "trace": trace, "ranks": 16, "load": load,
+                            "variant": variant})
+    for trace in TRACES:
+        out.append({"name": f"pd-{trace}-0.9", "trace": trace, "ranks": 24, "load": 0.9, "pd": (8, 16)})
+    return out
+
+
+def _profile(cell: dict[str, Any]) -> Profile:
+    profile = load_profile(PROFILE)
+    variant = cell.get("variant")
+    return SENSITIVITY[variant](profile) if variant else profile
+
+
+def _trace(cell: dict[str, Any], seed: int, config: SimConfig, trace_files: dict[str, Any]):
+    pd = cell.get("pd")
+    if cell["trace"] in TRACES:
+        name = cell["trace"]
+        if name not in trace_files:
+            trace_files[name] = read_trace_file(ROOT / TRACES[name])
+        return shape_trace(trace_files[name], n_ranks=config.n_ranks, seed=seed, rank=config.rank,
+                           window=(None, None) if pd else WINDOW, load=cell["load"], pd=pd,
+                           lockstep=None if pd else config.lockstep)
+    return scenario_trace(cell["trace"], config.n_ranks, seed, load=cell["load"], rank=config.rank,
+                          lockstep=config.lockstep, pd=pd)
+
+
+def _methods(cell: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(method, seeds) of a cell: all seeds where the seed changes that run, else seed 0."""
+    if cell.get("pd"):
+        methods = PD_METHODS
+    else:
+        methods = SENSITIVITY_METHODS if cell.get("variant") else METHODS
+        methods = [m for m in methods if cell["trace"] == "mooncake" or not m.startswith("inflight_cache")]
+    if cell.get("variant"):
+        return [(m, (0,)) for m in methods]
+    every = cell["trace"] != "azure"
+    return [(m, SEEDS if every or m.split(":")[0] in SEEDED else (0,)) for m in methods]
+
+
+def run_cell(cell: dict[str, Any], trace_files: dict[str, Any]) -> dict[str, Any]:
+    profile = _profile(cell)
+    pd = profile.pd(*cell["pd"]) if cell.get("pd") else None
+    rank, _ = profile.run_rank(cell["ranks"], dp_attention=True, pd=pd is not None, chunk_given=False)
+    base = SimConfig(n_ranks=cell["ranks"], rank=rank, lockstep=profile.lockstep, pd=pd,
+                     slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s)
+    delayers = (False,) if pd is not None else (False, True)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    info: dict[str, Any] = {}
+    wall0 = time.perf_counter()
+    for seed in SEEDS:
+        trace = None
+        for method, seeds in _methods(cell):
+            if seed not in seeds:
+                continue
+            if trace is None:
+                trace = _trace(cell, seed, base, trace_files)
+                info[str(seed)] = {k: v for k, v in trace.info.items() if isinstance(v, (int, float, str))}
+            for delayer in delayers:
+                config = dataclasses.replace(base, prefill_delayer=delayer)
+                label = method + (" +delayer" if delayer else "")
+                summary = summarize(make_simulation(trace, method, config).run())
+                summary["seed"] = seed
+                runs.setdefault(label, []).append(summary)
+    return {"cell": cell, "chunk": rank.chunked_prefill_size, "trace_info": info, "runs": runs,
+            "wall_s": time.perf_counter() - wall0}
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [c for c in cells() if (not args.only or c["name"] in args.only.split(","))]
+    trace_files: dict[str, Any] = {}
+    for cell in todo:
+        path = out / f"{cell['name']}.json"
+        if path.exists() and not args.only:
+            continue
+        t0 = time.perf_counter()
+        doc = run_cell(cell, trace_files)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(path)
+        print(f"{cell['name']}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+# -- tables -------------------------------------------------------------------------------------------
+
+COLUMNS = (
+    ("goodput req/s", "goodput_rps", "{:.3f}"),
+    ("p99 TTFT ms", "ttft_p99_ms", "{:.0f}"),
+    ("p50 TTFT ms", "ttft_p50_ms", "{:.0f}"),
+    ("p99 TPOT ms", "tpot_p99_ms", "{:.0f}"),
+    ("p50 TPOT ms", "tpot_p50_ms", "{:.0f}"),
+    ("idle rank-steps", "idle_rank_step_share", "{:.1%}"),
+    ("extend steps", "extend_step_share", "{:.1%}"),
+)
+# the rows the bar compares the lockstep method with: SGLang's methods and the peers, without and
+# with the prefill delayer (docs/DISPATCH.md, "The bar")
+SEED_AND_PEERS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang", "vllm",
+                  "cache_aware", "dynamo_kv")
+SHORT = {"total_requests:cadence=sglang": "total_requests", "total_tokens:cadence=sglang": "total_tokens",
+         "inflight_ttft:cadence=step": "inflight_ttft", "inflight_cache:cadence=step": "inflight_cache",
+         "inflight_lockstep:cadence=step": "inflight_lockstep"}
+
+
+def _short(label: str) -> str:
+    for long, short in SHORT.items():
+        label = label.replace(long, short)
+    return label
+
+
+def _means(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {label: {key: float(np.mean([r[key] for r in runs])) for _, key, _ in COLUMNS}
+            for label, runs in doc["runs"].items()}
+
+
+def _cell_table(doc: dict[str, Any]) -> str:
+    means = _means(doc)
+    best_g = max(v["goodput_rps"] for v in means.values())
+    best_t = min(v["ttft_p99_ms"] for v in means.values())
+    lines = ["| method | " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
+    for label, runs in doc["runs"].items():
+        cells = []
+        for _, key, fmt in COLUMNS:
+            values = np.array([r[key] for r in runs])
+            text = fmt.format(values.mean())
+            if values.min() != values.max():
+                text += f" [{fmt.format(values.min())}–{fmt.format(values.max())}]"
+            if (key == "goodput_rps" and values.mean() == best_g) or (key == "ttft_p99_ms" and values.mean() == best_t):
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append(f"| {_short(label)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+SGLANG_METHODS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang")
+
+
+def verdict(doc: dict[str, Any], ours: str = LOCKSTEP) -> dict[str, Any]:
+    """The lockstep method's goodput and p99 TTFT, without and with the delayer, against: the best
+    seed method or peer without the delayer, the best of SGLang's own methods with it, the best seed
+    method or peer with or without it (goodput); the best of every other row (p99 TTFT)."""
+    means = _means(doc)
+
+    def best(rows: dict[str, dict[str, float]], key: str, high: bool) -> tuple[str, float]:
+        if not rows:
+            return "", float("nan")
+        label = (max if high else min)(rows, key=lambda k: rows[k][key])
+        return _short(label), rows[label][key]
+
+    plain = {k: v for k, v in means.items() if k in SEED_AND_PEERS}
+    sglang_delayed = {k: v for k, v in means.items() if k.endswith(" +delayer") and k.split(" ")[0] in SGLANG_METHODS}
+    anyone = {k: v for k, v in means.items() if k.split(" ")[0] in SEED_AND_PEERS}
+    every = {k: v for k, v in means.items() if not k.startswith(ours)}
+    refs = {"plain": best(plain, "goodput_rps", True), "sglang_delayed": best(sglang_delayed, "goodput_rps", True),
+            "any": best(anyone, "goodput_rps", True), "ttft": best(every, "ttft_p99_ms", False)}
+    out: dict[str, Any] = {"refs": refs}
+    for variant in (ours, ours + " +delayer"):
+        if variant in means:
+            mine = means[variant]
+            out[variant] = {name: (mine["ttft_p99_ms"] if name == "ttft" else mine["goodput_rps"]) / value
+                            if value and value == value else float("nan") for name, (_, value) in refs.items()}
+    return out
+
+
+def _cell_heading(name: str, doc: dict[str, Any]) -> str:
+    cell = doc["cell"]
+    info = doc["trace_info"].get("0", {})
+    trace = {"azure": "Azure conversation", "mooncake": "Mooncake conversation"}.get(cell["trace"], f"`{cell['trace']}`")
+    variant = f", {cell['variant']}" if cell.get("variant") else ""
+    if cell.get("pd"):
+        return f"**PD {cell['pd'][0]}:{cell['pd'][1]}, {trace}, load {cell['load']:g}** (the whole file)"
+    independent = info.get("independent_load")
+    also = f", {independent:.2f} of an independent rank's" if isinstance(independent, float) else ""
+    return (f"**{trace}, {cell['ranks']} ranks, load {cell['load']:g}{variant}** (chunk {doc['chunk']}{also}; "
+            f"{doc['wall_s']:.0f} s of CPU)")
+
+
+def table(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    docs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    order = [c["name"] for c in cells() if c["name"] in docs]
+    if args.cells:
+        for name in order:
+            doc = docs[name]
+            fold = args.fold and (doc["cell"]["ranks"] != 16 or doc["cell"].get("variant"))
+            if fold:
+                print(f"\n<details><summary>{_cell_heading(name, doc).replace('**', '')}</summary>\n")
+            else:
+                print(f"\n{_cell_heading(name, doc)}:\n")
+            print(_cell_table(doc))
+            if fold:
+                print("\n</details>")
+    print("\n| cell | goodput / best seed or peer | / best SGLang + delayer | / best of both | p99 TTFT / best row "
+          "| with the delayer: goodput / best of both | p99 TTFT / best row | best goodput (seed or peer, either) "
+          "| best p99 TTFT |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+
+    def mark(x: float, bound: float, higher: bool) -> str:
+        ok = x >= bound if higher else x <= bound
+        return f"{x:.2f}" if ok else f"**{x:.2f}**"
+
+    for name in order:
+        v = verdict(docs[name])
+        if LOCKSTEP not in v:
+            continue
+        off, on, refs = v[LOCKSTEP], v.get(LOCKSTEP + " +delayer"), v["refs"]
+        row = [name, mark(off["plain"], 0.99, True),
+               mark(off["sglang_delayed"], 0.99, True) if refs["sglang_delayed"][0] else "—",
+               mark(off["any"], 0.99, True), mark(off["ttft"], 1.05, False)]
+        row += [mark(on["any"], 0.99, True), mark(on["ttft"], 1.05, False)] if on else ["—", "—"]
+        row += [refs["any"][0], refs["ttft"][0]]
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the cells not yet in --out (default out/lockstep)")
+    r.add_argument("--out", default="out/lockstep")
+    r.add_argument("--only", help="comma-separated cell names (rerun even when present)")
+    t = sub.add_parser("table", help="the verdict table (and with --cells every cell's table)")
+    t.add_argument("--out", default="out/lockstep")
+    t.add_argument("--cells", action="store_true")
+    t.add_argument("--fold", action="store_true", help="with --cells: the cells other than 16 ranks in <details>")
+    args = p.parse_args(argv)
+    return run(args) if args.command == "run" else table(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
