@@ -88,48 +88,80 @@ class GlobalInflightReader:
         self._row = row  # where this server shares its base with servers that start later
         self._ranks = np.asarray(ranks, np.intp)
         n = len(self._ranks)
+        # the client manages every slot, in order (one API server over all engines): read straight in
+        self._whole_board = n == reader.n_slots and bool((self._ranks == np.arange(n)).all())
         self._board = np.zeros(reader.n_slots, SNAPSHOT_DTYPE)
         self._totals = np.zeros((sent.slots, 2), np.int64)
         self._records = np.zeros(n, SNAPSHOT_DTYPE)
+        self._fields = _fields(self._records)
         self._base = np.zeros(n, np.int64)  # sent, never to be received (before an engine restart), less
         # what engines received from rows that no longer count
         self._last_received = np.zeros(n, np.int64)
         self._peer = np.zeros(sent.slots, np.int64)
         self._first = True
+        self._shared = False  # the base shared with later servers at least once (again at each change)
+        # the refresh's own arrays, so that a read allocates nothing: the engines' sent counts, scratch
+        self._sent_rows = np.zeros((n, 2), np.int64)
+        self._sent_reqs, self._sent_tokens = self._sent_rows[:, 0], self._sent_rows[:, 1]
+        self._diff = np.zeros(n, np.int64)
+        self._flags = np.zeros(n, bool)
+        self._mean = np.zeros(n)
+        self._queued = np.zeros(n)
+        self._queued_tokens = np.zeros(n, np.int64)
         self.in_flight = np.zeros(n, np.int64)
         self.any_live = False  # at the last read: whether any of the engines' slots was LIVE
 
     def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
-        out = self._records if out is None else out
-        self._reader.read_array(self._board)
-        self._sent.totals(self._totals)
-        n = len(self._ranks)
-        recs = out[:n]
-        recs[:] = self._board[self._ranks]
-        self.any_live = bool((recs["status"] == _LIVE).any())
-        sent = self._totals[self._ranks]
-        received = recs["num_received_reqs"]
+        if out is None:
+            out, recs, fields = self._records, self._records, self._fields
+        else:
+            recs = out[: len(self._ranks)]
+            fields = _fields(recs)
+        status, received, waiting_reqs, total_tokens, publish_seq = fields
+        if self._whole_board:
+            self._reader.read_array(recs)
+        else:
+            self._reader.read_array(self._board)
+            np.take(self._board, self._ranks, out=recs)
+        np.take(self._sent.totals(self._totals), self._ranks, axis=0, out=self._sent_rows)
+        sent, tokens, base, diff, flags = self._sent_reqs, self._sent_tokens, self._base, self._diff, self._flags
+        self.any_live = bool(np.equal(status, _LIVE, out=flags).any())
+        changed = False
         if self._first:  # a server that starts beside running ones takes up what they have seen
             self._first = False
             if self._sent.peer_base(self._peer):
-                self._base[:] = self._peer[self._ranks]
-        restarted = received < self._last_received  # its counter began again at 0
-        if restarted.any():
-            self._base[restarted] = sent[restarted, 0] - received[restarted]
-        if not self._sent.torn:
+                base[:] = self._peer[self._ranks]
+                changed = True
+        if np.less(received, self._last_received, out=flags).any():  # its counter began again at 0
+            base[flags] = sent[flags] - received[flags]
+            changed = True
+        np.subtract(sent, received, out=diff)
+        if not self._sent.torn and np.less(diff, base, out=flags).any():
             # live rows sent fewer than the engine received: it received requests of rows that no
             # longer count (a dead API server's that arrived); they stay out (docs/INTEGRATIONS.md)
-            np.minimum(self._base, sent[:, 0] - received, out=self._base)
-        self._last_received[:] = received
-        if self._row is not None:
-            self._row.share(self._ranks, self._base)
-        np.maximum(sent[:, 0] - received - self._base, 0, out=self.in_flight)
-        mean = np.divide(sent[:, 1], sent[:, 0], out=np.zeros(n), where=sent[:, 0] > 0)
-        recs["num_waiting_reqs"] += self.in_flight
-        recs["num_total_tokens"] += (self.in_flight * mean).astype(np.int64)
+            np.minimum(base, diff, out=base)
+            changed = True
+        np.copyto(self._last_received, received)
+        if self._row is not None and (changed or not self._shared):
+            self._row.share(self._ranks, base)
+            self._shared = True
+        np.subtract(diff, base, out=diff)
+        np.maximum(diff, 0, out=self.in_flight)
+        self._mean.fill(0.0)
+        np.divide(tokens, sent, out=self._mean, where=np.greater(sent, 0, out=flags))
+        np.add(waiting_reqs, self.in_flight, out=waiting_reqs)
+        np.multiply(self.in_flight, self._mean, out=self._queued)
+        np.copyto(self._queued_tokens, self._queued, casting="unsafe")  # truncated, as astype(int64)
+        np.add(total_tokens, self._queued_tokens, out=total_tokens)
         # a send by any server changes the record, so the dispatcher takes it up at its next read
-        recs["publish_seq"] += sent[:, 0].astype(recs["publish_seq"].dtype)
+        np.add(publish_seq, sent, out=publish_seq)
         return out
+
+
+def _fields(recs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The columns of SNAPSHOT_DTYPE records that GlobalInflightReader reads or adds to (views)."""
+    return (recs["status"], recs["num_received_reqs"], recs["num_waiting_reqs"], recs["num_total_tokens"],
+            recs["publish_seq"])
 
 
 class ClientDispatch:

@@ -53,19 +53,25 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from dpboard.board import Board, BoardWriter
 from dpboard.errors import DpboardError
 from dpboard.integrations.vllm import leaving as leaving_module
 from dpboard.integrations.vllm import settings, waiting
 from dpboard.integrations.vllm.settings import board_name, engine_slot, node_id
 from dpboard.integrations.vllm.versions import SUPPORTED, Support
-from dpboard.snapshot import LoadDetail, LoadSnapshot, LockstepDetail
+from dpboard.snapshot import DETAIL_DTYPE, LoadDetail, LoadSnapshot, LockstepDetail, pack_detail
 
 log = logging.getLogger("dpboard.vllm")
 
 STATE = "_dpboard_engine"  # the engine core's attribute holding its EnginePublisher
 HEARTBEAT_INTERVAL = 0.25  # seconds; a quarter of the readers' default staleness threshold (1 s)
 _opening = threading.Lock()  # the engine thread and the input thread may both open the publisher
+_new_tuple = tuple.__new__  # a LoadSnapshot from its 13 values, without the keyword defaults' Python frame
+# the detail's words that publish_from rewrites (8-byte words, as DETAIL_DTYPE lays them out)
+_TIMESTAMP, _USAGE, _UNCACHED = (DETAIL_DTYPE.fields[f][1] // 8 for f in
+                                 ("timestamp", "token_usage", "num_waiting_uncached_tokens"))
 
 
 def patch(cls: type, add: Any, support: Support = SUPPORTED["0.33"]) -> None:
@@ -104,7 +110,9 @@ def patch(cls: type, add: Any, support: Support = SUPPORTED["0.33"]) -> None:
 
     def _process_input_queue(self: Any) -> None:
         # the busy loop's first call, before an idle engine blocks on its queue: the slot from the start
-        guarded(self, None)
+        # (later calls, one per loop, find the publisher opened, or left off, and do nothing more)
+        if STATE not in self.__dict__:
+            guarded(self, None)
         return original_wait(self)
 
     def shutdown(self: Any) -> None:
@@ -187,8 +195,12 @@ class EnginePublisher:
         self.received = 0
         self.lock = threading.Lock()  # the step and the heartbeat thread share the slot's one writer
         self.snapshot = LoadSnapshot(dp_rank=self.rank)
-        self.lockstep = lockstep
-        self.detail = LoadDetail(max_running_requests=self.max_running_requests, lockstep=lockstep)
+        # the detail as pack_detail packs it (the lockstep section fixed for the engine's life);
+        # publish_from rewrites its three changing words in place
+        self._detail = pack_detail(LoadDetail(max_running_requests=self.max_running_requests, lockstep=lockstep))
+        raw = memoryview(self._detail.view(np.uint8))
+        self._detail_floats, self._detail_ints = raw.cast("d"), raw.cast("q")
+        self._queued = waiting.QueuedTokens()
         self.published_at = time.monotonic()
         self._stop = threading.Event()
         self.heartbeat_interval = heartbeat_interval
@@ -218,22 +230,20 @@ class EnginePublisher:
         return publisher
 
     def publish_from(self, scheduler: Any) -> None:
-        """Read the scheduler and publish (the engine core's thread, after a step)."""
+        """Read the scheduler and publish (the engine core's thread, after a step). No detail is packed
+        per step: the publisher keeps one packed record and rewrites its three changing words."""
         running, waiting_reqs = scheduler.get_request_counts()
         usage = scheduler.kv_cache_manager.usage
         capacity = self.capacity_tokens
         used = round(usage * capacity)
-        queued = waiting.queued_tokens(scheduler)
+        queued = self._queued(scheduler)
+        words = self._detail_floats
         with self.lock:
-            self.snapshot = LoadSnapshot(
-                dp_rank=self.rank, num_running_reqs=running, num_waiting_reqs=waiting_reqs,
-                num_used_tokens=used, num_total_tokens=used + queued, num_active_tokens=used,
-                max_total_num_tokens=capacity, num_received_reqs=self.received,
-            )
-            self.detail = LoadDetail(
-                timestamp=time.time(), num_waiting_uncached_tokens=queued,
-                max_running_requests=self.max_running_requests, token_usage=usage, lockstep=self.lockstep,
-            )
+            self.snapshot = _new_tuple(LoadSnapshot, (self.rank, running, waiting_reqs, used, used + queued, used,
+                                                      capacity, self.received, 0, 0, 0, 0, 0))
+            words[_TIMESTAMP] = time.time()
+            words[_USAGE] = usage
+            self._detail_ints[_UNCACHED] = queued
             self._publish()
 
     def count_received(self) -> None:
@@ -241,7 +251,7 @@ class EnginePublisher:
             self.received += 1
 
     def _publish(self) -> None:
-        self.writer.publish_detailed(self.snapshot, self.detail)
+        self.writer.publish(self.snapshot, self._detail)
         self.published_at = time.monotonic()
 
     def _heartbeat(self) -> None:

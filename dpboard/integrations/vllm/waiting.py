@@ -128,6 +128,28 @@ def queued_tokens(scheduler: Any) -> int:
     return total
 
 
+class QueuedTokens:
+    """``queued_tokens`` of one scheduler at every step, its two queues looked up and counted once:
+    while the scheduler keeps the same two counted queue objects, a call is their two sums."""
+
+    __slots__ = ("_waiting", "_holding")
+    _NONE = object()  # no queues counted yet
+
+    def __init__(self) -> None:
+        self._waiting: Any = self._NONE
+        self._holding: Any = self._NONE
+
+    def __call__(self, scheduler: Any) -> int:
+        waiting = getattr(scheduler, "waiting", None)
+        holding = getattr(scheduler, "kv_holding_waiting", None)
+        if waiting is self._waiting and holding is self._holding:
+            return waiting.queued_tokens() + holding.queued_tokens()
+        total = queued_tokens(scheduler)  # counts each queue it can
+        if waiting is not None and holding is not None and count(waiting) is not None and count(holding) is not None:
+            self._waiting, self._holding = waiting, holding
+        return total
+
+
 def walk(scheduler: Any) -> int:
     """The same figure by a walk of every waiting request (what each step cost before ``count``)."""
     return sum(remaining(request) for name in ("waiting", "kv_holding_waiting")

@@ -9,8 +9,8 @@ import vllm.v1.engine.core as core
 from vllm.v1.engine.core import EngineShutdownState
 
 from dpboard.board import Board
-from dpboard.integrations.vllm import engine_core
-from dpboard.snapshot import SlotStatus
+from dpboard.integrations.vllm import engine_core, waiting
+from dpboard.snapshot import LoadDetail, LockstepDetail, SlotStatus
 from tests.support.procutil import wait_until
 from tests.support.vllm_engine import engine_request, real_engine, take_in
 
@@ -58,12 +58,22 @@ def test_each_step_publishes_the_scheduler_and_the_exact_received_count(board_na
         assert snap.num_used_tokens == round(usage * capacity) > 0
         assert snap.num_total_tokens == snap.num_used_tokens + 40  # plus the prompt still waiting for admission
         status, _, detail = reader.read_detail(2)
-        assert detail.num_waiting_uncached_tokens == 40
-        assert detail.token_usage == usage
+        # the detail is what pack_detail packs of these figures and the engine's lockstep section (3
+        # engines under DP, its step budget the chunk), nothing else set
+        section = LockstepDetail(group_size=3, chunk_tokens=engine.vllm_config.scheduler_config.max_num_batched_tokens)
+        assert engine_core.lockstep_section(engine.vllm_config) == section
+        assert detail == LoadDetail(timestamp=detail.timestamp, num_waiting_uncached_tokens=40, token_usage=usage,
+                                    max_running_requests=engine.vllm_config.scheduler_config.max_num_seqs,
+                                    lockstep=section)
+        assert abs(detail.timestamp - time.time()) < 60
+        stamped = detail.timestamp
         take_in(engine, engine_request("r3", 5, max_tokens=1))
         assert reader.read(2).num_received_reqs == 3  # taken in, published with the queue it joins
         engine._process_engine_step()
         assert reader.read(2).num_received_reqs == 4
+        _, _, detail = reader.read_detail(2)
+        assert detail.timestamp >= stamped and detail.token_usage == scheduler.kv_cache_manager.usage
+        assert detail.num_waiting_uncached_tokens == waiting.walk(scheduler)
         for _ in range(100):
             if not scheduler.has_requests():
                 break

@@ -132,6 +132,7 @@ def test_the_kept_waiting_figure_equals_a_walk_after_adds_preemptions_finishes_a
     scheduler = make_scheduler(config, kv_cache_config(25))
     engine = make_engine(config, scheduler)  # its request hasher, for prefix caching
     waiting.queued_tokens(scheduler)  # the queues counted from here on
+    kept = waiting.QueuedTokens()  # the publisher's: the two queues looked up once
     seen = {"preempted": 0, "aborted waiting": 0, "finished": 0}
     for n in range(600):
         op = rng.random()
@@ -150,8 +151,23 @@ def test_the_kept_waiting_figure_equals_a_walk_after_adds_preemptions_finishes_a
             outputs = step(scheduler)
             seen["preempted"] += sum(r.num_preemptions for r in scheduler.requests.values()) > before
             seen["finished"] += sum(o.finish_reason is not None for eco in outputs.values() for o in eco.outputs)
-        assert waiting.queued_tokens(scheduler) == waiting.walk(scheduler), (policy, n)
+        assert kept(scheduler) == waiting.queued_tokens(scheduler) == waiting.walk(scheduler), (policy, n)
     assert all(seen.values()), seen
+
+
+def test_the_publishers_figure_follows_a_queue_the_scheduler_replaces():
+    config = engine_config()
+    scheduler = make_scheduler(config, kv_cache_config(65))
+    engine = make_engine(config, scheduler)
+    kept = waiting.QueuedTokens()
+    scheduler.add_request(as_request(engine, engine_request("a", 30)))
+    assert kept(scheduler) == 30
+    fresh = type(scheduler.waiting).__mro__[1]()  # vLLM's own queue class, a new object
+    fresh.add_request(as_request(engine, engine_request("b", 12, first_token=500)))
+    scheduler.waiting = fresh
+    assert kept(scheduler) == 12 == waiting.walk(scheduler)
+    scheduler.waiting.add_request(as_request(engine, engine_request("c", 5, first_token=900)))
+    assert kept(scheduler) == 17 == waiting.walk(scheduler)
 
 
 def test_a_queue_that_cannot_be_counted_is_walked():
@@ -166,6 +182,10 @@ def test_a_queue_that_cannot_be_counted_is_walked():
     for i in range(3):
         scheduler.waiting.append(as_request(engine, engine_request(f"w{i}", 10 * (i + 1), first_token=100 * i)))
     assert waiting.queued_tokens(scheduler) == 60 == waiting.walk(scheduler)
+    kept = waiting.QueuedTokens()
+    assert kept(scheduler) == 60
+    scheduler.waiting.append(as_request(engine, engine_request("w3", 7, first_token=700)))
+    assert kept(scheduler) == 67 == waiting.walk(scheduler)
     assert type(scheduler.waiting) is deque
 
 
