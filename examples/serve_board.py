@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         except urllib.error.HTTPError as e:  # 503 while a --wait board does not exist yet
             print(f"/v1/loads: {e.code} {json.load(e).get('error')}")
         print(f"serving board {name!r} on {server.url}: the live page at {server.url}/ (Ctrl-C stops)")
-        thread.join()
+        # in slices: Ctrl-C may be delivered to the serving thread, and a join without a timeout
+        # would keep the main thread, the only one that runs Python's handlers, from ever seeing it
+        while thread.is_alive():
+            thread.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:

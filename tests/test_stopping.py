@@ -34,3 +34,46 @@ def test_a_signal_sets_the_shared_event():
         inner = StopFlag(60.0, event=outer.event)
         os.kill(os.getpid(), signal.SIGTERM)
         assert inner.wait(5.0) and outer.is_set() and outer.signal == signal.SIGTERM
+
+
+_SPINNER = """
+import sys, threading
+from dpboard.stopping import StopFlag
+waiter_woke = threading.Event()
+for round in range(int(sys.argv[1])):
+    with StopFlag() as stop:
+        waiter = threading.Thread(target=lambda: stop.event.wait(60) and waiter_woke.set())
+        waiter.start()
+        print("ready", flush=True)
+        while not stop.wait(0.00001):  # in and out of Event.wait, its lock held part of the time
+            pass
+        waiter.join(60)
+        print("stopped", stop.signal, waiter_woke.is_set(), flush=True)
+        waiter_woke.clear()
+"""
+
+
+def test_a_signal_during_wait_never_deadlocks_the_flag():
+    """A handler that set the event itself ran in the main thread, between two bytecodes of
+    ``Event.wait``, sometimes with the event's lock held: it then waited forever for that lock
+    (the demo, the collector and the relay hung on SIGTERM in about 5 % of stops of a tight loop).
+    Here one process is stopped 150 times in such a loop, each time with a real signal; every stop
+    ends it, and another thread waiting on the event wakes too."""
+    import subprocess
+    import sys
+
+    from tests.support.names import ROOT
+    from tests.support.procutil import kill, read_line
+
+    rounds = 150
+    proc = subprocess.Popen([sys.executable, "-c", _SPINNER, str(rounds)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for i in range(rounds):
+            assert read_line(proc, 60).strip() == "ready", i
+            sig = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)[i % 3]
+            proc.send_signal(sig)
+            assert read_line(proc, 30).strip() == f"stopped {int(sig)} True", f"stop {i} ({sig.name}) did not end the loop"
+        assert proc.wait(30) == 0
+    finally:
+        kill(proc)

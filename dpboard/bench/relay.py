@@ -54,6 +54,7 @@ from dpboard.snapshot import (
     SpeculativeDetail,
     pack_detail,
 )
+from dpboard.stopping import SignalRelay
 
 SNAPSHOT_FIELDS = 13
 # What an SGLang scheduler reports beside the dispatch fields, every section present.
@@ -83,7 +84,7 @@ def _writer_main(args: argparse.Namespace) -> int:
     import msgpack
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    SignalRelay({signal.SIGTERM: stop}).__enter__()  # for the process's life; no lock in the handler
     board = Board.create(args.local_board, n_slots=args.n_slots, node_id=args.node)
     first = (args.node - 1) * args.ranks
     writers = [board.writer(r) for r in range(first, first + args.ranks)]
@@ -195,7 +196,7 @@ def _relay_main(args: argparse.Namespace) -> int:
     from dpboard.multinode.relay import Relay
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    SignalRelay({signal.SIGTERM: stop}).__enter__()  # for the process's life; no lock in the handler
     with Relay(args.local_board, args.to, args.node, tick_ms=args.tick_ms, remote_board=args.board0) as relay:
         print("ready", flush=True)
         relay.run(stop)

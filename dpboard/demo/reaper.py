@@ -23,6 +23,7 @@ from dpboard.board.dispatch_record import remove_if_abandoned
 from dpboard.board.names import segment_name
 from dpboard.board.segment import unlink_if_generation
 from dpboard.ownership import endpoint_lock_key, process_exited, remove_abandoned_locks
+from dpboard.stopping import SignalRelay
 
 CHILDREN_TIMEOUT = 15.0  # seconds for the demo's other children to exit once it is gone
 PARENT_TIMEOUT = 5.0  # seconds for a dying demo's last thread to exit after its death signal
@@ -63,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dying = threading.Event()
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: dying.set())  # PR_SET_PDEATHSIG: the demo (or its thread) died
-    signal.signal(signal.SIGUSR1, lambda *_: done.set())  # the demo stops on its own and cleans up itself
+    # SIGTERM: PR_SET_PDEATHSIG, the demo (or its thread) died; SIGUSR1: the demo stops on its own and
+    # cleans up itself. Set through the relay: a handler that set an event could deadlock in wait().
+    SignalRelay({signal.SIGTERM: dying, signal.SIGUSR1: done}).__enter__()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the demo's to handle
     print("ready", flush=True)
     while not (dying.is_set() or done.is_set()) and os.getppid() == args.parent:

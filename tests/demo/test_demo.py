@@ -201,16 +201,19 @@ def test_a_child_killed_past_its_stop_timeout_leaves_nothing_in_dev_shm():
     SIGKILL after its stop timeout, as it does a child too slow under load. What that child held in
     /dev/shm (its lock files, the board's dispatch record) goes with the board all the same."""
     import os
+    import shutil
 
     name = new_board_name()
-    before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
+    # a temporary folder of this demo's own: another test's demo running meanwhile is not this one's
+    tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")
     proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "demo", "--duration", "4", "--ranks", "2", "--board",
-                             name, "--print-every", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             name, "--print-every", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": tmp})
     try:
         deadline = time.monotonic() + 120
         while "2 live" not in read_line(proc, max(1.0, deadline - time.monotonic())):
             pass
-        (workdir,) = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before
+        (workdir,) = Path(tmp).glob("dpboard-demo-*")
         mine = lambda: sorted(n for n in os.listdir("/dev/shm") if name in n or workdir.name in n)  # noqa: E731
         assert len(mine()) >= 4, mine()  # the board, its dispatch record, the controller's two lock files
         (controller,) = [pid for pid in processes_mentioning(name)
@@ -224,6 +227,7 @@ def test_a_child_killed_past_its_stop_timeout_leaves_nothing_in_dev_shm():
         kill(proc)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_the_first_run_says_that_numba_compiles_and_the_last_lines_how_to_reach_dpboard(tmp_path):

@@ -38,12 +38,13 @@ def wait_until_gone(name: str, timeout: float = 30.0) -> list[int]:
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_closing_the_terminal_mid_demo_leaves_nothing_behind():
     name = new_board_name()
-    before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
+    # a temporary folder of this demo's own: another test's demo running meanwhile is not this one's
+    tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")
     socket = f"dpboard-hangup-{os.getpid()}"
     tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
     command = f"{PYTHON} -m dpboard.cli demo --duration 120 --ranks 2 --board {name} --interval 0.3"
     subprocess.run([*tmux, "new-session", "-d", "-s", "demo", "-x", "120", "-y", "30", command],
-                   check=True, timeout=30, env={**os.environ, "TERM": "xterm-256color"})
+                   check=True, timeout=30, env={**os.environ, "TERM": "xterm-256color", "TMPDIR": tmp})
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -53,7 +54,7 @@ def test_closing_the_terminal_mid_demo_leaves_nothing_behind():
                 break
             time.sleep(0.3)
         assert "2 live" in screen, screen
-        workdirs = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before
+        workdirs = set(Path(tmp).glob("dpboard-demo-*"))
         assert workdirs and demo_locks(workdirs)  # the controller's input is locked while it runs
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)  # the terminal closes
         assert wait_until_gone(name) == [], "a child of the demo outlived its terminal"
@@ -67,21 +68,22 @@ def test_closing_the_terminal_mid_demo_leaves_nothing_behind():
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_killed_demo_takes_its_children_with_it():
     name = new_board_name()
-    before = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*"))
+    tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # this demo's own (see above)
     proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "demo", "--duration", "120", "--ranks", "2",
                              "--board", name, "--print-every", "0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": tmp})
     try:
         deadline = time.monotonic() + 120
         while "2 live" not in read_line(proc, max(1.0, deadline - time.monotonic())):
             pass
         children = [pid for pid in processes_mentioning(name) if pid != proc.pid]
         assert len(children) == 4  # two schedulers, the controller and the reaper
-        (workdir,) = set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before
+        (workdir,) = Path(tmp).glob("dpboard-demo-*")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert wait_until_gone(name) == [], "children outlived the demo"
@@ -93,5 +95,4 @@ def test_a_killed_demo_takes_its_children_with_it():
         for pid in processes_mentioning(name):
             subprocess.run(["kill", "-9", str(pid)], check=False)
         Path(f"/dev/shm/dpboard.{name}").unlink(missing_ok=True)  # only if the test failed
-        for w in set(Path(tempfile.gettempdir()).glob("dpboard-demo-*")) - before:
-            shutil.rmtree(w, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # this demo's work folder with it, never another's
