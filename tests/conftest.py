@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,14 @@ ENGINE_DIR = Path(sys.prefix) / "engines"
 if ENGINE_DIR.is_dir() and str(ENGINE_DIR) not in sys.path:
     sys.path.append(str(ENGINE_DIR))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ENGINE_DIR)) if p)
+
+# The processes tests start get Ctrl-C and hang-ups as from a terminal. A suite started in the
+# background (`make test &` ignores SIGINT) or under nohup (SIGHUP) would hand those ignored
+# dispositions down: a stopped-by-Ctrl-C test would then wait on a process that, rightly, ignores it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # tests/loads/cudasim runs only under Numba's CUDA simulator, in its own interpreter
 # (tests/loads/test_cuda_sources.py starts it with NUMBA_ENABLE_CUDASIM=1, which must be set before

@@ -267,7 +267,7 @@ def test_loud_junk_and_a_connection_every_50_ms_never_shed_an_established_relay(
             junk = subprocess.Popen([*CLI[:1], "-c", JUNK, endpoint, "7"], stdout=subprocess.PIPE, text=True)
             procs.append(junk)
             assert read_line(junk).strip() == "sending"
-            worst = 0.0
+            ages: list[float] = []
             started = time.monotonic()
             next_newcomer = started
             while time.monotonic() - started < 12.0:
@@ -279,15 +279,18 @@ def test_loud_junk_and_a_connection_every_50_ms_never_shed_an_established_relay(
                     newcomers.append(s)
                 snap = reader.read(1)
                 if snap is not None:
-                    worst = max(worst, (time.time_ns() - snap.timestamp_ns) / 1e9)
+                    ages.append((time.time_ns() - snap.timestamp_ns) / 1e9)
                 time.sleep(0.01)
             connects = relay.connects
             bad = b0.collector_stats()["bad_magic"]
-            print(f"relay connects {connects} in 12 s, node0's copy at most {worst:.3f} s old; "
-                  f"{len(newcomers)} newcomers, {bad} junk frames counted")
+            old = sum(age >= 1.0 for age in ages)
+            print(f"relay connects {connects} in 12 s, node0's copy at most {max(ages):.3f} s old, "
+                  f"1 s or older in {old} of {len(ages)} samples; {len(newcomers)} newcomers, {bad} junk frames counted")
             assert bad > 0 and junk.poll() is None, "the junk never reached the collector: the test proved nothing"
             assert connects == 1, f"the relay was shed {connects - 1} times"
-            assert worst < 1.0
+            # Shed, the copy was seconds old through most of the run. A loaded machine may stall every
+            # process at once for a while (this loop too): that is one old sample, not a share.
+            assert len(ages) > 100 and old < 0.05 * len(ages), (old, len(ages), max(ages))
         finally:
             stop_flag.set()
             for t in threads:
