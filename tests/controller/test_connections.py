@@ -228,7 +228,9 @@ def test_answers_a_tokenizer_does_not_read_stay_within_the_byte_bound(tmp_path):
         print(f"answers: {150 - stats['errors_unsent']} queued or sent, {stats['errors_unsent']} unsent; "
               f"peak RSS {peak:.0f} MiB over {base:.0f}")
         assert stats["malformed"] == 150 and stats["errors_unsent"] > 0
-        assert peak < 16 + 2 * 8 + 64, f"the controller's memory grew by {peak:.0f} MiB"
+        # the bound, two frames in flight, and room for the 1 MiB requests still in ZMQ's input queue
+        # (bounded in messages, not bytes): still less than the 150 MiB of answers alone unbounded
+        assert peak < 16 + 2 * 8 + 112, f"the controller's memory grew by {peak:.0f} MiB"
         assert "the error channel" in err
     finally:
         errors.close(linger=0)
