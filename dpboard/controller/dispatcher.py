@@ -36,9 +36,18 @@ DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most
 # inflight_lockstep: a rank whose first token comes within this many group steps is as good as the
 # earliest one (docs/DISPATCH.md, "inflight_lockstep": measured on the DP-attention cells)
 DEFAULT_LOCKSTEP_HORIZON = 6
+# ... and beside SGLang's prefill delayer (--enable-prefill-delayer), which already holds prefill
+# back until the ranks prefill together: a wider horizon there adds its picks' extra steps to the
+# delayer's hold (docs/DISPATCH.md, "inflight_lockstep with SGLang's prefill delayer")
+DELAYER_LOCKSTEP_HORIZON = 2
 # SGLang's --chunked-prefill-size default on an 80 GB H100; under DP attention it divides it by the
 # DP size: each rank's chunk when its board says nothing of it
 SGLANG_CHUNKED_PREFILL_SIZE = 8192
+
+
+def default_lockstep_horizon(prefill_delayer: bool) -> int:
+    """``inflight_lockstep``'s horizon for a lockstep group with or without SGLang's prefill delayer."""
+    return DELAYER_LOCKSTEP_HORIZON if prefill_delayer else DEFAULT_LOCKSTEP_HORIZON
 
 
 def default_lockstep_chunk(num_workers: int) -> int:
@@ -496,6 +505,13 @@ class Dispatcher:
         # len(workers) counts reserved slots too, and status is not checked (as in SGLang): the room
         # mapping must stay stable while ranks come and go
         return room % self.num_workers
+
+    @property
+    def described(self) -> str:
+        """The method as start-up lines name it, with the lockstep horizon where it has one."""
+        if self.method is LoadBalanceMethod.INFLIGHT_LOCKSTEP:
+            return f"{self.method.value} (horizon {self.lockstep_horizon} group steps)"
+        return self.method.value
 
     def __repr__(self) -> str:
         return (

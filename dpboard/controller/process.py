@@ -52,7 +52,9 @@ from dpboard.controller.delivery import DeliveryLedger
 from dpboard.controller.dispatcher import (
     DEFAULT_LOCKSTEP_HORIZON,
     DEFAULT_REFRESH_INTERVAL,
+    DELAYER_LOCKSTEP_HORIZON,
     Dispatcher,
+    default_lockstep_horizon,
     ranks_in_lockstep,
 )
 from dpboard.controller.methods import (
@@ -403,7 +405,7 @@ class DataParallelController:
             self._stop = stop
         stop = StopFlag(duration, event=self._stop)
         log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s, acknowledgements %s",
-                 self.dispatcher.method.value, self.dispatcher.num_workers, list(self.dispatcher.active),
+                 self.dispatcher.described, self.dispatcher.num_workers, list(self.dispatcher.active),
                  self.input.endpoint, self.error_endpoint, "from the board" if self.acks is not None else "none")
         poller = zmq.Poller()
         poller.register(self.input.socket, zmq.POLLIN)
@@ -665,9 +667,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=None,
                    help="the ranks step in lockstep (SGLang's DP attention, vLLM's MoE DP): auto picks "
                         "inflight_lockstep (default: as the --board's slots say when the controller starts)")
-    p.add_argument("--lockstep-horizon", type=count(0, 10_000), default=DEFAULT_LOCKSTEP_HORIZON, metavar="STEPS",
+    p.add_argument("--prefill-delayer", action="store_true",
+                   help="the engines run SGLang's --enable-prefill-delayer: inflight_lockstep's horizon "
+                        f"defaults to {DELAYER_LOCKSTEP_HORIZON} group steps")
+    p.add_argument("--lockstep-horizon", type=count(0, 10_000), default=None, metavar="STEPS",
                    help="inflight_lockstep: group steps to the first token within which any rank is as good as "
-                        f"the earliest (default {DEFAULT_LOCKSTEP_HORIZON})")
+                        f"the earliest (default {DEFAULT_LOCKSTEP_HORIZON}, {DELAYER_LOCKSTEP_HORIZON} with "
+                        "--prefill-delayer)")
     p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
                    help="PD role of this server (null: no PD)")
     p.add_argument("--board", help="the schedulers' board: loads for load-aware methods, and with any method "
@@ -806,7 +812,8 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
         inflight_accounting=args.inflight_accounting,
         health_aware=args.health_aware,
         rotate_ties=args.rotate_ties,
-        lockstep_horizon=args.lockstep_horizon,
+        lockstep_horizon=(default_lockstep_horizon(args.prefill_delayer) if args.lockstep_horizon is None
+                          else args.lockstep_horizon),
     )
     record = _open_record(args, dispatcher) if args.board else None
     try:

@@ -70,10 +70,13 @@ def make_policy(
     refresh_interval_s: float = 0.02,
     seed: int = 0,
     label: str | None = None,
+    prefill_delayer: bool = False,
 ) -> Policy:
     """Build the policy that ``spec`` names, for ``n_ranks`` ranks reading ``board`` on ``clock``.
 
-    ``seed`` feeds a policy that breaks ties at random; ``label`` names it in results (default: ``spec``)."""
+    ``seed`` feeds a policy that breaks ties at random; ``label`` names it in results (default: ``spec``);
+    ``prefill_delayer``: the ranks run SGLang's prefill delayer, so ``inflight_lockstep`` takes the
+    horizon the SGLang plugin gives it there (unless ``spec`` names one)."""
     name, options = parse_method_spec(spec)
     label = spec if label is None else label
     if name == VLLM_BOARD:
@@ -83,6 +86,7 @@ def make_policy(
         return make_peer(name, options, n_ranks=n_ranks, clock=clock, delay_s=board.delay_s, seed=seed, label=label)
     try:
         from dpboard.controller import Dispatcher, resolve_load_balance_method
+        from dpboard.controller.dispatcher import default_lockstep_horizon
     except ImportError as e:
         raise RuntimeError(
             f"method {name!r} needs dpboard.controller, which cannot be imported ({e}); "
@@ -95,7 +99,8 @@ def make_policy(
         from dpboard.controller.methods import AUTO
         known = ", ".join([AUTO, *controller_methods(), *PEERS, VLLM_BOARD])
         raise InvalidInputError(f"unknown dispatch method {name!r}; use one of {known}") from None
-    kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s}
+    kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s,
+                              "lockstep_horizon": default_lockstep_horizon(prefill_delayer)}
     kwargs.update(options)
     accepted = inspect.signature(Dispatcher).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())

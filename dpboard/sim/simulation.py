@@ -338,6 +338,7 @@ class Simulation:
             clock=self.clock,
             refresh_interval_s=config.refresh_interval_s,
             seed=self.trace.seed,
+            prefill_delayer=config.prefill_delayer and config.lockstep is not None,
         )
         self._board_of = [self.board] * config.n_ranks
         self._policy_of = [self.policy] * config.n_ranks

@@ -463,3 +463,32 @@ def test_a_sigterm_while_the_controller_starts_is_a_clean_exit(board_name, tmp_p
                 kill(proc)
             assert proc.returncode == 0, err
             assert not Path(dispatch_record_path(board_name)).exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("args", "horizon"), [((), 6), (("--prefill-delayer",), 2),
+                                               (("--prefill-delayer", "--lockstep-horizon", "4"), 4)],
+                         ids=["default", "delayer", "given"])
+def test_the_controller_takes_the_delayers_horizon_for_inflight_lockstep(board_name, tmp_path, args, horizon):
+    # the engines run SGLang's --enable-prefill-delayer: the same horizon the SGLang plugin picks
+    in_ep, w_ep = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/w0"
+    ctx = zmq.Context()
+    bound_pull(ctx, w_ep)
+    with Board.create(board_name, n_slots=1):
+        proc = subprocess.Popen(_controller_cmd("--input", in_ep, "--workers", w_ep, "--method", "inflight_lockstep",
+                                                "--board", board_name, "--log-every", "60", *args),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            lines: list[str] = []
+
+            def said() -> bool:
+                lines.append(proc.stderr.readline())
+                return "controller: method" in lines[-1] or proc.poll() is not None
+
+            wait_for(said, 60, "the controller's method line")
+            assert f"method inflight_lockstep (horizon {horizon} group steps)" in lines[-1], lines
+            stop(proc)
+            assert proc.returncode == 0
+        finally:
+            kill(proc)
+            ctx.destroy(linger=0)

@@ -93,6 +93,31 @@ def test_ranks_that_all_could_prefill_are_not_held_and_a_chunked_prompt_goes_on_
     assert chunked.delayer_held_passes == 31
 
 
+def test_beside_the_prefill_delayer_inflight_lockstep_runs_the_plugins_shorter_horizon():
+    # the SGLang plugin gives inflight_lockstep a horizon of 2 group steps where the delayer is on;
+    # the simulator runs the same Dispatcher with the same rule, and a spec that names one wins
+    from dpboard.sim.simulation import Simulation
+
+    trace = hand([0.0], [10], [2])
+    horizon = {}
+    for delayer in (False, True):
+        for spec in ("inflight_lockstep", "inflight_lockstep:lockstep_horizon=6"):
+            sim = Simulation(trace, spec, lockstep_config(prefill_delayer=delayer))
+            horizon[spec, delayer] = sim.policy.dispatcher.budget.core.horizon
+    assert horizon == {("inflight_lockstep", False): 6, ("inflight_lockstep:lockstep_horizon=6", False): 6,
+                       ("inflight_lockstep", True): 2, ("inflight_lockstep:lockstep_horizon=6", True): 6}
+    # and it shows in a run: the bursty scenario on the DP-attention profile, 8 ranks, load 0.5
+    profile = load_profile(DPA)
+    rank, _ = profile.run_rank(8, dp_attention=True, pd=False, chunk_given=False)
+    config = SimConfig(n_ranks=8, rank=rank, lockstep=profile.lockstep, prefill_delayer=True,
+                       slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s)
+    bursty = scenario_trace("bursty", 8, 0, load=0.5, rank=rank, lockstep=profile.lockstep)
+    runs = simulate(bursty, ["inflight_lockstep", "inflight_lockstep:lockstep_horizon=2",
+                             "inflight_lockstep:lockstep_horizon=6"], config)
+    first = [[r.first_token_s for r in run.requests] for run in runs]
+    assert first[0] == first[1] and first[0] != first[2]
+
+
 def test_the_prefill_delayer_needs_lockstep():
     with pytest.raises(InvalidInputError, match="needs --dp-attention"):
         SimConfig(n_ranks=2, rank=RANK, prefill_delayer=True).validate()

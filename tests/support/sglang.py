@@ -259,13 +259,16 @@ def install(dp_controller: bool = True) -> None:
 def set_context(*, dp_size: int = 2, load_balance_method: str = "total_tokens", nnodes: int = 1,
                 node_rank: int = 0, attn_dp_enabled: bool = False, tp_size: int = 2, pp_size: int = 1,
                 role: str | None = None, tokenizer_worker_num: int = 1, disaggregation_mode: str = "null",
-                elastic_ep_backend: Any = None, chunked_prefill_size: int | None = None) -> None:
+                elastic_ep_backend: Any = None, chunked_prefill_size: int | None = None,
+                enable_prefill_delayer: bool | None = None) -> None:
     """Stamp SGLang's runtime context as ``publish(server_args, role=...)`` would leave it for the
     leaves the load path reads (``override*`` would validate names through server_args, a stand-in
     here, so the stamp and the config bags are set directly)."""
     from sglang.srt import runtime_context as rc
 
     reset_context()
+    schedule = {k: v for k, v in {"chunked_prefill_size": chunked_prefill_size,
+                                  "enable_prefill_delayer": enable_prefill_delayer}.items() if v is not None}
     rc.get_parallel()._stamp.update(
         attn_dp_enabled=attn_dp_enabled, nnodes=nnodes, node_rank=node_rank, num_dp_ranks=dp_size,
         load_balance_method=load_balance_method, tp_size=tp_size, pp_size=pp_size, max_ep_size=None,
@@ -277,7 +280,7 @@ def set_context(*, dp_size: int = 2, load_balance_method: str = "total_tokens", 
         "disagg": {"disaggregation_mode": disaggregation_mode},
         "device": {"soft_watchdog_timeout": None},
         "observability": {"enable_metrics": False, "enable_trace": False, "load_snapshot_publish_interval": 15},
-        **({"schedule": {"chunked_prefill_size": chunked_prefill_size}} if chunked_prefill_size is not None else {}),
+        **({"schedule": schedule} if schedule else {}),
     }.items():
         bag = rc._ConfigBag(namespace)
         for key, value in values.items():

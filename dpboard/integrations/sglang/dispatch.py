@@ -31,7 +31,7 @@ from dpboard.board import BoardReader
 from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
-from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
+from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, default_lockstep_horizon
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
@@ -120,13 +120,14 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     if tally is not None:
         reader = TickingReader(reader, tally)  # the record is published from the refreshes
     dispatcher = Dispatcher(settings.method, num_workers, reader=reader, active=controller._active_workers,
-                            disaggregation_mode=mode, lockstep=lockstep)
+                            disaggregation_mode=mode, lockstep=lockstep,
+                            lockstep_horizon=default_lockstep_horizon(_prefill_delayer(mode)))
     if tally is not None and dispatcher.budget is not None:
         tally.source = dispatcher.budget.sent_reqs.copy  # the budget's own count of each rank's requests
     setattr(controller, STATE, dispatcher)
     setattr(controller, TALLY, tally)
     _sync(controller, dispatcher)
-    logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.method, board.name,
+    logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.described, board.name,
                 num_workers)
     return None
 
@@ -136,6 +137,19 @@ def _dp_attention(module: Any) -> bool:
     try:
         return bool(module.get_parallel().attn_dp_enabled)
     except Exception:  # an SGLang without the flag: as without DP attention
+        return False
+
+
+def _prefill_delayer(mode: str) -> bool:
+    """Whether this server's schedulers run SGLang's prefill delayer (``--enable-prefill-delayer``;
+    a PD decode server ignores it, as SGLang's scheduler does)."""
+    if mode == "decode":
+        return False
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return bool(get_schedule().enable_prefill_delayer)
+    except Exception:  # an SGLang without the flag, or a context without it: as without the delayer
         return False
 
 

@@ -307,6 +307,25 @@ def test_auto_under_dp_attention_dispatches_with_inflight_lockstep(instance, tmp
         close(cluster)
 
 
+@pytest.mark.parametrize("delayer", [None, False, True], ids=["unset", "off", "on"])
+def test_beside_sglangs_prefill_delayer_the_lockstep_horizon_is_two_steps(instance, tmp_path, monkeypatch, caplog,
+                                                                           delayer):
+    # --enable-prefill-delayer holds prefill back until the ranks prefill together: a shorter horizon
+    monkeypatch.setenv("DPBOARD_METHOD", "auto")
+    with caplog.at_level("INFO", logger="dpboard.sglang"):
+        cluster = make_cluster(instance, tmp_path, attn_dp_enabled=True, chunked_prefill_size=2730,
+                               enable_prefill_delayer=delayer)
+    try:
+        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch
+        horizon = 2 if delayer else 6
+        assert dispatcher.method.value == "inflight_lockstep" and dispatcher.lockstep_horizon == horizon
+        assert dispatcher.budget.core.horizon == horizon
+        said = [r.getMessage() for r in caplog.records if "DP dispatch by" in r.getMessage()]
+        assert said and f"inflight_lockstep (horizon {horizon} group steps)" in said[-1]
+    finally:
+        close(cluster)
+
+
 def test_auto_without_dp_attention_keeps_round_robin(instance, tmp_path, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "auto")
     cluster = make_cluster(instance, tmp_path)
