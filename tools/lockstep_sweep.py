@@ -314,7 +314,9 @@ def table(args: argparse.Namespace) -> int:
                mark(off["any"], 0.99, True), mark(off["ttft"], 1.05, False)]
         row += [mark(on["any"], 0.99, True), mark(on["ttft"], 1.05, False)] if on else ["—", "—"]
         met = [name for name, v in (("without", off), ("with", on)) if v and meets(v)]
-        row += [" and ".join(met) + (" the delayer" if met else "") or "no", refs["any"][0], refs["ttft"][0]]
+        verdict_text = " and ".join(met) + " the delayer" if met else "no"
+        # PD has a bar of its own (no loss to inflight_cache), read from the goodput column
+        row += ["—" if docs[name]["cell"].get("pd") else verdict_text, refs["any"][0], refs["ttft"][0]]
         print("| " + " | ".join(row) + " |")
     return 0
 
