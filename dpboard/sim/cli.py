@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="SGLang's --enable-prefill-delayer with its defaults (lockstep groups only): when some "
         "ranks but not all could prefill, hold prefill back for up to 30 passes so that they prefill "
-        "together",
+        "together; inflight_lockstep then takes the SGLang plugin's horizon there, 2 group steps",
     )
     p.add_argument(
         "--overlap-schedule",
