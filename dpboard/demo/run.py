@@ -274,8 +274,9 @@ def _warm_kernels() -> None:
 
     def note() -> None:
         if not done.wait(COMPILE_NOTE_AFTER):
-            print("dpboard demo: Numba is compiling the load kernels (the first run on this machine; "
-                  "cached for the next ones) ...", flush=True)
+            # a cold cache's first line: broken to the terminal's width like the demo's other lines
+            print(fit_lines(["dpboard demo: Numba is compiling the load kernels (the first run on this machine; "
+                             "cached for the next ones) ..."], terminal_width()), flush=True)
             noted.set()
 
     started = time.monotonic()
@@ -347,8 +348,8 @@ class DemoRun:
         assert self.board is not None
         reader = self.board.reader(stale_after=5.0)
         n = self.args.ranks
-        print(f"dpboard demo: waiting for the first publish of {n} scheduler process{'es' if n != 1 else ''} ...",
-              flush=True)
+        print(fit_lines([f"dpboard demo: waiting for the first publish of {n} scheduler "
+                         f"process{'es' if n != 1 else ''} ..."], terminal_width()), flush=True)
         deadline = time.monotonic() + READY_TIMEOUT
         while any(s is None for s in reader.read_all()):
             self.cluster.check()
