@@ -43,6 +43,11 @@ SGLANG_THROTTLE = 0.02  # seconds: SGLang refreshes its budget at most every 20 
 ROUTED_SHARE = 0.8  # above this share of requests pinned to one rank by routed_dp_rank: a finding
 SKEWED = 1.5  # max / mean at or above this: one-sided
 EVEN = 1.2  # max / mean below this: even
+# A ratio of small loads says nothing: 0 and 293 tokens on ranks of 1M tokens each is a max/mean of
+# 2 on a balanced, nearly idle deployment. Loads are judged one-sided only when the busiest rank's
+# mean exceeds the idlest's by this share of their KV capacity (tokens) ...
+SKEW_FLOOR_SHARE = 0.02
+SKEW_FLOOR_REQUESTS = 4  # ... or, counted in requests (no capacity known), by this many requests
 KV_FULL = 0.9
 KV_ROOMY = 0.7
 MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
@@ -143,20 +148,31 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(r) == 1 else "ranks ") + ", ".join(str(x) for x in r)
 
 
-def _mean_loads(samples: Sequence[Sample]) -> dict[int, float]:
-    """Per rank LIVE in the last sample: its mean load over the samples in which it was LIVE
-    (total tokens; queued requests where no rank reports tokens)."""
+def _mean_loads(samples: Sequence[Sample]) -> tuple[dict[int, float], float]:
+    """Per rank LIVE in the last sample: its mean load over the samples in which it was LIVE (total
+    tokens; queued and running requests where no rank reports tokens); and the gap between the
+    busiest and the idlest that makes their ratio worth judging (``SKEW_FLOOR_SHARE`` of the ranks'
+    mean KV capacity, ``SKEW_FLOOR_REQUESTS`` in requests or where no rank reports a capacity)."""
     last = samples[-1]
     live = [r["rank"] for r in last.ranks if r["status"] == _LIVE]
     key = "num_total_tokens"
     if not any(s.ranks[k][key] for s in samples for k in live if s.ranks[k]["status"] == _LIVE):
         key = "num_waiting_reqs"
     out = {}
+    capacities = []
     for k in live:
-        values = [s.ranks[k][key] + (s.ranks[k]["num_running_reqs"] if key == "num_waiting_reqs" else 0)
-                  for s in samples if len(s.ranks) > k and s.ranks[k]["status"] == _LIVE]
+        seen = [s.ranks[k] for s in samples if len(s.ranks) > k and s.ranks[k]["status"] == _LIVE]
+        values = [r[key] + (r["num_running_reqs"] if key == "num_waiting_reqs" else 0) for r in seen]
         out[k] = sum(values) / len(values)
-    return out
+        capacities += [r["max_total_num_tokens"] for r in seen if r["max_total_num_tokens"] > 0]
+    if key == "num_total_tokens" and capacities:
+        return out, SKEW_FLOOR_SHARE * sum(capacities) / len(capacities)
+    return out, float(SKEW_FLOOR_REQUESTS)
+
+
+def _one_sided(loads: dict[int, float], ratio: float | None, floor: float) -> bool:
+    """Loads one-sided: max/mean at least SKEWED, and the busiest above the idlest by ``floor``."""
+    return ratio is not None and ratio >= SKEWED and max(loads.values()) - min(loads.values()) >= floor
 
 
 @dataclass
@@ -250,8 +266,9 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                     "restart the scheduler of a gone pid (the new writer takes the slot over); with long steps "
                     "raise the threshold (--stale-after, DPBOARD_STALE_AFTER)", "stale_or_torn"))
 
-    loads = _mean_loads(samples)
+    loads, floor = _mean_loads(samples)
     load_ratio = _ratio(list(loads.values()))
+    skewed = _one_sided(loads, load_ratio, floor)
     disp = _dispatch_over(first, last, dt)
     methods = disp.methods if disp else set()
 
@@ -406,7 +423,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         "ranks or a larger --send-hwm", "fallbacks"))
 
     # -- the method against the loads, and the dispatch against the loads
-    if load_ratio is not None and load_ratio >= SKEWED and methods & set(LOAD_UNAWARE):
+    if skewed and methods & set(LOAD_UNAWARE):
         method = sorted(methods & set(LOAD_UNAWARE))[0]
         if method == "round_robin":
             cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
@@ -433,7 +450,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         "method sends many short ones to a few ranks",
                         "compare each rank's num_received_reqs with its engine's own log; if the requests are "
                         "alike, check that each rank's plugin publishes its own engine", "dispatch_vs_load"))
-        elif (dispatch_ratio is not None and dispatch_ratio < EVEN and load_ratio >= SKEWED
+        elif (dispatch_ratio is not None and dispatch_ratio < EVEN and skewed
               and not methods & set(LOAD_UNAWARE)):
             add(Finding("warning", "dispatch even while the loads are one-sided",
                         f"share of requests {window}: {shares}; mean total tokens "
