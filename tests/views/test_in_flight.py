@@ -92,3 +92,48 @@ def test_without_a_sent_record_nothing_is_shown_and_none_is_created(board_name):
     assert "in_flight" not in top["totals"] and "in_flight" not in served["totals"]
     assert "INFLIGHT" not in text and "in flight" not in text
     assert "in_flight" not in doctor and "inflight_stuck" not in {f["id"] for f in doctor["findings"]}
+
+
+CHILD = """
+import os, signal, sys
+from dpboard import Board
+from dpboard.board.sent import SentRecord
+board = Board.attach(sys.argv[1])
+record = SentRecord.open(sys.argv[1], 2, 3, generation=board.generation)
+row = record.row(1)
+for _ in range(5):
+    row.add(0, 10)
+print("sent", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_dead_senders_row_and_an_earlier_boards_record_do_not_count(board_name):
+    """What a dead API server sent leaves the count (its row no longer held), as the live servers
+    count it; a record of an earlier board of that name is not read at all."""
+    from dpboard.views.rows import in_flight
+
+    with Board.create(board_name, n_slots=3) as board:
+        publish(board)
+        record = SentRecord.open(board_name, 2, 3, generation=board.generation)
+        try:
+            for _ in range(9):
+                record.row(0).add(0, 100)
+            child = subprocess.Popen([sys.executable, "-c", CHILD, board_name], cwd=ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+            try:
+                assert child.stdout.readline().strip() == "sent"
+                assert in_flight(board_name, board.generation, RECEIVED) == [9 + 5 - 7, 0, 0]
+                child.stdin.write("\n")
+                child.stdin.flush()
+                assert child.wait(20) == -9
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            assert in_flight(board_name, board.generation, RECEIVED) == [9 - 7, 0, 0]
+            assert in_flight(board_name, board.generation + 1, RECEIVED) is None
+        finally:
+            record.close()
+    assert not os.path.lexists(sent_path(board_name))
