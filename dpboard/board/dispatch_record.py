@@ -200,6 +200,15 @@ class DispatchRow:
     def _end(self) -> None:
         self._head["seq"] += self._one
 
+    def set_method(self, method: str) -> None:
+        """Stamp the row with another method (a dispatcher whose ``auto`` changed), under its seqlock."""
+        if self.closed:
+            return
+        raw = _text(method, METHOD_BYTES, "method")
+        self._begin()
+        self._head["method"] = raw
+        self._end()
+
     def publish(self, refreshes: int, requests: int, routed: int, with_room: int, fallbacks: int, rejected: int,
                 per_rank: Any, routed_per_rank: Any = None) -> None:
         """Copy the dispatcher's cumulative counts into the row (``per_rank[k]``: requests sent to

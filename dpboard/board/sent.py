@@ -53,9 +53,11 @@ from dpboard.board.side_record import (
     held,
     open_existing,
     read_header,
+    read_mapped,
     remove_if_unheld,
+    row_alive,
 )
-from dpboard.errors import DpboardError, InvalidInputError
+from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.snapshot import unpack_owner
 
 # NumPy, bound when the first record is opened: record_state and remove_record (what `dpboard clean`
@@ -307,6 +309,54 @@ class SentWriter:
 
     def sent(self, slot: int) -> tuple[int, int]:
         return int(self._counts[slot, 0]), int(self._counts[slot, 1])
+
+
+# -- reading, for the views ------------------------------------------------------------------
+
+
+def read_sent(board: str, *, generation: int, trust_uids: tuple[int, ...] = (),
+              timeout: float = 0.2) -> tuple[list[int], list[int]] | None:
+    """Per slot, (requests sent by the rows whose holder runs, the base a holder shared: what the
+    senders take out of that slot's in-flight count), read-only: None when ``board`` (of generation
+    ``generation``) has no sent record, or only an earlier board's. Nothing is created, no row
+    taken; a row torn at every retry counts at its last copy. A file that is not a record to read
+    is refused with one line (``read_mapped``). The in-flight count of slot k is then
+    ``max(0, sent[k] - received[k] - base[k])``, what every sender dispatches with."""
+    try:
+        fd, mapping, header = read_mapped(SENT_FORMAT, board, trust_uids=trust_uids, timeout=timeout)
+    except NotFoundError:
+        return None
+    table = None
+    try:
+        if int(header["generation"]) != generation:
+            return None
+        _numpy()
+        rows, slots = int(header["rows"]), int(header["slots"])
+        words = row_size(slots) // 8
+        table = np.frombuffer(mapping, "<i8", rows * words, SENT_HEADER_SIZE).reshape(rows, words)
+        copy = table.copy()
+        for _ in range(READ_RETRIES):  # the rows' seqlock: keep the copies read between two equal, even seqs
+            again = table.copy()
+            whole = (copy[:, 0] == again[:, 0]) & (copy[:, 0] & 1 == 0)
+            if whole.all():
+                break
+            copy[~whole] = again[~whole]
+        sent = np.zeros(slots, np.int64)
+        base = np.zeros(slots, np.int64)
+        shared = False
+        for i in range(rows):
+            word = int(copy[i, HOLDER_WORD]) & (2**64 - 1)
+            if not row_alive(SENT_FORMAT, fd, i, slots, word):
+                continue
+            sent += copy[i, COUNTS_WORD: COUNTS_WORD + 2 * slots: 2]
+            if not shared and copy[i, SHARED_WORD] == 1:
+                base[:] = copy[i, COUNTS_WORD + 2 * slots: COUNTS_WORD + 3 * slots]
+                shared = True
+        return sent.tolist(), base.tolist()
+    finally:
+        table = None  # noqa: F841 - the view lets go of the mapping before it is closed
+        mapping.close()
+        os.close(fd)
 
 
 # -- files ------------------------------------------------------------------------------------

@@ -55,18 +55,6 @@ def default_lockstep_chunk(num_workers: int) -> int:
     return max(1, SGLANG_CHUNKED_PREFILL_SIZE // max(1, num_workers))
 
 
-def ranks_in_lockstep(reader: Any, num_workers: int) -> bool:
-    """Whether the board says its ranks step in lockstep: a live slot whose lockstep section counts
-    a group of more than one rank (what ``auto`` looks at). False for a reader without details."""
-    read = getattr(reader, "read_detailed_array", None)
-    if read is None:
-        return False
-    records = read(np.zeros(num_workers, DETAILED_DTYPE))[:num_workers]
-    detail = records["detail"]
-    present = (detail["flags"] & np.uint64(DETAIL_FLAG["lockstep"])) != 0
-    live = records["load"]["status"] == int(SlotStatus.LIVE)
-    return bool((present & live & (detail["lockstep_group_size"] > 1)).any())
-
 _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
 

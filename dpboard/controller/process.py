@@ -39,6 +39,7 @@ import zmq
 
 from dpboard.board.dispatch_record import DispatchRecord, DispatchRow
 from dpboard.board.stale import stale_after
+from dpboard.controller.auto import AUTO_CHECK_INTERVAL, AutoMethod
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
 from dpboard.controller.connections import (
     DEFAULT_MAX_QUEUED_MIB,
@@ -55,7 +56,6 @@ from dpboard.controller.dispatcher import (
     DELAYER_LOCKSTEP_HORIZON,
     Dispatcher,
     default_lockstep_horizon,
-    ranks_in_lockstep,
 )
 from dpboard.controller.methods import (
     AUTO,
@@ -167,6 +167,11 @@ class DataParallelController:
 
     ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
+
+    ``auto``, when given, is the ``dpboard.controller.auto.AutoMethod`` whose ``dispatcher`` this
+    controller starts with: the loop asks it to look at the board again (it reads it at most every
+    ``AUTO_CHECK_INTERVAL``), and dispatches with the new Dispatcher it builds when ``auto`` changes,
+    between two batches (the ranks' availability carried over; the record's method stamped again).
     """
 
     def __init__(
@@ -188,6 +193,7 @@ class DataParallelController:
         redeliver_after: float | None = None,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
         record: Any = None,
+        auto: Any = None,
     ):
         n = dispatcher.num_workers
         self._check_endpoints(dispatcher, worker_endpoints, input_endpoint, error_endpoint)
@@ -208,6 +214,8 @@ class DataParallelController:
         self.error_endpoint = error_endpoint
         self.collector = collector
         self.record = record
+        self.auto = auto
+        self._refreshes_before = 0  # refreshes of the Dispatchers that auto replaced (for the record)
         self._routed = [0] * n  # requests sent with routed_dp_rank, per rank (for the record)
         self._with_room = 0  # requests sent carrying a bootstrap_room
         self.acks = acks
@@ -438,6 +446,8 @@ class DataParallelController:
                         self._next_ack = now + ACK_INTERVAL
                         if self.ledger is not None:
                             self._read_acks(now)
+                        if self.auto is not None and self.auto.check():
+                            self._use_dispatcher(self.auto.dispatcher)
                         self._recheck_backlogs()
                         self.input.service()
                     if self.input.socket in ready:
@@ -462,11 +472,25 @@ class DataParallelController:
                 self.stats["collector"] = self.collector.stats()
         return self.stats
 
+    def _use_dispatcher(self, new: Dispatcher) -> None:
+        """Dispatch with ``new`` from the next batch on: ``auto`` changed. It learns each rank's
+        availability as the old one had it; what was sent stays in the delivery ledger, which is the
+        controller's."""
+        old = self.dispatcher
+        self._refreshes_before += old.refresh_count
+        new.set_active(old.active)
+        self.dispatcher = new
+        self._status = [None] * len(self._status)
+        for rank in self._ranks:
+            self._update_status(rank)
+        if self.record is not None:
+            self.record.set_method(new.method.value)
+
     def _publish_record(self) -> None:
         """This controller's counts into its dispatch-record row. Fallbacks are picks whose rank
         refused the send, dispatched again; rejections are the requests answered with an error."""
         s = self.stats
-        self.record.publish(self.dispatcher.refresh_count, s["dispatched"], sum(self._routed), self._with_room,
+        self.record.publish(self._refreshes_before + self.dispatcher.refresh_count, s["dispatched"], sum(self._routed), self._with_room,
                             s["retracted"], s["rejected"] + s["malformed"], s["per_rank"], self._routed)
 
     def _serve_ready(self) -> None:
@@ -666,7 +690,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "what auto picks there")
     p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=None,
                    help="the ranks step in lockstep (SGLang's DP attention, vLLM's MoE DP): auto picks "
-                        "inflight_lockstep (default: as the --board's slots say when the controller starts)")
+                        "inflight_lockstep (default: as the --board's slots say, looked at again every "
+                        f"{AUTO_CHECK_INTERVAL:g} s: auto changes when their lockstep sections appear or go)")
     p.add_argument("--prefill-delayer", action="store_true",
                    help="the engines run SGLang's --enable-prefill-delayer: inflight_lockstep's horizon "
                         f"defaults to {DELAYER_LOCKSTEP_HORIZON} group steps")
@@ -799,29 +824,40 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
 
 def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any,
            stop: threading.Event) -> int:
-    # auto for ranks in lockstep (--lockstep, or the board's lockstep sections): inflight_lockstep
+    def build(method: Any) -> Dispatcher:
+        return Dispatcher(
+            method,
+            len(endpoints),
+            reader=reader if method.is_load_aware else None,
+            active=[r for r, e in enumerate(endpoints) if e is not None],
+            refresh_interval=args.refresh_interval,
+            inflight_accounting=args.inflight_accounting,
+            health_aware=args.health_aware,
+            rotate_ties=args.rotate_ties,
+            lockstep_horizon=(default_lockstep_horizon(args.prefill_delayer) if args.lockstep_horizon is None
+                              else args.lockstep_horizon),
+        )
+
+    auto = None
     if parse_load_balance_method(args.method) == AUTO:
-        lockstep = ranks_in_lockstep(reader, len(endpoints)) if args.lockstep is None and reader else args.lockstep
-        method = resolve_load_balance_method(AUTO, args.disaggregation_mode, lockstep=bool(lockstep))
-    dispatcher = Dispatcher(
-        method,
-        len(endpoints),
-        reader=reader if method.is_load_aware else None,
-        active=[r for r, e in enumerate(endpoints) if e is not None],
-        refresh_interval=args.refresh_interval,
-        inflight_accounting=args.inflight_accounting,
-        health_aware=args.health_aware,
-        rotate_ties=args.rotate_ties,
-        lockstep_horizon=(default_lockstep_horizon(args.prefill_delayer) if args.lockstep_horizon is None
-                          else args.lockstep_horizon),
-    )
+        # auto for ranks in lockstep (--lockstep, or the board's lockstep sections as they are):
+        # inflight_lockstep; the schedulers usually publish after the controller starts
+        auto = AutoMethod(build, reader, len(endpoints), args.disaggregation_mode, lockstep=args.lockstep, logger=log)
+        dispatcher = auto.dispatcher
+        if auto.follows_board:
+            log.info("auto: method %s for now; the board's lockstep sections are looked at again every %g s",
+                     dispatcher.described, AUTO_CHECK_INTERVAL)
+        else:
+            auto = None
+    else:
+        dispatcher = build(method)
     record = _open_record(args, dispatcher) if args.board else None
     try:
         controller = DataParallelController(
             dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
             max_queued_mib=args.max_queued_mib, max_peers=args.max_peers, log_every=args.log_every,
             collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
-            record=None if record is None else record[1])
+            record=None if record is None else record[1], auto=auto)
         try:
             stats = controller.run(duration=args.duration, stop=stop)
         finally:

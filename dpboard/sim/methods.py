@@ -9,7 +9,7 @@ from typing import Any
 
 from dpboard.errors import InvalidInputError
 from dpboard.sim.peers import PEERS, make_peer
-from dpboard.sim.policy import DispatcherPolicy, Policy, SimBoard
+from dpboard.sim.policy import AutoPolicy, DispatcherPolicy, Policy, SimBoard
 
 
 def _parse_value(text: str) -> Any:
@@ -92,11 +92,12 @@ def make_policy(
             f"method {name!r} needs dpboard.controller, which cannot be imported ({e}); "
             f"only the peers' policies ({', '.join(PEERS)}) run without it"
         ) from e
+    from dpboard.controller.methods import AUTO
+
     try:
         method = resolve_load_balance_method(name)
     except ValueError:
         # one list of what this function accepts (the resolver's own message lists only its own names)
-        from dpboard.controller.methods import AUTO
         known = ", ".join([AUTO, *controller_methods(), *PEERS, VLLM_BOARD])
         raise InvalidInputError(f"unknown dispatch method {name!r}; use one of {known}") from None
     kwargs: dict[str, Any] = {"refresh_interval": refresh_interval_s,
@@ -110,7 +111,13 @@ def make_policy(
             k for k in accepted if k not in ("method", "num_workers", "reader", "active", "clock")
         )
         raise InvalidInputError(f"Dispatcher has no option {unknown[0]!r} (in {spec!r}); its options are {allowed}")
-    dispatcher = Dispatcher(
-        method, num_workers=n_ranks, reader=board, active=range(n_ranks), clock=clock, **kwargs
-    )
-    return DispatcherPolicy(label, dispatcher)
+    def build(method: Any) -> Any:
+        return Dispatcher(method, num_workers=n_ranks, reader=board, active=range(n_ranks), clock=clock, **kwargs)
+
+    if name.strip().lower() == AUTO:
+        # the controller's auto: decided from the board as it is (its lockstep sections under
+        # --dp-attention), by the same rule and at the same cadence, on the simulated clock
+        from dpboard.controller.auto import AutoMethod
+
+        return AutoPolicy(label, AutoMethod(build, board, n_ranks, clock=clock))
+    return DispatcherPolicy(label, build(method))

@@ -146,3 +146,20 @@ class DispatcherPolicy(Policy):
 
     def dispatch(self, req: SimRequest) -> int:
         return self.dispatcher.dispatch(req)
+
+
+class AutoPolicy(Policy):
+    """``auto`` as the controller runs it: ``dpboard.controller.auto.AutoMethod`` looks at the board
+    when due and the pick is its Dispatcher's (a new one when ``auto`` changes)."""
+
+    def __init__(self, name: str, auto: Any):
+        self.name = name
+        self.auto = auto
+
+    @property
+    def dispatcher(self) -> Any:
+        return self.auto.dispatcher
+
+    def dispatch(self, req: SimRequest) -> int:
+        self.auto.check()
+        return self.auto.dispatcher.dispatch(req)

@@ -7,6 +7,9 @@ throttle, and whether a PD prefill server was switched to round robin (decode th
 for its KV). The board answers half of it; the dispatcher's own record
 (``dpboard.board.dispatch_record``) the rest.
 
+Where vLLM's API servers keep a sent record, each engine's requests in flight (sent, not yet
+received) are read too (``dpboard.views.rows.in_flight``: read-only, none created).
+
 ``take_sample`` reads both once into a ``Sample`` of plain values; ``diagnose(samples)`` is the pure
 core: from samples over a window (the first and the last give the counters' deltas, every one the
 loads) it returns ``Finding``s, most serious first, each with its evidence, the likely cause in the
@@ -32,6 +35,7 @@ from dpboard.board.stale import stale_after
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
 from dpboard.options import count, seconds
 from dpboard.snapshot import DETAIL_FIELD_OFFSETS, DETAIL_FLAG, DETAIL_MODE_BYTES, DETAIL_PRESENT, SlotStatus
+from dpboard.views.rows import in_flight
 
 DEFAULT_WINDOW = 30.0
 PROGRESS_EVERY = 1.0  # seconds between two updates of doctor's progress count on a terminal
@@ -43,8 +47,14 @@ SGLANG_THROTTLE = 0.02  # seconds: SGLang refreshes its budget at most every 20 
 ROUTED_SHARE = 0.8  # above this share of requests pinned to one rank by routed_dp_rank: a finding
 SKEWED = 1.5  # max / mean at or above this: one-sided
 EVEN = 1.2  # max / mean below this: even
+# A ratio of small loads says nothing: 0 and 293 tokens on ranks of 1M tokens each is a max/mean of
+# 2 on a balanced, nearly idle deployment. Loads are judged one-sided only when the busiest rank's
+# mean exceeds the idlest's by this share of their KV capacity (tokens) ...
+SKEW_FLOOR_SHARE = 0.02
+SKEW_FLOOR_REQUESTS = 4  # ... or, counted in requests (no capacity known), by this many requests
 KV_FULL = 0.9
 KV_ROOMY = 0.7
+STUCK_WINDOW = 1.0  # seconds of samples before requests in flight that never arrive are a finding
 MAX_WATCH_SLOTS = 1024  # top and serve diagnose boards up to this size as they go
 _LIVE, _STALE, _TORN = SlotStatus.LIVE.label, SlotStatus.STALE.label, SlotStatus.TORN.label
 _DISAGG = DETAIL_PRESENT | DETAIL_FLAG["disaggregation"]
@@ -79,6 +89,7 @@ class Sample:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     dispatch: list[DispatchRowSample] | None = None  # None: the board has no dispatch record (or it is refused)
     record_refused: str | None = None  # why the file at the record's name is not read (another user's, ...)
+    in_flight: list[int] | None = None  # per slot, sent and not yet received (None: no sent record)
 
 
 def shown(text: str) -> str:
@@ -120,7 +131,8 @@ def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...
         dispatch, refused = None, shown(str(e))
     for row in dispatch or []:
         row.method, row.mode = shown(row.method), shown(row.mode)
-    return Sample(now, board.name, board.n_slots, ranks, dispatch, refused)
+    flying = in_flight(board.name, board.generation, [r["num_received_reqs"] for r in ranks], trust_uids=trust_uids)
+    return Sample(now, board.name, board.n_slots, ranks, dispatch, refused, flying)
 
 
 # -- the core ----------------------------------------------------------------------------------------
@@ -143,20 +155,31 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(r) == 1 else "ranks ") + ", ".join(str(x) for x in r)
 
 
-def _mean_loads(samples: Sequence[Sample]) -> dict[int, float]:
-    """Per rank LIVE in the last sample: its mean load over the samples in which it was LIVE
-    (total tokens; queued requests where no rank reports tokens)."""
+def _mean_loads(samples: Sequence[Sample]) -> tuple[dict[int, float], float]:
+    """Per rank LIVE in the last sample: its mean load over the samples in which it was LIVE (total
+    tokens; queued and running requests where no rank reports tokens); and the gap between the
+    busiest and the idlest that makes their ratio worth judging (``SKEW_FLOOR_SHARE`` of the ranks'
+    mean KV capacity, ``SKEW_FLOOR_REQUESTS`` in requests or where no rank reports a capacity)."""
     last = samples[-1]
     live = [r["rank"] for r in last.ranks if r["status"] == _LIVE]
     key = "num_total_tokens"
     if not any(s.ranks[k][key] for s in samples for k in live if s.ranks[k]["status"] == _LIVE):
         key = "num_waiting_reqs"
     out = {}
+    capacities = []
     for k in live:
-        values = [s.ranks[k][key] + (s.ranks[k]["num_running_reqs"] if key == "num_waiting_reqs" else 0)
-                  for s in samples if len(s.ranks) > k and s.ranks[k]["status"] == _LIVE]
+        seen = [s.ranks[k] for s in samples if len(s.ranks) > k and s.ranks[k]["status"] == _LIVE]
+        values = [r[key] + (r["num_running_reqs"] if key == "num_waiting_reqs" else 0) for r in seen]
         out[k] = sum(values) / len(values)
-    return out
+        capacities += [r["max_total_num_tokens"] for r in seen if r["max_total_num_tokens"] > 0]
+    if key == "num_total_tokens" and capacities:
+        return out, SKEW_FLOOR_SHARE * sum(capacities) / len(capacities)
+    return out, float(SKEW_FLOOR_REQUESTS)
+
+
+def _one_sided(loads: dict[int, float], ratio: float | None, floor: float) -> bool:
+    """Loads one-sided: max/mean at least SKEWED, and the busiest above the idlest by ``floor``."""
+    return ratio is not None and ratio >= SKEWED and max(loads.values()) - min(loads.values()) >= floor
 
 
 @dataclass
@@ -250,8 +273,9 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                     "restart the scheduler of a gone pid (the new writer takes the slot over); with long steps "
                     "raise the threshold (--stale-after, DPBOARD_STALE_AFTER)", "stale_or_torn"))
 
-    loads = _mean_loads(samples)
+    loads, floor = _mean_loads(samples)
     load_ratio = _ratio(list(loads.values()))
+    skewed = _one_sided(loads, load_ratio, floor)
     disp = _dispatch_over(first, last, dt)
     methods = disp.methods if disp else set()
 
@@ -406,7 +430,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         "ranks or a larger --send-hwm", "fallbacks"))
 
     # -- the method against the loads, and the dispatch against the loads
-    if load_ratio is not None and load_ratio >= SKEWED and methods & set(LOAD_UNAWARE):
+    if skewed and methods & set(LOAD_UNAWARE):
         method = sorted(methods & set(LOAD_UNAWARE))[0]
         if method == "round_robin":
             cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
@@ -433,7 +457,7 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         "method sends many short ones to a few ranks",
                         "compare each rank's num_received_reqs with its engine's own log; if the requests are "
                         "alike, check that each rank's plugin publishes its own engine", "dispatch_vs_load"))
-        elif (dispatch_ratio is not None and dispatch_ratio < EVEN and load_ratio >= SKEWED
+        elif (dispatch_ratio is not None and dispatch_ratio < EVEN and skewed
               and not methods & set(LOAD_UNAWARE)):
             add(Finding("warning", "dispatch even while the loads are one-sided",
                         f"share of requests {window}: {shares}; mean total tokens "
@@ -442,12 +466,38 @@ def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AF
                         "(round_robin, total_requests), or it does not read the loads (a stale board read)",
                         "a token-aware method (total_tokens, inflight_tokens) reading this board",
                         "dispatch_vs_load"))
+    # -- the in-flight count of vLLM's API servers (their sent record): requests never received
+    stuck = _stuck_in_flight(samples)
+    if stuck and dt >= STUCK_WINDOW:
+        add(Finding("warning", f"requests sent and never received on {_ranks(k for k, _ in stuck)}",
+                    f"in flight (sent by the API servers less received by the engine) {window}, the engine's "
+                    f"received count unchanged: " + ", ".join(f"rank {k} {n}" for k, n in stuck),
+                    "the API servers count these requests as in flight to the engine, which never counted them: "
+                    "lost on the way (an engine restarted while they were queued), or an engine that does not "
+                    "count what it receives (its dpboard plugin is off); load-aware dispatch then sees the "
+                    "rank as busier than it is",
+                    "check the engine's log for requests it dropped and that its plugin is on; the count goes "
+                    "back to 0 when the API servers restart (their sent rows begin again)", "inflight_stuck"))
     if disp is not None and disp.counts["requests"] == 0:
         add(Finding("info", "no requests dispatched", f"0 requests {window}",
                     "nothing was sent during the window: the dispatch findings need traffic",
                     "run doctor while the server serves, or with a longer --window", "idle"))
     found.sort(key=lambda f: SEVERITIES.index(f.severity))
     return found
+
+
+def _stuck_in_flight(samples: Sequence[Sample]) -> list[tuple[int, int]]:
+    """(rank, in flight at the end) of the ranks with requests in flight in every sample while their
+    received count did not move: what was sent there is not arriving."""
+    if any(s.in_flight is None for s in samples) or len(samples) < 2:
+        return []
+    first, last = samples[0], samples[-1]
+    out = []
+    for k in range(min(len(last.ranks), len(last.in_flight))):
+        if (all(k < len(s.in_flight) and s.in_flight[k] > 0 for s in samples)
+                and first.ranks[k]["num_received_reqs"] == last.ranks[k]["num_received_reqs"]):
+            out.append((k, last.in_flight[k]))
+    return out
 
 
 def _publish_rate(first: Sample, last: Sample, dt: float) -> float | None:
@@ -486,6 +536,8 @@ def summary(samples: Sequence[Sample]) -> dict[str, Any]:
         rate = next((r for d, r in (disp.refresh_rates if disp else []) if d is row), None)
         entry["refreshes_per_s"] = rate
         out["dispatchers"].append(entry)
+    if last.in_flight is not None:
+        out["in_flight"] = last.in_flight
     if disp is not None and dt > 0:
         total = disp.counts["requests"]
         out["requests_per_s"] = total / dt
@@ -667,6 +719,13 @@ def render(report: dict[str, Any], findings: Sequence[Finding]) -> str:
         lines.append(f"requests {report['requests_per_s']:.1f}/s, per rank {report['per_rank']}, "
                      f"with routed_dp_rank {share(report['routed_share'])}, with bootstrap_room "
                      f"{share(report['room_share'])}")
+    if "in_flight" in report:
+        flying = report["in_flight"]
+        busy = [(k, n) for k, n in enumerate(flying) if n]
+        more = f", {len(busy) - 16} more ranks" if len(busy) > 16 else ""
+        lines.append(f"in flight (sent by the API servers, not yet received): {sum(flying)}"
+                     + (": " + ", ".join(f"rank {k} {n}" for k, n in busy[:16]) + more + ", the others 0"
+                        if busy else " on every rank"))
     faults = [f for f in findings if f.severity != "info"]
     lines.append("")
     notes = len(findings) - len(faults)

@@ -9,6 +9,9 @@ sections the rank carries that ``include`` asks for. A slot maps onto those keys
   the dispatch fields, ``timestamp`` from the write time, ``token_usage`` derived, the detail-only
   scalars 0, ``decode_moments`` null and no section.
 
+``disaggregation.mode`` is the one text field: bytes of it that are not UTF-8 show as U+FFFD (the
+replacement character), and the rank is listed as any other.
+
 Only LIVE ranks are listed. SGLang leaves out a rank that never published; a STALE, TORN or EMPTY
 slot is left out the same way, so that a client that knows only SGLang's keys never takes a dead
 rank for an idle one. What dpboard knows beyond SGLang is added under keys SGLang does not use:
@@ -111,7 +114,9 @@ def sglang_load(load: tuple, detail: tuple) -> dict[str, Any]:
         if flags & DETAIL_FLAG[key]:
             section = {field: detail[_D[f"{key}_{field}"]] for field in DETAIL_SECTIONS[key]._fields}
             if key == "disaggregation":
-                section["mode"] = section["mode"].decode()
+                # a writer's raw bytes: one slot that is not UTF-8 must not take the document down
+                # for every rank, so what does not decode shows as U+FFFD
+                section["mode"] = section["mode"].decode(errors="replace")
             out[key] = section
     return out
 

@@ -9,6 +9,7 @@ plain values (``read_with_status``), so a command that shows them needs no NumPy
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpboard.snapshot import FIELD_NAMES, SlotStatus, token_usage
@@ -33,6 +34,25 @@ def slot_rows(reader: BoardReader) -> list[dict[str, Any]]:
         row["age_s"] = (now_mono - row["monotonic_ns"]) / 1e9 if status.has_snapshot else None
         rows.append(row)
     return rows
+
+
+def in_flight(board: str, generation: int, received: Sequence[int], *,
+              trust_uids: tuple[int, ...] = ()) -> list[int] | None:
+    """Per slot, the requests sent to it and not yet received, over every sender (vLLM's API servers):
+    ``sent - num_received_reqs - base`` from the board's sent record (never below 0), as the senders
+    themselves count it; None where the board has no sent record (none is created: it is read-only)
+    or dpboard refuses the file there. ``received``: each slot's ``num_received_reqs``."""
+    from dpboard.board.sent import read_sent
+    from dpboard.errors import DpboardError
+
+    try:
+        found = read_sent(board, generation=generation, trust_uids=trust_uids)
+    except DpboardError:
+        return None  # a file dpboard does not read (another user's, damaged): no count to show
+    if found is None:
+        return None
+    sent, base = found
+    return [max(0, sent[k] - got - base[k]) if k < len(sent) else 0 for k, got in enumerate(received)]
 
 
 def status_of(row: dict[str, Any]) -> SlotStatus:

@@ -2,7 +2,8 @@
 
 One row per rank (requests, tokens, a KV-usage bar, snapshot age coloured by liveness, writer pid,
 publish rate and a sparkline of the rank's recent total tokens) under a header with the imbalance
-(max / mean of total tokens over live ranks), totals and rates. ``--once`` prints one frame,
+(max / mean of total tokens over live ranks), totals and rates. Where vLLM's API servers keep a
+sent record beside the board, each engine's requests in flight (sent, not yet received) too. ``--once`` prints one frame,
 ``--json`` one frame as JSON; without a terminal the live view prints plain-text frames instead.
 
 Imports the board and rich only: no Numba, no CuPy, so it starts in a fraction of a second.
@@ -156,6 +157,8 @@ def render_header(frame: Frame, width: int | None = None) -> Text:
         f"total tokens {fmt_count(t.get('num_total_tokens'))}", f"active {fmt_count(t.get('num_active_tokens'))}",
         f"publishes/s {fmt_rate(frame.publish_rate)}", f"requests/s {fmt_rate(frame.request_rate)}",
     )]
+    if "in_flight" in t:  # vLLM's API servers' sent record: sent and not yet received, every engine
+        third.append(Text(f"in flight {fmt_count(t['in_flight'])}"))
     lines = [first, second, third]
     if frame.doctor is not None:
         line = header_line(frame.doctor)
@@ -169,19 +172,24 @@ def render_header(frame: Frame, width: int | None = None) -> Text:
 
 # Columns: (title, width, justify). As the terminal narrows, whole columns go, in DROP_ORDER (the
 # history first narrows, down to MIN_HISTORY); RANK and STATE always stay, so rows can be told apart.
+# INFLIGHT (requests sent and not yet received, from the board's sent record) only where one exists.
+INFLIGHT = "INFLIGHT"
 COLUMNS = (
-    ("RANK", 5, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"),
+    ("RANK", 5, "right"), ("STATE", 5, "left"), ("RUN", 6, "right"), ("WAIT", 6, "right"), (INFLIGHT, 8, "right"),
     ("TOTAL TOK", 9, "right"), ("ACTIVE TOK", 10, "right"), ("KV USAGE", BAR_WIDTH + 5, "left"),
     ("AGE", 7, "right"), ("PUB/S", 6, "right"), ("PID", 7, "right"), ("HISTORY (total tokens)", HISTORY_WIDTH, "left"),
 )
-DROP_ORDER = ("HISTORY (total tokens)", "PID", "PUB/S", "ACTIVE TOK", "AGE", "KV USAGE", "TOTAL TOK", "WAIT", "RUN")
+DROP_ORDER = ("HISTORY (total tokens)", "PID", "PUB/S", "ACTIVE TOK", INFLIGHT, "AGE", "KV USAGE", "TOTAL TOK", "WAIT", "RUN")
 MIN_HISTORY = 8
 COLUMN_GAP = 3  # a space of padding each side of a column and the (blank) divider between them
 
 
-def fit_columns(width: int | None, history_width: int = HISTORY_WIDTH) -> list[tuple[str, int, str]]:
-    """The columns shown in ``width`` terminal columns (None: all), with their widths."""
-    cols = [(t, history_width if t.startswith("HISTORY") else w, j) for t, w, j in COLUMNS]
+def fit_columns(width: int | None, history_width: int = HISTORY_WIDTH, *,
+                in_flight: bool = False) -> list[tuple[str, int, str]]:
+    """The columns shown in ``width`` terminal columns (None: all), with their widths; INFLIGHT only
+    with ``in_flight`` (the board has a sent record)."""
+    cols = [(t, history_width if t.startswith("HISTORY") else w, j) for t, w, j in COLUMNS
+            if in_flight or t != INFLIGHT]
     if width is None:
         return cols
 
@@ -203,7 +211,7 @@ def fit_columns(width: int | None, history_width: int = HISTORY_WIDTH) -> list[t
 def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = HISTORY_WIDTH,
                  width: int | None = None) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False, padding=(0, 1))
-    cols = fit_columns(width, history_width)
+    cols = fit_columns(width, history_width, in_flight="in_flight" in frame.totals)
     for title, w, justify in cols:
         table.add_column(title if len(title) <= w else title.split(" (")[0], width=w, min_width=w, max_width=w, justify=justify, no_wrap=True)
     shown = [title for title, _, _ in cols]
@@ -225,6 +233,7 @@ def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = 
             cells = {
                 "RUN": fmt_count(row["num_running_reqs"]),
                 "WAIT": fmt_count(row["num_waiting_reqs"]),
+                INFLIGHT: fmt_count(row.get("in_flight")),
                 "TOTAL TOK": fmt_count(row["num_total_tokens"]),
                 "ACTIVE TOK": fmt_count(row["num_active_tokens"]),
                 "KV USAGE": usage_bar(row["token_usage"]),

@@ -20,7 +20,7 @@ import numpy as np
 from dpboard.board import Board, BoardError, BoardReader, check_stale_after, segment_path, validate_name
 from dpboard.errors import AccessDeniedError, DpboardError, InvalidInputError, NotFoundError
 from dpboard.snapshot import DETAILED_DTYPE, SlotStatus
-from dpboard.views.rows import slot_rows, status_counts, status_of
+from dpboard.views.rows import in_flight, slot_rows, status_counts, status_of
 
 DEFAULT_HISTORY = 32
 
@@ -251,6 +251,13 @@ class BoardWatch:
                 "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
                 "num_active_tokens", "max_total_num_tokens", "num_received_reqs")},
         }
+        # where vLLM's API servers keep a sent record: each engine's requests in flight
+        flying = in_flight(board.name, board.generation, [row["num_received_reqs"] for row in rows],
+                           trust_uids=self.trust_uids)
+        if flying is not None:
+            for row, n in zip(rows, flying, strict=True):
+                row["in_flight"] = n
+            frame.totals["in_flight"] = sum(flying)
         return frame
 
     def _rates(self, frame: Frame, now: float) -> None:

@@ -196,6 +196,33 @@ def test_received_counts_one_sided_while_loads_are_even(board_name):
 
 
 @pytest.mark.timeout(60)
+def test_small_loads_on_a_balanced_deployment_are_not_one_sided(board_name):
+    """A real `vllm serve` with 100 requests split 47/53: mean total tokens 0 and 293 against about 1M
+    capacity each is a max/mean of 2, and was reported as "dispatch even while the loads are
+    one-sided" (exit 1). A gap of 293 tokens in 1M is no imbalance: healthy, exit 0."""
+    with writers(board_name, 2, {
+        0: ["--total", "0", "--used", "0", "--cap", "1048576", "--running", "0", "--recv-rate", "47"],
+        1: ["--total", "293", "--used", "293", "--cap", "1048576", "--running", "1", "--recv-rate", "53"],
+    }):
+        status, report = doctor_json(board_name, 1.5)
+    assert "dispatch_vs_load" not in by_id(report), report["findings"]
+    assert status == 0 and report["healthy"], report["findings"]
+
+
+@pytest.mark.timeout(60)
+def test_loads_one_sided_above_the_floor_are_still_found(board_name):
+    """The same even dispatch with a gap of a fifth of the KV capacity: the finding stays."""
+    with writers(board_name, 2, {
+        0: ["--total", "0", "--used", "0", "--cap", "1048576", "--running", "0", "--recv-rate", "47"],
+        1: ["--total", "200000", "--used", "200000", "--cap", "1048576", "--running", "9", "--recv-rate", "53"],
+    }):
+        status, report = doctor_json(board_name, 1.5)
+    assert status == 1
+    f = by_id(report)["dispatch_vs_load"]
+    assert f["title"] == "dispatch even while the loads are one-sided" and "rank 1 200000" in f["evidence"]
+
+
+@pytest.mark.timeout(60)
 def test_text_report_gives_evidence_cause_and_fix(board_name):
     with writers(board_name, 1, {0: []}):
         res = doctor(board_name, "--window", "0.5")

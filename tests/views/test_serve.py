@@ -317,3 +317,37 @@ def test_a_host_that_cannot_be_listened_on_is_blamed_not_the_port(board_name, ho
                                "--port", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert words in proc.stderr and "--port" not in proc.stderr, proc.stderr
+
+
+def test_a_mode_that_is_not_utf8_leaves_every_rank_served(board_name):
+    """One slot whose disaggregation mode is not UTF-8 (a writer that wrote raw bytes) took
+    /v1/loads down for every rank: UnicodeDecodeError, the connection closed, a traceback per poll.
+    Every rank is served; the bad mode shows as replacement characters."""
+    from dpboard.snapshot import DisaggregationDetail, LoadDetail, pack_detail
+
+    with Board.create(board_name, n_slots=3) as board:
+        writers = [board.writer(rank) for rank in range(3)]
+        for rank, writer in enumerate(writers):
+            writer.publish_detailed(LoadSnapshot(rank, num_running_reqs=rank + 1),
+                                    LoadDetail(disaggregation=DisaggregationDetail(mode="decode")))
+        bad = pack_detail(LoadDetail(disaggregation=DisaggregationDetail(mode="decode", decode_transfer_queue_reqs=4)))
+        bad["disaggregation_mode"] = b"\xff\xfe\xc3("  # bytes no UTF-8 decoder takes
+        writers[1].publish(LoadSnapshot(1, num_running_reqs=2), bad)
+        proc, url = start_server(board_name, "--stale-after", "60")
+        try:
+            polls = [get(f"{url}/v1/loads?include=all") for _ in range(3)]
+            prometheus = get(f"{url}/v1/loads?format=prometheus")
+            doctor = get(f"{url}/v1/doctor")
+        finally:
+            stop(proc)
+        stderr = proc.stderr.read()
+    for status, _, body in polls:
+        doc = json.loads(body)
+        assert status == 200 and [load["dp_rank"] for load in doc["loads"]] == [0, 1, 2], body[:300]
+        modes = [load["disaggregation"]["mode"] for load in doc["loads"]]
+        assert modes[0] == modes[2] == "decode"
+        assert "\ufffd" in modes[1] and "decode" not in modes[1], modes
+        assert doc["loads"][1]["disaggregation"]["decode_transfer_queue_reqs"] == 4
+    assert prometheus[0] == 200 and 'sglang_num_running_reqs{dp_rank="1"} 2' in prometheus[2]
+    assert doctor[0] == 200, doctor[2][:300]
+    assert "Traceback" not in stderr and "UnicodeDecodeError" not in stderr, stderr[-2000:]
