@@ -7,6 +7,7 @@ relay connecting meanwhile was not seen until libzmq's 30 s handshake timeout fr
 from __future__ import annotations
 
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -97,10 +98,32 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
             board.unlink()
 
 
+# Tries to bind the port in argv[1] (as a server does, SO_REUSEADDR) every 2 ms until its stdin closes; says `bound` the first time it can
+# (and keeps the port), else `never` at the end.
+SQUATTER = """
+import select, socket, sys
+port, held = int(sys.argv[1]), None
+while held is None and not select.select([sys.stdin], [], [], 0.002)[0]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers (and libzmq) do
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen(8)
+        held = s
+        print("bound", flush=True)
+    except OSError:
+        s.close()
+sys.stdin.read()
+print("never" if held is None else "held", flush=True)
+"""
+
+
 def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
     """Every fd of the collector's process is taken by something else: libzmq's listener would fail
-    accept with EMFILE in a loop. The guard unbinds for a back-off instead, and binds again; once fds
-    are free a relay gets in."""
+    accept with EMFILE in a loop. The guard stops accepting for a back-off instead, and accepts
+    again; once fds are free a relay gets in. The port stays bound throughout: the back-off used to
+    unbind it, and a process that bound it meanwhile (here a squatter trying every 2 ms, through two
+    back-offs) received the relays' connections while the collector's rebinding failed for good."""
     name0, name1 = new_board_name(), new_board_name()
     board0 = Board.create(name0, n_slots=4)
     board1 = Board.create(name1, n_slots=4, node_id=1)
@@ -124,6 +147,25 @@ def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
         # unguarded: 0.33 here (load average 18); guarded: about 0.003
         assert busy < CPU_BOUND, f"the collector used {busy:.2f} CPU-seconds per second while out of fds"
         assert hog.poll() is None
+        squatter = subprocess.Popen([sys.executable, "-c", SQUATTER, str(port)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+        procs.append(squatter)
+        first = _hog_stats(hog)["pauses"]
+
+        def bound_or_backed_off_twice() -> bool:
+            if squatter.poll() is not None or select.select([squatter.stdout], [], [], 0)[0]:
+                return True
+            s = socket.socket()  # a newcomer each time: the one the collector cannot accept
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            peers.append(s)
+            return _hog_stats(hog)["pauses"] >= first + 2
+
+        assert wait_until(bound_or_backed_off_twice, timeout=30, interval=0.1), "the collector never backed off"
+        squatter.stdin.close()
+        said = read_line(squatter).strip()
+        assert said == "never", f"another process bound the collector's port during its back-off ({said})"
+        squatter.wait(10)
         hog.stdin.write("free\n")
         hog.stdin.flush()
         assert json.loads(read_line(hog)) == {"freed": True}
@@ -152,6 +194,12 @@ def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
         for board in (board0, board1):
             board.close()
             board.unlink()
+
+
+def _hog_stats(hog: subprocess.Popen) -> dict:
+    hog.stdin.write("stats\n")
+    hog.stdin.flush()
+    return json.loads(read_line(hog))
 
 
 def _closed_by_peer(s: socket.socket) -> bool:
