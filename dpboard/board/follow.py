@@ -10,6 +10,8 @@ name, and logs it; its user rebuilds its readers or writers when ``poll()`` says
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,18 @@ if TYPE_CHECKING:
     import logging
 
 DEFAULT_CHECK_INTERVAL = 0.25  # seconds between two looks at the segment's name (a stat and a header read)
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+
+
+def _out_of_fds() -> bool:
+    """Whether this process cannot open a file now: a board it could not look at is then not known
+    to be removed or replaced."""
+    try:
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        return e.errno in _OUT_OF_FDS
+    os.close(fd)
+    return False
 
 
 class BoardFollower:
@@ -62,15 +76,26 @@ class BoardFollower:
         """``poll()`` without the interval: look now."""
         if self.board.is_current():
             return False
+        if _out_of_fds():
+            return self._cannot_look()
         try:
             new = Board.attach(self.name, timeout=0.05, trust_uids=self.trust_uids)
+        except OSError as e:
+            if e.errno in _OUT_OF_FDS:
+                return self._cannot_look()
+            raise
         except NotFoundError:
             self._say(f"board {self.name!r} was removed; still reading the last one until a board of that "
                       f"name is back")
             return False
         except DpboardError as e:
+            if _out_of_fds():
+                return self._cannot_look()
             self._say(f"board {self.name!r} was replaced by one this process cannot use ({e}); still "
                       f"reading the last one")
+            return False
+        if new.generation == self.board.generation and new._identity == self.board._identity:
+            new.close()  # the same board: only the last look failed (e.g. fds ran out meanwhile)
             return False
         if new.n_slots < self.min_slots:
             self._say(f"board {self.name!r} was replaced by one of {new.n_slots} slots, fewer than the "
@@ -86,6 +111,11 @@ class BoardFollower:
         self._said = None
         self.reattached += 1
         return True
+
+    def _cannot_look(self) -> bool:
+        self._say(f"cannot look at board {self.name!r} now: this process is out of fds (raise `ulimit -n`); "
+                  f"still using the one attached")
+        return False
 
     def _log(self) -> Any:
         # logging is imported on the first line logged: the read-only tools that import the board

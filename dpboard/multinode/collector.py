@@ -30,6 +30,7 @@ import argparse
 import errno
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -53,7 +54,9 @@ from dpboard.multinode.owners import (
 )
 from dpboard.multinode.peers import (
     DEFAULT_MAX_PEERS,
+    FD_RESERVE,
     HANDSHAKE_TIMEOUT_MS,
+    MIN_PEERS,
     PeerGuard,
     Proof,
     peer_address,
@@ -95,6 +98,23 @@ MAX_RCVHWM = 10000  # frames; a full queue makes relays drop (and count), never 
 # board's largest frame (at most MAX_RCVHWM frames, at least 16).
 RECEIVE_BUFFER_BYTES = 16 * 2**20
 EXPIRE_EVERY = 1.0  # seconds between two sweeps of silent claims (a frame checks silence on its own)
+REFUSED_LOG_EVERY = 10.0  # seconds between two lines about ranks refused for want of fds
+
+
+def fd_shares(remote_slots: int, max_peers: int | None) -> tuple[int, int]:
+    """How the fds this process has left under RLIMIT_NOFILE (less FD_RESERVE) are shared between
+    the relayed ranks written at once (one fd each: the slot writer's lock) and the connections:
+    ``(ranks, peers)``. Both as asked when they fit; else the ranks get at least half, the
+    connections the rest (at least MIN_PEERS)."""
+    peers = DEFAULT_MAX_PEERS if max_peers is None else max_peers
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return remote_slots, peers
+    left = soft - len(os.listdir("/proc/self/fd")) - FD_RESERVE
+    if remote_slots + peers <= left:
+        return remote_slots, peers
+    ranks = max(1, min(remote_slots, max(left // 2, left - peers)))
+    return ranks, max(MIN_PEERS, left - ranks)
 
 
 def frame_bound(n_slots: int) -> int:
@@ -199,7 +219,11 @@ class Collector:
         self._stats_view: np.ndarray | None = None
         self._own_board = False  # created here: unlinked on close
         self._opened_board = False  # attached or created here (not passed in): closed on close
-        self._writers: dict[int, BoardWriter] = {}
+        self._writers: dict[int, BoardWriter] = {}  # rank -> its writer, while a node holds the rank
+        self.rank_budget = MAX_SLOTS  # writers held at once (set from the fd limit below)
+        self.ranks_refused = 0  # relayed ranks not written: the budget was spent
+        self._refused_since_log: dict[int, set[int]] = {}  # node -> ranks refused since the last line
+        self._next_refused_log = 0.0
         self._follower: BoardFollower | None = None
         self._closed = False
         self.latencies_ns: list[np.ndarray] = []  # with record_latency: receive-side age of each snapshot
@@ -233,8 +257,17 @@ class Collector:
             self._context = zmq.Context() if self._own_context else (context or zmq.Context.instance())
             self._socket = self._bind(bind, curve_secret_key, curve_authorized_keys, rcvhwm)
             self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            # Each relayed rank written costs an fd (its writer's lock) for as long as a node holds
+            # it: the ranks and the connections share what the fd limit leaves.
+            remote = self.n_slots - sum(1 for r in self.local_ranks if r < self.n_slots)
+            self.rank_budget, peers = fd_shares(remote, max_peers)
+            if self.rank_budget < remote:
+                log.warning("%s: writes at most %d relayed ranks at once of the board's %d (one fd each; `ulimit -n` "
+                            "%d, %d connections): a frame's ranks beyond that are not written; raise `ulimit -n` to "
+                            "write them all", bind, self.rank_budget, remote,
+                            resource.getrlimit(resource.RLIMIT_NOFILE)[0], peers)
             # On ipc too: the guard reports each closed connection, which lets go of its claims.
-            self._guard = PeerGuard(self._socket, self.endpoint, max_peers)
+            self._guard = PeerGuard(self._socket, self.endpoint, peers)
             self._init_stats()
         except BaseException:
             self.close()
@@ -334,17 +367,22 @@ class Collector:
             for rank in ranks:
                 if rank in self.local_ranks:
                     raise FrameError(BAD_RANK, f"frame from node {node} names rank {rank}, which node0 writes itself")
+            details = None if frame.details is None else detail_buffers(data, frame)
+            room = self.rank_budget - len(self._writers)
+            new = [i for i, rank in enumerate(ranks) if rank not in self._writers]
+            if len(new) > room:
+                rows, ranks, details = self._within_budget(node, rows, ranks, details, new[max(0, room):])
             taken = self._owners.check(speaker, node, ranks)
             writers = [self._writers.get(rank) or self._writer_for(rank) for rank in ranks]
         except FrameError as e:
             stats[e.reason] += 1
             stats["frames_bad"] += 1
             return 0
-        if frame.details is None:
+        if details is None:
             for writer, row in zip(writers, rows, strict=True):
                 writer.publish_relayed(row)
         else:
-            for writer, row, detail in zip(writers, rows, detail_buffers(data, frame), strict=True):
+            for writer, row, detail in zip(writers, rows, details, strict=True):
                 writer.publish_relayed(row, detail)
         self._owners.accept(speaker, node, ranks, taken)
         if taken:
@@ -357,6 +395,37 @@ class Collector:
         stats["snapshots_ok"] += len(rows)
         stats["last_frame_monotonic_ns"] = now
         return len(rows)
+
+    def _within_budget(self, node: int, rows: list, ranks: list[int], details: list | None,
+                       refused: list[int]) -> tuple[list, list[int], list | None]:
+        """The frame's rows less those at the indices ``refused`` (new ranks beyond the budget of
+        writers): counted, and said at most once per REFUSED_LOG_EVERY."""
+        out = set(refused)
+        self.ranks_refused += len(out)
+        self._refused_since_log.setdefault(node, set()).update(ranks[i] for i in out)
+        self._say_refused()
+        keep = [i for i in range(len(ranks)) if i not in out]
+        return ([rows[i] for i in keep], [ranks[i] for i in keep],
+                None if details is None else [details[i] for i in keep])
+
+    def _say_refused(self) -> None:
+        now = time.monotonic()
+        if not self._refused_since_log or now < self._next_refused_log:
+            return
+        self._next_refused_log = now + REFUSED_LOG_EVERY
+        said = "; ".join(f"node {node}: ranks {_ranges(ranks)}" for node, ranks in sorted(self._refused_since_log.items()))
+        self._refused_since_log = {}
+        log.warning("relayed ranks not written: the collector writes at most %d at once (one fd each, under `ulimit -n` "
+                    "%d; %d held now) and frees one when its node lets go of it: %s (%d refused so far); raise "
+                    "`ulimit -n` to write them", self.rank_budget, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                    len(self._writers), said, self.ranks_refused)
+
+    def _release_writers(self) -> None:
+        """Close the writers of the ranks no node holds any more (their connection closed, their claim
+        went silent, a frame read after its connection closed wrote them): their fds are free again."""
+        gone = [rank for rank in self._writers if self._owners.owner_of(rank) is None]
+        for rank in gone:
+            self._writers.pop(rank).close()
 
     def _writer_for(self, rank: int) -> BoardWriter:
         try:
@@ -420,16 +489,22 @@ class Collector:
 
     def _service(self) -> None:
         """The guard's back-off, the claims of connections that closed, silent claims let go."""
+        released = False
         if self._guard is not None:
             self._guard.service(self.socket)
             for connection in self._guard.take_closed():
                 nodes = self._owners.connection_closed(connection)
+                released = True
                 if nodes:
                     log.info("the connection that spoke for node %s closed: its ranks are free", _ranges(nodes))
         now = time.monotonic()
         if now >= self._next_expire:
             self._next_expire = now + EXPIRE_EVERY
             self._owners.expire()
+            released = True
+        if released:
+            self._release_writers()
+        self._say_refused()
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to ``timeout_ms`` for frames, then drain them."""
@@ -440,12 +515,15 @@ class Collector:
 
     @property
     def peer_stats(self) -> dict[str, int]:
-        """The TCP peer bound: open connections, the cap, and what the guard did (zeros without one)."""
+        """The TCP peer bound: open connections, the cap, and what the guard did (zeros without one);
+        the relayed ranks written now, the most written at once, and those refused beyond it."""
         g = self._guard
+        ranks = {"ranks_written": len(self._writers), "rank_budget": self.rank_budget,
+                 "ranks_refused": self.ranks_refused}
         if g is None:
-            return {"peers": 0, "max_peers": 0, "shed": 0, "accept_failures": 0, "pauses": 0}
+            return {"peers": 0, "max_peers": 0, "shed": 0, "accept_failures": 0, "pauses": 0, **ranks}
         return {"peers": g.open_peers, "max_peers": g.max_peers, "shed": g.shed,
-                "accept_failures": g.accept_failures, "pauses": g.pauses}
+                "accept_failures": g.accept_failures, "pauses": g.pauses, **ranks}
 
     def serve(self, stop: threading.Event | None = None, *, duration: float | None = None,
               poll_ms: int = 100) -> None:
@@ -535,8 +613,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_RELEASE_AFTER:g}); a closed connection lets go of its claims at once")
     p.add_argument("--max-peers", type=count(1, 2**20), default=None,
                    help=f"connections held at once (default {DEFAULT_MAX_PEERS}, and never more than the fds "
-                        f"`ulimit -n` leaves less 64); beyond it those that proved the least are closed first, "
-                        f"an established relay last")
+                        f"`ulimit -n` leaves less 64, shared with the relayed ranks written, one fd each); beyond "
+                        f"it those that proved the least are closed first, an established relay last")
     p.add_argument("--duration", type=seconds(), default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no periodic status line")
 
@@ -557,6 +635,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.quiet and time.monotonic() >= next_report:
                 s, p = collector.stats(), collector.peer_stats
                 print(f"frames {s['frames_ok']} ok, {s['frames_bad']} bad; snapshots {s['snapshots_ok']}; "
-                      f"peers {p['peers']}/{p['max_peers']}, {p['shed']} closed", flush=True)
+                      f"peers {p['peers']}/{p['max_peers']}, {p['shed']} closed; relayed ranks "
+                      f"{p['ranks_written']}/{p['rank_budget']}, {p['ranks_refused']} refused", flush=True)
                 next_report += 5.0
     return 0

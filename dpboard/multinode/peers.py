@@ -16,9 +16,12 @@ is closed with ``shutdown()`` on libzmq's fd, which libzmq then sees as a peer t
 cleans up itself; the guard never closes an fd it does not own, and checks the peer address first
 in case libzmq reused the number.
 
-With nothing to shed when fds run out (they went elsewhere), the guard asks its owner to unbind the
-endpoint for the back-off and bind it again: ``service()``, called from the thread that owns the
-socket, since ZMQ sockets are not thread-safe.
+With nothing to shed when fds run out (they went elsewhere), the guard has libzmq stop accepting for
+a back-off: ``service()``, called from the thread that owns the socket (ZMQ sockets are not
+thread-safe), detaches libzmq's listener and later gives it the same listening socket again
+(``zmq.USE_FD``). The port is never given up: the guard holds a descriptor of the listening socket
+from the start (one fd), so that the kernel keeps it bound and listening while libzmq does not
+look (connections made meanwhile wait in its backlog), and no other process can take the port.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import socket
 import struct
 import threading
@@ -37,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from dpboard.guard import ConnectionGuard, Proof, fd_budget
 
 __all__ = ["DEFAULT_MAX_PEERS", "FD_RESERVE", "HANDSHAKE_TIMEOUT_MS", "MIN_PEERS", "PeerGuard", "Proof",
-           "peer_address", "peer_budget", "set_deadlines"]
+           "hold_listener", "peer_address", "peer_budget", "set_deadlines"]
 
 DEFAULT_MAX_PEERS = 1024
 FD_RESERVE = 64  # fds left for everything else (boards, libzmq's own, accepts not yet seen)
@@ -46,7 +50,7 @@ _TCP_INFO_LEN = 256
 _BYTES_RECEIVED_OFFSET = 128  # struct tcp_info's tcpi_bytes_received (Linux >= 4.1)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
-BACKOFF = (0.1, 2.0)  # seconds unbound: the first pause, and the longest
+BACKOFF = (0.1, 2.0)  # seconds not accepting: the first pause, and the longest
 OUT_OF_FDS_HOLD = 0.05  # seconds between two sheds for EMFILE
 RESTORE_AFTER = 30.0  # seconds without EMFILE before a lowered cap is restored
 _MAX_CLOSED = 65536  # closed connections waiting for the owner to look (it drains them every poll)
@@ -104,6 +108,43 @@ def _has_sent(fd: int) -> bool:
     return struct.unpack_from("Q", info, _BYTES_RECEIVED_OFFSET)[0] > 0
 
 
+def _same_address(endpoint: str, family: int, name: object) -> bool:
+    """Whether a listening socket's ``getsockname()`` is the bound ``endpoint`` (its LAST_ENDPOINT)."""
+    transport, _, rest = endpoint.partition("://")
+    if transport == "ipc":
+        if isinstance(name, bytes):  # an abstract name: libzmq writes its leading NUL as @
+            name = "@" + name[1:].decode(errors="replace")
+        return family == socket.AF_UNIX and name == rest
+    if transport != "tcp" or family not in (socket.AF_INET, socket.AF_INET6) or not isinstance(name, tuple):
+        return False
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    try:
+        return int(port) == name[1] and socket.inet_pton(family, host) == socket.inet_pton(family, name[0])
+    except (ValueError, OSError):
+        return False
+
+
+def hold_listener(endpoint: str) -> int | None:
+    """A descriptor of its own on the listening socket that libzmq bound for ``endpoint`` (None:
+    not found). Held, it keeps the port bound whatever libzmq does with its own descriptor."""
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        try:
+            s = _wrap(fd)
+        except OSError:
+            continue  # not a socket (or closed meanwhile)
+        try:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and _same_address(endpoint, s.family,
+                                                                                        s.getsockname()):
+                return os.dup(fd)
+        except OSError:
+            continue
+        finally:
+            s.detach()
+    return None
+
+
 class PeerGuard:
     """Caps the connections of the bound socket ``sock`` at ``max_peers`` (see the module)."""
 
@@ -122,6 +163,10 @@ class PeerGuard:
         self._paused_until: float | None = None
         self._last_warning = 0.0
         self._stop = threading.Event()
+        self._listener = hold_listener(endpoint)
+        if self._listener is None:
+            log.warning("%s: cannot find the listening socket to hold: when fds run out with no peer to close, "
+                        "libzmq keeps trying to accept", endpoint)
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._thread = threading.Thread(target=self._run, name="dpboard-peer-guard", daemon=True)
         self._thread.start()
@@ -240,31 +285,48 @@ class PeerGuard:
     # -- the owner's thread -----------------------------------------------------------------------
 
     def service(self, sock: zmq.Socket) -> None:
-        """Unbind for a back-off when the guard asked for one, bind again when it is over. Cheap:
-        call it from the owner's loop, in the thread that uses ``sock``."""
+        """Stop accepting for a back-off when the guard asked for one, accept again when it is over
+        (the port stays bound throughout: see the module). Cheap: call it from the owner's loop, in
+        the thread that uses ``sock``."""
         if self._paused_until is None:
             if not self._pause_wanted.is_set():
                 return
             self._pause_wanted.clear()
+            if self._listener is None:
+                return  # nothing holds the port while libzmq lets go of it: never give it up
             try:
-                sock.unbind(self.endpoint)
+                sock.unbind(self.endpoint)  # libzmq closes its descriptor; ours keeps the socket listening
             except zmq.ZMQError:
                 return
             self._paused_until = time.monotonic() + self._paused_for
-            log.warning("%s: out of fds with no peer to close: not accepting for %.1f s", self.endpoint,
-                        self._paused_for)
+            log.warning("%s: out of fds with no peer to close: not accepting for %.1f s (the port stays bound)",
+                        self.endpoint, self._paused_for)
             return
         if time.monotonic() < self._paused_until:
             return
         try:
+            fd = os.dup(self._listener)  # libzmq's own, which it closes when it lets go
+        except OSError as e:
+            self._paused_until = time.monotonic() + self._paused_for
+            log.warning("%s: still out of fds (%s): not accepting for another %.1f s (the port stays bound)",
+                        self.endpoint, e.strerror, self._paused_for)
+            return
+        try:
+            sock.setsockopt(zmq.USE_FD, fd)
             sock.bind(self.endpoint)
         except zmq.ZMQError as e:
+            os.close(fd)
             self._paused_until = time.monotonic() + self.rules.backoff_max
-            log.warning("%s: cannot bind again yet (%s): next try in %.1f s", self.endpoint, e.strerror,
-                        self.rules.backoff_max)
+            log.warning("%s: cannot accept again yet (%s): next try in %.1f s (the port stays bound)",
+                        self.endpoint, e.strerror, self.rules.backoff_max)
             return
+        finally:
+            try:
+                sock.setsockopt(zmq.USE_FD, -1)  # any later bind of this socket makes its own
+            except zmq.ZMQError:
+                pass
         self._paused_until = None
-        self._pause_wanted.clear()  # asked for before the pause: nothing listened since
+        self._pause_wanted.clear()  # asked for before the pause: nothing was accepted since
 
     def close(self, sock: zmq.Socket) -> None:
         self._stop.set()
@@ -274,3 +336,6 @@ class PeerGuard:
         except zmq.ZMQError:
             pass
         self._monitor.close(linger=0)
+        if self._listener is not None:
+            os.close(self._listener)  # the port is free once libzmq's own descriptor closes too
+            self._listener = None

@@ -7,15 +7,21 @@ relay connecting meanwhile was not seen until libzmq's 30 s handshake timeout fr
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
+import zmq
+
 from dpboard import Board, LoadSnapshot, SlotStatus
 from dpboard.multinode.collector import HANDSHAKE_TIMEOUT_MS, Collector
 from dpboard.multinode.relay import Relay
+from dpboard.multinode.wire import RECORD_DTYPE, pack_frame
 from tests.support.flood import SilentFlood, cpu_seconds, limit_fds, open_fds
 from tests.support.names import new_board_name
 from tests.support.procutil import read_line, stop, wait_until
@@ -97,10 +103,32 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
             board.unlink()
 
 
+# Tries to bind the port in argv[1] (as a server does, SO_REUSEADDR) every 2 ms until its stdin closes; says `bound` the first time it can
+# (and keeps the port), else `never` at the end.
+SQUATTER = """
+import select, socket, sys
+port, held = int(sys.argv[1]), None
+while held is None and not select.select([sys.stdin], [], [], 0.002)[0]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers (and libzmq) do
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen(8)
+        held = s
+        print("bound", flush=True)
+    except OSError:
+        s.close()
+sys.stdin.read()
+print("never" if held is None else "held", flush=True)
+"""
+
+
 def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
     """Every fd of the collector's process is taken by something else: libzmq's listener would fail
-    accept with EMFILE in a loop. The guard unbinds for a back-off instead, and binds again; once fds
-    are free a relay gets in."""
+    accept with EMFILE in a loop. The guard stops accepting for a back-off instead, and accepts
+    again; once fds are free a relay gets in. The port stays bound throughout: the back-off used to
+    unbind it, and a process that bound it meanwhile (here a squatter trying every 2 ms, through two
+    back-offs) received the relays' connections while the collector's rebinding failed for good."""
     name0, name1 = new_board_name(), new_board_name()
     board0 = Board.create(name0, n_slots=4)
     board1 = Board.create(name1, n_slots=4, node_id=1)
@@ -124,6 +152,25 @@ def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
         # unguarded: 0.33 here (load average 18); guarded: about 0.003
         assert busy < CPU_BOUND, f"the collector used {busy:.2f} CPU-seconds per second while out of fds"
         assert hog.poll() is None
+        squatter = subprocess.Popen([sys.executable, "-c", SQUATTER, str(port)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+        procs.append(squatter)
+        first = _hog_stats(hog)["pauses"]
+
+        def bound_or_backed_off_twice() -> bool:
+            if squatter.poll() is not None or select.select([squatter.stdout], [], [], 0)[0]:
+                return True
+            s = socket.socket()  # a newcomer each time: the one the collector cannot accept
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            peers.append(s)
+            return _hog_stats(hog)["pauses"] >= first + 2
+
+        assert wait_until(bound_or_backed_off_twice, timeout=30, interval=0.1), "the collector never backed off"
+        squatter.stdin.close()
+        said = read_line(squatter).strip()
+        assert said == "never", f"another process bound the collector's port during its back-off ({said})"
+        squatter.wait(10)
         hog.stdin.write("free\n")
         hog.stdin.flush()
         assert json.loads(read_line(hog)) == {"freed": True}
@@ -152,6 +199,12 @@ def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
         for board in (board0, board1):
             board.close()
             board.unlink()
+
+
+def _hog_stats(hog: subprocess.Popen) -> dict:
+    hog.stdin.write("stats\n")
+    hog.stdin.flush()
+    return json.loads(read_line(hog))
 
 
 def _closed_by_peer(s: socket.socket) -> bool:
@@ -304,3 +357,154 @@ def test_loud_junk_and_a_connection_every_50_ms_never_shed_an_established_relay(
                 s.close()
             for proc in procs:
                 stop(proc)
+
+
+SLOTS_MANY = 1280  # node0's board: more slots than the collector has fds
+RANKS_MANY = 1272  # one plain-TCP peer's frame names all of these (node 1), then the peer closes
+
+
+def test_one_frame_of_many_ranks_takes_a_bounded_share_of_fds_given_back_with_the_claim():
+    """Each rank a relay names costs the collector one fd (its slot writer's lock). One frame naming
+    1,272 ranks from one plain-TCP peer, at `ulimit -n 1024`, used to leave 1,023 of 1,024 fds taken
+    for good once the peer closed; the board then read as "replaced" and a later relay's ranks read
+    LIVE in 37-94 % of reads. Now the collector writes at most its budget of relayed ranks, refuses
+    the rest with one log line, gives the fds back when the connection closes, and a later relay
+    reads LIVE in every read."""
+    name0, name2 = new_board_name(), new_board_name()
+    board2 = Board.create(name2, n_slots=4, node_id=2)
+    procs: list[subprocess.Popen] = []
+    ctx = zmq.Context()
+    publishing = threading.Event()
+    board0 = None
+    try:
+        collector = subprocess.Popen([*CLI, "collect", "--board", name0, "--bind", "tcp://127.0.0.1:*",
+                                      "--n-slots", str(SLOTS_MANY), "--quiet"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=limit_fds(1024))
+        procs.append(collector)
+        endpoint = read_line(collector).split(" owns ")[1].split()[0]
+        board0 = Board.attach(name0)
+        base = open_fds(collector.pid)
+        rec = np.zeros(RANKS_MANY, dtype=RECORD_DTYPE)
+        rec["dp_rank"] = np.arange(SLOTS_MANY - RANKS_MANY, SLOTS_MANY)
+        rec["num_running_reqs"] = 1
+        rec["max_total_num_tokens"] = 100
+        rec["timestamp_ns"] = time.time_ns()
+        rec["publish_seq"] = 1
+        rec["node_id"] = 1
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 5000)
+        push.connect(endpoint)
+        push.send(pack_frame(rec, node_id=1, board=name0, frame_seq=0))
+        assert wait_until(lambda: board0.collector_stats()["frames_ok"] >= 1, timeout=20), board0.collector_stats()
+        held = open_fds(collector.pid)
+        written = board0.collector_stats()["snapshots_ok"]
+        push.close()  # the peer goes: its claims are let go, and the fds with them
+        assert wait_until(lambda: open_fds(collector.pid) <= base + 2, timeout=20), \
+            f"the collector still holds {open_fds(collector.pid)} fds ({base} before the frame)"
+        print(f"fds: {base} before the frame, {held} after it ({written} of {RANKS_MANY} ranks written), "
+              f"{open_fds(collector.pid)} once its peer closed")
+        assert held < 1024 - 64, f"one frame took {held - base} of the collector's 1024 fds"
+        assert 0 < written < RANKS_MANY
+        # a relay of node 2's ranks now: every read of them is LIVE
+        writers = [board2.writer(r) for r in (0, 1, 2, 3)]
+
+        def publish() -> None:
+            k = 0
+            while not publishing.wait(0.02):
+                k += 1
+                for w in writers:
+                    w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
+
+        threading.Thread(target=publish, daemon=True).start()
+        relay = subprocess.Popen([*CLI, "relay", "--board", name2, "--to", endpoint, "--node-id", "2",
+                                  "--remote-board", name0, "--quiet"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(relay)
+        reader = board0.reader(stale_after=2.0)
+        ranks = (0, 1, 2, 3)
+        assert wait_until(lambda: all(reader.status(r) == SlotStatus.LIVE for r in ranks), timeout=20)
+        reads = [all(reader.status(r) == SlotStatus.LIVE for r in ranks) for _ in range(40)
+                 if not publishing.wait(0.05)]
+        assert all(reads), f"node 2's ranks read LIVE in {sum(reads)} of {len(reads)} reads"
+        stop(collector)
+        log = collector.stderr.read()
+        assert "was replaced" not in log, log
+        refused = [line for line in log.splitlines() if "ulimit -n" in line and "node 1" in line]
+        assert len(refused) == 1, log
+    finally:
+        publishing.set()
+        for proc in procs:
+            stop(proc)
+        ctx.destroy(linger=0)
+        board2.close()
+        board2.unlink()
+        if board0 is not None:
+            board0.close()
+        if os.path.exists(f"/dev/shm/dpboard.{name0}"):
+            Board.attach(name0).unlink()
+
+
+# A collector and a relay's frames in one process whose fds then run out (something else took them):
+# the collector keeps writing with the writers it has, and its log says what happened.
+OUT_OF_FDS_SCRIPT = """
+import json, logging, os, resource, sys, time
+import numpy as np, zmq
+from dpboard import Board
+from dpboard.multinode.collector import Collector
+from dpboard.multinode.wire import RECORD_DTYPE, pack_frame
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+name = sys.argv[1]
+rec = np.zeros(2, RECORD_DTYPE)
+rec["dp_rank"] = [2, 3]
+rec["max_total_num_tokens"] = 100
+rec["node_id"] = 1
+with Board.create(name, n_slots=4) as board, Collector(board, "tcp://127.0.0.1:*") as collector:
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(collector.endpoint)
+    def send(k):
+        rec["publish_seq"] = k
+        rec["timestamp_ns"] = time.time_ns()
+        push.send(pack_frame(rec, node_id=1, board=name, frame_seq=k))
+    send(1)
+    deadline = time.monotonic() + 20
+    while collector.stats()["frames_ok"] < 1 and time.monotonic() < deadline:
+        collector.poll(50)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    hoard = []
+    try:
+        while True:
+            hoard.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    reader = board.reader(stale_after=2.0)
+    k, live = 1, []
+    deadline = time.monotonic() + 20
+    while k < 60 and time.monotonic() < deadline:  # 60 frames 20 ms apart: the board's name is looked at 4 times
+        k += 1
+        send(k)
+        time.sleep(0.02)
+        collector.poll(50)
+        live.append(collector.owner_of(2) == 1 and reader.read(3) is not None
+                    and reader.read(3).publish_seq == collector.stats()["frames_ok"])
+    for fd in hoard:
+        os.close(fd)
+    print(json.dumps({"frames": collector.stats()["frames_ok"], "sent": k, "live": sum(live), "reads": len(live)}))
+    push.close(0)
+"""
+
+
+def test_a_collector_out_of_fds_says_so_and_never_that_its_board_was_replaced():
+    """Its fds taken by something else, a collector's look at its board's name failed, and the log said
+    the board "was replaced" (by one the process "cannot use"): the collector then dropped its writers
+    and its nodes' claims, and relayed ranks read LIVE in part of the reads only. Now the log says
+    that the process is out of fds, and the collector keeps writing every frame with the writers it has."""
+    name = new_board_name()
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_FDS_SCRIPT, name], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    print(result)
+    assert "was replaced" not in proc.stderr, proc.stderr
+    assert "out of fds" in proc.stderr
+    assert result["frames"] == result["sent"] and result["live"] == result["reads"], result

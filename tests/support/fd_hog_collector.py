@@ -2,8 +2,8 @@
 
 Lowers its RLIMIT_NOFILE to LIMIT, starts a Collector on a free loopback port (printed as JSON), then
 opens /dev/null until ``open`` fails, so that every accept of the collector's listener fails with
-EMFILE. It serves until stdin closes; the line ``free`` closes the hoarded fds first. At the end it
-prints the guard's counters as JSON.
+EMFILE. It serves until stdin closes; the line ``free`` closes the hoarded fds first, the line
+``stats`` prints the guard's counters as JSON. At the end it prints them too.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def main(board: str, limit: int) -> None:
                 line = sys.stdin.readline()
                 if not line:
                     break
+                if line.strip() == "stats":
+                    print(json.dumps(collector.peer_stats), flush=True)
+                    continue
                 for fd in hoard:
                     os.close(fd)
                 hoard.clear()
