@@ -346,6 +346,22 @@ static PyObject *writer_publish_paused(SlotWriter *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* retire(): the writer leaves its slot, saying so at once: under the seqlock, monotonic_ns becomes
+   0, a stamp no reader takes for a recent one, so the slot reads STALE from the next read on (not
+   after stale_after) and holds its last fields for whoever reads them. Every other word is kept. */
+static PyObject *writer_retire(SlotWriter *self, PyObject *unused) {
+    if (writer_open(self) < 0) return NULL;
+    uint64_t *seq = (uint64_t *)self->slot;
+    int64_t *fields = (int64_t *)(self->slot + FIELDS_OFFSET);
+    uint64_t s = self->local_seq;
+    __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&fields[F_MONOTONIC_NS], (int64_t)0, __ATOMIC_RELAXED);
+    __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE);
+    self->local_seq = s + 2;
+    Py_RETURN_NONE;
+}
+
 static PyObject *writer_get_slot_address(SlotWriter *self, void *closure) {
     if (writer_open(self) < 0) return NULL;
     return PyLong_FromVoidPtr(self->slot);
@@ -379,6 +395,8 @@ static PyMethodDef writer_methods[] = {
      "publish_relayed(snapshot, detail=None): copy a snapshot from another node, stamping only monotonic_ns."},
     {"_publish_paused", (PyCFunction)writer_publish_paused, METH_VARARGS,
      "Test-only: publish with a pause (seconds) in the middle of the write."},
+    {"retire", (PyCFunction)writer_retire, METH_NOARGS,
+     "retire(): say the writer leaves: the slot reads STALE from the next read on (its stamp 0)."},
     {"_release", (PyCFunction)writer_release, METH_NOARGS,
      "_release(): refuse every later write and drop this writer's hold on the board mapping."},
     {NULL}};

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpboard.board.errors import BoardLayoutError
-from dpboard.board.liveness import process_alive
+from dpboard.board.liveness import process_alive, process_exited
 from dpboard.board.names import MAX_SLOTS
 from dpboard.snapshot import HEADER_LAYOUT, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE, segment_size
 
@@ -31,7 +31,9 @@ class BoardHeader:
 
     @property
     def creator_alive(self) -> bool:
-        return process_alive(self.creator_pid, self.creator_start_ticks)
+        """Its creator runs with the recorded start time and has not exited (a zombie, killed and
+        not yet reaped, holds nothing)."""
+        return process_alive(self.creator_pid, self.creator_start_ticks) and not process_exited(self.creator_pid)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "creator_alive": self.creator_alive}

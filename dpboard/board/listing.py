@@ -72,17 +72,27 @@ class BoardListing:
         (None: not a readable board)."""
         if self.header is None:
             return None
-        return self.recently_published or self.held or bool(self.creator_alive)
+        return self.in_use() is not None
 
-    def why_alive(self) -> str:
+    def in_use(self, *, besides: int = 0) -> str | None:
+        """Why the board is alive, or None when it is abandoned: the one rule for "gone" (``dpboard
+        clean``'s, the vLLM plugin's exit paths'). ``besides``: a pid that does not count as its
+        creator (this process, leaving it; its own locks given up first). None too for an entry that
+        is not a readable board (``clean`` decides about those on its own)."""
+        if self.header is None:
+            return None
         if self.recently_published:
             return (f"a slot was published {self.last_publish_age:.3g} s ago (within {self.stale_after:g} s), "
                     f"whatever its creator pid says")
         if self.held:
             return ("a live process holds its lock (its creator, or a slot's writer), whatever its creator pid "
                     "and start time read as from here")
-        assert self.header is not None
-        return f"its creator (pid {self.header.creator_pid}) is alive"
+        if self.header.creator_pid != besides and self.creator_alive:
+            return f"its creator (pid {self.header.creator_pid}) is alive"
+        return None
+
+    def why_alive(self) -> str:
+        return self.in_use() or "it is not"
 
 
 def _damage(header: BoardHeader, size: int) -> str | None:
@@ -195,9 +205,10 @@ def clean_boards(name: str | None = None, *, force: bool = False,
                     ) from None
                 removed.append(entry.name)
             continue
-        if entry.alive and not force:
+        why = entry.in_use()
+        if why is not None and not force:
             if name is not None:
-                raise BoardError(f"board {name!r} is in use: {entry.why_alive()}; stop it first, or pass --force")
+                raise BoardError(f"board {name!r} is in use: {why}; stop it first, or pass --force")
             continue
         # Only the incarnation that was listed: a board re-created since then under that name stays.
         if unlink_if_generation("/" + SEGMENT_PREFIX + entry.name, entry.header.generation):

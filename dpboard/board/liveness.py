@@ -8,6 +8,6 @@ rule itself lives in ``dpboard.ownership``, whose lock files name their owners t
 
 from __future__ import annotations
 
-from dpboard.ownership import process_alive, process_start_ticks
+from dpboard.ownership import process_alive, process_exited, process_start_ticks
 
-__all__ = ["process_alive", "process_start_ticks"]
+__all__ = ["process_alive", "process_exited", "process_start_ticks"]

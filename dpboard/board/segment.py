@@ -40,7 +40,7 @@ from dpboard.board.seqlock import (
 )
 from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
-from dpboard.ownership import check_owned, describe_owner, lock_range
+from dpboard.ownership import check_owned, describe_owner, lock_range, range_held
 from dpboard.snapshot import (
     COLLECTOR_STATS_FIELDS,
     COLLECTOR_STATS_OFFSET,
@@ -111,7 +111,9 @@ def _unlink_at_exit(seg: str, generation: int, pid: int) -> None:
 _creator_locks: dict[int, int] = {}
 
 
-def _drop_creator_lock(generation: int) -> None:
+def drop_creator_lock(generation: int) -> None:
+    """Give up this process's creator lock of the board of ``generation`` (it removes the board, or
+    leaves it to the processes that still use it: its own lock is then no proof of anybody's life)."""
     fd = _creator_locks.pop(generation, None)
     if fd is not None:
         os.close(fd)
@@ -134,6 +136,68 @@ def _slot_lock(name: str, identity: tuple[int, int], offset: int) -> int | None:
         return fd
     os.close(fd)
     return None
+
+
+LOCK_CHECK_INTERVAL = 0.05  # seconds: how often a dispatcher looks at the slots' writer locks, at most
+
+
+class SlotLocks:
+    """The slots whose writer is gone, by the writer's lock on its slot: a writer holds an OFD lock on
+    its slot's bytes for as long as it writes it, and the kernel drops it when the writer dies
+    (SIGKILL included) or gives the slot up. A dispatcher skips such a slot at once rather than
+    after the stale threshold, whatever its last stamp says.
+
+    ``refresh()`` looks at the locks (one ``F_OFD_GETLK`` per slot) at most every ``interval``
+    seconds, and costs one clock read otherwise; ``gone`` holds the ranks found without a writer,
+    the same tuple object while nothing changes. ``demote(status, positions)`` turns LIVE into STALE
+    in a read's status column for those ranks: nothing is allocated when no writer is gone."""
+
+    def __init__(self, name: str, identity: tuple[int, int], n_slots: int, *,
+                 interval: float = LOCK_CHECK_INTERVAL) -> None:
+        self.n_slots = n_slots
+        self.interval = check_stale_after(interval, "interval")
+        self.gone: tuple[int, ...] = ()
+        self._next = 0.0
+        self._fd = -1
+        try:
+            fd = os.open(SHM_DIR / segment_name(name)[1:], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # removed meanwhile: nothing to look at, nobody is taken for gone
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            os.close(fd)  # another board under that name now: its locks say nothing of ours
+            return
+        self._fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def refresh(self, now: float | None = None) -> tuple[int, ...]:
+        """Look at the locks again when ``interval`` has passed since the last look; ``gone``."""
+        if self._fd < 0:
+            return self.gone
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return self.gone
+        self._next = now + self.interval
+        fd = self._fd
+        gone = tuple(rank for rank in range(self.n_slots) if not range_held(fd, slot_offset(rank), SLOT_SIZE))
+        if gone != self.gone:
+            self.gone = gone
+        return self.gone
+
+    def demote(self, status: Any, positions: Any = None) -> None:
+        """``status[i] = STALE`` where it is LIVE and slot ``positions[rank]`` (or ``rank``) has no writer."""
+        for rank in self.gone:
+            i = rank if positions is None else positions.get(rank)
+            if i is not None and status[i] == _LIVE_CODE:
+                status[i] = _STALE_CODE
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._close()
+            self._fd = -1
+
+
+_LIVE_CODE, _STALE_CODE = int(SlotStatus.LIVE), int(SlotStatus.STALE)
 
 
 def read_segment_header(seg: str) -> BoardHeader | None:
@@ -252,7 +316,7 @@ class Board:
             if mapping is not None:
                 mapping.close()
             shm.unlink()  # not a board yet (no magic): leave no segment behind
-            _drop_creator_lock(header.generation)
+            drop_creator_lock(header.generation)
             raise
         finally:
             shm.close_fd()
@@ -324,7 +388,7 @@ class Board:
         """Remove the segment's name; processes that have it mapped keep working until they close."""
         if not self._unlinked:
             unlink_if_generation(segment_name(self._name), self._header.generation)
-            _drop_creator_lock(self._header.generation)
+            drop_creator_lock(self._header.generation)
             self._unlinked = True
             remove_if_abandoned(self._name, leaving=True)  # its dispatch record, once no other dispatcher of it runs
 
@@ -464,6 +528,11 @@ class Board:
         )
         r.board_name = self._name
         return r
+
+    def slot_locks(self, *, interval: float = LOCK_CHECK_INTERVAL) -> SlotLocks:
+        """Which slots' writers are gone by their locks, looked at every ``interval`` seconds at most
+        (``SlotLocks``): what a dispatcher checks beside the slots' stamps."""
+        return SlotLocks(self._name, self._identity, self.n_slots, interval=interval)
 
     # -- the collector's statistics -------------------------------------------------------------
 

@@ -81,6 +81,18 @@ class BoardWriter(_seqlock.SlotWriter):
             self._drop_lock()
             self._release()
 
+    def leave(self) -> None:
+        """Say that this writer leaves, then ``close()``: the slot reads STALE from the next read on
+        (its monotonic stamp 0, written under the seqlock; its last fields kept), not once the stale
+        threshold has passed, so readers and dispatchers stop picking it at once. Only a slot that is
+        still this writer's is marked (never one another process has taken over)."""
+        with live_writers_lock:
+            if self._claim is not None and not self.closed:
+                mapping, offset, mine, _ = self._claim
+                if slot_owner(mapping, offset) == mine:
+                    self.retire()
+        self.close()
+
     def _drop_lock(self) -> None:
         """Give the slot's lock up (its descriptor closed), once this writer is done with the slot."""
         if self._lock is not None:

@@ -55,7 +55,7 @@ SEQ_WORD, HOLDER_WORD = 0, 1  # the first two words of every row
 ATTACH_LOCK = (56, 8)  # (offset, length) in the header: the bytes every process that has it open locks
 OPEN_ATTEMPTS = 50  # a record replaced or removed while we open it: open again, this many times at most
 FLOCK_TRIES = 1000  # 1 ms apart: a replacer or an attacher holds the flock a moment at most
-HEADER_WAIT = 5.0  # seconds an attacher waits for a creator's magic
+HEADER_WAIT = 5.0  # seconds an attacher waits for the magic of a file an older dpboard is creating
 BASE_HEADER = {  # the fields every side record's header starts with
     "names": ["magic", "version", "rows", "slots", "row_size", "creator_pid"],
     "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<i8"],
@@ -159,17 +159,20 @@ def read_header(fmt: SideFormat, fd: int, path: str, *, wait: float = 0.0) -> tu
 def _create(fmt: SideFormat, path: str, board: str, rows: int, slots: int,
             fields: dict[str, int]) -> tuple[int, mmap.mmap] | None:
     """(fd, mapping) of a new record at ``path``, its attach lock held, or None when one exists.
-    Every page is reserved before the first touch: on a full /dev/shm that is an error here, never
-    a SIGBUS later."""
+
+    The record is made whole before anybody can open it: an unnamed file in the directory
+    (``O_TMPFILE``), its pages reserved (on a full /dev/shm that is an error here, never a SIGBUS
+    later), its attach lock taken and its header written, is then given its name with ``linkat``,
+    which fails when the name exists. So a record at ``path`` always has a whole header and a
+    holder, and no attacher ever waits for a creator, or takes a slow one's file for a dead one's
+    and replaces it (two processes would then hold one row in two files)."""
+    size = fmt.size(rows, slots)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return None
+        fd = os.open(os.path.dirname(path), os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600)
     except PermissionError:
         raise AccessDeniedError(f"cannot create the {fmt.what} {path} of board {board!r}: permission denied "
                                 f"in {SHM_DIR}") from None
     mapping = None
-    size = fmt.size(rows, slots)
     try:
         os.fchmod(fd, 0o600)  # exact, whatever the umask
         reserve_pages(fd, size, f"the {fmt.what} of board {board!r}")
@@ -183,16 +186,37 @@ def _create(fmt: SideFormat, path: str, board: str, rows: int, slots: int,
         for name, value in fields.items():
             header[name] = value
         del header
-        mapping[0:8] = fmt.magic  # last: an attacher that sees the magic sees a whole header
-    except BaseException:
-        if mapping is not None:
-            mapping.close()
+        mapping[0:8] = fmt.magic
         try:
-            os.unlink(path)  # not a record yet: leave nothing behind
-        finally:
+            _link_unnamed(fd, path)
+        except FileExistsError:
+            mapping.close()
             os.close(fd)
+            return None
+        except PermissionError:
+            raise AccessDeniedError(f"cannot create the {fmt.what} {path} of board {board!r}: permission "
+                                    f"denied in {SHM_DIR}") from None
+    except BaseException:
+        if mapping is not None and not mapping.closed:
+            mapping.close()
+        if fd >= 0:
+            try:
+                os.close(fd)  # unnamed: nothing is left behind
+            except OSError:
+                pass
         raise
     return fd, mapping
+
+
+def _link_unnamed(fd: int, path: str) -> None:
+    """Give the unnamed file open at ``fd`` the name ``path``; FileExistsError when it exists. The
+    link /proc/self/fd/N is followed (linkat with AT_SYMLINK_FOLLOW: a directory descriptor makes
+    Python call linkat, not link, which would not follow it)."""
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+    finally:
+        os.close(proc)
 
 
 def _flock(fd: int, how: int, path: str, fmt: SideFormat) -> None:
@@ -426,6 +450,11 @@ def _attach(fmt: SideFormat, fd: int, path: str, board: str, rows: int, slots: i
                 f"needs {rows} and {slots}")
             raise BoardLayoutError(f"{fmt.what} {path} of board {board!r} {why}; it belongs to another user: "
                                    f"have them remove it")
+        if isinstance(found, str) and range_held(fd, *ATTACH_LOCK):
+            # a creator makes a record whole before naming it: one without a whole header that a live
+            # process has open is another dpboard's, never a dead creator's, and is not replaced
+            raise BoardLayoutError(f"{fmt.what} {path} of board {board!r} {found}, and a live process has it "
+                                   f"open; stop the processes of that board first")
         if fresh:
             header = found[0]
             shape = (int(header["rows"]), int(header["slots"]))

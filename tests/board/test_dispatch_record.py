@@ -229,6 +229,20 @@ def _main(board: str, role: str, rows: int = 1, index: int = 0, gate: str = "") 
     import time
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if role == "slow":
+        # a creator descheduled for longer than an attacher waits for a header (a loaded machine):
+        # held up right after it has a file, before it writes the header
+        from dpboard.board import side_record
+
+        reserve = side_record.reserve_pages
+
+        def held_up(*args, **kwargs):
+            print("creating", flush=True)
+            time.sleep(side_record.HEADER_WAIT + 1)
+            return reserve(*args, **kwargs)
+
+        side_record.reserve_pages = held_up
+        role = "race"
     record = DispatchRecord.open(board, rows, SLOTS)
     if role == "race":  # once the gate file appears, every racer claims every row, in the same order
         print("ready", flush=True)
@@ -454,6 +468,75 @@ def test_of_eight_processes_racing_for_a_row_exactly_one_is_granted_it(board_nam
     from dpboard.board.dispatch_record import remove_if_abandoned
 
     assert remove_if_abandoned(board_name)  # every holder killed: abandoned, and removed
+
+
+def test_a_creator_held_up_before_its_header_keeps_its_file_and_no_row_is_granted_twice(board_name, tmp_path):
+    """The first process to open the record is held up (longer than an attacher waits for a header)
+    between making the file and writing its header; seven more open it meanwhile. However late the
+    first one's header comes, every process ends up in one file: each row goes to exactly one."""
+    gate = tmp_path / "go"
+    rows = 4
+    slow = subprocess.Popen([sys.executable, "-m", "tests.board.test_dispatch_record", board_name, "slow", str(rows),
+                             "0", str(gate)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    racers = [slow]
+    try:
+        assert read_line(slow, 30).startswith("creating")
+        racers += [_writer(board_name, "race", str(rows), "0", str(gate)) for _ in range(7)]
+        assert read_line(slow, 30).startswith("ready")
+        gate.touch()
+        granted = {p.pid: [int(w) for w in read_line(p, 30).split() if w != "-"] for p in racers}
+        per_row = sorted(i for got in granted.values() for i in got)
+        assert per_row == list(range(rows)), granted  # no row granted twice, none left out
+    finally:
+        for p in racers:
+            kill(p)
+    from dpboard.board.dispatch_record import remove_if_abandoned
+
+    assert remove_if_abandoned(board_name)
+
+
+def _round_racer(board, barrier, results, rounds):
+    """One of the processes racing, round after round, to open the record, claim its one row, and close
+    it (the last one out removes it, the next round's first one makes it again)."""
+    for k in range(rounds):
+        barrier.wait(timeout=120)
+        record = None
+        try:
+            record = DispatchRecord.open(board, 1, SLOTS)
+            record.row(0, method="round_robin")
+            results.put((k, os.getpid(), True))
+        except DpboardError:
+            results.put((k, os.getpid(), False))
+        barrier.wait(timeout=120)  # every winner still holds its row while the others try
+        if record is not None:
+            record.close()
+
+
+def test_eight_processes_opening_claiming_and_closing_round_after_round_never_share_a_row(board_name):
+    """Eight processes open the record, claim its row and close it, all at once, 300 rounds: records
+    are made, attached and removed under each other, and each round's row goes to one process."""
+    import multiprocessing
+
+    rounds, n = 300, 8
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_round_racer, args=(board_name, barrier, results, rounds)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=120) for _ in range(n * rounds)]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    winners: dict[int, list[int]] = {}
+    for k, pid, won in got:
+        if won:
+            winners.setdefault(k, []).append(pid)
+    assert {k: w for k, w in winners.items() if len(w) != 1} == {}
+    assert len(winners) == rounds  # and none went to nobody
+    assert not os.path.exists(dispatch_record_path(board_name))  # the last one out of the last round removed it
 
 
 def test_a_row_left_odd_by_a_killed_dispatcher_is_made_consistent_by_the_next(board_name):

@@ -6,7 +6,9 @@ DPBOARD_VLLM_BOARD), and an engine core of DP rank RANK of DP (tests/support/vll
 own step and scheduler, the model a stand-in whose every step takes 5 ms as a model's would). Its stdin plays the input socket: one JSON request a line,
 ``{"id": ..., "tokens": N, "max_tokens": M}``, handed to the engine as its input thread does (an
 ``ADD`` on ``input_queue``); its stdout plays the output socket: ``{"finished": [ids]}`` per outputs
-message that finishes any. ``{"ready": true}`` first, once the busy loop waits for work.
+message that finishes any. ``{"ready": true}`` first, once the busy loop waits for work. SIGTERM asks
+it to shut down as vLLM's ``run_engine_core`` does; ``{"stopped": true}`` once its busy loop has
+ended, then ``TEARDOWN`` seconds (vLLM's teardown) before its ``shutdown()``.
 
 ``serve(rank, dp, input_address, output_address)`` runs the same engine core as the target of a
 process vLLM's way (``multiprocessing`` spawn, as ``CoreEngineProcManager`` starts engine cores) and
@@ -21,10 +23,14 @@ cannot be built without torch (msgspec refuses the stand-in ``torch.Tensor`` fie
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
+import time
 
 from tests.support import vllm as sv
+
+TEARDOWN = 3.0  # seconds between the busy loop's end and shutdown(), as vLLM's teardown takes
 
 
 def _engine(rank: int, dp: int):
@@ -56,10 +62,28 @@ def main() -> int:
                 continue
             print(json.dumps({"finished": sorted(outputs.finished_requests)}), flush=True)
 
+    def asked_to_stop(signum: int, frame: object) -> None:
+        # what vLLM's run_engine_core does at SIGTERM: a shutdown requested, the idle loop woken
+        from vllm.v1.engine import EngineCoreRequestType
+        from vllm.v1.engine.core import EngineShutdownState
+
+        engine.shutdown_state = EngineShutdownState.REQUESTED
+        engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    signal.signal(signal.SIGTERM, asked_to_stop)
     threading.Thread(target=intake, daemon=True).start()
     threading.Thread(target=output, daemon=True).start()
     print(json.dumps({"ready": True}), flush=True)
-    engine.run_busy_loop()
+    try:
+        engine.run_busy_loop()
+    except SystemExit:
+        pass
+    # the busy loop has ended: the engine reads no more requests; then vLLM's teardown (workers,
+    # process groups: seconds in a real deployment, TEARDOWN here) before its shutdown()
+    sys.stdout.write(json.dumps({"stopped": True}) + "\n")
+    sys.stdout.flush()
+    time.sleep(TEARDOWN)
+    engine.shutdown()
     return 0
 
 

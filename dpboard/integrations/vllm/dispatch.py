@@ -31,6 +31,12 @@ and logged at the 1st, 10th, 100th... time, the first with its traceback. ``shut
 vLLM's) closes the server's rows; the last process of the deployment out removes the board and its
 records (leaving.py).
 
+An engine that leaves says so on the board (its slot reads STALE at once: engine_core.py); one
+killed outright loses its slot's writer lock with its life, and ``GlobalInflightReader`` looks at
+the slots' locks at its refreshes (``SlotLocks``: every ``LOCK_CHECK_INTERVAL``, 50 ms, at most; no
+system call per pick) and reads a LIVE slot without a writer as STALE, so the dispatcher leaves
+that engine at once rather than after the stale threshold.
+
 The in-flight count that every server sees is global: ``GlobalInflightReader`` adds to each
 engine's waiting requests ``sum over the sent record's rows - the engine's num_received_reqs``
 (never below 0), and to its queued tokens that many times the mean tokens of the requests sent to
@@ -53,6 +59,7 @@ import numpy as np
 
 from dpboard.board import Board, BoardReader
 from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
+from dpboard.board.segment import SlotLocks
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
@@ -82,11 +89,15 @@ class GlobalInflightReader:
     in flight to it from every sender added to its waiting requests and its queued tokens."""
 
     def __init__(self, reader: BoardReader, sent: SentRecord, ranks: Sequence[int],
-                 row: SentWriter | None = None) -> None:
+                 row: SentWriter | None = None, locks: SlotLocks | None = None) -> None:
         self._reader = reader
+        # the slots' writer locks, looked at every LOCK_CHECK_INTERVAL at most: an engine killed
+        # outright is left at the next refresh, not after the stale threshold
+        self._locks = locks
         self._sent = sent
         self._row = row  # where this server shares its base with servers that start later
         self._ranks = np.asarray(ranks, np.intp)
+        self._positions = {int(rank): i for i, rank in enumerate(self._ranks)}
         n = len(self._ranks)
         # the client manages every slot, in order (one API server over all engines): read straight in
         self._whole_board = n == reader.n_slots and bool((self._ranks == np.arange(n)).all())
@@ -123,6 +134,9 @@ class GlobalInflightReader:
         else:
             self._reader.read_array(self._board)
             np.take(self._board, self._ranks, out=recs)
+        locks = self._locks
+        if locks is not None and locks.refresh():
+            locks.demote(status, self._positions)
         np.take(self._sent.totals(self._totals), self._ranks, axis=0, out=self._sent_rows)
         sent, tokens, base, diff, flags = self._sent_reqs, self._sent_tokens, self._base, self._diff, self._flags
         self.any_live = bool(np.equal(status, _LIVE, out=flags).any())
@@ -178,7 +192,8 @@ class ClientDispatch:
         if outside:
             raise InvalidInputError(f"vLLM engines of DP ranks {outside} have no slot on board {board.name!r} "
                                     f"({board.n_slots} slots)")
-        self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks, row)
+        self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks, row,
+                                           board.slot_locks())
         self.tally = tally  # this server's row of the dispatch record (dpboard doctor), published per refresh
         reader = self.reader if tally is None else TickingReader(self.reader, tally)
         # a MoE model's engines step together (DPEngineCoreProc): auto picks inflight_lockstep, whose
@@ -256,6 +271,8 @@ class ClientDispatch:
         except Exception:
             log.exception("dpboard: the sent record of board %r was not closed cleanly", self.board.name)
         name = self.board.name
+        if self.reader._locks is not None:
+            self.reader._locks.close()
         self.board.close()
         _open_here[name] -= 1
         if not _open_here[name]:

@@ -36,9 +36,16 @@ An idle engine core blocks on its input queue and runs no step; a daemon thread 
 snapshot every ``HEARTBEAT_INTERVAL`` while that snapshot shows nothing running or waiting, so an
 idle engine stays LIVE on the board, and one whose process is gone or stuck in a step goes STALE.
 
-When the engine core shuts down (``shutdown``, which vLLM's ``run_engine_core`` calls on its way out,
-SIGTERM and SIGINT included) it gives up its slot, and the last engine core of the board to leave
-removes the board: vLLM starts engine cores with ``fork``, whose children never run ``atexit``.
+As soon as the engine core is asked to shut down (``_handle_shutdown``, which its busy loop asks
+first in every round, sees a shutdown requested: SIGTERM, SIGINT, a client's; or the loop ends; or
+``shutdown`` is called), it leaves its slot, saying so: the slot reads STALE from the next read on
+(``BoardWriter.leave``), the heartbeat stops first under the writer's lock, and nothing publishes
+into it again, so the API servers stop picking an engine that takes no new request. Then, in
+``shutdown`` (which vLLM's ``run_engine_core`` calls on its way out), the last engine core of the
+board to leave removes the board: vLLM starts engine cores with ``fork``, whose children never run
+``atexit``. An engine core killed outright (SIGKILL, the OOM killer) loses its slot's lock with its
+life; the API servers' dispatch looks at the slots' locks at every board refresh (at most every
+``LOCK_CHECK_INTERVAL``, 50 ms) and leaves a slot without a writer at once (dispatch.py).
 
 dpboard never fails an engine: an exception in the publisher is logged once, with its traceback, and
 that engine core publishes no more (its slot goes STALE, so the API servers' picks leave it).
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -86,6 +94,9 @@ def patch(cls: type, add: Any, support: Support = SUPPORTED["0.33"]) -> None:
     original_step = cls._process_engine_step
     original_wait = cls._process_input_queue
     original_shutdown = cls.shutdown
+    original_handle_shutdown = cls._handle_shutdown
+    running = getattr(sys.modules.get(cls.__module__), "EngineShutdownState", None)
+    running = getattr(running, "RUNNING", None)
 
     def _handle_client_request(self: Any, request_type: Any, request: Any) -> None:
         if request_type is add:
@@ -115,7 +126,17 @@ def patch(cls: type, add: Any, support: Support = SUPPORTED["0.33"]) -> None:
             guarded(self, None)
         return original_wait(self)
 
+    def _handle_shutdown(self: Any) -> bool:
+        # the busy loop asks this first in every round: once a shutdown is asked for (SIGTERM, SIGINT,
+        # a client's), the engine takes no new request, so its slot says it leaves, before the loop's
+        # last rounds and the teardown, while the heartbeat could still keep it LIVE
+        going_on = original_handle_shutdown(self)
+        if not going_on or getattr(self, "shutdown_state", running) != running:
+            leave_slot(self)
+        return going_on
+
     def shutdown(self: Any) -> None:
+        leave_slot(self)  # at once: vLLM's teardown (workers, process groups) takes a while
         try:
             return original_shutdown(self)
         finally:
@@ -126,6 +147,7 @@ def patch(cls: type, add: Any, support: Support = SUPPORTED["0.33"]) -> None:
     for name in support.input_thread_answers:
         setattr(cls, name, answered_by_input_thread(name))
     cls._process_engine_step = _process_engine_step
+    cls._handle_shutdown = _handle_shutdown
     cls.shutdown = shutdown
     cls._dpboard_patched = True
 
@@ -155,6 +177,18 @@ def stop_publishing(engine: Any) -> None:
             publisher.close()
         except Exception:  # noqa: BLE001 - closing what already failed: nothing more to say
             pass
+
+
+def leave_slot(engine: Any) -> None:
+    """The engine core is on its way out (its busy loop ends, or vLLM shuts it down): its slot says so
+    at once (``EnginePublisher.leave``) and nothing republishes it. Never raises into vLLM."""
+    publisher = engine.__dict__.get(STATE)
+    if not isinstance(publisher, EnginePublisher) or publisher.left:
+        return
+    try:
+        publisher.leave()
+    except Exception:
+        log.exception("dpboard: the engine core's slot on board %r was not given up cleanly", publisher.board.name)
 
 
 def leave_board(engine: Any) -> None:
@@ -203,6 +237,7 @@ class EnginePublisher:
         self._queued = waiting.QueuedTokens()
         self.published_at = time.monotonic()
         self._stop = threading.Event()
+        self.left = False  # the slot was given up (leave): nothing publishes into it any more
         self.heartbeat_interval = heartbeat_interval
         self._thread = threading.Thread(target=self._heartbeat, name=f"dpboard-rank{self.rank}", daemon=True)
 
@@ -239,6 +274,8 @@ class EnginePublisher:
         queued = self._queued(scheduler)
         words = self._detail_floats
         with self.lock:
+            if self.left:
+                return  # a leaving engine's last steps (a drain) are not published: it takes no new work
             self.snapshot = _new_tuple(LoadSnapshot, (self.rank, running, waiting_reqs, used, used + queued, used,
                                                       capacity, self.received, 0, 0, 0, 0, 0))
             words[_TIMESTAMP] = time.time()
@@ -257,7 +294,7 @@ class EnginePublisher:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval / 2):
             with self.lock:
-                if self.writer.closed:
+                if self.left or self.writer.closed:
                     return
                 snap = self.snapshot
                 idle = snap.num_running_reqs == 0 and snap.num_waiting_reqs == 0
@@ -266,16 +303,24 @@ class EnginePublisher:
                     # since, which the next step publishes with the queue they join.
                     self._publish()
 
+    def leave(self) -> None:
+        """Give the slot up, saying so: under the lock the heartbeat takes, the writer marks the slot
+        (STALE from the next read on, ``BoardWriter.leave``) and closes, so no heartbeat or step
+        publishes after it; then the heartbeat thread ends."""
+        self._stop.set()
+        with self.lock:
+            if not self.left:
+                self.left = True
+                self.writer.leave()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.heartbeat_interval)
+
     def close(self, *, leaving: bool = False) -> None:
-        """Stop publishing and give up the slot. ``leaving`` (the engine core shuts down): remove the
-        board and its records too when no other process of them runs (leaving.py). Each engine core
+        """Stop publishing and give up the slot (``leave``). ``leaving`` (the engine core shuts down):
+        remove the board and its records too when nothing of them lives (leaving.py). Each engine core
         gives up its slot before it looks at the others, so of engine cores leaving together the last
         one to look sees every slot given up, and removes the board."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.heartbeat_interval)
-        with self.lock:
-            self.writer.close()
+        self.leave()
         name = self.board.name
         self.board.close()
         if leaving:

@@ -13,9 +13,11 @@ outlive the processes that would remove them. The plugin therefore removes them 
   child, and it outlives them all) removes, at its exit, the board and the records of this
   deployment that no live process holds: ``at_launcher_exit``.
 
-"No live process holds it" is dpboard's own rule for its files (docs/FORMAT.md): a board whose
-creator and every slot's writer are gone, a sent record none of whose rows is held, a dispatch
-record none of whose dispatchers runs. A board one of whose processes runs is never touched.
+"Nothing of it lives" is dpboard's one rule for its files, the one ``dpboard clean`` applies
+(docs/FORMAT.md, "Liveness"): a board none of whose slots was published within the stale threshold,
+on which no process holds a lock (its creator's, a slot writer's) and whose creator does not run; a
+sent record none of whose rows is held, a dispatch record none of whose dispatchers runs. A board
+one of whose processes runs, in this PID namespace or another, is never touched.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ import os
 import time
 from collections.abc import Mapping
 
-from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board, validate_name
+from dpboard.board import SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.board.dispatch_record import remove_abandoned_records
-from dpboard.board.listing import clean_sent_records
-from dpboard.board.liveness import process_alive, process_start_ticks
-from dpboard.board.segment import unlink_if_generation
+from dpboard.board.listing import clean_sent_records, read_listing
+from dpboard.board.liveness import process_start_ticks
+from dpboard.board.segment import drop_creator_lock, unlink_if_generation
 from dpboard.errors import DpboardError
 from dpboard.integrations.vllm.settings import DERIVED_PREFIX, ENV_BOARD, ENV_ENABLE
 
@@ -42,46 +44,34 @@ EXIT_WAIT = 15.0
 
 
 def remove_if_gone(name: str, *, started_after: int = 0, leaving: bool = False) -> list[str]:
-    """Remove board ``name``, its sent record and its dispatch record when no process of them runs.
+    """Remove board ``name``, its sent record and its dispatch record when nothing of them lives, by
+    the rule ``dpboard clean`` applies (``BoardListing.in_use``): no slot published within the stale
+    threshold, no lock held on the board (its creator's, a slot writer's: a writer in another PID
+    namespace shows no pid here, but its lock stands), and its creator not running.
     ``started_after``: only a board whose creator started at or after that many clock ticks since
     boot (a board of this launcher's deployment, not an older one of that name). ``leaving``: this
-    process, on its way out, does not count as the board's creator (it has given up its slot or its
-    rows already). What was removed."""
+    process, on its way out, does not count as the board's creator and gives its creator lock up
+    (it has given up its slot or its rows already). What was removed."""
     removed = []
     me = os.getpid()
     try:
-        board = Board.attach(name)
+        entry = read_listing(name)
     except DpboardError:
-        board = None  # gone already (or not ours): the records may still be there
-    if board is not None:
-        try:
-            header = board.header
-            holders = [board.owner(r) for r in range(board.n_slots)]
-            if not (leaving and header.creator_pid == me):
-                holders.append((header.creator_pid, header.creator_start_ticks))
-            mine = header.creator_start_ticks >= started_after
-            if not mine:
-                return removed
-            if not any(running(pid, ticks) for pid, ticks in holders if pid):
-                if unlink_if_generation("/" + SEGMENT_PREFIX + name, board.generation):
-                    removed.append(f"{SEGMENT_PREFIX}{name}")
-        finally:
-            board.close()
+        entry = None  # gone already (or not a name of ours): the records may still be there
+    header = None if entry is None else entry.header
+    if header is not None:
+        if header.creator_start_ticks < started_after:
+            return removed
+        if leaving:
+            drop_creator_lock(header.generation)  # done with it: its own lock is no proof of anybody's life
+            entry = read_listing(name)
+        if (entry.header is not None and entry.header.generation == header.generation
+                and entry.in_use(besides=me if leaving else 0) is None
+                and unlink_if_generation("/" + SEGMENT_PREFIX + name, header.generation)):
+            removed.append(f"{SEGMENT_PREFIX}{name}")
     removed += [f"dpboard-sent.{n}" for n in clean_sent_records(name)]
     removed += [f"dpboard-dispatch.{n}" for n in remove_abandoned_records(name)]
     return removed
-
-
-def running(pid: int, start_ticks: int) -> bool:
-    """The process runs: alive (dpboard's rule: pid and start time) and not a zombie. The launcher
-    looks right after it killed its children, which it may not have reaped yet."""
-    if not process_alive(pid, start_ticks):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def deployment_boards(environ: Mapping[str, str]) -> list[str]:

@@ -41,7 +41,7 @@ class Support:
     streaming_sessions: bool  # the client keeps streaming_reqs
 
 
-_ENGINE = ("_handle_client_request", "_process_engine_step", "_process_input_queue", "shutdown")
+_ENGINE = ("_handle_client_request", "_process_engine_step", "_process_input_queue", "_handle_shutdown", "shutdown")
 _CLIENT = ("__init__", "get_core_engine_for_request", "shutdown")
 _CLIENT_STATE = ("core_engines", "reqs_in_flight", "engine_inflight", "client_count", "client_index",
                  "vllm_config")

@@ -130,6 +130,33 @@ def test_an_idle_engine_stays_live_and_a_dead_one_goes_stale(board_name):
     board.close()
 
 
+def test_an_engine_asked_to_shut_down_leaves_its_slot_at_once_and_the_heartbeat_never_brings_it_back(board_name):
+    """SIGTERM in an engine core sets its shutdown state (vLLM's run_engine_core); its busy loop asks
+    ``_handle_shutdown`` next. From there on the slot reads STALE, before vLLM's teardown, however long
+    that takes: the heartbeat, which kept an idle engine LIVE, is stopped first and publishes no more."""
+    engine = real_engine(2, 1)
+    take_in(engine, engine_request("a", 4, max_tokens=1))
+    engine._process_engine_step()  # idle from here on: only the heartbeat publishes
+    board = Board.attach(board_name)
+    reader = board.reader(stale_after=30)  # no threshold can be what makes it stale here
+    publisher = engine.__dict__[engine_core.STATE]
+    try:
+        first = reader.read(1).publish_seq
+        assert wait_until(lambda: reader.read(1).publish_seq >= first + 2, timeout=10)  # the heartbeat runs
+        assert reader.status(1) is SlotStatus.LIVE
+        engine.shutdown_state = EngineShutdownState.REQUESTED  # what vLLM's signal handler does
+        engine._handle_shutdown()  # the busy loop's next round
+        assert reader.status(1) is SlotStatus.STALE  # at once, not after 30 s
+        assert not publisher._thread.is_alive() and publisher.writer.closed
+        seq = board.header.generation, reader.read(1).publish_seq
+        engine._process_engine_step()  # a drain's step publishes nothing either
+        assert (board.header.generation, reader.read(1).publish_seq) == seq
+        assert reader.status(1) is SlotStatus.STALE and board.owner(1) == (0, 0)
+    finally:
+        close(engine)
+        board.close()
+
+
 def test_an_engine_on_another_node_stamps_its_node_for_the_relay(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_VLLM_NODE_ID", "2")
     engine = real_engine(4, 3)

@@ -221,3 +221,77 @@ def _request(rid: str):
     from tests.support.vllm_engine import engine_request
 
     return engine_request(rid, 32, 10)
+
+
+@pytest.mark.parametrize("way", ["sigterm", "sigkill"])
+def test_an_engine_that_leaves_or_is_killed_gets_no_pick_after_the_next_refresh(board_name, monkeypatch, way):
+    """An engine asked to stop (SIGTERM: its busy loop ends, then vLLM's teardown takes seconds) says
+    so on the board at once; one killed outright loses its slot's lock. With a stale threshold far
+    longer than the test, neither is what the stale threshold can catch: the API server's picks leave
+    the engine from its first board refresh after the engine stopped reading (a leaving one), or after
+    the next look at the slots' locks (a killed one: LOCK_CHECK_INTERVAL). Picks before that are
+    counted, as what a request already on its way costs."""
+    from dpboard.board.segment import LOCK_CHECK_INTERVAL
+
+    stale_after = 60.0
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
+    monkeypatch.setenv("DPBOARD_STALE_AFTER", str(stale_after))
+    env = {**os.environ, "VLLM_PLUGINS": "dpboard"}
+    engines = [subprocess.Popen([sys.executable, "-m", "tests.support.vllm_engine_proc", str(r), "2"], cwd=ROOT, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for r in range(2)]
+    stopped = threading.Event()
+    state = None
+    try:
+        for proc in engines:
+            assert json.loads(read_line(proc, timeout=120)) == {"ready": True}
+
+        def outputs(proc: subprocess.Popen) -> None:
+            for line in proc.stdout:
+                if "stopped" in line:
+                    stopped.set()
+
+        for proc in engines:
+            threading.Thread(target=outputs, args=(proc,), daemon=True).start()
+        reader = Board.attach(board_name).reader(stale_after=stale_after)
+        assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(2)), timeout=30)
+        client = make_client(vllm_config(2), 2)
+        state = dispatch.client_dispatch(client)
+        setattr(client, dispatch.STATE, state)
+        dispatcher = state.dispatcher
+        after = []  # (rank, whether the pick's refresh came after the engine was gone and that could be seen)
+        gone_at = seen_from = None
+        for i in range(200):
+            if i == 20:
+                if way == "sigterm":
+                    engines[1].send_signal(signal.SIGTERM)
+                    assert stopped.wait(30)  # its busy loop has ended: it reads no more requests
+                else:
+                    engines[1].send_signal(signal.SIGKILL)
+                    engines[1].wait(10)
+                gone_at = time.monotonic()
+            if gone_at is not None and seen_from is None and time.monotonic() >= gone_at + (
+                    LOCK_CHECK_INTERVAL if way == "sigkill" else 0):
+                seen_from = dispatcher.refresh_count  # refreshes after this one can see it
+            rank = int.from_bytes(client.get_core_engine_for_request(_request(f"r{i}")), "little")
+            if gone_at is not None:
+                after.append((rank, seen_from is not None and dispatcher.refresh_count > seen_from))
+            try:
+                engines[rank].stdin.write(json.dumps({"id": f"r{i}", "tokens": 32, "max_tokens": 10}) + "\n")
+                engines[rank].stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass  # the killed engine's pipe
+            if len(after) >= 60:
+                break
+            time.sleep(0.02)
+        picked_after = sum(rank == 1 for rank, _ in after)
+        late = sum(rank == 1 for rank, seen in after if seen)
+        print(f"{way}: {picked_after} of {len(after)} picks to the gone engine, {late} after it could be seen")
+        assert late == 0, after
+        assert sum(seen for _, seen in after) >= 30  # most picks came after it could be seen
+        assert reader.status(1) is SlotStatus.STALE or way == "sigkill"  # a leaving engine's own word
+    finally:
+        if state is not None:
+            state.close()
+        for proc in engines:
+            kill(proc)
