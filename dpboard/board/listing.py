@@ -19,14 +19,19 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from dpboard.board.dispatch_record import remove_abandoned_records
+from dpboard.board.dispatch_record import DISPATCH_PREFIX, remove_abandoned_records
 from dpboard.board.errors import BoardError
 from dpboard.board.header import HEADER_STRUCT, BoardHeader, unpack_header
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.segment import DEFAULT_STALE_AFTER, read_segment_header, unlink_if_generation
+from dpboard.board.segment import (
+    DEFAULT_STALE_AFTER,
+    drop_creator_lock,
+    read_segment_header,
+    unlink_if_generation,
+)
 from dpboard.board.sent import SENT_PREFIX, record_state, remove_record
 from dpboard.board.stale import check_stale_after
-from dpboard.errors import AccessDeniedError, NotFoundError
+from dpboard.errors import AccessDeniedError, DpboardError, NotFoundError
 from dpboard.ownership import range_held
 from dpboard.snapshot import (
     FIELD_INDEX,
@@ -258,4 +263,35 @@ def clean_sent_records(name: str | None = None, *, force: bool = False) -> list[
                 continue  # its board is there: the next API server of that deployment takes its rows
         if remove_record(str(path), force=force):
             removed.append(board)
+    return removed
+
+
+def remove_if_gone(name: str, *, started_after: int = 0, leaving: bool = False) -> list[str]:
+    """Remove board ``name``, its sent record and its dispatch record when nothing of them lives, by
+    the rule ``dpboard clean`` applies (``BoardListing.in_use``): no slot published within the stale
+    threshold, no lock held on the board (its creator's, a slot writer's: a writer in another PID
+    namespace shows no pid here, but its lock stands), and its creator not running.
+    ``started_after``: only a board whose creator started at or after that many clock ticks since
+    boot (a board of this launcher's deployment, not an older one of that name). ``leaving``: this
+    process, on its way out, does not count as the board's creator and gives its creator lock up
+    (it has given up its slot or its rows already). What was removed."""
+    removed = []
+    me = os.getpid()
+    try:
+        entry = read_listing(name)
+    except DpboardError:
+        entry = None  # gone already (or not a name of ours): the records may still be there
+    header = None if entry is None else entry.header
+    if header is not None:
+        if header.creator_start_ticks < started_after:
+            return removed
+        if leaving:
+            drop_creator_lock(header.generation)  # done with it: its own lock is no proof of anybody's life
+            entry = read_listing(name)
+        if (entry.header is not None and entry.header.generation == header.generation
+                and entry.in_use(besides=me if leaving else 0) is None
+                and unlink_if_generation("/" + SEGMENT_PREFIX + name, header.generation)):
+            removed.append(f"{SEGMENT_PREFIX}{name}")
+    removed += [f"{SENT_PREFIX}{n}" for n in clean_sent_records(name)]
+    removed += [f"{DISPATCH_PREFIX}{n}" for n in remove_abandoned_records(name)]
     return removed

@@ -91,6 +91,10 @@ assert DETAIL_DTYPE.names == (
     *(f"{name}_{field}" for name, section in ALL_SECTIONS.items() for field in section._fields),
 )
 
+# where the detail's timestamp lies: a writer compares two details without it
+_TS_AT = DETAIL_DTYPE.fields["timestamp"][1]
+DETAIL_TIMESTAMP = slice(_TS_AT, _TS_AT + DETAIL_DTYPE["timestamp"].itemsize)
+
 _F_MOMENTS = DETAIL_FLAG["decode_moments"]
 _F_SECTION = [DETAIL_FLAG[name] for name in DETAIL_SECTIONS]
 _NO_MOMENTS = (0.0,) * MAX_DECODE_MOMENTS

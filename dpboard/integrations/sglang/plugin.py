@@ -11,7 +11,8 @@ registration: SGLang publishes it after ``load_plugins()``; the hooks read it wh
 - ``load_snapshot.create_load_snapshot_writer`` / ``create_load_snapshot_reader`` (REPLACE): the
   board's writer and reader (transport.py) instead of SGLang's file or zmq ones.
 - ``server_args.PortArgs.init_new`` (AFTER, main process only): create the instance's board before
-  any child starts, so that the server's main process owns it and removes it when it exits.
+  any child starts, so that the server's main process owns it and removes it when it exits, and
+  start the watcher that removes it when SGLang kills that process instead (leaving.py).
 - ``scheduler.Scheduler.handle_generate_request`` / ``handle_embedding_request`` (AFTER): count the
   requests each DP rank takes in, published as ``num_received_reqs``.
 - With ``DPBOARD_METHOD``: the DataParallelController hooks of dispatch.py.
@@ -27,7 +28,7 @@ from typing import Any
 import zmq
 
 from dpboard.board import Board
-from dpboard.integrations.sglang import dispatch
+from dpboard.integrations.sglang import dispatch, leaving
 from dpboard.integrations.sglang.convert import sglang_module
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
 from dpboard.integrations.sglang.transport import BoardLoadReader, BoardLoadWriter, instance_board
@@ -76,6 +77,10 @@ def create_board_with_port_args(port_args: Any, *args: Any, **kwargs: Any) -> No
     board = instance_board(port_args, n_slots, replace_dead=True)
     logger.info("dpboard: SGLang's loads are on board %r (%d ranks): `dpboard top %s`",
                 board.name, n_slots, board.name)
+    if board.is_owner:
+        # SGLang ends this process with SIGKILL on most paths (leaving.py): the board's removal at
+        # exit must not depend on it.
+        leaving.watch(board.name, board.generation)
     return None
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import zmq
 
-from dpboard.board import Board, BoardReader, clean_boards, read_listing, segment_path
+from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, clean_boards, read_listing, segment_path
 from dpboard.errors import AlreadyExistsError, InvalidInputError, NotFoundError, UnavailableError
 from dpboard.integrations.sglang import convert
 from dpboard.integrations.sglang.convert import sglang_module
@@ -110,6 +111,11 @@ class BoardLoadWriter:
     write) with ``num_received_reqs``, the requests this scheduler took in (counted by the plugin's
     hook on ``Scheduler.handle_generate_request``). ``publish_counter`` and ``publish_interval`` are
     SGLang's decode throttle, kept here because SGLang keeps them on its writer.
+
+    An idle scheduler calls ``write`` on every turn of its loop (thousands a second) with the same
+    load each time: a snapshot equal to the last one published, its timestamp aside, is published
+    only when a heartbeat is due (a quarter of the stale threshold, so a live rank never reads
+    stale). ``published`` and ``unchanged`` count both kinds of call.
     """
 
     def __init__(self, board: Board, dp_size: int, dp_rank: int, publish_interval: int = 1,
@@ -129,6 +135,13 @@ class BoardLoadWriter:
         self.num_received_reqs = 0
         self._writer = board.writer(dp_rank)
         self._detail = bytearray(convert.DETAIL_STRUCT.size)
+        # the last published detail with its timestamp zeroed, and its dispatch fields
+        self._last_detail = bytearray(convert.DETAIL_STRUCT.size)
+        self._last_fields: tuple[int, ...] | None = None
+        self._heartbeat_ns = int(0.25 * min(read_settings().stale_after, DEFAULT_STALE_AFTER) * 1e9)
+        self._next_heartbeat_ns = 0
+        self.published = 0
+        self.unchanged = 0
         self.lockstep = lockstep_section(dp_size)  # what inflight_lockstep reads of this rank
         self._relay: Relay | None = None
         if relay_to is not None:
@@ -141,9 +154,24 @@ class BoardLoadWriter:
             raise ValueError(
                 f"snapshot dp_rank={snapshot.dp_rank} does not match writer dp_rank={self.dp_rank}")
         convert.pack(snapshot, self._detail, self.lockstep)
-        self._writer.publish(convert.dispatch_fields(snapshot, self.num_received_reqs), self._detail)
+        fields = convert.dispatch_fields(snapshot, self.num_received_reqs)
+        now = time.monotonic_ns()
+        if now < self._next_heartbeat_ns and fields == self._last_fields and self._same_detail():
+            self.unchanged += 1
+            return
+        self._writer.publish(fields, self._detail)
+        self.published += 1
+        self._last_fields = fields
+        self._last_detail[:] = self._detail
+        self._last_detail[convert.DETAIL_TIMESTAMP] = bytes(convert.DETAIL_TIMESTAMP.stop - convert.DETAIL_TIMESTAMP.start)
+        self._next_heartbeat_ns = now + self._heartbeat_ns
         if self._relay is not None:
             self._relay.tick()  # non-blocking: a full pipe drops the frame, the next write resends
+
+    def _same_detail(self) -> bool:
+        stamp = convert.DETAIL_TIMESTAMP
+        return (self._detail[: stamp.start] == self._last_detail[: stamp.start]
+                and self._detail[stamp.stop:] == self._last_detail[stamp.stop:])
 
     def close(self) -> None:
         if self._relay is not None:

@@ -30,10 +30,8 @@ import time
 from collections.abc import Mapping
 
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.dispatch_record import remove_abandoned_records
-from dpboard.board.listing import clean_sent_records, read_listing
+from dpboard.board.listing import remove_if_gone
 from dpboard.board.liveness import process_start_ticks
-from dpboard.board.segment import drop_creator_lock, unlink_if_generation
 from dpboard.errors import DpboardError
 from dpboard.integrations.vllm.settings import DERIVED_PREFIX, ENV_BOARD, ENV_ENABLE
 
@@ -41,37 +39,6 @@ log = logging.getLogger("dpboard.vllm")
 # seconds the launcher waits at its exit for the processes it has just killed to be gone (an engine
 # core of several GB takes a moment to exit after SIGKILL)
 EXIT_WAIT = 15.0
-
-
-def remove_if_gone(name: str, *, started_after: int = 0, leaving: bool = False) -> list[str]:
-    """Remove board ``name``, its sent record and its dispatch record when nothing of them lives, by
-    the rule ``dpboard clean`` applies (``BoardListing.in_use``): no slot published within the stale
-    threshold, no lock held on the board (its creator's, a slot writer's: a writer in another PID
-    namespace shows no pid here, but its lock stands), and its creator not running.
-    ``started_after``: only a board whose creator started at or after that many clock ticks since
-    boot (a board of this launcher's deployment, not an older one of that name). ``leaving``: this
-    process, on its way out, does not count as the board's creator and gives its creator lock up
-    (it has given up its slot or its rows already). What was removed."""
-    removed = []
-    me = os.getpid()
-    try:
-        entry = read_listing(name)
-    except DpboardError:
-        entry = None  # gone already (or not a name of ours): the records may still be there
-    header = None if entry is None else entry.header
-    if header is not None:
-        if header.creator_start_ticks < started_after:
-            return removed
-        if leaving:
-            drop_creator_lock(header.generation)  # done with it: its own lock is no proof of anybody's life
-            entry = read_listing(name)
-        if (entry.header is not None and entry.header.generation == header.generation
-                and entry.in_use(besides=me if leaving else 0) is None
-                and unlink_if_generation("/" + SEGMENT_PREFIX + name, header.generation)):
-            removed.append(f"{SEGMENT_PREFIX}{name}")
-    removed += [f"dpboard-sent.{n}" for n in clean_sent_records(name)]
-    removed += [f"dpboard-dispatch.{n}" for n in remove_abandoned_records(name)]
-    return removed
 
 
 def deployment_boards(environ: Mapping[str, str]) -> list[str]:

@@ -1,0 +1,62 @@
+"""The SGLang serving session: one unchanged ``sglang.launch_server --dp-size 2 --load-balance-method
+total_tokens`` with dpboard's plugin (``SGLANG_PLUGINS=dpboard``, ``DPBOARD_METHOD``) on the CPU and the
+tiny model (`make test-sglang-serving` builds both; tests/support/sglang_serving.py), started once
+for the session. Its tests run in file order; the last one stops it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dpboard.board import SHM_DIR
+from tests.support.names import new_board_name
+from tests.support.procutil import wait_until
+from tests.support.sglang_serving import Server, missing
+
+METHOD = "inflight_tokens"
+
+
+def plugin_env(board: str, method: str = METHOD) -> dict[str, str]:
+    return {"SGLANG_PLUGINS": "dpboard", "DPBOARD_BOARD": board, "DPBOARD_METHOD": method}
+
+
+def start(env: dict[str, str], **kwargs) -> Server:
+    reason = missing()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the SGLang serving tests: {reason}")
+        pytest.skip(reason)
+    srv = Server(env, **kwargs)
+    try:
+        srv.ready_after = srv.wait_ready()
+    except BaseException:
+        srv.kill()
+        raise
+    return srv
+
+
+@pytest.fixture(scope="session")
+def fault_file(tmp_path_factory) -> Path:
+    """While this file exists, dpboard's pick raises in SGLang's DP controller."""
+    return tmp_path_factory.mktemp("fault") / "raise-in-pick"
+
+
+@pytest.fixture(scope="session")
+def server(fault_file):
+    board = new_board_name()
+    srv = start(plugin_env(board), extra=("--load-balance-method", "total_tokens"), fault_file=fault_file)
+    srv.board = board
+    try:
+        yield srv
+    finally:
+        stop(srv)
+
+
+def stop(srv: Server) -> None:
+    """Whatever still runs of the server, SIGKILLed; then the plugin's watcher removes its board
+    (the session's leak check comes right after)."""
+    srv.kill()
+    wait_until(lambda: not any(SHM_DIR.glob(f"dpboard*{srv.board}")), timeout=60)
+    srv.log_path.unlink(missing_ok=True)

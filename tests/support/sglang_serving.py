@@ -1,0 +1,95 @@
+"""A real ``sglang.launch_server`` on the CPU, as a user runs it, for the SGLang serving tests and the
+serving benchmark (tools/bench_sglang_serving.py): SGLang 0.5.23 unchanged in the environment
+`make test-sglang-serving` builds (tools/sglang_cpu_env.py: torch's CPU build, two shims outside
+SGLang, the tiny model), ``--dp-size 2``, one core per scheduler, HTTP on a free loopback port.
+
+``Server`` runs it in a session of its own (tests/support/session_server.py), its log in a file;
+``wait_ready`` waits for SGLang's ``/health``; ``stop`` sends SIGTERM to the server's process group,
+as a service manager stopping it does (SIGTERM to the main process alone drains for up to 5 s
+per round before SGLang stops), and waits for every process of the session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.support.session_server import ROOT, SessionServer, free_port
+
+SGLANG_VENV = ROOT / ".venv-sglang"
+MODEL = Path(os.environ.get("DPBOARD_SGLANG_MODEL") or SGLANG_VENV / "model").resolve()
+START_TIMEOUT = 600.0  # seconds: 30-70 s on an idle 2-core machine, minutes while it is loaded
+STOP_TIMEOUT = 120.0
+KV_TOKENS = 8192  # per DP rank; without --max-total-tokens SGLang sizes the KV cache from free RAM
+# SGLang's CPU engine (SGLANG_USE_CPU_ENGINE), no model hub, one core per scheduler (required once
+# dp x tp > 1).
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+# The torch-native attention and sampling (no sgl_kernel op is called on a CPU without AMX), no
+# CUDA graphs, no warm-up request (the tests send their own).
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--skip-server-warmup", "--max-total-tokens", str(KV_TOKENS),
+             "--max-running-requests", "16")
+_KV_LINE = re.compile(r" DP(\d+)\] max_total_num_tokens=(\d+),")
+
+
+def missing() -> str | None:
+    """Why this interpreter cannot run the SGLang serving tests (None when it can)."""
+    for module in ("sglang", "sgl_kernel"):  # sgl_kernel: its CPU shim (tools/sglang_cpu_env.py)
+        if importlib.util.find_spec(module) is None:
+            return f"no {module} in {sys.executable}: run `make test-sglang-serving` (it builds {SGLANG_VENV})"
+    if not (MODEL / "config.json").exists():
+        return f"no model in {MODEL}: `make test-sglang-serving` builds it (tools/sglang_cpu_env.py model)"
+    return None
+
+
+class Server(SessionServer):
+    """One ``python -m sglang.launch_server --model-path MODEL --dp-size 2`` and its log."""
+
+    name = "sglang server"
+
+    def __init__(self, env: dict[str, str], *, dp: int = 2, extra: tuple[str, ...] = (),
+                 fault_file: Path | None = None) -> None:
+        port = free_port()
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--dp-size", str(dp),
+                   "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
+        super().__init__(command, {**CPU_ENV, **env}, port=port, drop_prefixes=("SGLANG_",), fault_file=fault_file,
+                         fault_target="sglang")
+
+    def wait_ready(self, timeout: float = START_TIMEOUT, path: str = "/health") -> float:
+        return super().wait_ready(timeout, path)
+
+    def schedulers(self, dp: int = 2) -> list[list[int]]:
+        """The pids of each DP rank's scheduler (SGLang's process title ``sglang::scheduler_DP<k>``)."""
+        return [self.titled(f"sglang::scheduler_DP{rank}") for rank in range(dp)]
+
+    def kv_capacity(self) -> dict[int, int]:
+        """What SGLang logged per DP rank: ``max_total_num_tokens``."""
+        return {int(m[1]): int(m[2]) for m in _KV_LINE.finditer(self.log())}
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> float:
+        """``signum`` to the server's process group; seconds until every process of its session is gone."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        return self.wait_gone(timeout)
+
+    def generate(self, text: str, max_new_tokens: int, *, routed_dp_rank: int | None = None,
+                 timeout: float = 300) -> tuple[int, dict[str, Any]]:
+        """SGLang's native ``/generate``, greedy, ``max_new_tokens`` tokens whatever the model says."""
+        body: dict[str, Any] = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                                                  "ignore_eos": True}}
+        if routed_dp_rank is not None:
+            body["routed_dp_rank"] = routed_dp_rank
+        return self.post("/generate", body, timeout=timeout)
+
+    def completion(self, prompt: str, max_tokens: int, timeout: float = 300) -> tuple[int, dict[str, Any]]:
+        return self.post("/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
+                                             "temperature": 0.0, "ignore_eos": True}, timeout=timeout)
