@@ -31,6 +31,8 @@ SGLANG_SERVING_VENV ?= .venv-sglang
 SGLANG_SERVING_PY := $(SGLANG_SERVING_VENV)/bin/python
 SGLANG_SERVING_STAMP := $(SGLANG_SERVING_VENV)/.sglang-$(SGLANG_VERSION)-cpu.built
 SGLANG_KERNEL_VERSION ?= 0.4.10
+# the SGLang model gateway the suite puts in front of the server
+SMG_VERSION ?= 1.13.0
 TORCHVISION_VERSION ?= 0.28.0
 # The C extensions are rebuilt when their sources or the generated layout header change.
 SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
@@ -126,6 +128,8 @@ $(SGLANG_SERVING_STAMP):
 	$(SGLANG_PIP) -r $(SGLANG_SERVING_VENV)/requirements.txt -c $(SGLANG_SERVING_VENV)/constraints.txt \
 		2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
 	$(SGLANG_PIP) --no-deps torchvision==$(TORCHVISION_VERSION) 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
+	$(SGLANG_PIP) smg==$(SMG_VERSION) -c $(SGLANG_SERVING_VENV)/constraints.txt 2>> $(SGLANG_PIP_LOG) \
+		|| { cat $(SGLANG_PIP_LOG); exit 1; }
 	$(SGLANG_SERVING_PY) -m pip download -q --no-deps -d $(SGLANG_SERVING_VENV)/wheels \
 		sglang-kernel==$(SGLANG_KERNEL_VERSION) 2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
 	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py shims $(SGLANG_SERVING_VENV)/wheels

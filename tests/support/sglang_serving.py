@@ -93,3 +93,26 @@ class Server(SessionServer):
     def completion(self, prompt: str, max_tokens: int, timeout: float = 300) -> tuple[int, dict[str, Any]]:
         return self.post("/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
                                              "temperature": 0.0, "ignore_eos": True}, timeout=timeout)
+
+
+def smg_command() -> Path:
+    return Path(sys.executable).with_name("smg")
+
+
+class Gateway(SessionServer):
+    """The SGLang model gateway (``smg launch``, a Rust binary from the ``smg`` wheel) in front of
+    ``server``: one worker URL, a policy, its load monitor polling every second; with ``dp_aware`` it
+    registers each DP rank as ``URL@rank`` and sends ``routed_dp_rank`` with each request."""
+
+    name = "smg"
+
+    def __init__(self, server: Server, policy: str, *, dp_aware: bool = False) -> None:
+        port = free_port()
+        command = [str(smg_command()), "launch", "--worker-urls", server.url, "--policy", policy,
+                   "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+                   "--load-monitor-interval", "1", "--log-level", "debug", *(("--dp-aware",) if dp_aware else ())]
+        super().__init__(command, {"NO_COLOR": "1"}, port=port)
+
+    def wait_ready(self, timeout: float = 120, path: str = "/readiness") -> float:
+        """Seconds until the gateway has a healthy worker (its /readiness answers 200)."""
+        return super().wait_ready(timeout, path)

@@ -25,7 +25,7 @@ from tests.integrations.sglang.serving.conftest import METHOD
 from tests.support.names import ROOT, SESSION_FILES
 from tests.support.procutil import kill, wait_until
 from tests.support.serving import get, start_server
-from tests.support.sglang_serving import KV_TOKENS
+from tests.support.sglang_serving import KV_TOKENS, Gateway
 
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(1200)]
 DP = 2
@@ -229,6 +229,67 @@ def test_a_fault_in_dpboards_pick_is_answered_through_sglangs_own_pick_and_logge
     assert "RuntimeError: fault injected by the serving tests" in lines[0]
     assert "SGLang's own dispatch placed it (dpboard fault #1)" in lines[0]
     assert "Traceback" in log
+
+
+@pytest.fixture
+def gateway(request, server):
+    policy, dp_aware = request.param
+    gw = Gateway(server, policy, dp_aware=dp_aware)
+    try:
+        gw.wait_ready()
+        yield gw
+    finally:
+        gw.kill()
+        gw.log_path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("gateway", [("least_load", False)], indirect=True)
+def test_the_model_gateway_reads_the_real_v1_loads_and_serves_through_it(server, gateway):
+    """smg's load monitor polls the server's /v1/loads (served from the board through the plugin's
+    reader) and shows both ranks in its /get_loads with the board's values; requests sent through
+    the gateway are answered, and the ranks received them."""
+    assert wait_until(lambda: settled(server), timeout=SETTLE)
+    r = records(server)
+
+    def monitored() -> bool:
+        status, loads = gateway.get("/get_loads")
+        mine = sorted((x["dp_rank"], x["max_total_num_tokens"]) for x in loads.get("loads", [])
+                      if x.get("worker") == server.url)
+        monitored.last = loads
+        return status == 200 and mine == [(rank, int(r["max_total_num_tokens"][rank])) for rank in range(DP)]
+
+    assert wait_until(monitored, timeout=60, interval=0.5), monitored.last
+    before = records(server)["num_received_reqs"].astype(np.int64)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: gateway.post("/generate", {
+            "text": f"through the gateway {i}", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}),
+            range(8)))
+    assert sum(served_by(answers).values()) == 8
+    assert wait_until(lambda: int((records(server)["num_received_reqs"] - before).sum()) == 8, timeout=SETTLE)
+
+
+@pytest.mark.parametrize("gateway", [("least_load", True)], indirect=True)
+def test_the_dp_aware_gateway_picks_the_rank_and_dpboard_keeps_it(server, gateway):
+    """With --dp-aware, smg registers URL@0 and URL@1 and sends each request with routed_dp_rank:
+    SGLang's routing goes first, dpboard's pick never overrides it and counts it as routed."""
+    status, workers = gateway.get("/workers")
+    assert status == 200
+    assert sorted(w["url"] for w in workers["workers"]) == [f"{server.url}@{rank}" for rank in range(DP)]
+    assert wait_until(lambda: settled(server), timeout=SETTLE)
+    routed_before = sum(row.counts["routed"] for row in dispatchers(server))
+    answers = [gateway.post("/generate", {"text": f"rank chosen by smg {i}",
+                                          "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+               for i in range(8)]
+    by_rank = served_by(answers)
+    assert sum(by_rank.values()) == 8
+
+    def routed_counted() -> bool:  # the record is published from the controller's refreshes
+        server.generate("after the gateway", 1)
+        return sum(row.counts["routed"] for row in dispatchers(server)) >= routed_before + 8
+
+    assert wait_until(routed_counted, timeout=SETTLE, interval=0.5), dispatchers(server)
+    row = dispatchers(server)[0]
+    assert sum(row.routed_per_rank) >= 8
 
 
 def test_sigterm_to_the_server_leaves_nothing_in_dev_shm(server):
