@@ -18,6 +18,7 @@ import functools
 import struct
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from dpboard.snapshot import (
@@ -91,10 +92,6 @@ assert DETAIL_DTYPE.names == (
     *(f"{name}_{field}" for name, section in ALL_SECTIONS.items() for field in section._fields),
 )
 
-# where the detail's timestamp lies: a writer compares two details without it
-_TS_AT = DETAIL_DTYPE.fields["timestamp"][1]
-DETAIL_TIMESTAMP = slice(_TS_AT, _TS_AT + DETAIL_DTYPE["timestamp"].itemsize)
-
 _F_MOMENTS = DETAIL_FLAG["decode_moments"]
 _F_SECTION = [DETAIL_FLAG[name] for name in DETAIL_SECTIONS]
 _NO_MOMENTS = (0.0,) * MAX_DECODE_MOMENTS
@@ -118,6 +115,15 @@ def dispatch_fields(snap: Any, num_received_reqs: int) -> tuple[int, ...]:
     return (int(snap.dp_rank), int(snap.num_running_reqs), int(snap.num_waiting_reqs), int(snap.num_used_tokens),
             int(snap.num_total_tokens), int(snap.num_active_tokens), int(snap.max_total_num_tokens),
             int(num_received_reqs), 0, 0, 0, 0, 0)
+
+
+def without_timestamp(snap: Any) -> Any:
+    """A copy of SGLang's snapshot with its timestamp zeroed, for comparing two loads; None for a
+    snapshot that is not a msgspec Struct (then every write is published)."""
+    try:
+        return msgspec.structs.replace(snap, timestamp=0.0)
+    except TypeError:
+        return None
 
 
 def pack(snap: Any, out: bytearray | memoryview, lockstep: tuple[int, int] | None = None) -> None:

@@ -135,9 +135,9 @@ class BoardLoadWriter:
         self.num_received_reqs = 0
         self._writer = board.writer(dp_rank)
         self._detail = bytearray(convert.DETAIL_STRUCT.size)
-        # the last published detail with its timestamp zeroed, and its dispatch fields
-        self._last_detail = bytearray(convert.DETAIL_STRUCT.size)
-        self._last_fields: tuple[int, ...] | None = None
+        # the last snapshot published, its timestamp zeroed, and the count published with it
+        self._last_bare: Any = None
+        self._last_received = -1
         self._heartbeat_ns = int(0.25 * min(read_settings().stale_after, DEFAULT_STALE_AFTER) * 1e9)
         self._next_heartbeat_ns = 0
         self.published = 0
@@ -153,25 +153,22 @@ class BoardLoadWriter:
         if snapshot.dp_rank != self.dp_rank:
             raise ValueError(
                 f"snapshot dp_rank={snapshot.dp_rank} does not match writer dp_rank={self.dp_rank}")
-        convert.pack(snapshot, self._detail, self.lockstep)
-        fields = convert.dispatch_fields(snapshot, self.num_received_reqs)
         now = time.monotonic_ns()
-        if now < self._next_heartbeat_ns and fields == self._last_fields and self._same_detail():
+        # Compared before it is packed: SGLang's snapshot is a msgspec Struct, compared in C (about
+        # 0.6 us), where packing it costs about 10 us, on every turn of an idle scheduler's loop.
+        bare = convert.without_timestamp(snapshot)
+        if (now < self._next_heartbeat_ns and bare is not None and bare == self._last_bare
+                and self.num_received_reqs == self._last_received):
             self.unchanged += 1
             return
-        self._writer.publish(fields, self._detail)
+        convert.pack(snapshot, self._detail, self.lockstep)
+        self._writer.publish(convert.dispatch_fields(snapshot, self.num_received_reqs), self._detail)
         self.published += 1
-        self._last_fields = fields
-        self._last_detail[:] = self._detail
-        self._last_detail[convert.DETAIL_TIMESTAMP] = bytes(convert.DETAIL_TIMESTAMP.stop - convert.DETAIL_TIMESTAMP.start)
+        self._last_bare = bare
+        self._last_received = self.num_received_reqs
         self._next_heartbeat_ns = now + self._heartbeat_ns
         if self._relay is not None:
             self._relay.tick()  # non-blocking: a full pipe drops the frame, the next write resends
-
-    def _same_detail(self) -> bool:
-        stamp = convert.DETAIL_TIMESTAMP
-        return (self._detail[: stamp.start] == self._last_detail[: stamp.start]
-                and self._detail[stamp.stop:] == self._last_detail[stamp.stop:])
 
     def close(self) -> None:
         if self._relay is not None:
