@@ -5,7 +5,10 @@ and the error channel it connects (docs/SECURITY.md, "The controller's connectio
   leaves), a 5 s handshake deadline, heartbeats, shedding by what a peer has proved (a request
   that decoded, then one that did not, then nothing), a back-off when fds run out
   (``dpboard.multinode.peers.PeerGuard``, as on the collector's fan-in), and frames of at most
-  ``MAX_FRAME_BYTES``.
+  ``MAX_FRAME_BYTES``. ZMQ bounds what waits to be read in messages only: its receive high-water
+  mark is ``max_input_bytes`` over the largest frame, so a connection's frames not yet read stay
+  within ``max_input_bytes`` (and the one frame ZMQ is reading); a sender faster than the controller
+  then waits (TCP's flow control), nothing is dropped. One read takes at most ``MAX_BATCH_BYTES``.
 - ``Pipe``, one connected PUSH (a scheduler's, or the error channel): ZMQ bounds its queue in
   messages (``--send-hwm``), this bounds it in bytes. ``SendQueue`` measures what the process
   still holds of what was sent on the pipe's connection; a pipe holding ``max_queued_bytes`` or
@@ -40,6 +43,17 @@ from dpboard.multinode.peers import PeerGuard, Proof, peer_address, set_deadline
 # with room for the other keys. A frame is read without an object per token, so this bounds memory,
 # not the time a hostile frame costs.
 MAX_FRAME_BYTES = 32 * 2**20
+# What the frames ZMQ has received and the controller not yet read may hold, per connection: 8 frames
+# of the largest size. ZMQ counts messages, not bytes; a smaller high-water mark costs a wake-up of
+# ZMQ's I/O thread every few requests (measured, small requests at full rate: 8 frames about 10 us of
+# the controller's CPU per request, 2 frames about 21, 1 000 frames about 8).
+DEFAULT_MAX_INPUT_MIB = 256
+MIN_INPUT_MIB = MAX_FRAME_BYTES // 2**20  # one frame
+MAX_INPUT_MIB = 2**20
+# What one read of the input takes at most before it is dispatched (it stops after the frame that
+# reaches it): a batch of 1 024 frames of 32 MiB would otherwise be 32 GiB. Batching pays for
+# small requests; 16 MiB is a thousand requests of 4k tokens.
+MAX_BATCH_BYTES = 16 * 2**20
 # What one pipe may hold before it is backlogged: 64 MiB per scheduler is 4 GiB for a 64-rank node
 # (plus at most one frame each beyond it), and about 2,000 prompts of 8k tokens per rank.
 DEFAULT_MAX_QUEUED_MIB = 64
@@ -122,16 +136,27 @@ class BoundedLog:
 # -- the input ----------------------------------------------------------------------------------------
 
 
-class RequestInput:
-    """The bound PULL that requests come in on, and its bound on connections (see the module)."""
+def input_hwm(max_input_bytes: int) -> int:
+    """The receive high-water mark (frames per connection) that keeps a connection's frames not yet
+    read within ``max_input_bytes``: that many frames of ``MAX_FRAME_BYTES``, at least one."""
+    return max(1, max_input_bytes // MAX_FRAME_BYTES)
 
-    def __init__(self, context: zmq.Context, endpoint: str, *, max_peers: int | None = None) -> None:
+
+class RequestInput:
+    """The bound PULL that requests come in on, and its bounds on connections and bytes (see the module)."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, *, max_peers: int | None = None,
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_MIB * 2**20) -> None:
         self.socket = context.socket(zmq.PULL)
         self.guard: PeerGuard | None = None
+        self.hwm = input_hwm(max_input_bytes)
+        self.largest_read = 0  # bytes, the most one receive() took
         try:
             self.socket.setsockopt(zmq.LINGER, 0)
             # ZMQ drops a larger frame (and the peer's connection) before any of it is buffered here.
             self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            # Set before the bind: a connection's pipe takes the mark it finds when it is made.
+            self.socket.setsockopt(zmq.RCVHWM, self.hwm)
             set_deadlines(self.socket)
             connect_or_bind(self.socket, endpoint, "bind", "the input")
             self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -140,22 +165,31 @@ class RequestInput:
             self.close()
             raise
 
-    def receive(self, max_frames: int) -> Iterator[tuple[bytes | None, int]]:
-        """Up to ``max_frames`` messages already queued, without waiting: ``(frame, fd)``, ``frame``
-        None for a message of more than one part; ``fd`` is its connection's (``prove`` it)."""
+    def receive(self, max_frames: int, max_bytes: int = MAX_BATCH_BYTES) -> Iterator[tuple[bytes | None, int]]:
+        """Up to ``max_frames`` messages already queued, without waiting, until they hold ``max_bytes``
+        (the message that reaches it is the last): ``(frame, fd)``, ``frame`` None for a message of
+        more than one part; ``fd`` is its connection's (``prove`` it)."""
         sock = self.socket
-        for _ in range(max_frames):
-            try:
-                part = sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            fd = part.get(zmq.SRCFD)
-            if not part.more:
-                yield part.bytes, fd
-                continue
-            while part.more:  # every part of the message is read, however many
-                part = sock.recv(copy=False)
-            yield None, fd
+        taken = 0
+        try:
+            for _ in range(max_frames):
+                if taken >= max_bytes:
+                    return
+                try:
+                    part = sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                taken += len(part)
+                fd = part.get(zmq.SRCFD)
+                if not part.more:
+                    yield part.bytes, fd
+                    continue
+                while part.more:  # every part of the message is read, however many
+                    part = sock.recv(copy=False)
+                    taken += len(part)
+                yield None, fd
+        finally:
+            self.largest_read = max(self.largest_read, taken)
 
     def prove(self, fd: int, proof: Proof) -> None:
         if self.guard is not None:
@@ -167,7 +201,9 @@ class RequestInput:
 
     @property
     def peer_stats(self) -> dict[str, int]:
-        return self.guard.stats() if self.guard is not None else {}
+        """The guard's counts, the high-water mark in frames and the most bytes one read took."""
+        stats = self.guard.stats() if self.guard is not None else {}
+        return {**stats, "hwm_frames": self.hwm, "largest_read_bytes": self.largest_read}
 
     def close(self) -> None:
         if self.guard is not None:

@@ -42,8 +42,11 @@ from dpboard.board.stale import stale_after
 from dpboard.controller.auto import AUTO_CHECK_INTERVAL, AutoMethod
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
 from dpboard.controller.connections import (
+    DEFAULT_MAX_INPUT_MIB,
     DEFAULT_MAX_QUEUED_MIB,
+    MAX_INPUT_MIB,
     MAX_QUEUED_MIB,
+    MIN_INPUT_MIB,
     BoundedLog,
     Pipe,
     RequestInput,
@@ -148,9 +151,11 @@ class DataParallelController:
     process may bind it (a lock under /dev/shm; a second controller fails at start naming the
     first). ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the
     controller connects a PUSH there for ``{rid, error}`` answers. The connections' bounds
-    (``dpboard.controller.connections``): ``max_peers`` connections on the input at most,
-    ``send_hwm`` requests and ``max_queued_mib`` MiB queued per scheduler (a scheduler over the
-    latter counts as unavailable until it takes all but half of it), the same bytes for the answers.
+    (``dpboard.controller.connections``): ``max_peers`` connections on the input at most, and
+    ``max_input_mib`` MiB of frames received and not yet read per connection (the sender waits
+    beyond it); ``send_hwm`` requests and ``max_queued_mib`` MiB queued per scheduler (a scheduler
+    over the latter counts as unavailable until it takes all but half of it), the same bytes for the
+    answers.
 
     ``acks``, when given, reads the schedulers' board (``read_array()``: SNAPSHOT_DTYPE records, one
     per worker slot, e.g. a ``dpboard.board.FollowingReader``): its ``num_received_reqs`` acknowledge
@@ -184,6 +189,7 @@ class DataParallelController:
         context: zmq.Context | None = None,
         send_hwm: int = DEFAULT_SEND_HWM,
         max_queued_mib: int = DEFAULT_MAX_QUEUED_MIB,
+        max_input_mib: int = DEFAULT_MAX_INPUT_MIB,
         max_peers: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         poll_interval: float = 0.05,
@@ -199,6 +205,8 @@ class DataParallelController:
         self._check_endpoints(dispatcher, worker_endpoints, input_endpoint, error_endpoint)
         _int_option("send_hwm", send_hwm, 1, MAX_SEND_HWM, "requests queued per scheduler")
         _int_option("max_queued_mib", max_queued_mib, 1, MAX_QUEUED_MIB, "MiB queued per scheduler")
+        _int_option("max_input_mib", max_input_mib, MIN_INPUT_MIB, MAX_INPUT_MIB,
+                    "MiB received and not yet read per input connection, at least one largest frame")
         _int_option("max_batch", max_batch, 1, None, "requests taken per batch")
         _int_option("max_redeliveries", max_redeliveries, 0, MAX_REDELIVERIES,
                     "times a request lost by a dead receiver is sent again")
@@ -243,7 +251,8 @@ class DataParallelController:
         self._lock: OwnerLock | None = None
         try:
             self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
-            self.input = RequestInput(self.context, input_endpoint, max_peers=max_peers)
+            self.input = RequestInput(self.context, input_endpoint, max_peers=max_peers,
+                                      max_input_bytes=max_input_mib * 2**20)
             queued = max_queued_mib * 2**20
             for rank in self._ranks:
                 self.workers[rank] = Pipe(self.context, self.worker_endpoints[rank], f"worker {rank}",
@@ -726,6 +735,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"scheduler at this bound counts as unavailable (its requests go elsewhere) until it "
                         f"takes all but half (default {DEFAULT_MAX_QUEUED_MIB}: 4 GiB for a 64-rank node); the "
                         f"same bound holds --errors answers")
+    p.add_argument("--max-input-mib", default=DEFAULT_MAX_INPUT_MIB, metavar="MIB",
+                   type=count(MIN_INPUT_MIB, MAX_INPUT_MIB,
+                              hint=f"room for one frame of the largest size ({MIN_INPUT_MIB} MiB) at least"),
+                   help=f"MiB of requests received on one --input connection and not yet read: ZMQ's receive "
+                        f"high-water mark is this over the largest frame ({MIN_INPUT_MIB} MiB; default "
+                        f"{DEFAULT_MAX_INPUT_MIB}: {DEFAULT_MAX_INPUT_MIB // MIN_INPUT_MIB} frames); a sender "
+                        f"beyond it waits")
     p.add_argument("--max-peers", type=count(1, 2**20), default=None, metavar="N",
                    help=f"connections held at once on --input (default {DEFAULT_MAX_PEERS}, never more than the "
                         f"fds `ulimit -n` leaves less 64); beyond it those that sent no valid request go first")
@@ -855,7 +871,8 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
     try:
         controller = DataParallelController(
             dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
-            max_queued_mib=args.max_queued_mib, max_peers=args.max_peers, log_every=args.log_every,
+            max_queued_mib=args.max_queued_mib, max_input_mib=args.max_input_mib, max_peers=args.max_peers,
+            log_every=args.log_every,
             collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
             record=None if record is None else record[1], auto=auto)
         try:
