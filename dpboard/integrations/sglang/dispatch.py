@@ -29,6 +29,7 @@ import numpy as np
 
 from dpboard.board import BoardReader
 from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
+from dpboard.board.segment import SlotLocks
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, default_lockstep_horizon
@@ -59,6 +60,30 @@ def register(registry: Any, hook_type: Any, module_name: str) -> None:
     registry.register(f"{cls}.refresh_load_budget", refresh_load_budget, hook_type.AROUND)
     registry.register(f"{cls}.update_active_ranks", sync_active, hook_type.AFTER)
     registry.register(f"{cls}._refresh_active_workers", sync_active, hook_type.AFTER)
+
+
+class _LockCheckedReader:
+    """The board's reader, with every slot whose writer's lock is gone read as STALE at once: a
+    scheduler that died (SIGKILL, a crash) gets no new request while its last publish is still
+    within DPBOARD_STALE_AFTER (SlotLocks looks at the locks every 50 ms at most)."""
+
+    def __init__(self, reader: BoardReader, locks: SlotLocks):
+        self._reader = reader
+        self._locks = locks
+        self.n_slots = reader.n_slots
+
+    def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._reader.read_array(out)
+        if self._locks.refresh():
+            self._locks.demote(out["status"])
+        return out
+
+    def read_detailed_array(self, out: np.ndarray) -> np.ndarray:
+        """The records with their detail (the backlog methods read the engines' queued prefill there)."""
+        out = self._reader.read_detailed_array(out)
+        if self._locks.refresh():
+            self._locks.demote(out["load"]["status"])
+        return out
 
 
 class _PaddedReader:
@@ -108,7 +133,7 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     module = sys.modules[_module_name]
     num_dp_ranks = module.get_parallel().num_dp_ranks
     board = instance_board(controller.port_args, num_dp_ranks)
-    reader: Any = board.reader(stale_after=settings.stale_after)
+    reader: Any = _LockCheckedReader(board.reader(stale_after=settings.stale_after), board.slot_locks())
     num_workers = len(controller.workers)
     if num_workers > board.n_slots:
         reader = _PaddedReader(reader, num_workers)

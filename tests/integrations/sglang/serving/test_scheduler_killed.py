@@ -2,11 +2,13 @@
 
 What SGLang 0.5.23 does here: nothing. The schedulers are the DP controller's children, which it
 neither watches nor reaps (the dead one stays a zombie); the server's subprocess watchdog watches
-its own children only. The server keeps serving on the other rank, and the request in flight on
-the dead rank never ends. What dpboard does: the dead rank reads STALE on the board (the other stays
-LIVE) once its last publish is older than the threshold; the plugin's dispatch then sends every new
-request to the live rank, where SGLang's own budget keeps its last-known loads; no user's response
-carries anything of dpboard's; and the server stopped, nothing of the board is left in /dev/shm."""
+its own children only. The server keeps serving on the other rank; a request on the dead rank would
+never end. What dpboard does: the plugin's dispatch skips the dead rank as soon as its writer's
+lock is gone (the kernel drops it with the process), well before its last publish is older than
+DPBOARD_STALE_AFTER (5 s), so every new request goes to the live rank even though the dead one
+looked the least loaded; the dead rank then reads STALE on the board (the other stays LIVE); no
+user's response carries anything of dpboard's; and the server stopped, nothing of the board is
+left in /dev/shm."""
 
 from __future__ import annotations
 
@@ -26,15 +28,14 @@ from tests.support.names import new_board_name
 from tests.support.procutil import wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(900)]
-STALE_AFTER = 1.0  # the plugin's threshold here (DPBOARD_STALE_AFTER), and `dpboard top`'s default
+STALE_AFTER = 1.0  # `dpboard top`'s default; the plugin dispatches with its own (5 s)
 LIVE, STALE = int(SlotStatus.LIVE), int(SlotStatus.STALE)
 
 
 @pytest.fixture(scope="module")
 def server():
     board = new_board_name()
-    srv = start({**plugin_env(board), "DPBOARD_STALE_AFTER": str(STALE_AFTER)},
-                extra=("--load-balance-method", "total_tokens"))
+    srv = start(plugin_env(board), extra=("--load-balance-method", "total_tokens"))
     srv.board = board
     try:
         yield srv
@@ -71,26 +72,39 @@ def what_came(response: http.client.HTTPResponse, chunks: int = 50) -> bytes:
     return out
 
 
-def test_a_killed_scheduler_reads_stale_and_new_requests_go_to_the_live_rank(server):
+def writer_gone(server, rank: int) -> bool:
+    with Board.attach(server.board) as board:
+        return rank in board.slot_locks().refresh()
+
+
+def running(server) -> list[int]:
+    with Board.attach(server.board) as board:
+        return board.reader(stale_after=STALE_AFTER).read_array()["num_running_reqs"].tolist()
+
+
+def test_a_killed_scheduler_is_skipped_at_once_and_reads_stale(server):
     assert wait_until(lambda: statuses(server) == [LIVE, LIVE], timeout=120), statuses(server)
-    stream = open_stream(server, 1)
-    assert b"data:" in what_came(stream, 1)  # it runs on rank 1
+    stream = open_stream(server, 0)  # rank 0 busy: rank 1, idle, is the least loaded
+    assert b"data:" in what_came(stream, 1)
+    assert wait_until(lambda: running(server) == [1, 0], timeout=60), running(server)
     victim = server.schedulers(2)[1][0]
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    assert wait_until(lambda: statuses(server) == [LIVE, STALE], timeout=60, interval=0.05), \
-        (statuses(server), server.tail())
-    print(f"rank 1 read STALE {time.monotonic() - killed:.2f} s after its scheduler was killed")
-    answers = [server.generate(f"after the kill {i}", 4, timeout=120) for i in range(6)]
+    assert wait_until(lambda: writer_gone(server, 1), timeout=30), server.tail()
+    answers = [server.generate(f"after the kill {i}", 4, timeout=60) for i in range(6)]
+    sent_within = time.monotonic() - killed
     for status, answer in answers:
         assert status == 200, answer
         assert "dpboard" not in json.dumps(answer).lower(), answer
     assert Counter(a["meta_info"]["dp_rank"] for _, a in answers) == Counter({0: 6})
+    assert wait_until(lambda: statuses(server) == [LIVE, STALE], timeout=60, interval=0.05), \
+        (statuses(server), server.tail())
+    print(f"6 requests answered by rank 0 within {sent_within:.2f} s of the kill; rank 1 read STALE "
+          f"{time.monotonic() - killed:.2f} s after it")
     in_flight = what_came(stream)
     stream.close()
     assert b"dpboard" not in in_flight.lower(), in_flight[-2000:]
     assert server.proc.poll() is None  # SGLang serves on
-    assert statuses(server) == [LIVE, STALE]
     server.stop()  # SIGTERM to its process group
     assert wait_until(lambda: not any(SHM_DIR.glob(f"dpboard*{server.board}")), timeout=60), \
         (sorted(SHM_DIR.glob(f"dpboard*{server.board}")), server.tail())
