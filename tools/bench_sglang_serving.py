@@ -113,16 +113,18 @@ def measure(server: Server, concurrency: int, tag: str) -> dict:
             "cpu_ms_per_request": {k: v * 1e3 / n for k, v in cpu.items()}, "load_avg": os.getloadavg()[0]}
 
 
-def start(plugin: bool) -> Server:
-    env = ({"SGLANG_PLUGINS": "dpboard", "DPBOARD_METHOD": METHOD, "DPBOARD_BOARD": new_board_name()}
+def start(plugin: bool, method: bool = True) -> Server:
+    """``plugin``: SGLANG_PLUGINS=dpboard (with ``method``, DPBOARD_METHOD too: dpboard dispatches;
+    without, the schedulers publish into the board and SGLang's DPBudget dispatches from it)."""
+    env = ({"SGLANG_PLUGINS": "dpboard", "DPBOARD_BOARD": new_board_name(), **({"DPBOARD_METHOD": METHOD} if method else {})}
            if plugin else {"SGLANG_PLUGINS": "none"})
     server = Server(env, extra=("--load-balance-method", "total_tokens"))
     server.wait_ready()
     return server
 
 
-def run_arm(plugin: bool, levels: tuple[int, ...]) -> dict:
-    server = start(plugin)
+def run_arm(plugin: bool, levels: tuple[int, ...], method: bool = True) -> dict:
+    server = start(plugin, method)
     try:
         with ThreadPoolExecutor(8) as pool:  # the first requests pay for lazy imports and allocations
             list(pool.map(lambda i: first_token(server, f"warm-up {i}"), range(WARMUP)))
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="with/without pairs, alternating (default 2)")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument("--board-only", action="store_true",
+                        help="the plugin arm without DPBOARD_METHOD: the board's cost alone, SGLang dispatching")
     args = parser.parse_args(argv)
     reason = missing()
     if reason:
@@ -178,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for plugin in ((True, False) if round_ % 2 == 0 else (False, True)):
             t0 = time.monotonic()
-            runs.append(run_arm(plugin, LEVELS))
+            runs.append(run_arm(plugin, LEVELS, method=not args.board_only))
             print(f"round {round_ + 1}, {'with' if plugin else 'without'} the plugin: "
                   f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     rows = summarize(runs, LEVELS)
     print(f"{platform.node()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{args.rounds} rounds, {MAX_NEW_TOKENS} tokens per request, DPBOARD_METHOD={METHOD}\n")
+          f"{args.rounds} rounds, {MAX_NEW_TOKENS} tokens per request, "
+          f"{'no DPBOARD_METHOD (SGLang dispatches)' if args.board_only else f'DPBOARD_METHOD={METHOD}'}\n")
     print(tables(rows))
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "summary": rows}, indent=1))
