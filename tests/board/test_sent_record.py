@@ -71,7 +71,7 @@ print("sent", flush=True)
 if then.endswith("-gated"):
     sys.stdin.readline()
 if then.startswith("tear"):
-    writer._seq += 1  # odd: the first half of an add ...
+    writer._row.begin()  # odd: the first half of an add ...
     writer._counts[slot, 0] += 1  # ... its request counted, its tokens not yet
     os.kill(os.getpid(), signal.SIGKILL if then.startswith("tear-kill") else signal.SIGSTOP)
 sys.stdin.read()
