@@ -330,7 +330,6 @@ class SideFile:
         import numpy as np
 
         self.table = np.ndarray((rows, self.row_size // 8), "<i8", mapping, HEADER_SIZE)
-        self.seq = self.table[:, SEQ_WORD].view("<u8")
         self.holder = self.table[:, HOLDER_WORD].view("<u8")
         self.claimed: set[int] = set()
         self._seq_rows: dict[int, SeqRow] = {}
@@ -429,7 +428,7 @@ class SideFile:
         for row in self._seq_rows.values():
             row.release()  # a writer left with one is refused from now on, never writes an unmapped row
         self._seq_rows.clear()
-        self.table = self.seq = self.holder = None  # type: ignore[assignment]
+        self.table = self.holder = None  # type: ignore[assignment]
         try:
             self.mapping.close()
         except BufferError:
