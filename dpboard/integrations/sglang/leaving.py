@@ -11,8 +11,9 @@ waits for the main process to end and then removes the board, its sent record an
 record by dpboard's one rule for "gone" (``BoardListing.in_use``, the rule ``dpboard clean``
 applies): never while any process of the deployment still holds a slot, publishes, or runs.
 
-The watcher holds no descriptor of SGLang's (no port, no pipe beyond stderr) and ends on its own
-when the board is removed by its creator's normal exit, or once its job is done.
+The watcher holds no descriptor of SGLang's (no port, no pipe beyond stderr) and ends once its job
+is done, or when another board takes the name. A board its creator removed at its exit does not end
+it: SGLang's DP controller, SIGKILLed meanwhile, leaves its dispatch record behind.
 """
 
 from __future__ import annotations
@@ -70,19 +71,20 @@ def watch(board_name: str, generation: int) -> int | None:
         return None
 
 
-def _board_is(name: str, generation: int) -> bool:
+def _replaced(name: str, generation: int) -> bool:
+    """Whether another board now has the name (a new server of that name): then this watcher's job
+    is done. A board that is merely gone is not: its creator removes it at its exit, before it ends,
+    and the records its other processes leave are still this watcher's to remove."""
     try:
         header = read_listing(name).header
-    except NotFoundError:
-        return False
     except DpboardError:
-        return True  # unreadable for a moment: look again later
-    return header is not None and header.generation == generation
+        return False  # gone, or unreadable for a moment
+    return header is not None and header.generation != generation
 
 
 def wait_for_end(pid: int, start_ticks: int, name: str, generation: int) -> bool:
-    """Wait until process ``pid`` (started at ``start_ticks``) ends; False when the board went first
-    (removed by a clean exit, or replaced), so there is nothing to do."""
+    """Wait until process ``pid`` (started at ``start_ticks``) ends; False when another board took the
+    name meanwhile, so there is nothing to do."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -93,7 +95,7 @@ def wait_for_end(pid: int, start_ticks: int, name: str, generation: int) -> bool
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
         while not poller.poll(int(BOARD_CHECK_EVERY * 1000)):
-            if not _board_is(name, generation):
+            if _replaced(name, generation):
                 return False
         return True
     finally:

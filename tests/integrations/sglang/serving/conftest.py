@@ -23,7 +23,7 @@ def plugin_env(board: str, method: str = METHOD) -> dict[str, str]:
 
 
 def start(env: dict[str, str], **kwargs) -> Server:
-    reason = missing()
+    reason = missing(kwargs.get("dp_attention", False))
     if reason:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the SGLang serving tests: {reason}")

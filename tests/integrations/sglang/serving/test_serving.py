@@ -6,11 +6,9 @@ process group. Every check of the board waits for what it needs, bounded for a l
 
 from __future__ import annotations
 
-import http.client
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ from tests.integrations.sglang.serving.conftest import METHOD
 from tests.support.names import ROOT, SESSION_FILES
 from tests.support.procutil import kill, wait_until
 from tests.support.serving import get, start_server
-from tests.support.sglang_serving import KV_TOKENS, Gateway
+from tests.support.sglang_serving import KV_TOKENS, Gateway, stream_generate
 
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(1200)]
 DP = 2
@@ -156,26 +154,6 @@ def test_requests_are_answered_and_each_rank_received_what_sglang_says_it_served
     assert int(received.sum()) == 24, received
     assert all(received[rank] >= by_rank[rank] for rank in range(DP)), (received, by_rank)
     assert (received > 0).all(), received
-
-
-def stream_generate(server, text: str, max_new_tokens: int, routed_dp_rank: int) -> http.client.HTTPConnection:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
-    conn.request("POST", "/generate", json.dumps({
-        "text": text, "stream": True, "routed_dp_rank": routed_dp_rank,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0.0},
-    }), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200, response.read()[:2000]
-    threading.Thread(target=drain, args=(response,), daemon=True).start()
-    return conn
-
-
-def drain(response) -> None:
-    try:
-        while response.read(4096):
-            pass
-    except (OSError, ValueError, AttributeError, http.client.HTTPException):
-        pass  # closed by the test: SGLang aborts the request
 
 
 def test_long_requests_held_on_one_rank_send_new_ones_to_the_other(server):
