@@ -36,7 +36,7 @@ SGLANG_KERNEL_VERSION ?= 0.4.10
 SMG_VERSION ?= 1.13.0
 TORCHVISION_VERSION ?= 0.28.0
 # The C extensions are rebuilt when their sources or the generated layout header change.
-SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) kernels/dpboard_layout.h
+SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) $(wildcard dpboard/*/*.h) kernels/dpboard_layout.h
 
 # pytest-xdist workers for `make test` and `make test-all` (auto: one per core), each taking whole
 # files: a file's tests share its module fixtures, and tests/board/test_board.py's machine-wide

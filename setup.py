@@ -8,9 +8,10 @@ FLAGS = ["-O2", "-std=c11"]
 
 setup(
     ext_modules=[
-        # the seqlock's two sides; the layout header is generated from dpboard/snapshot.py
-        Extension("dpboard.board._seqlock", ["dpboard/board/_seqlock.c"], include_dirs=["kernels"],
-                  depends=["kernels/dpboard_layout.h"], extra_compile_args=FLAGS),
+        # the seqlock (dpb_seqlock.h) of board slots and side-record rows; the layout header is
+        # generated from dpboard/snapshot.py
+        Extension("dpboard.board._seqlock", ["dpboard/board/_seqlock.c"], include_dirs=["kernels", "dpboard/board"],
+                  depends=["kernels/dpboard_layout.h", "dpboard/board/dpb_seqlock.h"], extra_compile_args=FLAGS),
         Extension("dpboard.controller._dispatch", ["dpboard/controller/_dispatch.c"], extra_compile_args=FLAGS),
         Extension("dpboard.controller._prefix", ["dpboard/controller/_prefix.c"], extra_compile_args=FLAGS),
     ],

@@ -9,38 +9,10 @@
  * time in one 64-bit value) is claimed with a compare-and-swap, so two would-be writers racing for
  * a slot cannot both win.
  *
- * Writer (never waits; a publish is a fixed number of stores):
- *     seq.store(s + 1, relaxed)        -- odd: a write is in progress
- *     fence(release)                   -- [W1]
- *     fields[k].store(v_k, relaxed)    -- for every field
- *     seq.store(s + 2, release)        -- [W2] even: the write is whole
- *
- * Reader (bounded: at most max_retries attempts, then the slot is reported TORN):
- *     s1 = seq.load(acquire)           -- [R1]
- *     if s1 is odd: retry
- *     v_k = fields[k].load(relaxed)    -- for every field
- *     fence(acquire)                   -- [R2]
- *     s2 = seq.load(relaxed)
- *     if s1 != s2: retry; otherwise v is one whole snapshot
- *
- * Why a reader can never accept a mix of two writes:
- *   - [W2] is a release store and [R1] an acquire load: a reader that sees s1 = s + 2 also sees every
- *     field store made before [W2], i.e. the whole write that ended at s + 2 (or a later one).
- *   - Suppose a field load returned a value stored by the *next* write (the one that begins with
- *     seq = s + 3). That store comes after the release fence [W1] of that write, and the load is
- *     followed by the acquire fence [R2]; fence-to-fence synchronisation (C11 7.17.4) then makes the
- *     odd store s + 3 happen before the load of s2, so s2 >= s + 3 != s1 and the reader retries.
- *   - Field accesses are atomic (relaxed) so a concurrent store and load are not a data race, and
- *     aligned 8-byte accesses are single instructions on both targets, so no value is itself torn.
- * What this costs on each target (GCC/Clang mapping of the C11 orders):
- *   - x86-64 (TSO): stores are not reordered with stores, loads not with loads; release and acquire
- *     compile to plain MOVs and the fences to compiler barriers only. The compiler barrier is what
- *     keeps the compiler from moving field stores across the sequence stores.
- *   - aarch64 (e.g. Grace): [W1] is `dmb ishst`-or-stronger (GCC emits `dmb ish`), [W2] is `stlr`,
- *     [R1] is `ldar`, [R2] is `dmb ishld`. Without them the CPU may make field stores visible before
- *     the odd sequence store, which is the bug this file exists to prevent.
- * The writer is wait-free: it never reads anything a reader writes and never loops. A writer killed
- * between its two sequence stores leaves the slot odd; readers give up after max_retries and report
+ * The seqlock itself, with its memory-ordering argument, is dpb_seqlock.h: the same one guards the
+ * rows of the side records (the sent and dispatch records), which this module also writes and reads
+ * (SeqRow, read_rows). A slot's writer keeps its sequence in local_seq (always even); a writer killed
+ * between its two sequence stores leaves the slot odd, readers give up after max_retries and report
  * TORN, and the next writer of that slot starts from the odd value rounded up, so its first publish
  * makes the slot whole again.
  */
@@ -50,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+#include "dpb_seqlock.h"
 
 /* Every layout fact (offsets, sizes, field indices, status codes) comes from the header generated
    from dpboard/snapshot.py; the module exports them and the package compares them at import. */
@@ -91,13 +65,6 @@ _Static_assert(DPB_NUM_STATUSES == 4, "the reader knows four slot statuses");
 
 static const char *const FIELD_NAMES[NUM_FIELDS] = {DPB_FIELD_NAMES_INIT};
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield" ::: "memory");
-#endif
-}
 
 static inline int64_t clock_ns(clockid_t clock) {
     struct timespec ts;
@@ -126,18 +93,16 @@ static inline void seqlock_write(SlotWriter *w, const int64_t *values, const uin
     uint64_t *seq = (uint64_t *)w->slot;
     int64_t *fields = (int64_t *)(w->slot + FIELDS_OFFSET);
     uint64_t *words = (uint64_t *)(w->slot + DETAIL_OFFSET);
-    uint64_t s = w->local_seq;
-    __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE); /* [W1] */
-    for (int k = 0; k < NUM_FIELDS; k++)
-        __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
+    uint64_t odd = w->local_seq + 1;
+    dpb_seq_open(seq, odd);
+    dpb_store_words((uint64_t *)fields, (const uint64_t *)values, NUM_FIELDS);
     if (detail == NULL) {
         __atomic_store_n(&words[0], (uint64_t)0, __ATOMIC_RELAXED);
     } else {
-        for (int k = 0; k < DETAIL_WORDS; k++) __atomic_store_n(&words[k], detail[k], __ATOMIC_RELAXED);
+        dpb_store_words(words, detail, DETAIL_WORDS);
     }
-    __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE); /* [W2] */
-    w->local_seq = s + 2;
+    dpb_seq_close(seq, odd);
+    w->local_seq = odd + 1;
 }
 
 /* The detail argument of publish()/publish_relayed(): None, or a buffer of exactly DETAIL_SIZE bytes
@@ -332,17 +297,16 @@ static PyObject *writer_publish_paused(SlotWriter *self, PyObject *args) {
     stamp(self, values);
     uint64_t *seq = (uint64_t *)self->slot;
     int64_t *fields = (int64_t *)(self->slot + FIELDS_OFFSET);
-    uint64_t s = self->local_seq;
-    __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE);
+    uint64_t odd = self->local_seq + 1;
+    dpb_seq_open(seq, odd);
     for (int k = 0; k < NUM_FIELDS / 2; k++) __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
     struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
     Py_BEGIN_ALLOW_THREADS nanosleep(&ts, NULL);
     Py_END_ALLOW_THREADS
     for (int k = NUM_FIELDS / 2; k < NUM_FIELDS; k++) __atomic_store_n(&fields[k], values[k], __ATOMIC_RELAXED);
     __atomic_store_n((uint64_t *)(self->slot + DETAIL_OFFSET), (uint64_t)0, __ATOMIC_RELAXED);
-    __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE);
-    self->local_seq = s + 2;
+    dpb_seq_close(seq, odd);
+    self->local_seq = odd + 1;
     Py_RETURN_NONE;
 }
 
@@ -353,12 +317,11 @@ static PyObject *writer_retire(SlotWriter *self, PyObject *unused) {
     if (writer_open(self) < 0) return NULL;
     uint64_t *seq = (uint64_t *)self->slot;
     int64_t *fields = (int64_t *)(self->slot + FIELDS_OFFSET);
-    uint64_t s = self->local_seq;
-    __atomic_store_n(seq, s + 1, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE);
+    uint64_t odd = self->local_seq + 1;
+    dpb_seq_open(seq, odd);
     __atomic_store_n(&fields[F_MONOTONIC_NS], (int64_t)0, __ATOMIC_RELAXED);
-    __atomic_store_n(seq, s + 2, __ATOMIC_RELEASE);
-    self->local_seq = s + 2;
+    dpb_seq_close(seq, odd);
+    self->local_seq = odd + 1;
     Py_RETURN_NONE;
 }
 
@@ -473,9 +436,9 @@ static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *deta
     const int64_t *fields = (const int64_t *)(slot + FIELDS_OFFSET);
     const uint64_t *words = (const uint64_t *)(slot + DETAIL_OFFSET);
     for (int attempt = 0; attempt < max_retries; attempt++) {
-        uint64_t s1 = __atomic_load_n(seqp, __ATOMIC_ACQUIRE); /* [R1] */
+        uint64_t s1 = dpb_seq_read_begin(seqp);
         if (s1 & 1) {
-            cpu_relax();
+            dpb_cpu_relax();
             continue;
         }
         if (s1 == 0) {
@@ -483,13 +446,10 @@ static inline int read_slot_words(const char *slot, int64_t *dst, uint64_t *deta
             if (detail != NULL) memset(detail, 0, DETAIL_SIZE);
             return ST_EMPTY;
         }
-        for (int k = 0; k < NUM_FIELDS; k++) dst[k] = __atomic_load_n(&fields[k], __ATOMIC_RELAXED);
-        if (detail != NULL)
-            for (int k = 0; k < DETAIL_WORDS; k++) detail[k] = __atomic_load_n(&words[k], __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* [R2] */
-        uint64_t s2 = __atomic_load_n(seqp, __ATOMIC_RELAXED);
-        if (s1 == s2) return ((uint64_t)dst[F_MONOTONIC_NS] - live.from > live.width) ? ST_STALE : ST_LIVE;
-        cpu_relax();
+        dpb_load_words((uint64_t *)dst, (const uint64_t *)fields, NUM_FIELDS);
+        if (detail != NULL) dpb_load_words(detail, words, DETAIL_WORDS);
+        if (dpb_seq_read_end(seqp, s1)) return ((uint64_t)dst[F_MONOTONIC_NS] - live.from > live.width) ? ST_STALE : ST_LIVE;
+        dpb_cpu_relax();
     }
     memset(dst, 0, NUM_FIELDS * sizeof(int64_t));
     if (detail != NULL) memset(detail, 0, DETAIL_SIZE);
@@ -908,7 +868,213 @@ static PyObject *mod_claim_slot(PyObject *mod, PyObject *const *args, Py_ssize_t
     return PyBool_FromLong(won);
 }
 
+/* ------------------------------------------------------------------------------------------- */
+/* The rows of the side records (dpboard.board.side_record): the same seqlock, over a row of any */
+/* size whose first word is its sequence.                                                       */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view; /* an export of the record's mapping: keeps it mapped while this row lives */
+    int has_view;
+    uint64_t *row;
+    Py_ssize_t words;
+    uint64_t odd; /* the odd sequence of the write under way; 0: none */
+} SeqRow;
+
+static void seqrow_release_view(SeqRow *self) {
+    self->row = NULL;
+    self->odd = 0;
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+}
+
+static void seqrow_dealloc(SeqRow *self) {
+    seqrow_release_view(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A row's place in a buffer: `offset` and `size` 8-byte multiples, the rows inside it. */
+static int row_span(Py_buffer *view, Py_ssize_t offset, Py_ssize_t size, Py_ssize_t rows) {
+    if (offset < 0 || size < 8 || rows < 0 || offset % 8 || size % 8 || ((uintptr_t)view->buf & 7) ||
+        (rows > 0 && (size > PY_SSIZE_T_MAX / rows || offset > view->len - size * rows))) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd rows of %zd bytes at offset %zd do not fit the %zd-byte mapping (offset and row size "
+                     "must be multiples of 8)",
+                     rows, size, offset, view->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* SeqRow(mapping, offset, size) */
+static int seqrow_init(SeqRow *self, PyObject *args, PyObject *kwds) {
+    PyObject *mapping;
+    Py_ssize_t offset, size;
+    static char *kwlist[] = {"mapping", "offset", "size", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onn", kwlist, &mapping, &offset, &size)) return -1;
+    seqrow_release_view(self);
+    if (PyObject_GetBuffer(mapping, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->has_view = 1;
+    if (row_span(&self->view, offset, size, 1) < 0) {
+        seqrow_release_view(self);
+        return -1;
+    }
+    self->row = (uint64_t *)((char *)self->view.buf + offset);
+    self->words = size / 8;
+    return 0;
+}
+
+static inline int seqrow_open(SeqRow *self) {
+    if (self->row != NULL) return 0;
+    PyErr_SetString(PyExc_ValueError, "this row was released with its record: open the record again to write");
+    return -1;
+}
+
+/* begin(): the row's sequence odd (kept odd when a dead writer left it so), then [W1]. */
+static PyObject *seqrow_begin(SeqRow *self, PyObject *unused) {
+    if (seqrow_open(self) < 0) return NULL;
+    if (self->odd == 0) self->odd = dpb_seq_begin(self->row);
+    Py_RETURN_NONE;
+}
+
+/* end(): [W2], the row even again; the stores since begin() are one whole write. */
+static PyObject *seqrow_end(SeqRow *self, PyObject *unused) {
+    if (seqrow_open(self) < 0) return NULL;
+    if (self->odd == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "SeqRow.end() without begin()");
+        return NULL;
+    }
+    dpb_seq_close(self->row, self->odd);
+    self->odd = 0;
+    Py_RETURN_NONE;
+}
+
+/* add(word, a, b): words `word` and `word + 1` of the row grow by a and b, as one write. */
+static PyObject *seqrow_add(SeqRow *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add(word, a, b)");
+        return NULL;
+    }
+    if (seqrow_open(self) < 0) return NULL;
+    Py_ssize_t word = PyNumber_AsSsize_t(args[0], PyExc_OverflowError);
+    if (word == -1 && PyErr_Occurred()) return NULL;
+    long long a = PyLong_AsLongLong(args[1]);
+    if (a == -1 && PyErr_Occurred()) return NULL;
+    long long b = PyLong_AsLongLong(args[2]);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    if (word < 1 || word + 1 >= self->words) {
+        PyErr_Format(PyExc_IndexError, "words %zd and %zd are not data words of this %zd-word row", word, word + 1,
+                     self->words);
+        return NULL;
+    }
+    uint64_t *w = self->row + word;
+    /* Only this writer stores these words: plain reads of them, atomic stores for the readers. */
+    uint64_t va = __atomic_load_n(&w[0], __ATOMIC_RELAXED) + (uint64_t)a;
+    uint64_t vb = __atomic_load_n(&w[1], __ATOMIC_RELAXED) + (uint64_t)b;
+    uint64_t odd = self->odd ? self->odd : dpb_seq_begin(self->row);
+    __atomic_store_n(&w[0], va, __ATOMIC_RELAXED);
+    __atomic_store_n(&w[1], vb, __ATOMIC_RELAXED);
+    if (self->odd == 0) dpb_seq_close(self->row, odd);
+    Py_RETURN_NONE;
+}
+
+static PyObject *seqrow_release(SeqRow *self, PyObject *unused) {
+    seqrow_release_view(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *seqrow_get_sequence(SeqRow *self, void *closure) {
+    if (seqrow_open(self) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(self->row, __ATOMIC_ACQUIRE));
+}
+
+static PyMethodDef seqrow_methods[] = {
+    {"begin", (PyCFunction)seqrow_begin, METH_NOARGS,
+     "begin(): open a write (the sequence odd, then a release fence); the stores until end() are one write"},
+    {"end", (PyCFunction)seqrow_end, METH_NOARGS, "end(): close the write (the sequence even, a release store)"},
+    {"add", (PyCFunction)(void (*)(void))seqrow_add, METH_FASTCALL,
+     "add(word, a, b): words word and word + 1 grow by a and b, as one write (or inside begin/end)"},
+    {"release", (PyCFunction)seqrow_release, METH_NOARGS, "release(): let go of the mapping; later writes raise"},
+    {NULL}};
+
+static PyGetSetDef seqrow_getset[] = {
+    {"sequence", (getter)seqrow_get_sequence, NULL, "the row's sequence word (odd: a write is under way)", NULL},
+    {NULL}};
+
+static PyTypeObject SeqRowType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpboard.board._seqlock.SeqRow",
+    .tp_basicsize = sizeof(SeqRow),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The writer of one seqlocked row of a side record (dpb_seqlock.h): begin(), stores, end().",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)seqrow_init,
+    .tp_dealloc = (destructor)seqrow_dealloc,
+    .tp_methods = seqrow_methods,
+    .tp_getset = seqrow_getset,
+};
+
+/* read_rows(mapping, offset, row_size, rows, out, whole, max_retries) -> number of torn rows.
+   Copies `rows` rows of `row_size` bytes from `offset` of the mapping (read-only is enough) into
+   `out`, each from one whole write; whole[i] (one byte per row, or None) says which were. A torn
+   row's bytes in `out` are its last attempt's, or left as they were. */
+static PyObject *mod_read_rows(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "read_rows(mapping, offset, row_size, rows, out, whole, max_retries)");
+        return NULL;
+    }
+    Py_ssize_t nums[3];
+    for (int k = 0; k < 3; k++) {
+        nums[k] = PyNumber_AsSsize_t(args[1 + k], PyExc_OverflowError);
+        if (nums[k] == -1 && PyErr_Occurred()) return NULL;
+    }
+    Py_ssize_t offset = nums[0], size = nums[1], rows = nums[2];
+    long max_retries = PyLong_AsLong(args[6]);
+    if (max_retries == -1 && PyErr_Occurred()) return NULL;
+    if (max_retries < 1 || max_retries > 1000000) {
+        PyErr_Format(PyExc_ValueError, "max_retries must be in 1..1000000, got %ld", max_retries);
+        return NULL;
+    }
+    Py_buffer src, out, whole;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[4], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int has_whole = args[5] != Py_None;
+    if (has_whole && PyObject_GetBuffer(args[5], &whole, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (row_span(&src, offset, size, rows) < 0) goto done;
+    if (out.len < size * rows || ((uintptr_t)out.buf & 7) || (has_whole && whole.len < rows)) {
+        PyErr_Format(PyExc_ValueError,
+                     "read_rows needs an 8-byte aligned out of at least %zd bytes and a whole of at least %zd, "
+                     "got %zd and %zd",
+                     size * rows, rows, out.len, has_whole ? whole.len : (Py_ssize_t)-1);
+        goto done;
+    }
+    Py_ssize_t torn = 0;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        int ok = dpb_read_row((const uint64_t *)((const char *)src.buf + offset + i * size),
+                              (uint64_t *)((char *)out.buf + i * size), (size_t)(size / 8), (int)max_retries);
+        torn += !ok;
+        if (has_whole) ((char *)whole.buf)[i] = (char)ok;
+    }
+    result = PyLong_FromSsize_t(torn);
+done:
+    if (has_whole) PyBuffer_Release(&whole);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
+    {"read_rows", (PyCFunction)(void (*)(void))mod_read_rows, METH_FASTCALL,
+     "read_rows(mapping, offset, row_size, rows, out, whole, max_retries) -> rows torn; each copied whole"},
     {"slot_owner", (PyCFunction)(void (*)(void))mod_slot_owner, METH_FASTCALL,
      "slot_owner(mapping, offset) -> the slot's owner word (0: never claimed)"},
     {"claim_slot", (PyCFunction)(void (*)(void))mod_claim_slot, METH_FASTCALL,
@@ -921,13 +1087,16 @@ static struct PyModuleDef seqlock_module = {
 };
 
 PyMODINIT_FUNC PyInit__seqlock(void) {
-    if (PyType_Ready(&SlotWriterType) < 0 || PyType_Ready(&BoardViewType) < 0) return NULL;
+    if (PyType_Ready(&SlotWriterType) < 0 || PyType_Ready(&BoardViewType) < 0 || PyType_Ready(&SeqRowType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&seqlock_module);
     if (m == NULL) return NULL;
     Py_INCREF(&SlotWriterType);
     Py_INCREF(&BoardViewType);
+    Py_INCREF(&SeqRowType);
     if (PyModule_AddObject(m, "SlotWriter", (PyObject *)&SlotWriterType) < 0 ||
         PyModule_AddObject(m, "BoardView", (PyObject *)&BoardViewType) < 0 ||
+        PyModule_AddObject(m, "SeqRow", (PyObject *)&SeqRowType) < 0 ||
         /* The layout this extension was compiled with: dpboard.board compares it with snapshot.py. */
         PyModule_AddIntConstant(m, "LAYOUT_VERSION", DPB_LAYOUT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", DPB_HEADER_SIZE) < 0 ||

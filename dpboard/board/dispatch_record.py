@@ -16,10 +16,10 @@ stamps, the refresh interval, then the cumulative counters) and per slot ``dispa
 
 Counters are cumulative: a reader computes rates by reading twice. A dispatcher counts in its own
 per-request path as it already does and copies its counts here at most every ``PUBLISH_INTERVAL``
-(``DispatchRow.due``), so the record costs nothing per request. The seqlock rule is a board slot's:
-the writer makes ``seq`` odd, writes the row, makes it even again; a reader copies a row between two
-equal even reads of ``seq`` and tries again otherwise, a bounded number of times, then calls the
-row torn (x86-64 keeps stores in program order, which is what the rule needs from NumPy stores).
+(``DispatchRow.due``), so the record costs nothing per request. Each row is a seqlocked row, with
+the board's own seqlock (``dpb_seqlock.h``, in C, with the fences aarch64 needs): the writer makes
+``seq`` odd (``SeqRow.begin``), writes the row, makes it even again (``SeqRow.end``); a reader
+copies a row whole (``read_rows``), trying again a bounded number of times, then calls it torn.
 
 The file, its rows and their holders follow ``dpboard.board.side_record``, as the sent record does.
 Attaching checks what attaching a board checks (``check_owned``: a regular file of this user, or of
@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dpboard.board._seqlock import SeqRow, read_rows
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
 from dpboard.board.side_record import (
     HEADER_SIZE,
@@ -77,7 +78,7 @@ ROW_HEAD = RecordLayout({
     "itemsize": ROW_HEAD_SIZE,
 })
 MAX_ROWS = 4096
-READ_RETRIES = 64
+READ_RETRIES = 4096  # attempts per row (a pause between two, none asleep): a publish is a few microseconds
 PUBLISH_INTERVAL = 0.1  # seconds between two publishes of a row, at most
 ABANDONED_RECORD_AGE = 10.0  # seconds: a record without a whole header younger than this may be being created
 
@@ -161,7 +162,7 @@ class DispatchRecord:
             head["wall_ns"], head["monotonic_ns"] = time.time_ns(), time.monotonic_ns()
 
         self._side.claim(index, reset, hint="one dispatcher per row")
-        writer = DispatchRow(head, per_slot)
+        writer = DispatchRow(head, per_slot, self._side.seq_row(index))
         self._writers.append(writer)
         return writer
 
@@ -184,21 +185,16 @@ class DispatchRow:
     ``due(now)`` says whether ``PUBLISH_INTERVAL`` has passed since the last publish (``now`` in
     ``time.monotonic()`` seconds), so a caller can check it on a path it runs anyway."""
 
-    def __init__(self, head: np.ndarray, per_slot: np.ndarray) -> None:
+    def __init__(self, head: np.ndarray, per_slot: np.ndarray, row: SeqRow) -> None:
         self._head = head
         self._per_slot = per_slot
         self._next = 0.0
         self.closed = False
-        self._one = head.dtype["seq"].type(1)  # the sequence's own type: never a float on the way
+        self._begin = row.begin  # odd: a write is under way
+        self._end = row.end  # even: the write is whole
 
     def due(self, now: float) -> bool:
         return now >= self._next
-
-    def _begin(self) -> None:
-        self._head["seq"] += self._one  # odd: a write is under way
-
-    def _end(self) -> None:
-        self._head["seq"] += self._one
 
     def set_method(self, method: str) -> None:
         """Stamp the row with another method (a dispatcher whose ``auto`` changed), under its seqlock."""
@@ -387,15 +383,8 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
 
 
 def _read_row(mapping: mmap.mmap, off: int, size: int) -> bytes | None:
-    for _ in range(READ_RETRIES):
-        before = int.from_bytes(mapping[off: off + 8], "little")
-        if before & 1:
-            time.sleep(0)
-            continue
-        raw = bytes(mapping[off: off + size])
-        if int.from_bytes(mapping[off: off + 8], "little") == before:
-            return raw
-    return None
+    raw = bytearray(size)
+    return None if read_rows(mapping, off, size, 1, raw, None, READ_RETRIES) else bytes(raw)
 
 
 def remove_if_abandoned(board: str, *, leaving: bool = False) -> bool:

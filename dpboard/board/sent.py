@@ -22,12 +22,11 @@ only while it is held (its holder runs with the recorded start time, or its lock
 whose holder died, or that a new holder took, leaves the totals and is reported as *departed* once,
 with its last counts (``totals(departed=...)``).
 
-The seqlock rule of a board slot: the writer makes ``seq`` odd, updates the counts, makes it even
-again; a reader copies every row between two reads of ``seq`` and keeps, per row, the last copy
-that was whole (equal even reads). A row torn for good (its writer stopped or died mid-write) reads
-as its last whole value: a torn row never fails a read. The counters only grow while a holder
-keeps its row, and x86-64 keeps stores in program order, which is what the rule needs from the plain
-NumPy stores here.
+Every row is a seqlocked row (``dpb_seqlock.h``, the board's own seqlock, in C): a writer's
+``add`` makes ``seq`` odd, updates the counts and makes it even again, with the fences that aarch64
+needs; a reader copies every row whole (``SideFile.read_rows``) and keeps, per row, the last copy
+that was whole. A row torn for good (its writer stopped or died mid-write) reads as its last whole
+value: a torn row never fails a read. The counters only grow while a holder keeps its row.
 
 The record names the board's generation: a record left by an earlier board of that name (a
 deployment killed with SIGKILL) is replaced, never inherited, and so is one of another shape (another
@@ -42,6 +41,7 @@ import os
 import time
 from typing import Any
 
+from dpboard.board._seqlock import SeqRow, read_rows
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import validate_name
 from dpboard.board.side_record import (
@@ -84,7 +84,7 @@ SHARED_WORD = 2  # 1 once the holder has shared its base
 COUNTS_WORD = ROW_HEADER // 8
 MAX_ROWS = 4096
 MAX_SLOTS = 1 << 16
-READ_RETRIES = 4  # whole copies of the rows per read before a torn row falls back to its last value
+READ_RETRIES = 4  # attempts per row and read before a torn row falls back to its last value
 LIVENESS_INTERVAL = 0.25  # seconds between two checks of the rows' holders by one reader
 
 
@@ -131,16 +131,12 @@ class SentRecord:
         _numpy()
         words = row_size(slots) // 8
         self._table = side.table
-        self._seq = side.seq
         self._holder = side.holder
         # what one read copies, and the views of the copy it looks at
         self._copy = np.zeros((rows, words), np.int64)
         self._copy_holder = self._copy[:, HOLDER_WORD].view("<u8")
         self._copy_counts = self._copy[:, COUNTS_WORD: COUNTS_WORD + 2 * slots].reshape(rows, slots, 2)
-        self._before = np.zeros(rows, np.uint64)
-        self._parity = np.zeros(rows, np.uint64)
         self._whole = np.zeros(rows, bool)
-        self._even = np.zeros(rows, bool)
         self._changed = np.zeros(rows, bool)
         self._whole_rows = self._whole[:, None, None]
         # per row: the holder it was last read with, whether that holder counts, its last whole counts
@@ -192,9 +188,8 @@ class SentRecord:
             self._table[i, SHARED_WORD:] = 0
 
         self._side.claim(index, reset, hint="one sender per row (each API server has its own client index)")
-        seq = self._seq[index: index + 1]
         base = COUNTS_WORD + 2 * self.slots
-        writer = SentWriter(seq, self._table[index, COUNTS_WORD: base].reshape(self.slots, 2),
+        writer = SentWriter(self._side.seq_row(index), self._table[index, COUNTS_WORD: base].reshape(self.slots, 2),
                             self._table[index, SHARED_WORD: SHARED_WORD + 1], self._table[index, base: base + self.slots])
         self._row_writers[index] = writer
         return writer
@@ -210,20 +205,12 @@ class SentRecord:
         out = np.zeros((self.slots, 2), np.int64) if out is None else out
         if departed is not None:
             departed.fill(0)
-        for _ in range(READ_RETRIES):
-            np.copyto(self._before, self._seq)
-            np.copyto(self._copy, self._table)
-            np.equal(self._before, self._seq, out=self._whole)
-            np.bitwise_and(self._before, 1, out=self._parity)
-            np.logical_not(self._parity, out=self._even)
-            np.logical_and(self._whole, self._even, out=self._whole)
-            np.not_equal(self._copy_holder, self._identity, out=self._changed)
-            np.logical_and(self._changed, self._whole, out=self._changed)
-            if self._changed.any():
-                self._new_holders(departed)
-            np.copyto(self._last, self._copy_counts, where=self._whole_rows)
-            if self._whole.all():
-                break
+        self._side.read_rows(self._copy, self._whole, READ_RETRIES)
+        np.not_equal(self._copy_holder, self._identity, out=self._changed)
+        np.logical_and(self._changed, self._whole, out=self._changed)
+        if self._changed.any():
+            self._new_holders(departed)
+        np.copyto(self._last, self._copy_counts, where=self._whole_rows)
         now = time.monotonic()
         if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_INTERVAL
@@ -273,20 +260,26 @@ class SentRecord:
             return
         for writer in self._row_writers.values():
             writer.closed = True
+            writer._add = _closed_add  # a request sent while the record closes counts nowhere, never raises
         self._row_writers.clear()
-        self._table = self._seq = self._holder = None  # type: ignore[assignment]
+        self._table = self._holder = None  # type: ignore[assignment]
         self._side.close()
 
     def unlink(self) -> None:
         remove_record(sent_path(self.board), force=True)
 
 
+def _closed_add(word: int, a: int, b: int) -> None:
+    pass
+
+
 class SentWriter:
     """One sender's row: ``add(slot, tokens)`` counts one request sent to ``slot``; ``share`` makes
     its reader's base known to readers that start later."""
 
-    def __init__(self, seq: np.ndarray, counts: np.ndarray, shared: np.ndarray, base: np.ndarray) -> None:
-        self._seq = seq
+    def __init__(self, row: SeqRow, counts: np.ndarray, shared: np.ndarray, base: np.ndarray) -> None:
+        self._row = row
+        self._add = row.add
         self._counts = counts
         self._shared = shared
         self._base = base
@@ -300,12 +293,8 @@ class SentWriter:
         self._shared[0] = 1
 
     def add(self, slot: int, tokens: int) -> None:
-        seq = self._seq
-        seq += 1  # odd: a write is under way
-        row = self._counts[slot]
-        row[0] += 1
-        row[1] += tokens
-        seq += 1
+        """One request of ``tokens`` tokens sent to ``slot``: both counts, as one seqlocked write."""
+        self._add(COUNTS_WORD + 2 * slot, 1, tokens)
 
     def sent(self, slot: int) -> tuple[int, int]:
         return int(self._counts[slot, 0]), int(self._counts[slot, 1])
@@ -333,14 +322,11 @@ def read_sent(board: str, *, generation: int, trust_uids: tuple[int, ...] = (),
         _numpy()
         rows, slots = int(header["rows"]), int(header["slots"])
         words = row_size(slots) // 8
-        table = np.frombuffer(mapping, "<i8", rows * words, SENT_HEADER_SIZE).reshape(rows, words)
-        copy = table.copy()
-        for _ in range(READ_RETRIES):  # the rows' seqlock: keep the copies read between two equal, even seqs
-            again = table.copy()
-            whole = (copy[:, 0] == again[:, 0]) & (copy[:, 0] & 1 == 0)
-            if whole.all():
-                break
-            copy[~whole] = again[~whole]
+        copy = np.zeros((rows, words), np.int64)
+        whole = np.zeros(rows, bool)
+        if read_rows(mapping, SENT_HEADER_SIZE, row_size(slots), rows, copy, whole, READ_RETRIES):
+            table = np.frombuffer(mapping, "<i8", rows * words, SENT_HEADER_SIZE).reshape(rows, words)
+            copy[~whole] = table[~whole]  # torn at every retry: counted at a plain copy
         sent = np.zeros(slots, np.int64)
         base = np.zeros(slots, np.int64)
         shared = False

@@ -9,7 +9,10 @@ docs/FORMAT.md ("Side records") has the rules; each record's section has its byt
 A file of ``64 + rows x row_size`` bytes: a 64-byte header that starts with the magic (written last
 by the creator), ``version``, ``rows``, ``slots``, ``row_size`` (u32 each) and ``creator_pid``, then
 the rows. Every row starts with ``seq`` (u64, its seqlock sequence) and ``holder`` (u64, a board
-slot's owner word: pid and start ticks; 0 while free).
+slot's owner word: pid and start ticks; 0 while free). A row is written and read with the board's
+seqlock (``dpb_seqlock.h``, in C: ``SeqRow`` writes one, ``read_rows`` copies rows whole), never
+with NumPy alone: on aarch64 only its fences keep a reader from seeing a new ``seq`` before the
+words it guards.
 
 Locks (the kernel drops each when its process dies, so none outlives a SIGKILL):
 
@@ -37,8 +40,9 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dpboard.board._seqlock import SeqRow, read_rows
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import SHM_DIR, validate_name
@@ -46,9 +50,6 @@ from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, NotFoundError, UnavailableError
 from dpboard.ownership import check_owned, lock_range, open_refusal, range_held, same_file, unlock_range
 from dpboard.snapshot import RecordLayout, pack_owner, unpack_owner
-
-if TYPE_CHECKING:
-    pass
 
 HEADER_SIZE = 64
 SEQ_WORD, HOLDER_WORD = 0, 1  # the first two words of every row
@@ -329,9 +330,9 @@ class SideFile:
         import numpy as np
 
         self.table = np.ndarray((rows, self.row_size // 8), "<i8", mapping, HEADER_SIZE)
-        self.seq = self.table[:, SEQ_WORD].view("<u8")
         self.holder = self.table[:, HOLDER_WORD].view("<u8")
         self.claimed: set[int] = set()
+        self._seq_rows: dict[int, SeqRow] = {}
         self._pid = os.getpid()
         _open_files.add(self)
 
@@ -377,23 +378,34 @@ class SideFile:
             holder, _ = unpack_owner(int(self.holder[index]))
             who = f"live process {holder}" if holder else "a live process that is claiming it"
             raise BoardError(f"row {index} of the {self.fmt.what} of board {self.board!r} is held by {who}: {hint}")
-        seq = self.seq[index: index + 1]
-        if not seq[0] & 1:
-            seq += 1  # odd: a write is under way (already odd when the last holder died mid-write)
+        row = self.seq_row(index)
+        row.begin()  # odd: a write is under way (already odd when the last holder died mid-write)
         pid = os.getpid()
         self.holder[index] = pack_owner(pid, process_start_ticks(pid))
         reset(index)
-        seq += 1  # even again
+        row.end()  # even again
         self.claimed.add(index)
+
+    def seq_row(self, index: int) -> SeqRow:
+        """The seqlock writer of row ``index`` (one per row and process; its holder's to use)."""
+        row = self._seq_rows.get(index)
+        if row is None:
+            row = self._seq_rows[index] = SeqRow(self.mapping, self.fmt.row_offset(index, self.slots), self.row_size)
+        return row
+
+    def read_rows(self, out: Any, whole: Any, retries: int) -> int:
+        """Copy every row into ``out`` (rows x row_size bytes), each from one whole write; ``whole``
+        (a byte per row) says which were. Returns the number of torn rows."""
+        return read_rows(self.mapping, HEADER_SIZE, self.row_size, self.rows, out, whole, retries)
 
     def release(self, index: int) -> None:
         """Give row ``index`` up: its holder word cleared under the seqlock, then its lock."""
         if index not in self.claimed or self.fd < 0:
             return
-        seq = self.seq[index: index + 1]
-        seq += 1
+        row = self.seq_row(index)
+        row.begin()
         self.holder[index] = 0
-        seq += 1
+        row.end()
         unlock_range(self.fd, self.fmt.row_offset(index, self.slots), self.row_size)
         self.claimed.discard(index)
 
@@ -413,7 +425,10 @@ class SideFile:
         os.close(self.fd)  # drops the attach lock and every row's
         self.fd = -1
         _open_files.discard(self)
-        self.table = self.seq = self.holder = None  # type: ignore[assignment]
+        for row in self._seq_rows.values():
+            row.release()  # a writer left with one is refused from now on, never writes an unmapped row
+        self._seq_rows.clear()
+        self.table = self.holder = None  # type: ignore[assignment]
         try:
             self.mapping.close()
         except BufferError:
