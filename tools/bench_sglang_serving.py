@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm_serving import TICK, markdown  # noqa: E402  (the same tables as the vLLM benchmark)
+from bench_vllm_serving import cpu_spent, cpu_ticks, markdown  # noqa: E402  (the vLLM benchmark's)
 
 from tests.support.names import new_board_name  # noqa: E402
 from tests.support.sglang_serving import Server, missing  # noqa: E402
@@ -57,24 +57,6 @@ def role(server: Server, pid: int) -> str:
         return "other"
     name = title.split("::", 1)[1].split("_DP")[0] if title.startswith("sglang::") else "other"
     return name if name in ROLES else "other"
-
-
-def cpu_ticks(server: Server) -> dict[int, tuple[str, int]]:
-    out = {}
-    for pid in server.pids():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[pid] = (role(server, pid), int(fields[11]) + int(fields[12]))
-    return out
-
-
-def cpu_spent(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict[str, float]:
-    spent = dict.fromkeys(ROLES, 0.0)
-    for pid, (name, ticks) in after.items():
-        spent[name] += (ticks - before.get(pid, (name, 0))[1]) / TICK
-    return spent
 
 
 def first_token(server: Server, text: str) -> tuple[float, float]:
@@ -100,12 +82,12 @@ def first_token(server: Server, text: str) -> tuple[float, float]:
 
 def measure(server: Server, concurrency: int, tag: str) -> dict:
     n = 4 * concurrency
-    ticks = cpu_ticks(server)
+    ticks = cpu_ticks(server, role)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda i: first_token(server, f"{tag} request {i} kime sora bada"), range(n)))
     wall = time.perf_counter() - t0
-    cpu = cpu_spent(ticks, cpu_ticks(server))
+    cpu = cpu_spent(ticks, cpu_ticks(server, role), ROLES)
     ttfts = sorted(r[0] for r in results)
     return {"concurrency": concurrency, "requests": n, "wall_s": wall, "requests_per_s": n / wall,
             "ttft_p50_s": statistics.median(ttfts),

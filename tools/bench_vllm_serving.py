@@ -34,8 +34,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -72,21 +74,24 @@ def role(server: Server, pid: int) -> str:
     return name if name in ROLES else "other"
 
 
-def cpu_ticks(server: Server) -> dict[int, tuple[str, int]]:
-    """pid -> (its role, utime + stime in clock ticks, every thread) for each live process of the server."""
+def cpu_ticks(server: Any, role_of: Callable[[Any, int], str] | None = None) -> dict[int, tuple[str, int]]:
+    """pid -> (its role, utime + stime in clock ticks, every thread) for each live process of the server
+    (``role_of(server, pid)``: vLLM's process titles unless said otherwise)."""
+    role_of = role if role_of is None else role_of
     out = {}
     for pid in server.pids():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[pid] = (role(server, pid), int(fields[11]) + int(fields[12]))
+        out[pid] = (role_of(server, pid), int(fields[11]) + int(fields[12]))
     return out
 
 
-def cpu_spent(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict[str, float]:
+def cpu_spent(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+              roles: tuple[str, ...] = ROLES) -> dict[str, float]:
     """CPU seconds per role between two ``cpu_ticks`` (a process that started in between counts from 0)."""
-    spent = dict.fromkeys(ROLES, 0.0)
+    spent = dict.fromkeys(roles, 0.0)
     for pid, (name, ticks) in after.items():
         spent[name] += (ticks - before.get(pid, (name, 0))[1]) / TICK
     return spent

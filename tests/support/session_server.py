@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -152,3 +153,12 @@ class SessionServer:
                 return e.code, json.loads(text)
             except ValueError:
                 return e.code, {"error": text}
+
+
+def pip_error_lines(target: str) -> list[str]:
+    """The lines that start with ERROR in what pip said while `make TARGET` built this interpreter's
+    environment (the Makefile keeps pip's messages in ``<venv>/pip-messages.log``): a successful build
+    that prints "ERROR:" reads as a failure to whoever runs it."""
+    log = Path(sys.prefix) / "pip-messages.log"
+    assert log.is_file(), f"{log} is missing: the environment was not built by `make {target}`"
+    return [line for line in log.read_text().splitlines() if line.lstrip().upper().startswith("ERROR")]

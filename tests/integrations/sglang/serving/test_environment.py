@@ -4,19 +4,16 @@ and SGLang is the release the plugin supports, unchanged (the shims live outside
 from __future__ import annotations
 
 import importlib.metadata
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.serving
+from tests.support.session_server import pip_error_lines
 
-PIP_LOG = Path(sys.prefix) / "pip-messages.log"  # the Makefile's SGLANG_PIP_LOG
+pytestmark = pytest.mark.serving
 
 
 def test_building_the_sglang_environment_printed_no_error_line():
-    assert PIP_LOG.is_file(), f"{PIP_LOG} is missing: the environment was not built by `make test-sglang-serving`"
-    errors = [line for line in PIP_LOG.read_text().splitlines() if line.lstrip().upper().startswith("ERROR")]
+    errors = pip_error_lines("test-sglang-serving")
     assert not errors, "\n".join(errors)
 
 
