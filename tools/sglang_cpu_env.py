@@ -34,7 +34,6 @@ import argparse
 import importlib.metadata
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import sysconfig
@@ -43,7 +42,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_cpu_env import ARCHS, build_model  # noqa: E402  (the same tiny model for both engines)
+from vllm_cpu_env import ARCHS, build_model, requirements_of  # noqa: E402  (the same model, the same rule)
 
 SGLANG = "sglang"
 KERNEL_DIST = "sglang-kernel"
@@ -70,23 +69,8 @@ PyMODINIT_FUNC PyInit_common_ops(void) { return PyModule_Create(&common_ops_modu
 """
 
 
-def _normalise(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def requirements() -> list[str]:
-    from packaging.requirements import Requirement
-
-    out = []
-    for line in importlib.metadata.requires(SGLANG) or ():
-        req = Requirement(line)
-        if _normalise(req.name) in LEFT_OUT:
-            continue
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue
-        req.marker = None
-        out.append(str(req))
-    return out
+    return requirements_of(SGLANG, LEFT_OUT)
 
 
 def constraints() -> list[str]:

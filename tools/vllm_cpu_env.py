@@ -43,12 +43,19 @@ SPECIALS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
 def requirements() -> list[str]:
+    return requirements_of(CPU_DIST, LEFT_OUT)
+
+
+def requirements_of(dist: str, left_out: set[str]) -> list[str]:
+    """What distribution ``dist`` asks for on this machine (its metadata, markers evaluated, extras
+    none), less the distributions named in ``left_out`` (canonical names)."""
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     out = []
-    for line in importlib.metadata.requires(CPU_DIST) or ():
+    for line in importlib.metadata.requires(dist) or ():
         req = Requirement(line)
-        if req.name.lower() in LEFT_OUT:
+        if canonicalize_name(req.name) in left_out:
             continue
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue
