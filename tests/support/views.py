@@ -5,10 +5,16 @@ each of the doctor's rules can be put in the one state it judges: ``rank_row(k, 
 of a ``Sample`` (a live rank of 1000 tokens by default), ``pd_queues(mode, ...)`` its
 disaggregation detail, ``dispatch_row(...)`` one dispatcher's row of the dispatch record,
 ``sample(t, ranks, ...)`` the whole read at ``t`` seconds.
+
+``heavy_imports_of(*argv)`` runs a dpboard command in a fresh interpreter and names the Numba,
+CuPy and llvmlite modules it imported.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 from dpboard.board.dispatch_record import COUNTERS, DispatchRowSample
@@ -58,3 +64,15 @@ def sample(t: float, ranks: list[dict[str, Any]], *, board: str = "doctor-rules"
     """The read of a board of ``len(ranks)`` slots at ``t`` seconds."""
     return Sample(t, board, len(ranks), ranks, dispatch, refused, in_flight)
 
+
+HEAVY = ("numba", "cupy", "llvmlite")  # what the read-only views never import (docs/ARCHITECTURE.md)
+
+
+def heavy_imports_of(*argv: str) -> list[str]:
+    """``dpboard ARGV`` run to its end in a fresh interpreter (it must exit 0): the modules of
+    ``HEAVY`` it imported on the way, lazy imports included."""
+    code = ("import json, sys; from dpboard.cli import main; rc = main(sys.argv[1:]); "
+            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])

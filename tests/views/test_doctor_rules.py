@@ -293,8 +293,13 @@ def test_rooms_uneven():
     assert f.evidence == "requests per rank by room over 1.0 s: rank 0 20, rank 1 0 (max/mean 2.00); 100 % carried a room"
 
 
+def test_rooms_uneven_when_a_rank_gets_none_at_a_ratio_under_the_skew():
+    f = one(check_rooms_uneven(rooms([10, 10, 10, 0])), "rooms_uneven")
+    assert "rank 3 0 (max/mean 1.33)" in f.evidence
+
+
 @pytest.mark.parametrize("per_rank, method", [
-    ([10, 10], "follow_bootstrap_room"), ([5, 4], "follow_bootstrap_room"), ([20, 0], "total_tokens")])
+    ([10, 10], "follow_bootstrap_room"), ([10, 10, 10, 7], "follow_bootstrap_room"), ([5, 4], "follow_bootstrap_room"), ([20, 0], "total_tokens")])
 def test_rooms_uneven_silent(per_rank, method):
     assert check_rooms_uneven(rooms(per_rank, method)) == []
 
