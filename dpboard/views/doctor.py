@@ -13,8 +13,11 @@ received) are read too (``dpboard.views.rows.in_flight``: read-only, none create
 ``take_sample`` reads both once into a ``Sample`` of plain values; ``diagnose(samples)`` is the pure
 core: from samples over a window (the first and the last give the counters' deltas, every one the
 loads) it returns ``Finding``s, most serious first, each with its evidence, the likely cause in the
-seed's terms and the fix. ``DoctorWatch`` keeps a short rolling window of samples for ``top`` and
-``serve``. Imports the board only: no Numba, no CuPy.
+seed's terms and the fix. Each question of the checklist is one rule, a function of the ``Window``
+(the samples and what is worked out from them once: the live ranks, their mean loads, the
+dispatchers' counts) returning zero or more findings; ``RULES`` lists them in the order their
+findings are listed within a severity, and ``diagnose`` runs them all. ``DoctorWatch`` keeps a short
+rolling window of samples for ``top`` and ``serve``. Imports the board only: no Numba, no CuPy.
 """
 
 from __future__ import annotations
@@ -224,268 +227,6 @@ def _dispatch_over(first: Sample, last: Sample, dt: float) -> _Dispatch | None:
     return _Dispatch(rows, counts, per_rank, routed, rates)
 
 
-def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AFTER) -> list[Finding]:
-    """Findings over ``samples`` (oldest first, at least one), most serious first."""
-    if not samples:
-        raise InvalidInputError("diagnose needs at least one sample")
-    first, last = samples[0], samples[-1]
-    dt = max(0.0, last.t - first.t)
-    window = f"over {dt:.1f} s"
-    found: list[Finding] = []
-    add = found.append
-    by_status: dict[str, list[dict[str, Any]]] = {}
-    for r in last.ranks:
-        by_status.setdefault(r["status"], []).append(r)
-    live = [r["rank"] for r in by_status.get(_LIVE, [])]
-    n = last.n_slots
-
-    # -- dp_size, and the ranks that take requests
-    if n == 1:
-        add(Finding("warning", "one slot: dp_size is 1", f"board {last.board!r} has 1 slot",
-                    "with dp_size 1 there is no data-parallel controller: every request goes to the one rank "
-                    "(checklist 1: is dp_size really > 1?)",
-                    "start the server with --dp-size N (N > 1) and a board of N slots", "one_slot"))
-    elif len(live) <= 1:
-        others = "; ".join(f"rank {r['rank']} {r['status']}" for r in last.ranks if r["status"] != _LIVE)
-        add(Finding("critical", f"only {len(live)} of {n} ranks live" + (f" (rank {live[0]})" if live else ""),
-                    f"at the end of the window: {others}",
-                    "the other ranks' schedulers do not publish (stopped, stalled or never started): a "
-                    "health-aware or load-aware dispatcher sends every request to the live rank",
-                    "restart the other ranks' schedulers (see the stale/torn finding for their pids) and check "
-                    "their logs", "one_live_rank"))
-    bad = by_status.get(_STALE, []) + by_status.get(_TORN, [])
-    if bad:
-        parts, dead = [], False
-        for r in sorted(bad, key=lambda r: r["rank"]):
-            who = f"pid {r['pid']} {'running' if r['pid_alive'] else 'gone'}" if r["pid"] else "no writer"
-            dead |= not r["pid_alive"] or r["status"] == _TORN
-            if r["status"] == _STALE:
-                parts.append(f"rank {r['rank']} stale, last publish {r['age_s']:.1f} s ago ({who})")
-            else:
-                parts.append(f"rank {r['rank']} torn ({who})")
-        add(Finding("critical" if dead else "warning",
-                    f"{len(bad)} rank{'s' if len(bad) > 1 else ''} stale or torn: "
-                    f"{', '.join(str(r['rank']) for r in sorted(bad, key=lambda r: r['rank']))}",
-                    "; ".join(parts) + f" (stale after {stale_after:g} s)",
-                    "a stale rank's scheduler stopped publishing: it died, or one step lasts longer than the "
-                    "stale threshold (a long prefill); a torn rank's writer died or stalls in the middle of a "
-                    "publish (SIGKILL)",
-                    "restart the scheduler of a gone pid (the new writer takes the slot over); with long steps "
-                    "raise the threshold (--stale-after, DPBOARD_STALE_AFTER)", "stale_or_torn"))
-
-    loads, floor = _mean_loads(samples)
-    load_ratio = _ratio(list(loads.values()))
-    skewed = _one_sided(loads, load_ratio, floor)
-    disp = _dispatch_over(first, last, dt)
-    methods = disp.methods if disp else set()
-
-    # -- the dispatcher's own record
-    if last.record_refused is not None:
-        add(Finding("warning", "the dispatch record is refused", last.record_refused,
-                    "a file at the record's name that dpboard does not read (another user's, a link, one others "
-                    "may write, damaged): the dispatcher runs without a record, and the method, refresh rate and "
-                    "routed_dp_rank / bootstrap_room shares are not checked",
-                    "remove the file once its deployment is stopped (or pass --trust-uid for a user you trust); "
-                    "the next dispatcher makes a record of its own", "record_refused"))
-    elif last.dispatch is None:
-        add(Finding("info", "no dispatch record", f"board {last.board!r} has no dispatch record",
-                    "the dispatcher is not dpboard's (SGLang's or vLLM's own, without DPBOARD_METHOD), or an "
-                    "older dpboard: the method, refresh rate and routed_dp_rank / bootstrap_room shares are "
-                    "not checked",
-                    "dispatch with dpboard (`dpboard controller --board`, or DPBOARD_METHOD in the plugins)",
-                    "no_record"))
-    elif disp is None:
-        rows = ", ".join(f"pid {r.pid} ({'running' if r.alive else 'gone'}, last publish {r.age_s:.1f} s ago)"
-                         for r in last.dispatch) or "no row claimed"
-        add(Finding("warning", "the dispatcher does not publish", f"dispatch record rows: {rows}",
-                    "the dispatcher that reads this board stopped, or never started dispatching",
-                    "start the controller (or the server whose plugin dispatches); `dpboard clean` leaves the "
-                    "record of a live dispatcher alone", "record_silent"))
-    for row in (disp.rows if disp else []):
-        if row.mode == "prefill" and row.method == "round_robin":
-            add(Finding("critical", "a PD prefill server dispatches by round_robin",
-                        f"dispatcher pid {row.pid}: method round_robin, disaggregation mode prefill",
-                        "a prefill rank must be the one its bootstrap_room maps to, the rank the decode side "
-                        "waits on; round robin sends it elsewhere and the rendezvous fails",
-                        "use --load-balance-method follow_bootstrap_room on the prefill server (auto "
-                        "picks it)", "prefill_round_robin"))
-
-    # -- the PD rendezvous: decode transfer queues that grow while prefill is idle
-    decode = [r for r in last.ranks if r["pd"] and r["pd"]["mode"] == "decode"]
-    growing = []
-    for r in decode:
-        k = r["rank"]
-        start = first.ranks[k]["pd"] if first.ranks[k]["pd"] else None
-        if start is None:
-            continue
-        q0 = start["decode_transfer_queue_reqs"] + start["decode_prealloc_queue_reqs"]
-        q1 = r["pd"]["decode_transfer_queue_reqs"] + r["pd"]["decode_prealloc_queue_reqs"]
-        if q1 > q0 and q1 > 0:
-            growing.append((k, q0, q1))
-    if growing:
-        prefill = [r for r in last.ranks if r["pd"] and r["pd"]["mode"] == "prefill" and r["status"] == _LIVE]
-        busy = [r for r in prefill if r["num_running_reqs"] + r["num_waiting_reqs"]
-                + r["pd"]["prefill_bootstrap_queue_reqs"] + r["pd"]["prefill_inflight_queue_reqs"]]
-        if not busy:
-            where = (f"prefill {_ranks(r['rank'] for r in prefill)} idle (nothing running, waiting or in flight)"
-                     if prefill else "no prefill rank publishes on this board (check the prefill server's board)")
-            grew = "; ".join(f"rank {k} {q0} -> {q1}" for k, q0, q1 in growing)
-            add(Finding("critical", "decode waits for KV that never comes (PD rendezvous failure)",
-                        f"decode transfer + prealloc queues grew {window}: {grew}; {where}",
-                        "decode preallocated KV for requests whose prefill never sends it: the prefill server "
-                        "dispatches to another rank than the request's bootstrap_room (switched to round robin), "
-                        "or the rooms are missing or differ between the two sides",
-                        "prefill: --load-balance-method follow_bootstrap_room (or auto); the router must give "
-                        "both sides the same bootstrap_room", "pd_rendezvous"))
-
-    # -- KV saturation on some ranks only
-    if len(live) >= 2:
-        usage = {}
-        for k in live:
-            vals = [s.ranks[k]["num_used_tokens"] / s.ranks[k]["max_total_num_tokens"] for s in samples
-                    if s.ranks[k]["status"] == _LIVE and s.ranks[k]["max_total_num_tokens"] > 0]
-            if vals:
-                usage[k] = sum(vals) / len(vals)
-        full = [k for k, u in usage.items() if u >= KV_FULL]
-        roomy = [k for k, u in usage.items() if u < KV_ROOMY]
-        if full and roomy:
-            add(Finding("warning", f"KV cache full on {_ranks(full)} only",
-                        f"mean KV use {window}: " + ", ".join(f"rank {k} {usage[k]:.0%}" for k in sorted(usage)),
-                        "requests that hold much KV pile up on some ranks: the method does not weigh tokens "
-                        "(round_robin, total_requests), or routed_dp_rank / bootstrap_room pin work there",
-                        "a token-aware method (total_tokens, or dpboard's inflight_tokens); check the routed and "
-                        "room findings", "kv_saturation"))
-
-    if disp is not None:
-        total = disp.counts["requests"]
-        rate = f"{total} requests {window}"
-        # -- routed_dp_rank
-        if total >= 10:
-            top = max(range(n), key=lambda k: disp.routed_per_rank[k])
-            pinned = disp.routed_per_rank[top]
-            if pinned > ROUTED_SHARE * total:
-                add(Finding("critical", f"{_pct(pinned, total)} of requests routed to rank {top} by routed_dp_rank",
-                            f"{pinned} of {rate} carried routed_dp_rank={top}; {_pct(disp.counts['routed'], total)} "
-                            f"carried one at all",
-                            "routed_dp_rank overrides every method (it is obeyed first): the client or gateway "
-                            "pins the requests to one rank",
-                            "drop routed_dp_rank from the requests, or have the gateway spread it over the ranks",
-                            "routed_one_rank"))
-        # -- refreshes against the throttle
-        publish = _publish_rate(first, last, dt)
-        for row, per_s in disp.refresh_rates:
-            if row.method in LOAD_UNAWARE or per_s <= 0:
-                continue
-            limit = 1 / row.refresh_interval if row.refresh_interval > 0 else None
-            if limit is None and per_s > 1 / SGLANG_THROTTLE:
-                title = f"refreshes {per_s:.0f}/s with no throttle"
-                throttle = "refresh interval 0 (a refresh per dispatch)"
-            elif limit is not None and per_s > 1.25 * limit + 1:
-                title = f"refreshes {per_s:.0f}/s, above its throttle's {limit:.0f}/s"
-                throttle = f"refresh interval {row.refresh_interval * 1e3:g} ms"
-            else:
-                continue
-            pub = f"; the ranks publish {publish:.0f}/s each" if publish is not None else ""
-            add(Finding("warning", title,
-                        f"dispatcher pid {row.pid} ({row.method}): {per_s:.1f} refreshes/s {window}, {throttle}{pub}",
-                        "a load-aware method that refreshes at every dispatch resets its speculative +1s to the "
-                        "last snapshot, older than its picks, so a burst lands on the rank that looked least "
-                        "loaded",
-                        "restore SGLang's 20 ms throttle (--refresh-interval 0.02), or use an inflight_* method "
-                        "(its in-flight accounting keeps the picks across refreshes)", "refresh_rate"))
-        # -- rooms
-        unrouted = [disp.per_rank[k] - disp.routed_per_rank[k] for k in range(n)]
-        if "follow_bootstrap_room" in methods and n > 1 and sum(unrouted) >= 5 * n:
-            room_ratio = _ratio(unrouted)
-            if room_ratio is not None and (room_ratio >= SKEWED or min(unrouted) == 0):
-                add(Finding("warning", "bootstrap rooms map unevenly onto the ranks",
-                            f"requests per rank by room {window}: " + ", ".join(
-                                f"rank {k} {v}" for k, v in enumerate(unrouted))
-                            + f" (max/mean {room_ratio:.2f}); {_pct(disp.counts['with_room'], total)} carried a room",
-                            "follow_bootstrap_room sends a request to bootstrap_room % dp_size: the router's rooms "
-                            "are not uniform modulo dp_size (even rooms only, a constant, a counter stepping by "
-                            "dp_size)",
-                            "have the router draw rooms uniformly (random 63-bit, as SGLang's router does); keep "
-                            "follow_bootstrap_room on the prefill server", "rooms_uneven"))
-        # -- rejections and fallbacks
-        rejected = disp.counts["rejected"]
-        if rejected:
-            if "follow_bootstrap_room" in methods:
-                cause = ("follow_bootstrap_room refuses a request without a bootstrap_room: it was sent straight "
-                         "to the prefill server, not through the router")
-                fix = "send PD requests through the router, which sets bootstrap_room"
-            else:
-                cause = ("requests the dispatcher cannot place: a routed_dp_rank outside the active ranks, no rank "
-                         "available, or a malformed frame")
-                fix = "see the dispatcher's log for each rejection (it names the request and why)"
-            add(Finding("warning", f"{rejected} requests rejected",
-                        f"{rejected} rejected beside {rate} ({_pct(disp.counts['with_room'], total)} of the "
-                        f"dispatched carried a bootstrap_room)", cause, fix, "rejected"))
-        if disp.counts["fallbacks"]:
-            add(Finding("warning", f"{disp.counts['fallbacks']} requests placed by a fallback pick",
-                        f"{disp.counts['fallbacks']} fallbacks beside {rate}",
-                        "the method had no rank to give, or its rank refused the request: every rank stale (one "
-                        "long step stalled them past the threshold), or a scheduler's queue full or disconnected",
-                        "check the stale ranks; with long steps raise the stale threshold; a full queue needs more "
-                        "ranks or a larger --send-hwm", "fallbacks"))
-
-    # -- the method against the loads, and the dispatch against the loads
-    if skewed and methods & set(LOAD_UNAWARE):
-        method = sorted(methods & set(LOAD_UNAWARE))[0]
-        if method == "round_robin":
-            cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
-                     "ones on some ranks")
-            fix = ("--load-balance-method total_tokens (or dpboard's inflight_tokens); but keep "
-                   "follow_bootstrap_room on a PD prefill server")
-        else:
-            cause = "follow_bootstrap_room maps rooms to ranks and never looks at load"
-            fix = ("keep the method on a PD prefill (the rendezvous needs it) and have the router spread its "
-                   "rooms; elsewhere use a load-aware method")
-        add(Finding("warning", f"load-unaware {method} under skewed load",
-                    f"mean total tokens {window}: " + ", ".join(f"rank {k} {v:.0f}" for k, v in loads.items())
-                    + f" (max/mean {load_ratio:.2f})", cause, fix, "load_unaware_skew"))
-    sent = _dispatch_per_rank(first, last, disp, live)
-    if sent is not None and load_ratio is not None and not any(f.id == "routed_one_rank" for f in found):
-        dispatch_ratio = _ratio(list(sent.values()))
-        shares = ", ".join(f"rank {k} {_pct(v, sum(sent.values()))}" for k, v in sent.items())
-        if dispatch_ratio is not None and dispatch_ratio >= SKEWED and load_ratio < EVEN:
-            add(Finding("warning", "dispatch one-sided while the loads are even",
-                        f"share of requests {window}: {shares} (max/mean {dispatch_ratio:.2f}); mean loads "
-                        f"max/mean {load_ratio:.2f}",
-                        "the loads on the board do not move with the requests: a scheduler publishes a constant "
-                        "or another engine's counts, or the requests differ so much in size that a token-aware "
-                        "method sends many short ones to a few ranks",
-                        "compare each rank's num_received_reqs with its engine's own log; if the requests are "
-                        "alike, check that each rank's plugin publishes its own engine", "dispatch_vs_load"))
-        elif (dispatch_ratio is not None and dispatch_ratio < EVEN and skewed
-              and not methods & set(LOAD_UNAWARE)):
-            add(Finding("warning", "dispatch even while the loads are one-sided",
-                        f"share of requests {window}: {shares}; mean total tokens "
-                        + ", ".join(f"rank {k} {v:.0f}" for k, v in loads.items()) + f" (max/mean {load_ratio:.2f})",
-                        "requests go out evenly but the work does not: the method counts requests, not tokens "
-                        "(round_robin, total_requests), or it does not read the loads (a stale board read)",
-                        "a token-aware method (total_tokens, inflight_tokens) reading this board",
-                        "dispatch_vs_load"))
-    # -- the in-flight count of vLLM's API servers (their sent record): requests never received
-    stuck = _stuck_in_flight(samples)
-    if stuck and dt >= STUCK_WINDOW:
-        add(Finding("warning", f"requests sent and never received on {_ranks(k for k, _ in stuck)}",
-                    f"in flight (sent by the API servers less received by the engine) {window}, the engine's "
-                    f"received count unchanged: " + ", ".join(f"rank {k} {n}" for k, n in stuck),
-                    "the API servers count these requests as in flight to the engine, which never counted them: "
-                    "lost on the way (an engine restarted while they were queued), or an engine that does not "
-                    "count what it receives (its dpboard plugin is off); load-aware dispatch then sees the "
-                    "rank as busier than it is",
-                    "check the engine's log for requests it dropped and that its plugin is on; the count goes "
-                    "back to 0 when the API servers restart (their sent rows begin again)", "inflight_stuck"))
-    if disp is not None and disp.counts["requests"] == 0:
-        add(Finding("info", "no requests dispatched", f"0 requests {window}",
-                    "nothing was sent during the window: the dispatch findings need traffic",
-                    "run doctor while the server serves, or with a longer --window", "idle"))
-    found.sort(key=lambda f: SEVERITIES.index(f.severity))
-    return found
-
-
 def _stuck_in_flight(samples: Sequence[Sample]) -> list[tuple[int, int]]:
     """(rank, in flight at the end) of the ranks with requests in flight in every sample while their
     received count did not move: what was sent there is not arriving."""
@@ -518,6 +259,401 @@ def _dispatch_per_rank(first: Sample, last: Sample, disp: _Dispatch | None, live
     else:
         sent = {k: max(0, last.ranks[k]["num_received_reqs"] - first.ranks[k]["num_received_reqs"]) for k in live}
     return sent if sum(sent.values()) >= 10 * len(live) else None
+
+
+@dataclass(frozen=True)
+class Window:
+    """What every rule reads: the samples (oldest first) and what is worked out from them once."""
+
+    samples: Sequence[Sample]
+    stale_after: float
+    dt: float  # seconds from the first sample to the last
+    live: list[int]  # the ranks LIVE in the last sample
+    loads: dict[int, float]  # per live rank, its mean load over the window (_mean_loads)
+    skew_floor: float  # the gap between the busiest and the idlest that makes their ratio count
+    disp: _Dispatch | None  # the live dispatchers' counts over the window; None: none to count
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], stale_after: float = DEFAULT_STALE_AFTER) -> Window:
+        if not samples:
+            raise InvalidInputError("diagnose needs at least one sample")
+        first, last = samples[0], samples[-1]
+        dt = max(0.0, last.t - first.t)
+        loads, floor = _mean_loads(samples)
+        return cls(samples, stale_after, dt, [r["rank"] for r in last.ranks if r["status"] == _LIVE], loads, floor,
+                   _dispatch_over(first, last, dt))
+
+    @property
+    def first(self) -> Sample:
+        return self.samples[0]
+
+    @property
+    def last(self) -> Sample:
+        return self.samples[-1]
+
+    @property
+    def over(self) -> str:
+        """The window in evidence: "over 5.0 s"."""
+        return f"over {self.dt:.1f} s"
+
+    @property
+    def load_ratio(self) -> float | None:
+        return _ratio(list(self.loads.values()))
+
+    @property
+    def skewed(self) -> bool:
+        return _one_sided(self.loads, self.load_ratio, self.skew_floor)
+
+    @property
+    def methods(self) -> set[str]:
+        return self.disp.methods if self.disp else set()
+
+    @property
+    def requests(self) -> str:
+        """The window's dispatched requests in evidence (with a dispatcher): "1190 requests over 5.0 s"."""
+        assert self.disp is not None
+        return f"{self.disp.counts['requests']} requests {self.over}"
+
+
+# -- the rules: each one question of the checklist, answered with zero or more findings -------------
+
+
+def check_dp_size(w: Window) -> list[Finding]:
+    """dp_size really > 1, and more than one rank taking requests."""
+    last, live, n = w.last, w.live, w.last.n_slots
+    if n == 1:
+        return [Finding("warning", "one slot: dp_size is 1", f"board {last.board!r} has 1 slot",
+                        "with dp_size 1 there is no data-parallel controller: every request goes to the one rank "
+                        "(checklist 1: is dp_size really > 1?)",
+                        "start the server with --dp-size N (N > 1) and a board of N slots", "one_slot")]
+    if len(live) > 1:
+        return []
+    others = "; ".join(f"rank {r['rank']} {r['status']}" for r in last.ranks if r["status"] != _LIVE)
+    return [Finding("critical", f"only {len(live)} of {n} ranks live" + (f" (rank {live[0]})" if live else ""),
+                    f"at the end of the window: {others}",
+                    "the other ranks' schedulers do not publish (stopped, stalled or never started): a "
+                    "health-aware or load-aware dispatcher sends every request to the live rank",
+                    "restart the other ranks' schedulers (see the stale/torn finding for their pids) and check "
+                    "their logs", "one_live_rank")]
+
+
+def check_stale_or_torn(w: Window) -> list[Finding]:
+    """The ranks that stopped publishing, each with its pid and whether it runs."""
+    bad = sorted((r for r in w.last.ranks if r["status"] in (_STALE, _TORN)), key=lambda r: r["rank"])
+    if not bad:
+        return []
+    parts, dead = [], False
+    for r in bad:
+        who = f"pid {r['pid']} {'running' if r['pid_alive'] else 'gone'}" if r["pid"] else "no writer"
+        dead |= not r["pid_alive"] or r["status"] == _TORN
+        if r["status"] == _STALE:
+            parts.append(f"rank {r['rank']} stale, last publish {r['age_s']:.1f} s ago ({who})")
+        else:
+            parts.append(f"rank {r['rank']} torn ({who})")
+    return [Finding("critical" if dead else "warning",
+                    f"{len(bad)} rank{'s' if len(bad) > 1 else ''} stale or torn: "
+                    f"{', '.join(str(r['rank']) for r in bad)}",
+                    "; ".join(parts) + f" (stale after {w.stale_after:g} s)",
+                    "a stale rank's scheduler stopped publishing: it died, or one step lasts longer than the "
+                    "stale threshold (a long prefill); a torn rank's writer died or stalls in the middle of a "
+                    "publish (SIGKILL)",
+                    "restart the scheduler of a gone pid (the new writer takes the slot over); with long steps "
+                    "raise the threshold (--stale-after, DPBOARD_STALE_AFTER)", "stale_or_torn")]
+
+
+def check_record(w: Window) -> list[Finding]:
+    """The dispatcher's own record: refused, missing, or no live dispatcher publishing in it."""
+    last = w.last
+    if last.record_refused is not None:
+        return [Finding("warning", "the dispatch record is refused", last.record_refused,
+                        "a file at the record's name that dpboard does not read (another user's, a link, one "
+                        "others may write, damaged): the dispatcher runs without a record, and the method, "
+                        "refresh rate and routed_dp_rank / bootstrap_room shares are not checked",
+                        "remove the file once its deployment is stopped (or pass --trust-uid for a user you "
+                        "trust); the next dispatcher makes a record of its own", "record_refused")]
+    if last.dispatch is None:
+        return [Finding("info", "no dispatch record", f"board {last.board!r} has no dispatch record",
+                        "the dispatcher is not dpboard's (SGLang's or vLLM's own, without DPBOARD_METHOD), or an "
+                        "older dpboard: the method, refresh rate and routed_dp_rank / bootstrap_room shares are "
+                        "not checked",
+                        "dispatch with dpboard (`dpboard controller --board`, or DPBOARD_METHOD in the plugins)",
+                        "no_record")]
+    if w.disp is not None:
+        return []
+    rows = ", ".join(f"pid {r.pid} ({'running' if r.alive else 'gone'}, last publish {r.age_s:.1f} s ago)"
+                     for r in last.dispatch) or "no row claimed"
+    return [Finding("warning", "the dispatcher does not publish", f"dispatch record rows: {rows}",
+                    "the dispatcher that reads this board stopped, or never started dispatching",
+                    "start the controller (or the server whose plugin dispatches); `dpboard clean` leaves the "
+                    "record of a live dispatcher alone", "record_silent")]
+
+
+def check_prefill_round_robin(w: Window) -> list[Finding]:
+    """A PD prefill server switched to round robin: decode then waits for its KV forever."""
+    return [Finding("critical", "a PD prefill server dispatches by round_robin",
+                    f"dispatcher pid {row.pid}: method round_robin, disaggregation mode prefill",
+                    "a prefill rank must be the one its bootstrap_room maps to, the rank the decode side "
+                    "waits on; round robin sends it elsewhere and the rendezvous fails",
+                    "use --load-balance-method follow_bootstrap_room on the prefill server (auto "
+                    "picks it)", "prefill_round_robin")
+            for row in (w.disp.rows if w.disp else []) if row.mode == "prefill" and row.method == "round_robin"]
+
+
+def check_pd_rendezvous(w: Window) -> list[Finding]:
+    """The PD rendezvous: decode transfer queues that grow while prefill is idle."""
+    first, last = w.first, w.last
+    growing = []
+    for r in last.ranks:
+        if not (r["pd"] and r["pd"]["mode"] == "decode"):
+            continue
+        start = first.ranks[r["rank"]]["pd"]
+        if not start:
+            continue
+        q0 = start["decode_transfer_queue_reqs"] + start["decode_prealloc_queue_reqs"]
+        q1 = r["pd"]["decode_transfer_queue_reqs"] + r["pd"]["decode_prealloc_queue_reqs"]
+        if q1 > q0 and q1 > 0:
+            growing.append((r["rank"], q0, q1))
+    if not growing:
+        return []
+    prefill = [r for r in last.ranks if r["pd"] and r["pd"]["mode"] == "prefill" and r["status"] == _LIVE]
+    if any(r["num_running_reqs"] + r["num_waiting_reqs"] + r["pd"]["prefill_bootstrap_queue_reqs"]
+           + r["pd"]["prefill_inflight_queue_reqs"] for r in prefill):
+        return []
+    where = (f"prefill {_ranks(r['rank'] for r in prefill)} idle (nothing running, waiting or in flight)"
+             if prefill else "no prefill rank publishes on this board (check the prefill server's board)")
+    grew = "; ".join(f"rank {k} {q0} -> {q1}" for k, q0, q1 in growing)
+    return [Finding("critical", "decode waits for KV that never comes (PD rendezvous failure)",
+                    f"decode transfer + prealloc queues grew {w.over}: {grew}; {where}",
+                    "decode preallocated KV for requests whose prefill never sends it: the prefill server "
+                    "dispatches to another rank than the request's bootstrap_room (switched to round robin), "
+                    "or the rooms are missing or differ between the two sides",
+                    "prefill: --load-balance-method follow_bootstrap_room (or auto); the router must give "
+                    "both sides the same bootstrap_room", "pd_rendezvous")]
+
+
+def check_kv_saturation(w: Window) -> list[Finding]:
+    """KV cache full on some live ranks while others have room."""
+    if len(w.live) < 2:
+        return []
+    usage = {}
+    for k in w.live:
+        vals = [s.ranks[k]["num_used_tokens"] / s.ranks[k]["max_total_num_tokens"] for s in w.samples
+                if s.ranks[k]["status"] == _LIVE and s.ranks[k]["max_total_num_tokens"] > 0]
+        if vals:
+            usage[k] = sum(vals) / len(vals)
+    full = [k for k, u in usage.items() if u >= KV_FULL]
+    if not full or not any(u < KV_ROOMY for u in usage.values()):
+        return []
+    return [Finding("warning", f"KV cache full on {_ranks(full)} only",
+                    f"mean KV use {w.over}: " + ", ".join(f"rank {k} {usage[k]:.0%}" for k in sorted(usage)),
+                    "requests that hold much KV pile up on some ranks: the method does not weigh tokens "
+                    "(round_robin, total_requests), or routed_dp_rank / bootstrap_room pin work there",
+                    "a token-aware method (total_tokens, or dpboard's inflight_tokens); check the routed and "
+                    "room findings", "kv_saturation")]
+
+
+def _pinned(w: Window) -> tuple[int, int] | None:
+    """(rank, requests) where more than ``ROUTED_SHARE`` of the window's requests (10 at least) carried
+    a routed_dp_rank for that one rank."""
+    if w.disp is None or w.disp.counts["requests"] < 10:
+        return None
+    routed = w.disp.routed_per_rank
+    top = max(range(w.last.n_slots), key=lambda k: routed[k])
+    return (top, routed[top]) if routed[top] > ROUTED_SHARE * w.disp.counts["requests"] else None
+
+
+def check_routed_one_rank(w: Window) -> list[Finding]:
+    """Requests pinned to one rank by routed_dp_rank, which overrides every method."""
+    pinned = _pinned(w)
+    if pinned is None or w.disp is None:
+        return []
+    top, count = pinned
+    total = w.disp.counts["requests"]
+    return [Finding("critical", f"{_pct(count, total)} of requests routed to rank {top} by routed_dp_rank",
+                    f"{count} of {w.requests} carried routed_dp_rank={top}; {_pct(w.disp.counts['routed'], total)} "
+                    f"carried one at all",
+                    "routed_dp_rank overrides every method (it is obeyed first): the client or gateway "
+                    "pins the requests to one rank",
+                    "drop routed_dp_rank from the requests, or have the gateway spread it over the ranks",
+                    "routed_one_rank")]
+
+
+def check_refresh_rate(w: Window) -> list[Finding]:
+    """A load-aware dispatcher refreshing without SGLang's throttle, or above its own."""
+    if w.disp is None:
+        return []
+    publish = _publish_rate(w.first, w.last, w.dt)
+    found = []
+    for row, per_s in w.disp.refresh_rates:
+        if row.method in LOAD_UNAWARE or per_s <= 0:
+            continue
+        limit = 1 / row.refresh_interval if row.refresh_interval > 0 else None
+        if limit is None and per_s > 1 / SGLANG_THROTTLE:
+            title = f"refreshes {per_s:.0f}/s with no throttle"
+            throttle = "refresh interval 0 (a refresh per dispatch)"
+        elif limit is not None and per_s > 1.25 * limit + 1:
+            title = f"refreshes {per_s:.0f}/s, above its throttle's {limit:.0f}/s"
+            throttle = f"refresh interval {row.refresh_interval * 1e3:g} ms"
+        else:
+            continue
+        pub = f"; the ranks publish {publish:.0f}/s each" if publish is not None else ""
+        found.append(Finding(
+            "warning", title,
+            f"dispatcher pid {row.pid} ({row.method}): {per_s:.1f} refreshes/s {w.over}, {throttle}{pub}",
+            "a load-aware method that refreshes at every dispatch resets its speculative +1s to the last "
+            "snapshot, older than its picks, so a burst lands on the rank that looked least loaded",
+            "restore SGLang's 20 ms throttle (--refresh-interval 0.02), or use an inflight_* method (its "
+            "in-flight accounting keeps the picks across refreshes)", "refresh_rate"))
+    return found
+
+
+def check_rooms_uneven(w: Window) -> list[Finding]:
+    """follow_bootstrap_room with rooms that do not spread uniformly modulo dp_size."""
+    n = w.last.n_slots
+    if w.disp is None or "follow_bootstrap_room" not in w.methods or n <= 1:
+        return []
+    unrouted = [w.disp.per_rank[k] - w.disp.routed_per_rank[k] for k in range(n)]
+    if sum(unrouted) < 5 * n:
+        return []
+    room_ratio = _ratio(unrouted)
+    if room_ratio is None or (room_ratio < SKEWED and min(unrouted) != 0):
+        return []
+    return [Finding("warning", "bootstrap rooms map unevenly onto the ranks",
+                    f"requests per rank by room {w.over}: " + ", ".join(f"rank {k} {v}" for k, v in enumerate(unrouted))
+                    + f" (max/mean {room_ratio:.2f}); "
+                    f"{_pct(w.disp.counts['with_room'], w.disp.counts['requests'])} carried a room",
+                    "follow_bootstrap_room sends a request to bootstrap_room % dp_size: the router's rooms "
+                    "are not uniform modulo dp_size (even rooms only, a constant, a counter stepping by "
+                    "dp_size)",
+                    "have the router draw rooms uniformly (random 63-bit, as SGLang's router does); keep "
+                    "follow_bootstrap_room on the prefill server", "rooms_uneven")]
+
+
+def check_rejected(w: Window) -> list[Finding]:
+    """Requests the dispatcher answered with an error instead of a rank."""
+    rejected = w.disp.counts["rejected"] if w.disp else 0
+    if not rejected or w.disp is None:
+        return []
+    if "follow_bootstrap_room" in w.methods:
+        cause = ("follow_bootstrap_room refuses a request without a bootstrap_room: it was sent straight "
+                 "to the prefill server, not through the router")
+        fix = "send PD requests through the router, which sets bootstrap_room"
+    else:
+        cause = ("requests the dispatcher cannot place: a routed_dp_rank outside the active ranks, no rank "
+                 "available, or a malformed frame")
+        fix = "see the dispatcher's log for each rejection (it names the request and why)"
+    return [Finding("warning", f"{rejected} requests rejected",
+                    f"{rejected} rejected beside {w.requests} "
+                    f"({_pct(w.disp.counts['with_room'], w.disp.counts['requests'])} of the "
+                    f"dispatched carried a bootstrap_room)", cause, fix, "rejected")]
+
+
+def check_fallbacks(w: Window) -> list[Finding]:
+    """Requests placed by a fallback pick: the method had no rank to give."""
+    fallbacks = w.disp.counts["fallbacks"] if w.disp else 0
+    if not fallbacks:
+        return []
+    return [Finding("warning", f"{fallbacks} requests placed by a fallback pick",
+                    f"{fallbacks} fallbacks beside {w.requests}",
+                    "the method had no rank to give, or its rank refused the request: every rank stale (one "
+                    "long step stalled them past the threshold), or a scheduler's queue full or disconnected",
+                    "check the stale ranks; with long steps raise the stale threshold; a full queue needs more "
+                    "ranks or a larger --send-hwm", "fallbacks")]
+
+
+def check_load_unaware_skew(w: Window) -> list[Finding]:
+    """A method that reads no loads (round_robin, follow_bootstrap_room) while the loads are one-sided."""
+    unaware = w.methods & set(LOAD_UNAWARE)
+    if not (w.skewed and unaware):
+        return []
+    method = sorted(unaware)[0]
+    if method == "round_robin":
+        cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
+                 "ones on some ranks")
+        fix = ("--load-balance-method total_tokens (or dpboard's inflight_tokens); but keep "
+               "follow_bootstrap_room on a PD prefill server")
+    else:
+        cause = "follow_bootstrap_room maps rooms to ranks and never looks at load"
+        fix = ("keep the method on a PD prefill (the rendezvous needs it) and have the router spread its "
+               "rooms; elsewhere use a load-aware method")
+    return [Finding("warning", f"load-unaware {method} under skewed load",
+                    f"mean total tokens {w.over}: " + ", ".join(f"rank {k} {v:.0f}" for k, v in w.loads.items())
+                    + f" (max/mean {w.load_ratio:.2f})", cause, fix, "load_unaware_skew")]
+
+
+def check_dispatch_vs_load(w: Window) -> list[Finding]:
+    """The dispatch against the loads: one-sided while they are even, or even while they are not (a
+    routed_dp_rank pinning is its own finding, and is not judged here again)."""
+    sent = _dispatch_per_rank(w.first, w.last, w.disp, w.live)
+    load_ratio = w.load_ratio
+    if sent is None or load_ratio is None or _pinned(w) is not None:
+        return []
+    dispatch_ratio = _ratio(list(sent.values()))
+    if dispatch_ratio is None:
+        return []
+    shares = ", ".join(f"rank {k} {_pct(v, sum(sent.values()))}" for k, v in sent.items())
+    if dispatch_ratio >= SKEWED and load_ratio < EVEN:
+        return [Finding("warning", "dispatch one-sided while the loads are even",
+                        f"share of requests {w.over}: {shares} (max/mean {dispatch_ratio:.2f}); mean loads "
+                        f"max/mean {load_ratio:.2f}",
+                        "the loads on the board do not move with the requests: a scheduler publishes a constant "
+                        "or another engine's counts, or the requests differ so much in size that a token-aware "
+                        "method sends many short ones to a few ranks",
+                        "compare each rank's num_received_reqs with its engine's own log; if the requests are "
+                        "alike, check that each rank's plugin publishes its own engine", "dispatch_vs_load")]
+    if dispatch_ratio < EVEN and w.skewed and not w.methods & set(LOAD_UNAWARE):
+        return [Finding("warning", "dispatch even while the loads are one-sided",
+                        f"share of requests {w.over}: {shares}; mean total tokens "
+                        + ", ".join(f"rank {k} {v:.0f}" for k, v in w.loads.items())
+                        + f" (max/mean {load_ratio:.2f})",
+                        "requests go out evenly but the work does not: the method counts requests, not tokens "
+                        "(round_robin, total_requests), or it does not read the loads (a stale board read)",
+                        "a token-aware method (total_tokens, inflight_tokens) reading this board",
+                        "dispatch_vs_load")]
+    return []
+
+
+def check_inflight_stuck(w: Window) -> list[Finding]:
+    """The in-flight count of vLLM's API servers (their sent record): requests never received."""
+    stuck = _stuck_in_flight(w.samples)
+    if not stuck or w.dt < STUCK_WINDOW:
+        return []
+    return [Finding("warning", f"requests sent and never received on {_ranks(k for k, _ in stuck)}",
+                    f"in flight (sent by the API servers less received by the engine) {w.over}, the engine's "
+                    f"received count unchanged: " + ", ".join(f"rank {k} {n}" for k, n in stuck),
+                    "the API servers count these requests as in flight to the engine, which never counted them: "
+                    "lost on the way (an engine restarted while they were queued), or an engine that does not "
+                    "count what it receives (its dpboard plugin is off); load-aware dispatch then sees the "
+                    "rank as busier than it is",
+                    "check the engine's log for requests it dropped and that its plugin is on; the count goes "
+                    "back to 0 when the API servers restart (their sent rows begin again)", "inflight_stuck")]
+
+
+def check_idle(w: Window) -> list[Finding]:
+    """No traffic in the window: the dispatch findings had nothing to judge."""
+    if w.disp is None or w.disp.counts["requests"] != 0:
+        return []
+    return [Finding("info", "no requests dispatched", f"0 requests {w.over}",
+                    "nothing was sent during the window: the dispatch findings need traffic",
+                    "run doctor while the server serves, or with a longer --window", "idle")]
+
+
+Rule = Callable[[Window], list[Finding]]
+
+# The checklist in the order its findings are listed within one severity.
+RULES: tuple[Rule, ...] = (
+    check_dp_size, check_stale_or_torn, check_record, check_prefill_round_robin, check_pd_rendezvous,
+    check_kv_saturation, check_routed_one_rank, check_refresh_rate, check_rooms_uneven, check_rejected,
+    check_fallbacks, check_load_unaware_skew, check_dispatch_vs_load, check_inflight_stuck, check_idle,
+)
+
+
+def diagnose(samples: Sequence[Sample], *, stale_after: float = DEFAULT_STALE_AFTER) -> list[Finding]:
+    """Findings over ``samples`` (oldest first, at least one), most serious first."""
+    window = Window.of(samples, stale_after)
+    found = [finding for rule in RULES for finding in rule(window)]
+    found.sort(key=lambda f: SEVERITIES.index(f.severity))
+    return found
 
 
 def summary(samples: Sequence[Sample]) -> dict[str, Any]:

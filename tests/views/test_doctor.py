@@ -347,12 +347,22 @@ def test_refreshes_without_a_throttle(board_name, tmp_path, interval):
         assert "refresh_rate" not in found
 
 
+def long_and_short(i: int) -> bytes:
+    """Prompts of 2000 and 10 tokens alternating: over two ranks taken in turn, every long one lands
+    on rank 0."""
+    return encode_request(f"r{i}", num_tokens=2000 if i % 2 == 0 else 10)
+
+
+def doctor_on_long_and_short(name: str, tmp_path: Path, method: str) -> tuple[int, dict]:
+    """``dpboard doctor`` over 1.5 s of ``long_and_short`` prompts sent to a controller of two ranks."""
+    with controller(name, tmp_path, 2, "--method", method) as (push, _):
+        return feed_during(push, long_and_short, [name, "--window", "1.5"], gap=0.01, before=20)
+
+
 @pytest.mark.timeout(90)
 def test_round_robin_under_skewed_load(board_name, tmp_path):
     """Long and short prompts alternate over two ranks: round robin gives rank 0 every long one."""
-    with controller(board_name, tmp_path, 2, "--method", "round_robin") as (push, _):
-        frame = lambda i: encode_request(f"r{i}", num_tokens=2000 if i % 2 == 0 else 10)  # noqa: E731
-        status, report = feed_during(push, frame, [board_name, "--window", "1.5"], gap=0.01, before=20)
+    status, report = doctor_on_long_and_short(board_name, tmp_path, "round_robin")
     assert status == 1
     f = by_id(report)["load_unaware_skew"]
     assert f["title"] == "load-unaware round_robin under skewed load" and "total_tokens" in f["fix"]
@@ -362,9 +372,7 @@ def test_round_robin_under_skewed_load(board_name, tmp_path):
 def test_requests_spread_evenly_while_the_tokens_pile_up(board_name, tmp_path):
     """total_requests counts requests, not tokens: long and short prompts alternating over two ranks
     go out one for one, and every long one lands on rank 0."""
-    with controller(board_name, tmp_path, 2, "--method", "total_requests") as (push, _):
-        frame = lambda i: encode_request(f"r{i}", num_tokens=2000 if i % 2 == 0 else 10)  # noqa: E731
-        status, report = feed_during(push, frame, [board_name, "--window", "1.5"], gap=0.01, before=20)
+    status, report = doctor_on_long_and_short(board_name, tmp_path, "total_requests")
     assert status == 1
     f = by_id(report)["dispatch_vs_load"]
     assert f["title"] == "dispatch even while the loads are one-sided" and "token-aware" in f["fix"]

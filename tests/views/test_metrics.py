@@ -10,17 +10,7 @@ from pathlib import Path
 import pytest
 
 from dpboard import Board, LoadSnapshot
-from tests.support.mixed_board import (
-    CAPACITY,
-    EMPTY_RANKS,
-    LIVE_RANKS,
-    STALE_AFTER,
-    STALE_RANK,
-    TORN_RANK,
-    expected_imbalance,
-    load_of,
-    mixed_board,
-)
+from tests.support import mixed_board as mixed
 from tests.support.names import ROOT, new_board_name
 from tests.support.procutil import stop
 from tests.support.prometheus import prometheus_binary, running_prometheus
@@ -28,7 +18,7 @@ from tests.support.serving import get, samples, start_server
 
 pytestmark = pytest.mark.timeout(180)
 
-WITH_DATA = (*LIVE_RANKS, STALE_RANK)  # ranks that have a snapshot (the stale one keeps its last)
+WITH_DATA = (*mixed.LIVE_RANKS, mixed.STALE_RANK)  # ranks that have a snapshot (the stale one keeps its last)
 # Per-rank gauge -> the snapshot field it shows.
 GAUGE_FIELDS = {
     "dpboard_running_requests": "num_running_reqs",
@@ -45,13 +35,13 @@ GATEWAY_SERIES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:to
 
 
 def usage_of(rank: int) -> float:
-    return load_of(rank)["num_used_tokens"] / CAPACITY
+    return mixed.load_of(rank)["num_used_tokens"] / mixed.CAPACITY
 
 
 @pytest.fixture(scope="module")
 def served():
-    with mixed_board(new_board_name()) as board:
-        proc, url = start_server(board.name, "--stale-after", str(STALE_AFTER))
+    with mixed.mixed_board(new_board_name()) as board:
+        proc, url = start_server(board.name, "--stale-after", str(mixed.STALE_AFTER))
         try:
             yield board, url
         finally:
@@ -65,23 +55,24 @@ def test_metrics_page(served):
     m = samples(body)
     b = ("board", board.name)
     assert m[("dpboard_up", (b,))] == 1.0
-    assert m[("dpboard_imbalance_ratio", (b,))] == pytest.approx(expected_imbalance())
+    assert m[("dpboard_imbalance_ratio", (b,))] == pytest.approx(mixed.expected_imbalance())
     assert {s: m[("dpboard_slots", (b, ("status", s)))] for s in ("live", "stale", "torn", "empty")} == {
-        "live": len(LIVE_RANKS), "stale": 1, "torn": 1, "empty": len(EMPTY_RANKS)}
+        "live": len(mixed.LIVE_RANKS), "stale": 1, "torn": 1, "empty": len(mixed.EMPTY_RANKS)}
     for r in range(8):
         state = {s: m[("dpboard_slot_status", (b, ("dp_rank", str(r)), ("status", s)))]
                  for s in ("live", "stale", "torn", "empty")}
-        expected = "live" if r in LIVE_RANKS else "stale" if r == STALE_RANK else "torn" if r == TORN_RANK else "empty"
+        expected = ("live" if r in mixed.LIVE_RANKS else "stale" if r == mixed.STALE_RANK
+                    else "torn" if r == mixed.TORN_RANK else "empty")
         assert state == {s: float(s == expected) for s in state}, r
     for r in WITH_DATA:
         labels = (b, ("dp_rank", str(r)))
         for name, field in GAUGE_FIELDS.items():
-            assert m[(name, labels)] == load_of(r)[field], (name, r)
+            assert m[(name, labels)] == mixed.load_of(r)[field], (name, r)
         assert m[("dpboard_token_usage_ratio", labels)] == pytest.approx(usage_of(r))
         assert m[("sglang:token_usage", labels)] == pytest.approx(usage_of(r))
         assert m[("dpboard_publishes_total", labels)] >= 1
         assert m[("dpboard_snapshot_age_seconds", labels)] >= 0
-    for r in (TORN_RANK, *EMPTY_RANKS):  # no snapshot: no per-rank samples but the slot's status
+    for r in (mixed.TORN_RANK, *mixed.EMPTY_RANKS):  # no snapshot: no per-rank samples but the slot's status
         assert not [key for key in m if dict(key[1]).get("dp_rank") == str(r) and key[0] != "dpboard_slot_status"]
     # The old names (before the Prometheus naming rules) are gone.
     assert not re.search(r"^dpboard_(num_|max_total|token_usage |imbalance )", body, re.M)
@@ -96,8 +87,8 @@ def test_gateway_fallback_reads_the_board(served):
     for (name, _labels), value in samples(get(f"{url}/metrics")[2]).items():
         by_name.setdefault(name, []).append(value)
     assert all(by_name.get(name) for name in GATEWAY_SERIES)
-    assert sum(by_name["sglang:num_running_reqs"]) == sum(load_of(r)["num_running_reqs"] for r in WITH_DATA)
-    assert sum(by_name["sglang:num_queue_reqs"]) == sum(load_of(r)["num_waiting_reqs"] for r in WITH_DATA)
+    assert sum(by_name["sglang:num_running_reqs"]) == sum(mixed.load_of(r)["num_running_reqs"] for r in WITH_DATA)
+    assert sum(by_name["sglang:num_queue_reqs"]) == sum(mixed.load_of(r)["num_waiting_reqs"] for r in WITH_DATA)
     usage = by_name["sglang:token_usage"]
     assert sum(usage) / len(usage) == pytest.approx(sum(usage_of(r) for r in WITH_DATA) / len(WITH_DATA))
 
@@ -163,19 +154,19 @@ def test_prometheus_scrapes_the_board(served, tmp_path):
         for r in WITH_DATA:
             rank = f'{sel},dp_rank="{r}"'
             for name, field in GAUGE_FIELDS.items():
-                assert prom.value(f"{{__name__=\"{name}\",{rank}}}") == load_of(r)[field], (name, r)
+                assert prom.value(f"{{__name__=\"{name}\",{rank}}}") == mixed.load_of(r)[field], (name, r)
             assert prom.value(f"dpboard_token_usage_ratio{{{rank}}}") == pytest.approx(usage_of(r))
             assert prom.value(f"sglang:token_usage{{{rank}}}") == pytest.approx(usage_of(r))
         assert prom.value(f"count(dpboard_total_tokens{{{sel}}})") == len(WITH_DATA)
-        assert prom.value(f'dpboard_slot_status{{{sel},dp_rank="{TORN_RANK}",status="torn"}}') == 1.0
-        assert prom.value(f"dpboard_imbalance_ratio{{{sel}}}") == pytest.approx(expected_imbalance())
+        assert prom.value(f'dpboard_slot_status{{{sel},dp_rank="{mixed.TORN_RANK}",status="torn"}}') == 1.0
+        assert prom.value(f"dpboard_imbalance_ratio{{{sel}}}") == pytest.approx(mixed.expected_imbalance())
         # Counters behave as counters once two scrapes are in: live writers publish, the stale one does not.
         rates = prom.wait_for(f"rate(dpboard_publishes_total{{{sel}}}[5s])", timeout=30)
         by_rank = {int(s["metric"]["dp_rank"]): float(s["value"][1]) for s in rates}
-        assert all(by_rank[r] > 0 for r in LIVE_RANKS) and by_rank[STALE_RANK] == 0, by_rank
+        assert all(by_rank[r] > 0 for r in mixed.LIVE_RANKS) and by_rank[mixed.STALE_RANK] == 0, by_rank
         total = prom.value(f'sum by (board) (dpboard_total_tokens{{{sel}}})')
         print(f"\nPrometheus: sum by (board) (dpboard_total_tokens{{{sel}}}) = {total:g}")
-        assert total == sum(load_of(r)["num_total_tokens"] for r in WITH_DATA)
+        assert total == sum(mixed.load_of(r)["num_total_tokens"] for r in WITH_DATA)
         for query in documented_queries():
             expr = query.replace("$board", board.name)
             assert prom.wait_for(expr, timeout=30), query

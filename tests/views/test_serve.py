@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from datetime import datetime, timezone
 
 import numpy as np
@@ -12,19 +13,8 @@ import pytest
 
 import dpboard
 from dpboard import Board, LoadSnapshot
+from tests.support import mixed_board as mixed
 from tests.support import serving
-from tests.support.mixed_board import (
-    CAPACITY,
-    EMPTY_RANKS,
-    LIVE_RANKS,
-    PYTHON,
-    STALE_AFTER,
-    STALE_RANK,
-    TORN_RANK,
-    expected_imbalance,
-    load_of,
-    mixed_board,
-)
 from tests.support.names import new_board_name
 from tests.support.procutil import kill, stop
 from tests.support.serving import get, samples
@@ -33,12 +23,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def start_server(name: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    return serving.start_server(name, "--stale-after", str(STALE_AFTER), *extra)
+    return serving.start_server(name, "--stale-after", str(mixed.STALE_AFTER), *extra)
 
 
 @pytest.fixture(scope="module")
 def served():
-    with mixed_board(new_board_name()) as board:
+    with mixed.mixed_board(new_board_name()) as board:
         proc, url = start_server(board.name)
         try:
             yield board, url
@@ -67,51 +57,52 @@ def test_loads_json_is_sglangs_document(served):
     stamp = datetime.fromisoformat(doc["timestamp"])  # SGLang's form: isoformat(), +00:00
     assert doc["timestamp"].endswith("+00:00")
     assert abs((datetime.now(timezone.utc) - stamp).total_seconds()) < 60
-    assert [load["dp_rank"] for load in doc["loads"]] == list(LIVE_RANKS)
-    assert doc["imbalance"] == pytest.approx(expected_imbalance())
+    assert [load["dp_rank"] for load in doc["loads"]] == list(mixed.LIVE_RANKS)
+    assert doc["imbalance"] == pytest.approx(mixed.expected_imbalance())
     for load in doc["loads"]:
         r = load["dp_rank"]
         assert list(load)[: len(SGLANG_CORE_KEYS)] == SGLANG_CORE_KEYS
         for field in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
                       "num_active_tokens", "max_total_num_tokens"):
-            assert load[field] == load_of(r)[field], field
-        assert load["token_usage"] == load_of(r)["num_used_tokens"] / load_of(r)["max_total_num_tokens"]
+            assert load[field] == mixed.load_of(r)[field], field
+        expected = mixed.load_of(r)
+        assert load["token_usage"] == expected["num_used_tokens"] / expected["max_total_num_tokens"]
         assert abs(load["timestamp"] - datetime.now(timezone.utc).timestamp()) < 60
         assert load["decode_moments"] is None and load["max_running_requests"] == 0
         assert isinstance(load["gen_throughput"], float) and load["gen_throughput"] == 0.0
         assert not {"memory", "speculative", "lora", "disaggregation", "queues"} & set(load)
         # dpboard's own keys, beside SGLang's
         assert load["status"] == "live" and load["writer_pid"] == board.publisher_pid
-        assert load["num_received_reqs"] == load_of(r)["num_received_reqs"] and load["publish_seq"] >= 1
+        assert load["num_received_reqs"] == mixed.load_of(r)["num_received_reqs"] and load["publish_seq"] >= 1
         assert 0 <= load["age_s"] < 10 and load["timestamp_ns"] > 0
     # Stale, torn and empty ranks are left out, as SGLang leaves out a rank that never published
     assert doc["omitted_ranks"] == [
-        {"dp_rank": STALE_RANK, "status": "stale", "age_s": doc["omitted_ranks"][0]["age_s"]},
-        {"dp_rank": TORN_RANK, "status": "torn", "age_s": None},
-        *({"dp_rank": r, "status": "empty", "age_s": None} for r in EMPTY_RANKS),
+        {"dp_rank": mixed.STALE_RANK, "status": "stale", "age_s": doc["omitted_ranks"][0]["age_s"]},
+        {"dp_rank": mixed.TORN_RANK, "status": "torn", "age_s": None},
+        *({"dp_rank": r, "status": "empty", "age_s": None} for r in mixed.EMPTY_RANKS),
     ]
-    assert doc["omitted_ranks"][0]["age_s"] > STALE_AFTER
+    assert doc["omitted_ranks"][0]["age_s"] > mixed.STALE_AFTER
 
 
 def test_loads_one_rank(served):
     _, url = served
     loads = json.loads(get(f"{url}/v1/loads?dp_rank=3")[2])["loads"]
     assert len(loads) == 1 and loads[0]["dp_rank"] == 3
-    assert loads[0]["num_total_tokens"] == load_of(3)["num_total_tokens"]
+    assert loads[0]["num_total_tokens"] == mixed.load_of(3)["num_total_tokens"]
     # SGLang's answers for a rank it has no load of, or one out of range: 200, no load
-    for rank in (STALE_RANK, TORN_RANK, 8, -1):
+    for rank in (mixed.STALE_RANK, mixed.TORN_RANK, 8, -1):
         status, _, body = get(f"{url}/v1/loads?dp_rank={rank}")
         assert status == 200 and json.loads(body)["loads"] == [], rank
     assert json.loads(get(f"{url}/v1/loads?dp_rank=%2B2")[2])["loads"][0]["dp_rank"] == 2  # "+2", as int() reads it
-    stale = json.loads(get(f"{url}/v1/loads?dp_rank={STALE_RANK}")[2])
-    assert [o["dp_rank"] for o in stale["omitted_ranks"]] == [STALE_RANK]
+    stale = json.loads(get(f"{url}/v1/loads?dp_rank={mixed.STALE_RANK}")[2])
+    assert [o["dp_rank"] for o in stale["omitted_ranks"]] == [mixed.STALE_RANK]
 
 
 def test_loads_include_keeps_the_core_keys(served):
     _, url = served
     for include in ("core", "memory,spec", "all", ""):
         loads = json.loads(get(f"{url}/v1/loads?include={include}")[2])["loads"]
-        assert [list(load)[: len(SGLANG_CORE_KEYS)] for load in loads] == [SGLANG_CORE_KEYS] * len(LIVE_RANKS)
+        assert [list(load)[: len(SGLANG_CORE_KEYS)] for load in loads] == [SGLANG_CORE_KEYS] * len(mixed.LIVE_RANKS)
 
 
 def test_loads_prometheus_is_sglangs_text(served):
@@ -121,14 +112,16 @@ def test_loads_prometheus_is_sglangs_text(served):
     lines = body.splitlines()
     assert lines[0] == "# TYPE sglang_timestamp gauge"
     m = samples(body)
-    for r in LIVE_RANKS:
+    for r in mixed.LIVE_RANKS:
         labels = (("dp_rank", str(r)),)
-        assert m[("sglang_num_total_tokens", labels)] == load_of(r)["num_total_tokens"]
-        assert m[("sglang_num_waiting_reqs", labels)] == load_of(r)["num_waiting_reqs"]
-        assert m[("sglang_token_usage", labels)] == pytest.approx(load_of(r)["num_used_tokens"] / CAPACITY)
-    assert f'sglang_num_total_tokens{{dp_rank="{LIVE_RANKS[1]}"}} {load_of(LIVE_RANKS[1])["num_total_tokens"]}' in lines
+        assert m[("sglang_num_total_tokens", labels)] == mixed.load_of(r)["num_total_tokens"]
+        assert m[("sglang_num_waiting_reqs", labels)] == mixed.load_of(r)["num_waiting_reqs"]
+        assert m[("sglang_token_usage", labels)] == pytest.approx(
+            mixed.load_of(r)["num_used_tokens"] / mixed.CAPACITY)
+    second = mixed.LIVE_RANKS[1]
+    assert f'sglang_num_total_tokens{{dp_rank="{second}"}} {mixed.load_of(second)["num_total_tokens"]}' in lines
     ranks = {dict(labels)["dp_rank"] for (_, labels) in m}
-    assert ranks == {str(r) for r in LIVE_RANKS}  # no sample of a stale, torn or empty rank
+    assert ranks == {str(r) for r in mixed.LIVE_RANKS}  # no sample of a stale, torn or empty rank
     assert not any("decode_moments" in line for line in lines)
     _, _, body = get(f"{url}/v1/loads?format=prometheus&dp_rank=2")
     assert {dict(labels)["dp_rank"] for (_, labels) in samples(body)} == {"2"}
@@ -141,17 +134,17 @@ def test_metrics(served):
     m = samples(body)
     b = ("board", board.name)
     assert m[("dpboard_up", (b,))] == 1.0
-    for r in LIVE_RANKS:
+    for r in mixed.LIVE_RANKS:
         labels = (b, ("dp_rank", str(r)))
-        assert m[("dpboard_total_tokens", labels)] == load_of(r)["num_total_tokens"]
-        assert m[("dpboard_waiting_requests", labels)] == load_of(r)["num_waiting_reqs"]
-        assert m[("dpboard_received_requests_total", labels)] == load_of(r)["num_received_reqs"]
+        assert m[("dpboard_total_tokens", labels)] == mixed.load_of(r)["num_total_tokens"]
+        assert m[("dpboard_waiting_requests", labels)] == mixed.load_of(r)["num_waiting_reqs"]
+        assert m[("dpboard_received_requests_total", labels)] == mixed.load_of(r)["num_received_reqs"]
         assert m[("dpboard_publishes_total", labels)] >= 1
     assert m[("dpboard_slots", (b, ("status", "torn")))] == 1.0
     assert m[("dpboard_slots", (b, ("status", "live")))] == 4.0
-    assert m[("dpboard_slot_status", (b, ("dp_rank", str(STALE_RANK)), ("status", "stale")))] == 1.0
-    assert ("dpboard_total_tokens", (b, ("dp_rank", str(TORN_RANK)))) not in m  # no data, no sample
-    assert m[("dpboard_imbalance_ratio", (b,))] == pytest.approx(expected_imbalance())
+    assert m[("dpboard_slot_status", (b, ("dp_rank", str(mixed.STALE_RANK)), ("status", "stale")))] == 1.0
+    assert ("dpboard_total_tokens", (b, ("dp_rank", str(mixed.TORN_RANK)))) not in m  # no data, no sample
+    assert m[("dpboard_imbalance_ratio", (b,))] == pytest.approx(mixed.expected_imbalance())
 
 
 @pytest.mark.parametrize(("query", "status", "words"), [
@@ -207,14 +200,14 @@ def test_healthz_follows_the_board(board_name):
 
 
 def test_missing_board_and_busy_port_are_clear_errors(board_name):
-    proc = subprocess.run([PYTHON, "-m", "dpboard.cli", "serve", new_board_name(), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "dpboard.cli", "serve", new_board_name(), "--port", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     with Board.create(board_name, n_slots=1):
         first, url = start_server(board_name)
         try:
             port = url.rsplit(":", 1)[1]
-            second = subprocess.run([PYTHON, "-m", "dpboard.cli", "serve", board_name, "--port", port],
+            second = subprocess.run([sys.executable, "-m", "dpboard.cli", "serve", board_name, "--port", port],
                                     capture_output=True, text=True, timeout=60)
             assert second.returncode == 2 and "cannot listen" in second.stderr and "--port" in second.stderr
         finally:
@@ -224,9 +217,9 @@ def test_missing_board_and_busy_port_are_clear_errors(board_name):
 def test_one_rank_keeps_the_boards_imbalance(served):
     """Over one rank an imbalance is always 1: ?dp_rank=N still reports the board's."""
     _, url = served
-    doc = json.loads(get(f"{url}/v1/loads?dp_rank={LIVE_RANKS[0]}")[2])
-    assert len(doc["loads"]) == 1 and doc["imbalance"] == pytest.approx(expected_imbalance())
-    assert expected_imbalance() != pytest.approx(1.0)
+    doc = json.loads(get(f"{url}/v1/loads?dp_rank={mixed.LIVE_RANKS[0]}")[2])
+    assert len(doc["loads"]) == 1 and doc["imbalance"] == pytest.approx(mixed.expected_imbalance())
+    assert mixed.expected_imbalance() != pytest.approx(1.0)
 
 
 def test_the_root_is_the_live_page(served):

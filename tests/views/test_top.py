@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -14,31 +15,22 @@ import pytest
 from dpboard import Board, LoadSnapshot
 from dpboard.views.top import fmt_count, render, render_text, sparkline, usage_bar
 from dpboard.views.watch import BoardWatch, imbalance
-from tests.support.mixed_board import (
-    CAPACITY,
-    EMPTY_RANKS,
-    LIVE_RANKS,
-    PYTHON,
-    STALE_AFTER,
-    STALE_RANK,
-    TORN_RANK,
-    expected_imbalance,
-    load_of,
-    mixed_board,
-)
+from tests.support import mixed_board as mixed
 from tests.support.names import new_board_name
 from tests.support.procutil import kill, read_line
+from tests.support.views import heavy_imports_of
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def dpboard(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "dpboard.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "dpboard.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def mixed():
-    with mixed_board(new_board_name()) as b:
+def mixed_board():
+    with mixed.mixed_board(new_board_name()) as b:
         yield b
 
 
@@ -53,59 +45,59 @@ def rank_lines(text: str) -> dict[int, str]:
     return rows
 
 
-def test_once_shows_every_slot_state(mixed):
-    proc = dpboard("top", mixed.name, "--once", "--stale-after", str(STALE_AFTER))
+def test_once_shows_every_slot_state(mixed_board):
+    proc = dpboard("top", mixed_board.name, "--once", "--stale-after", str(mixed.STALE_AFTER))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "\x1b[" not in out  # no escape codes into a pipe
-    assert f"board {mixed.name}" in out
+    assert f"board {mixed_board.name}" in out
     assert "4 live" in out and "1 stale" in out and "1 torn" in out and "2 empty" in out
-    assert f"imbalance {expected_imbalance():.2f}x" in out
+    assert f"imbalance {mixed.expected_imbalance():.2f}x" in out
     rows = rank_lines(out)
     assert sorted(rows) == list(range(8))
-    for r in LIVE_RANKS:
+    for r in mixed.LIVE_RANKS:
         fields = rows[r].split()
-        load = load_of(r)
+        load = mixed.load_of(r)
         assert fields[1] == "live"
         assert fields[2:6] == [str(load["num_running_reqs"]), str(load["num_waiting_reqs"]),
                                str(load["num_total_tokens"]), str(load["num_active_tokens"])]
-        assert f"{load['num_used_tokens'] / CAPACITY * 100:.0f}%" in rows[r]
-        assert str(mixed.publisher_pid) in rows[r]
-    assert rows[STALE_RANK].split()[1] == "stale"
-    assert str(os.getpid()) in rows[STALE_RANK]  # this process published it
-    assert "writer stopped mid-write" in rows[TORN_RANK]
-    for r in EMPTY_RANKS:
+        assert f"{load['num_used_tokens'] / mixed.CAPACITY * 100:.0f}%" in rows[r]
+        assert str(mixed_board.publisher_pid) in rows[r]
+    assert rows[mixed.STALE_RANK].split()[1] == "stale"
+    assert str(os.getpid()) in rows[mixed.STALE_RANK]  # this process published it
+    assert "writer stopped mid-write" in rows[mixed.TORN_RANK]
+    for r in mixed.EMPTY_RANKS:
         assert "never written" in rows[r]
-    totals = [load_of(r) for r in LIVE_RANKS]
+    totals = [mixed.load_of(r) for r in mixed.LIVE_RANKS]
     assert f"running {sum(t['num_running_reqs'] for t in totals)}" in out
     assert f"total tokens {sum(t['num_total_tokens'] for t in totals)}" in out
 
 
-def test_json_frame(mixed):
-    proc = dpboard("top", mixed.name, "--json", "--stale-after", str(STALE_AFTER))
+def test_json_frame(mixed_board):
+    proc = dpboard("top", mixed_board.name, "--json", "--stale-after", str(mixed.STALE_AFTER))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["board"] == mixed.name and doc["n_slots"] == 8 and doc["gone"] is None
+    assert doc["board"] == mixed_board.name and doc["n_slots"] == 8 and doc["gone"] is None
     assert doc["status_counts"] == {"live": 4, "stale": 1, "torn": 1, "empty": 2}
     status = {row["dp_rank"]: row["status"] for row in doc["ranks"]}
     assert status == {0: "live", 1: "live", 2: "live", 3: "live", 4: "stale", 5: "torn", 6: "empty", 7: "empty"}
-    for r in LIVE_RANKS:
+    for r in mixed.LIVE_RANKS:
         row = doc["ranks"][r]
-        for field, value in load_of(r).items():
+        for field, value in mixed.load_of(r).items():
             assert row[field] == value, field
-        assert row["writer_pid"] == mixed.publisher_pid
+        assert row["writer_pid"] == mixed_board.publisher_pid
         assert row["publish_rate"] > 0  # the publisher runs at about 100 Hz
-        assert 0 <= row["age_s"] < STALE_AFTER
-    assert doc["ranks"][STALE_RANK]["age_s"] >= STALE_AFTER
-    assert doc["ranks"][TORN_RANK]["age_s"] is None
-    assert doc["imbalance"] == pytest.approx(expected_imbalance())
+        assert 0 <= row["age_s"] < mixed.STALE_AFTER
+    assert doc["ranks"][mixed.STALE_RANK]["age_s"] >= mixed.STALE_AFTER
+    assert doc["ranks"][mixed.TORN_RANK]["age_s"] is None
+    assert doc["imbalance"] == pytest.approx(mixed.expected_imbalance())
     assert doc["totals"]["live_ranks"] == 4
-    assert doc["totals"]["num_total_tokens"] == sum(load_of(r)["num_total_tokens"] for r in LIVE_RANKS)
+    assert doc["totals"]["num_total_tokens"] == sum(mixed.load_of(r)["num_total_tokens"] for r in mixed.LIVE_RANKS)
     assert doc["publish_rate"] > 0
 
 
-def test_sort_by_total_puts_the_busiest_first(mixed):
-    proc = dpboard("top", mixed.name, "--once", "--sort", "total", "--stale-after", str(STALE_AFTER))
+def test_sort_by_total_puts_the_busiest_first(mixed_board):
+    proc = dpboard("top", mixed_board.name, "--once", "--sort", "total", "--stale-after", str(mixed.STALE_AFTER))
     assert proc.returncode == 0, proc.stderr
     order = [int(line.split()[0]) for line in proc.stdout.splitlines()
              if line.split()[:1] and line.split()[0].isdigit() and len(line.split()) > 1
@@ -128,16 +120,8 @@ def test_bad_interval_is_refused(board_name):
     assert proc.returncode == 2 and "argument --interval: 0 is outside (0, 1e+06] seconds" in proc.stderr
 
 
-def test_top_does_not_import_numba(mixed):
-    code = (
-        "import sys; from dpboard.cli import main; "
-        f"rc = main(['top', {mixed.name!r}, '--once']); "
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'cupy', 'llvmlite')); "
-        "print('HEAVY', heavy); sys.exit(rc)"
-    )
-    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "HEAVY []" in proc.stdout
+def test_top_does_not_import_numba(mixed_board):
+    assert heavy_imports_of("top", mixed_board.name, "--once") == []
 
 
 def test_vanishing_board_is_reported_and_followed(board_name):
@@ -166,24 +150,21 @@ def test_vanishing_board_is_reported_and_followed(board_name):
 def test_plain_frames_survive_the_board_vanishing(board_name):
     """Piped (no terminal), the live view prints frames; a removed board is said, not a traceback."""
     board = Board.create(board_name, n_slots=2)
-    proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "top", board_name, "--interval", "0.1", "-n", "40"],
+    proc = subprocess.Popen([sys.executable, "-m", "dpboard.cli", "top", board_name, "--interval", "0.1", "-n", "40"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first_frame = read_line(proc, 30)  # remove the board only once top has drawn it
-        while f"board {board_name}" not in first_frame:
-            first_frame = read_line(proc, 30)
+        while f"board {board_name}" not in read_line(proc, 30):
+            pass  # remove the board only once top has drawn it
         board.close()
         board.unlink()
-        out, err = proc.communicate(timeout=60)
-        out = first_frame + out
+        after, err = proc.communicate(timeout=60)
     finally:
         kill(proc)
         board.close()
         board.unlink()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
-    assert f"board {board_name}" in out
-    assert "is gone" in out and "waiting for it to come back" in out
+    assert "is gone" in after and "waiting for it to come back" in after
 
 
 def test_256_ranks_fit_the_screen(board_name):
@@ -223,12 +204,12 @@ def test_formatting_keeps_widths():
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_live_view_in_a_real_terminal(mixed):
+def test_live_view_in_a_real_terminal(mixed_board):
     socket = f"dpboard-test-{os.getpid()}"
     session = "top"
     tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
-    command = (f"{PYTHON} -m dpboard.cli top {mixed.name} --interval 0.2 --stale-after {STALE_AFTER}; "
-               f"echo TOP-EXITED-$?; sleep 30")
+    command = (f"{sys.executable} -m dpboard.cli top {mixed_board.name} --interval 0.2 "
+               f"--stale-after {mixed.STALE_AFTER}; echo TOP-EXITED-$?; sleep 30")
     env = {**os.environ, "TERM": "xterm-256color"}
     subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "150", "-y", "30", command],
                    check=True, timeout=30, env=env)
@@ -250,13 +231,13 @@ def test_live_view_in_a_real_terminal(mixed):
         assert screens, f"top never drew a full frame; screen was:\n{capture()}"
         screen = screens[-1]
         assert screen != screens[0], "the view did not refresh"
-        assert f"board {mixed.name}" in screen and "4 live" in screen and "1 torn" in screen
+        assert f"board {mixed_board.name}" in screen and "4 live" in screen and "1 torn" in screen
         rows = rank_lines(screen)
         assert sorted(rows) == list(range(8))
-        assert rows[STALE_RANK].split()[1] == "stale"
+        assert rows[mixed.STALE_RANK].split()[1] == "stale"
         assert "never written" in rows[7]
         assert "Ctrl-C to quit" in screen
-        assert screen.count(f"board {mixed.name}") == 1  # drawn in place, not scrolled
+        assert screen.count(f"board {mixed_board.name}") == 1  # drawn in place, not scrolled
         subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True, timeout=30)
         deadline = time.monotonic() + 15
         while "TOP-EXITED-" not in capture():
@@ -275,7 +256,8 @@ def _as_nobody_cmd(*args: str) -> list[str]:
     setpriv = shutil.which("setpriv")
     if os.geteuid() != 0 or setpriv is None:
         pytest.skip("needs root and setpriv to run a command as another user (uid 65534)")
-    return [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", PYTHON, "-m", "dpboard.cli", *args]
+    return [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-m", "dpboard.cli",
+            *args]
 
 
 @pytest.mark.parametrize("command", [["top", "--once"], ["top", "--json"], ["serve", "--port", "0"], ["info"]])
@@ -355,10 +337,11 @@ def test_a_trusted_board_of_another_user_is_watched_read_only(board_name):
     (100, ["RANK", "STATE", "ACTIVE TOK", "KV USAGE", "AGE", "PUB/S"], ["PID", "HISTORY"]),
     (132, ["RANK", "STATE", "ACTIVE TOK", "AGE", "PUB/S", "PID", "HISTORY (total tokens)"], []),
 ])
-def test_live_view_fits_the_terminal_width(mixed, columns, kept, dropped):
+def test_live_view_fits_the_terminal_width(mixed_board, columns, kept, dropped):
     socket = f"dpboard-test-{os.getpid()}-{columns}"
     tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
-    command = f"{PYTHON} -m dpboard.cli top {mixed.name} --interval 0.2 --stale-after {STALE_AFTER}; sleep 30"
+    command = (f"{sys.executable} -m dpboard.cli top {mixed_board.name} --interval 0.2 "
+               f"--stale-after {mixed.STALE_AFTER}; sleep 30")
     env = {**os.environ, "TERM": "xterm-256color"}
     subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", str(columns), "-y", "30", command],
                    check=True, timeout=30, env=env)
@@ -373,8 +356,8 @@ def test_live_view_fits_the_terminal_width(mixed, columns, kept, dropped):
             time.sleep(0.3)
         rows = rank_lines(screen)
         assert sorted(rows) == list(range(8)), f"not every rank has a row that names it:\n{screen}"
-        assert rows[STALE_RANK].split()[1] == "stale" and rows[TORN_RANK].split()[1] == "torn"
-        assert all(rows[r].split()[1] == "live" for r in LIVE_RANKS)
+        assert rows[mixed.STALE_RANK].split()[1] == "stale" and rows[mixed.TORN_RANK].split()[1] == "torn"
+        assert all(rows[r].split()[1] == "live" for r in mixed.LIVE_RANKS)
         heading = next(line for line in screen.splitlines() if line.lstrip().startswith("RANK"))
         assert "…" not in heading, heading
         for title in kept:
@@ -396,7 +379,7 @@ def test_live_view_fits_the_terminal_width(mixed, columns, kept, dropped):
 def test_wait_with_once_and_json_waits_for_the_board_then_prints_one_frame(board_name):
     for flag in ("--once", "--json"):
         name = f"{board_name}{flag[2]}"
-        proc = subprocess.Popen([PYTHON, "-m", "dpboard.cli", "top", name, "--wait", flag, "--wait-timeout", "60"],
+        proc = subprocess.Popen([sys.executable, "-m", "dpboard.cli", "top", name, "--wait", flag, "--wait-timeout", "60"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             # it says it waits, and waits: the board is created only after that line
