@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm_serving import cpu_spent, cpu_ticks, markdown, serving_parser, unready  # noqa: E402  (the vLLM benchmark's)
+from bench_vllm_serving import cpu_spent, cpu_ticks, markdown, process_title, serving_parser, unready  # noqa: E402  (the vLLM benchmark's)
 
 from tests.support.names import new_board_name  # noqa: E402
 from tests.support.sglang_serving import Server, missing  # noqa: E402
@@ -50,10 +50,7 @@ def role(server: Server, pid: int) -> str:
     "scheduler"); the process that runs ``launch_server`` (tokenizer manager and HTTP) is "main"."""
     if pid == server.proc.pid:
         return "main"
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return "other"
+    title = process_title(pid)
     name = title.split("::", 1)[1].split("_DP")[0] if title.startswith("sglang::") else "other"
     return name if name in ROLES else "other"
 

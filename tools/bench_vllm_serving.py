@@ -59,15 +59,20 @@ ROLES = ("APIServer", "EngineCore", "Worker", "DPCoordinator", "launcher", "othe
 _NUMBERED = re.compile(r"(_DP)?_?\d+$")
 
 
+def process_title(pid: int) -> str:
+    """A process's title (its first argument, which the engines set to what the process is), "" once gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def role(server: Server, pid: int) -> str:
     """What a process of the server is, from vLLM's process title ("VLLM::EngineCore_DP0" ->
     "EngineCore"); the ``vllm serve`` process itself is the launcher."""
     if pid == server.proc.pid:
         return "launcher"
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return "other"
+    title = process_title(pid)
     if "::" not in title:
         return "other"
     name = _NUMBERED.sub("", title.split("::", 1)[1])
