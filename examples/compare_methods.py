@@ -20,7 +20,7 @@ give one method its own publish cadence).
 ``--dp-attention`` steps the ranks in lockstep (the profile's setting by default), ``--pd P:D`` splits
 prefill from decode (methods are then ``PREFILL/DECODE``), ``--chunked-prefill-size`` overrides the
 profile's, ``--json PATH`` keeps every seed's summary; the DP-attention and PD cells of
-docs/DISPATCH.md were run with them:
+docs/DISPATCH-RESULTS.md were run with them:
 
     python examples/compare_methods.py --trace-file traces/azure2023_conv.csv --pd 8:16 \\
         --profile deepseek-v3-dp-attention-h100 --load 0.9 --seeds 3 \\
@@ -80,6 +80,15 @@ DEFAULT_METHODS = (
 PEERS = ("total_tokens", "vllm", "cache_aware", "dynamo_kv")
 EXACT = " (exact caches)"
 SEEDED = " (index seeded with the shared prefix)"
+
+
+def seed_cell(values: list[float], fmt: str) -> str:
+    """A table cell over seeds: the mean, and [min–max] beside it where the seeds differ."""
+    values = np.asarray(values, dtype=float)
+    text = fmt.format(values.mean())
+    if values.min() != values.max():
+        text += f" [{fmt.format(values.min())}–{fmt.format(values.max())}]"
+    return text
 
 
 def keeps_prefix_index(spec: str) -> bool:
@@ -282,12 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         means[method] = {}
         for _, key, fmt in METRICS:
-            values = np.array([r[key] for r in runs])
-            means[method][key] = float(values.mean())
-            if values.min() == values.max():
-                cells.append(fmt.format(values.mean()))
-            else:
-                cells.append(f"{fmt.format(values.mean())} [{fmt.format(values.min())}–{fmt.format(values.max())}]")
+            values = [r[key] for r in runs]
+            means[method][key] = float(np.mean(values))
+            cells.append(seed_cell(values, fmt))
         print(f"| {method} | " + " | ".join(cells) + " |")
 
     ours = [m for m in methods if m.split(":")[0].startswith("inflight_")]
