@@ -18,7 +18,8 @@ GUIDE = ROOT / "docs" / "DISPATCH.md"
 RESULTS_DOC = ROOT / "docs" / "DISPATCH-RESULTS.md"
 DATA = ROOT / "docs" / "results"
 MARKER = re.compile(r"^<!-- results (\S+) (\S+) -->$", re.M)
-NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# a figure: digits not glued to a word ("p99" is a name, not a figure)
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*")
 # a citation of a section: docs/DISPATCH.md, "Title" or docs/DISPATCH.md ("Title")
 CITATION = re.compile(r'docs/(DISPATCH(?:-RESULTS)?\.md)(?:, | \()"([^"\n]+)"')
 
