@@ -192,6 +192,41 @@ def runs_of(method: str, trace: Trace, config: SimConfig, index_check: bool):
     yield method + SEEDED, seeded, IndexProbe(seeded)
 
 
+def print_tables(methods: list[str], per_method: dict[str, list[dict]], probes: dict[str, list[IndexProbe]]) -> None:
+    """Every method's row (mean over seeds [range]), the best dpboard method against the peers, and the
+    index check's shares where it ran."""
+    print("| method | " + " | ".join(m[0] for m in METRICS) + " |")
+    print("|---|" + "---:|" * len(METRICS))
+    means: dict[str, dict[str, float]] = {}
+    for method, runs in per_method.items():
+        cells = []
+        means[method] = {}
+        for _, key, fmt in METRICS:
+            values = [r[key] for r in runs]
+            means[method][key] = float(np.mean(values))
+            cells.append(seed_cell(values, fmt))
+        print(f"| {method} | " + " | ".join(cells) + " |")
+
+    ours = [m for m in methods if m.split(":")[0].startswith("inflight_")]
+    baselines = [m for m in methods if m.split(":")[0] in PEERS]
+    if ours and baselines:
+        best = min(ours, key=lambda m: means[m]["ttft_p99_ms"])
+        print(f"\nbest dpboard method by p99 TTFT: {best}")
+        for base in baselines:
+            d_ttft = means[best]["ttft_p99_ms"] / means[base]["ttft_p99_ms"] - 1
+            d_imb = means[best]["imbalance_mean"] / means[base]["imbalance_mean"] - 1
+            print(f"  vs {base}: p99 TTFT {d_ttft:+.1%}, imbalance {d_imb:+.1%}")
+    if probes:
+        print("\nprefix index against the ranks' caches at each pick, share of all prompt tokens, mean over seeds:\n")
+        print("| method | the index believed the picked rank held | the picked rank's cache held | index over "
+              "| index under | more on the fullest rank, the index knew | more on the fullest rank, unknown to the index |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for label, runs in probes.items():
+            shares = [run.shares() for run in runs]
+            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in IndexProbe.KEYS]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written, and every option's default shown (where it has one)."""
 
@@ -284,36 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"trace": name, "load": args.load, "ranks": args.ranks, "pd": args.pd,
                        "dp_attention": dp_attention, "profile": profile.name, "seeds": args.seeds,
                        "runs": per_method}, f, indent=1)  # fmt: skip
-    print("| method | " + " | ".join(m[0] for m in METRICS) + " |")
-    print("|---|" + "---:|" * len(METRICS))
-    means: dict[str, dict[str, float]] = {}
-    for method, runs in per_method.items():
-        cells = []
-        means[method] = {}
-        for _, key, fmt in METRICS:
-            values = [r[key] for r in runs]
-            means[method][key] = float(np.mean(values))
-            cells.append(seed_cell(values, fmt))
-        print(f"| {method} | " + " | ".join(cells) + " |")
-
-    ours = [m for m in methods if m.split(":")[0].startswith("inflight_")]
-    baselines = [m for m in methods if m.split(":")[0] in PEERS]
-    if ours and baselines:
-        best = min(ours, key=lambda m: means[m]["ttft_p99_ms"])
-        print(f"\nbest dpboard method by p99 TTFT: {best}")
-        for base in baselines:
-            d_ttft = means[best]["ttft_p99_ms"] / means[base]["ttft_p99_ms"] - 1
-            d_imb = means[best]["imbalance_mean"] / means[base]["imbalance_mean"] - 1
-            print(f"  vs {base}: p99 TTFT {d_ttft:+.1%}, imbalance {d_imb:+.1%}")
-    if probes:
-        print("\nprefix index against the ranks' caches at each pick, share of all prompt tokens, mean over seeds:\n")
-        print("| method | the index believed the picked rank held | the picked rank's cache held | index over "
-              "| index under | more on the fullest rank, the index knew | more on the fullest rank, unknown to the index |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for label, runs in probes.items():
-            shares = [run.shares() for run in runs]
-            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in IndexProbe.KEYS]
-            print(f"| {label} | " + " | ".join(cells) + " |")
+    print_tables(methods, per_method, probes)
     return 0
 
 
