@@ -20,7 +20,7 @@ give one method its own publish cadence).
 ``--dp-attention`` steps the ranks in lockstep (the profile's setting by default), ``--pd P:D`` splits
 prefill from decode (methods are then ``PREFILL/DECODE``), ``--chunked-prefill-size`` overrides the
 profile's, ``--json PATH`` keeps every seed's summary; the DP-attention and PD cells of
-docs/DISPATCH.md were run with them:
+docs/DISPATCH-RESULTS.md were run with them:
 
     python examples/compare_methods.py --trace-file traces/azure2023_conv.csv --pd 8:16 \\
         --profile deepseek-v3-dp-attention-h100 --load 0.9 --seeds 3 \\
@@ -80,6 +80,15 @@ DEFAULT_METHODS = (
 PEERS = ("total_tokens", "vllm", "cache_aware", "dynamo_kv")
 EXACT = " (exact caches)"
 SEEDED = " (index seeded with the shared prefix)"
+
+
+def seed_cell(values: list[float], fmt: str) -> str:
+    """A table cell over seeds: the mean, and [min–max] beside it where the seeds differ."""
+    values = np.asarray(values, dtype=float)
+    text = fmt.format(values.mean())
+    if values.min() != values.max():
+        text += f" [{fmt.format(values.min())}–{fmt.format(values.max())}]"
+    return text
 
 
 def keeps_prefix_index(spec: str) -> bool:
@@ -183,6 +192,41 @@ def runs_of(method: str, trace: Trace, config: SimConfig, index_check: bool):
     yield method + SEEDED, seeded, IndexProbe(seeded)
 
 
+def print_tables(methods: list[str], per_method: dict[str, list[dict]], probes: dict[str, list[IndexProbe]]) -> None:
+    """Every method's row (mean over seeds [range]), the best dpboard method against the peers, and the
+    index check's shares where it ran."""
+    print("| method | " + " | ".join(m[0] for m in METRICS) + " |")
+    print("|---|" + "---:|" * len(METRICS))
+    means: dict[str, dict[str, float]] = {}
+    for method, runs in per_method.items():
+        cells = []
+        means[method] = {}
+        for _, key, fmt in METRICS:
+            values = [r[key] for r in runs]
+            means[method][key] = float(np.mean(values))
+            cells.append(seed_cell(values, fmt))
+        print(f"| {method} | " + " | ".join(cells) + " |")
+
+    ours = [m for m in methods if m.split(":")[0].startswith("inflight_")]
+    baselines = [m for m in methods if m.split(":")[0] in PEERS]
+    if ours and baselines:
+        best = min(ours, key=lambda m: means[m]["ttft_p99_ms"])
+        print(f"\nbest dpboard method by p99 TTFT: {best}")
+        for base in baselines:
+            d_ttft = means[best]["ttft_p99_ms"] / means[base]["ttft_p99_ms"] - 1
+            d_imb = means[best]["imbalance_mean"] / means[base]["imbalance_mean"] - 1
+            print(f"  vs {base}: p99 TTFT {d_ttft:+.1%}, imbalance {d_imb:+.1%}")
+    if probes:
+        print("\nprefix index against the ranks' caches at each pick, share of all prompt tokens, mean over seeds:\n")
+        print("| method | the index believed the picked rank held | the picked rank's cache held | index over "
+              "| index under | more on the fullest rank, the index knew | more on the fullest rank, unknown to the index |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for label, runs in probes.items():
+            shares = [run.shares() for run in runs]
+            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in IndexProbe.KEYS]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written, and every option's default shown (where it has one)."""
 
@@ -275,39 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"trace": name, "load": args.load, "ranks": args.ranks, "pd": args.pd,
                        "dp_attention": dp_attention, "profile": profile.name, "seeds": args.seeds,
                        "runs": per_method}, f, indent=1)  # fmt: skip
-    print("| method | " + " | ".join(m[0] for m in METRICS) + " |")
-    print("|---|" + "---:|" * len(METRICS))
-    means: dict[str, dict[str, float]] = {}
-    for method, runs in per_method.items():
-        cells = []
-        means[method] = {}
-        for _, key, fmt in METRICS:
-            values = np.array([r[key] for r in runs])
-            means[method][key] = float(values.mean())
-            if values.min() == values.max():
-                cells.append(fmt.format(values.mean()))
-            else:
-                cells.append(f"{fmt.format(values.mean())} [{fmt.format(values.min())}–{fmt.format(values.max())}]")
-        print(f"| {method} | " + " | ".join(cells) + " |")
-
-    ours = [m for m in methods if m.split(":")[0].startswith("inflight_")]
-    baselines = [m for m in methods if m.split(":")[0] in PEERS]
-    if ours and baselines:
-        best = min(ours, key=lambda m: means[m]["ttft_p99_ms"])
-        print(f"\nbest dpboard method by p99 TTFT: {best}")
-        for base in baselines:
-            d_ttft = means[best]["ttft_p99_ms"] / means[base]["ttft_p99_ms"] - 1
-            d_imb = means[best]["imbalance_mean"] / means[base]["imbalance_mean"] - 1
-            print(f"  vs {base}: p99 TTFT {d_ttft:+.1%}, imbalance {d_imb:+.1%}")
-    if probes:
-        print("\nprefix index against the ranks' caches at each pick, share of all prompt tokens, mean over seeds:\n")
-        print("| method | the index believed the picked rank held | the picked rank's cache held | index over "
-              "| index under | more on the fullest rank, the index knew | more on the fullest rank, unknown to the index |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for label, runs in probes.items():
-            shares = [run.shares() for run in runs]
-            cells = [f"{np.mean([s[k] for s in shares]):.1%}" for k in IndexProbe.KEYS]
-            print(f"| {label} | " + " | ".join(cells) + " |")
+    print_tables(methods, per_method, probes)
     return 0
 
 

@@ -20,7 +20,6 @@ Run in the environment `make test-sglang-serving` builds:
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -34,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm_serving import cpu_spent, cpu_ticks, markdown  # noqa: E402  (the vLLM benchmark's)
+from bench_vllm_serving import cpu_spent, cpu_ticks, markdown, process_title, serving_parser, unready  # noqa: E402  (the vLLM benchmark's)
 
 from tests.support.names import new_board_name  # noqa: E402
 from tests.support.sglang_serving import Server, missing  # noqa: E402
@@ -51,10 +50,7 @@ def role(server: Server, pid: int) -> str:
     "scheduler"); the process that runs ``launch_server`` (tokenizer manager and HTTP) is "main"."""
     if pid == server.proc.pid:
         return "main"
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return "other"
+    title = process_title(pid)
     name = title.split("::", 1)[1].split("_DP")[0] if title.startswith("sglang::") else "other"
     return name if name in ROLES else "other"
 
@@ -150,15 +146,11 @@ def tables(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="with/without pairs, alternating (default 2)")
-    parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser = serving_parser(__doc__.split("\n")[0], "with/without pairs", "write every run's figures here")
     parser.add_argument("--board-only", action="store_true",
                         help="the plugin arm without DPBOARD_METHOD: the board's cost alone, SGLang dispatching")
     args = parser.parse_args(argv)
-    reason = missing()
-    if reason:
-        print(f"bench_sglang_serving: {reason}", file=sys.stderr)
+    if unready("bench_sglang_serving", missing()):
         return 2
     runs = []
     for round_ in range(args.rounds):

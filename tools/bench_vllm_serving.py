@@ -59,15 +59,20 @@ ROLES = ("APIServer", "EngineCore", "Worker", "DPCoordinator", "launcher", "othe
 _NUMBERED = re.compile(r"(_DP)?_?\d+$")
 
 
+def process_title(pid: int) -> str:
+    """A process's title (its first argument, which the engines set to what the process is), "" once gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def role(server: Server, pid: int) -> str:
     """What a process of the server is, from vLLM's process title ("VLLM::EngineCore_DP0" ->
     "EngineCore"); the ``vllm serve`` process itself is the launcher."""
     if pid == server.proc.pid:
         return "launcher"
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return "other"
+    title = process_title(pid)
     if "::" not in title:
         return "other"
     name = _NUMBERED.sub("", title.split("::", 1)[1])
@@ -434,11 +439,24 @@ def print_profile(run: dict) -> None:
               f"({100 * share.get('share', 0):.1f} % of those at work): {share.get('functions', {})}", flush=True)
 
 
+def serving_parser(description: str, rounds_help: str, json_help: str) -> argparse.ArgumentParser:
+    """The options both serving benchmarks take: ``--rounds`` (arms alternating) and ``--json``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=2, help=f"{rounds_help}, alternating (default 2)")
+    parser.add_argument("--json", type=Path, help=json_help)
+    return parser
+
+
+def unready(tool: str, reason: str | None) -> bool:
+    """Says on stderr why the serving environment is not there (the benchmark then exits 2)."""
+    if reason:
+        print(f"{tool}: {reason}", file=sys.stderr)
+    return bool(reason)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="server starts per arm, alternating (default 2)")
+    parser = serving_parser(__doc__.split("\n")[0], "server starts per arm", "write the figures here too")
     parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="concurrent requests")
-    parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="also one py-spy'd batch per arm (not in the figures), its folded stacks into DIR")
     parser.add_argument("--paired", action="store_true",
@@ -446,9 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attribute", action="store_true",
                         help="instead: one server with the plugin, dpboard's pick against vLLM's own in alternation")
     args = parser.parse_args(argv)
-    reason = missing()
-    if reason:
-        print(f"bench_vllm_serving: {reason}", file=sys.stderr)
+    if unready("bench_vllm_serving", missing()):
         return 2
     if args.json is not None and not args.json.parent.is_dir():
         print(f"bench_vllm_serving: no folder {args.json.parent} for --json", file=sys.stderr)

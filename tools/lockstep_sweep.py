@@ -1,9 +1,12 @@
-"""The DP-attention cells of docs/DISPATCH.md ("DP attention: the second pass, measured"): run them,
-one cell per JSON file, then tabulate them.
+"""The DP-attention cells of docs/DISPATCH-RESULTS.md ("DP attention: the second pass, measured"): run
+them, one cell per JSON file; condense them into the results data; and render every results table.
 
     python tools/lockstep_sweep.py run --out out/lockstep            # every cell not yet in --out
     python tools/lockstep_sweep.py run --out out/lockstep --only azure-16-0.9
-    python tools/lockstep_sweep.py table --out out/lockstep           # the markdown tables
+    python tools/lockstep_sweep.py collect --out out/lockstep         # -> docs/results/lockstep-sweep.json
+    python tools/lockstep_sweep.py table                              # docs/DISPATCH-RESULTS.md's tables
+    python tools/lockstep_sweep.py table --check                      # exit 1 where they differ from the data
+    python tools/lockstep_sweep.py table --out out/lockstep --cells   # a sweep's tables, printed
 
 A cell is a trace (the first 1,200 s of the Azure conversation and Mooncake conversation files, or
 the ``bursty`` and ``longshort`` scenarios), a rank count (8, 16, 32) and a load (0.5, 0.75, 0.9 of
@@ -18,6 +21,15 @@ compares. The PD cells run the whole files, 8 prefill : 16 decode ranks.
 
 Each cell is one JSON file written when it is done, so an interrupted sweep resumes where it
 stopped; runs go one after another in this process (``nice`` it on a shared machine).
+
+**The results data.** docs/results/*.json hold every measured table of docs/DISPATCH-RESULTS.md, one
+file per section: each table's id, caption, columns, alignment and rows (cells as printed), and the
+runs it came from (``source``). They were imported once (2026-12-03) from the tables docs/DISPATCH.md
+then held: the per-cell output of those sweeps and comparisons was not kept, so those files carry the
+figures as published (their ``imported`` key says so). ``collect`` condenses a sweep's cells into the
+same format (``lockstep-sweep.json``), so a new sweep regenerates its table. In the markdown, a table
+stands between ``<!-- results FILE ID -->`` and ``<!-- /results -->``; ``table`` rewrites those regions
+from the data, and every table of the data has exactly one.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +47,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from compare_methods import METRICS, seed_cell  # noqa: E402  (the same columns and cells as the example's)
 
 from dpboard.sim.pd import make_simulation  # noqa: E402
 from dpboard.sim.profile import Profile, load_profile  # noqa: E402
@@ -183,17 +199,13 @@ def run(args: argparse.Namespace) -> int:
 
 # -- tables -------------------------------------------------------------------------------------------
 
-COLUMNS = (
-    ("goodput req/s", "goodput_rps", "{:.3f}"),
-    ("p99 TTFT ms", "ttft_p99_ms", "{:.0f}"),
-    ("p50 TTFT ms", "ttft_p50_ms", "{:.0f}"),
-    ("p99 TPOT ms", "tpot_p99_ms", "{:.0f}"),
-    ("p50 TPOT ms", "tpot_p50_ms", "{:.0f}"),
-    ("idle rank-steps", "idle_rank_step_share", "{:.1%}"),
-    ("extend steps", "extend_step_share", "{:.1%}"),
-)
+_METRIC = {key: (label, key, fmt) for label, key, fmt in METRICS}
+# goodput with one more decimal than the example's: the bar compares it to within 1 %
+COLUMNS = (("goodput req/s", "goodput_rps", "{:.3f}"), _METRIC["ttft_p99_ms"], _METRIC["ttft_p50_ms"],
+           _METRIC["tpot_p99_ms"], ("p50 TPOT ms", "tpot_p50_ms", "{:.0f}"), _METRIC["idle_rank_step_share"],
+           ("extend steps", "extend_step_share", "{:.1%}"))
 # the rows the bar compares the lockstep method with: SGLang's methods and the peers, without and
-# with the prefill delayer (docs/DISPATCH.md, "The bar")
+# with the prefill delayer (docs/DISPATCH-RESULTS.md, "Verdict in DP attention and PD")
 SEED_AND_PEERS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang", "vllm",
                   "cache_aware", "dynamo_kv")
 SHORT = {"total_requests:cadence=sglang": "total_requests", "total_tokens:cadence=sglang": "total_tokens",
@@ -212,23 +224,21 @@ def _means(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
             for label, runs in doc["runs"].items()}
 
 
-def _cell_table(doc: dict[str, Any]) -> str:
+def _cell_table(doc: dict[str, Any]) -> dict[str, Any]:
+    """One cell's table (every method's mean over seeds [range]), the best goodput and p99 TTFT in bold."""
     means = _means(doc)
     best_g = max(v["goodput_rps"] for v in means.values())
     best_t = min(v["ttft_p99_ms"] for v in means.values())
-    lines = ["| method | " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
+    rows = []
     for label, runs in doc["runs"].items():
         cells = []
         for _, key, fmt in COLUMNS:
-            values = np.array([r[key] for r in runs])
-            text = fmt.format(values.mean())
-            if values.min() != values.max():
-                text += f" [{fmt.format(values.min())}–{fmt.format(values.max())}]"
-            if (key == "goodput_rps" and values.mean() == best_g) or (key == "ttft_p99_ms" and values.mean() == best_t):
+            text = seed_cell([r[key] for r in runs], fmt)
+            if (key == "goodput_rps" and means[label][key] == best_g) or (key == "ttft_p99_ms" and means[label][key] == best_t):
                 text = f"**{text}**"
             cells.append(text)
-        lines.append(f"| {_short(label)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([_short(label), *cells])
+    return {"columns": ["method", *(c[0] for c in COLUMNS)], "align": "l" + "r" * len(COLUMNS), "rows": rows}
 
 
 SGLANG_METHODS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang")
@@ -285,44 +295,143 @@ def _cell_heading(name: str, doc: dict[str, Any]) -> str:
             f"{doc['wall_s']:.0f} s of CPU)")
 
 
-def table(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    docs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
-    order = [c["name"] for c in cells() if c["name"] in docs]
-    if args.cells:
-        for name in order:
-            doc = docs[name]
-            fold = args.fold and (doc["cell"]["ranks"] != 16 or doc["cell"].get("variant"))
-            if fold:
-                print(f"\n<details><summary>{_cell_heading(name, doc).replace('**', '')}</summary>\n")
-            else:
-                print(f"\n{_cell_heading(name, doc)}:\n")
-            print(_cell_table(doc))
-            if fold:
-                print("\n</details>")
-    print("\n| cell | goodput / best seed or peer | / best SGLang + delayer | / best of both | p99 TTFT / best row "
-          "| with the delayer: goodput / best of both | p99 TTFT / best row | bar met | best goodput (seed or peer, "
-          "either) | best p99 TTFT |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---|---|")
+VERDICT_COLUMNS = ["cell", "goodput / best seed or peer", "/ best SGLang + delayer", "/ best of both",
+                   "p99 TTFT / best row", "with the delayer: goodput / best of both", "p99 TTFT / best row", "bar met",
+                   "best goodput (seed or peer, either)", "best p99 TTFT"]
 
-    def mark(x: float, bound: float, higher: bool) -> str:
-        ok = x >= bound if higher else x <= bound
-        return f"{x:.2f}" if ok else f"**{x:.2f}**"
 
-    for name in order:
+def _mark(x: float, bound: float, higher: bool) -> str:
+    ok = x >= bound if higher else x <= bound
+    return f"{x:.2f}" if ok else f"**{x:.2f}**"
+
+
+def verdict_table(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The summary table: per cell, ``inflight_lockstep`` against the references of the bar."""
+    rows = []
+    for name in [c["name"] for c in cells() if c["name"] in docs]:
         v = verdict(docs[name])
         if LOCKSTEP not in v:
             continue
         off, on, refs = v[LOCKSTEP], v.get(LOCKSTEP + " +delayer"), v["refs"]
-        row = [name, mark(off["plain"], GOODPUT_BAR, True),
-               mark(off["sglang_delayed"], GOODPUT_BAR, True) if refs["sglang_delayed"][0] else "—",
-               mark(off["any"], GOODPUT_BAR, True), mark(off["ttft"], TTFT_BAR, False)]
-        row += [mark(on["any"], GOODPUT_BAR, True), mark(on["ttft"], TTFT_BAR, False)] if on else ["—", "—"]
+        row = [name, _mark(off["plain"], GOODPUT_BAR, True),
+               _mark(off["sglang_delayed"], GOODPUT_BAR, True) if refs["sglang_delayed"][0] else "—",
+               _mark(off["any"], GOODPUT_BAR, True), _mark(off["ttft"], TTFT_BAR, False)]
+        row += [_mark(on["any"], GOODPUT_BAR, True), _mark(on["ttft"], TTFT_BAR, False)] if on else ["—", "—"]
         met = [name for name, v in (("without", off), ("with", on)) if v and meets(v)]
         verdict_text = " and ".join(met) + " the delayer" if met else "no"
         # PD has a bar of its own (no loss to inflight_cache), read from the goodput column
         row += ["—" if docs[name]["cell"].get("pd") else verdict_text, refs["any"][0], refs["ttft"][0]]
-        print("| " + " | ".join(row) + " |")
+        rows.append(row)
+    return {"columns": VERDICT_COLUMNS, "align": "l" + "r" * 6 + "lll", "rows": rows}
+
+
+def _sweep(out: Path) -> dict[str, dict[str, Any]]:
+    docs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    if not docs:
+        raise SystemExit(f"lockstep_sweep: no cells in {out} (run them first: lockstep_sweep.py run --out {out})")
+    return docs
+
+
+def print_sweep(args: argparse.Namespace) -> int:
+    """A sweep's tables from its cells: with --cells every cell's, then the verdict."""
+    docs = _sweep(Path(args.out))
+    for name in [c["name"] for c in cells() if c["name"] in docs] if args.cells else ():
+        doc = docs[name]
+        fold = args.fold and (doc["cell"]["ranks"] != 16 or doc["cell"].get("variant"))
+        if fold:
+            print(f"\n<details><summary>{_cell_heading(name, doc).replace('**', '')}</summary>\n")
+        else:
+            print(f"\n{_cell_heading(name, doc)}:\n")
+        print("\n".join(render_table(_cell_table(doc))))
+        if fold:
+            print("\n</details>")
+    print()
+    print("\n".join(render_table(verdict_table(docs))))
+    return 0
+
+
+def collect(args: argparse.Namespace) -> int:
+    """The sweep's cells condensed into the results data (its verdict table)."""
+    docs = _sweep(Path(args.out))
+    table = {"id": "verdict", "caption": "inflight_lockstep against the best rows of each cell, without and with "
+             "the delayer", **verdict_table(docs)}
+    results = {"section": "DP attention: the second pass, measured",
+               "source": f"python tools/lockstep_sweep.py run --out {args.out}: {len(docs)} cells, "
+                         f"{sum(d['wall_s'] for d in docs.values()):.0f} s of CPU",
+               "collected": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tables": [table]}
+    write_results(Path(args.results), results)
+    print(f"{args.results}: {len(table['rows'])} rows from {len(docs)} cells; "
+          f"`lockstep_sweep.py table` renders them into {DOC.relative_to(ROOT)}")
+    return 0
+
+
+# -- the results data and the markdown rendered from it -------------------------------------------------
+
+RESULTS = ROOT / "docs" / "results"
+DOC = ROOT / "docs" / "DISPATCH-RESULTS.md"
+REGION = re.compile(r"^<!-- results (\S+) (\S+) -->\n.*?^<!-- /results -->$", re.M | re.S)
+ALIGN = {"l": "---", "r": "---:", "c": ":---:"}
+
+
+def write_results(path: Path, doc: dict[str, Any]) -> None:
+    """A results file: JSON, one table row a line (so that a diff names the rows that changed)."""
+    text = json.dumps(doc, indent=1, ensure_ascii=False)
+    rows = re.compile(r'\[\n\s*((?:"(?:[^"\\]|\\.)*",?\s*)*)\]')
+    path.write_text(rows.sub(lambda m: json.dumps(json.loads(m.group(0)), ensure_ascii=False), text) + "\n")
+
+
+def render_table(table: dict[str, Any]) -> list[str]:
+    """A table as markdown lines: its heading line (where it has one), the header, the rows."""
+    def row(cells: list[str]) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    lines = [table["heading"], ""] if table.get("heading") else []
+    lines += [row(table["columns"]), "|" + "|".join(ALIGN[a] for a in table["align"]) + "|"]
+    return lines + [row(r) for r in table["rows"]]
+
+
+def render(text: str, results: dict[str, dict[str, Any]]) -> str:
+    """The markdown with every marked region rendered from the data; a marker naming no table, a
+    table marked twice or a table of the data marked nowhere is an error."""
+    tables = {(name, t["id"]): t for name, doc in results.items() for t in doc["tables"]}
+    seen: set[tuple[str, str]] = set()
+
+    def region(m: re.Match) -> str:
+        key = (m.group(1), m.group(2))
+        if key not in tables:
+            raise SystemExit(f"lockstep_sweep: {DOC.name} marks {key[0]} {key[1]}, which docs/results does not hold")
+        if key in seen:
+            raise SystemExit(f"lockstep_sweep: {DOC.name} marks {key[0]} {key[1]} twice")
+        seen.add(key)
+        return "\n".join([f"<!-- results {key[0]} {key[1]} -->", "", *render_table(tables[key]), "",
+                          "<!-- /results -->"])
+
+    out = REGION.sub(region, text)
+    if set(tables) - seen:
+        raise SystemExit(f"lockstep_sweep: tables of docs/results marked nowhere in {DOC.name}: "
+                         + ", ".join(f"{f} {i}" for f, i in sorted(set(tables) - seen)))
+    return out
+
+
+def table(args: argparse.Namespace) -> int:
+    if args.out:
+        return print_sweep(args)
+    doc = Path(args.doc)
+    results = {p.name: json.loads(p.read_text()) for p in sorted(Path(args.results).glob("*.json"))}
+    text = doc.read_text()
+    rendered = render(text, results)
+    if args.check:
+        if rendered != text:
+            now = {m.group(1, 2): m.group(0) for m in REGION.finditer(text)}
+            stale = [f"{f} {i}" for m in REGION.finditer(rendered) for f, i in [m.group(1, 2)] if now[f, i] != m.group(0)]
+            print(f"{doc}: tables that differ from {args.results}: {', '.join(stale)}; "
+                  f"`python tools/lockstep_sweep.py table` rewrites them", file=sys.stderr)
+            return 1
+        print(f"{doc}: every table as {args.results} holds it")
+        return 0
+    if rendered != text:
+        doc.write_text(rendered)
+    print(f"{doc}: {len(REGION.findall(rendered))} tables from {args.results}")
     return 0
 
 
@@ -332,13 +441,19 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the cells not yet in --out (default out/lockstep)")
     r.add_argument("--out", default="out/lockstep")
     r.add_argument("--only", help="comma-separated cell names (rerun even when present)")
-    t = sub.add_parser("table", help="the verdict table (and with --cells every cell's table)")
-    t.add_argument("--out", default="out/lockstep")
-    t.add_argument("--cells", action="store_true")
+    c = sub.add_parser("collect", help="condense the cells of --out into the results data (lockstep-sweep.json)")
+    c.add_argument("--out", default="out/lockstep")
+    c.add_argument("--results", default=str(RESULTS / "lockstep-sweep.json"), help="the file it writes")
+    t = sub.add_parser("table", help="render the results markdown's tables from the data (with --out: print a "
+                                     "sweep's verdict table, and with --cells every cell's table)")
+    t.add_argument("--check", action="store_true", help="rewrite nothing: exit 1 where the markdown differs")
+    t.add_argument("--doc", default=str(DOC), help="the markdown whose tables are rendered")
+    t.add_argument("--results", default=str(RESULTS), help="the folder of results data")
+    t.add_argument("--out", help="a sweep's folder of cells: print its tables instead")
+    t.add_argument("--cells", action="store_true", help="with --out: every cell's table too")
     t.add_argument("--fold", action="store_true", help="with --cells: the cells other than 16 ranks in <details>")
     args = p.parse_args(argv)
-    return run(args) if args.command == "run" else table(args)
-
+    return {"run": run, "collect": collect, "table": table}[args.command](args)
 
 if __name__ == "__main__":
     sys.exit(main())

