@@ -38,6 +38,22 @@ REOPEN_PER_SECOND = 200  # after the first FLOOD_OPEN: each accepted connection 
 CPU_BOUND = 0.15
 
 
+def keep_publishing(writers: list, stop: threading.Event, every: float = 0.02) -> threading.Thread:
+    """A started daemon thread that publishes into each writer's slot every ``every`` seconds (its
+    num_received_reqs counting up) until ``stop`` is set."""
+
+    def publish() -> None:
+        k = 0
+        while not stop.wait(every):
+            k += 1
+            for w in writers:
+                w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
     name0, name1 = new_board_name(), new_board_name()
     board0 = Board.create(name0, n_slots=4)
@@ -53,14 +69,7 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
         port = int(endpoint.rsplit(":", 1)[1])
         writers = [board1.writer(r) for r in (2, 3)]
 
-        def publish() -> None:
-            k = 0
-            while not publishing.wait(0.02):
-                k += 1
-                for w in writers:
-                    w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
-
-        threading.Thread(target=publish, daemon=True).start()
+        keep_publishing(writers, publishing)
         reader = board0.reader(stale_after=2.0)
         with SilentFlood(port, keep_open=FLOOD_OPEN, total=FLOOD_TOTAL, seconds=FLOOD_SECONDS,
                          reopen_per_second=REOPEN_PER_SECOND) as flood:
@@ -305,19 +314,10 @@ def test_loud_junk_and_a_connection_every_50_ms_never_shed_an_established_relay(
         endpoint = read_line(collector).split(" owns ")[1].split()[0]
         port = int(endpoint.rsplit(":", 1)[1])
         stop_flag = threading.Event()
-        writer = b1.writer(1)
-
-        def publish() -> None:
-            k = 0
-            while not stop_flag.wait(0.002):
-                k += 1
-                writer.publish(LoadSnapshot(dp_rank=1, num_received_reqs=k))
-
         relay = Relay(b1, endpoint, 1, remote_board=name0)
-        threads = [threading.Thread(target=publish, daemon=True),
-                   threading.Thread(target=relay.run, args=(stop_flag,), daemon=True)]
-        for t in threads:
-            t.start()
+        relaying = threading.Thread(target=relay.run, args=(stop_flag,), daemon=True)
+        threads = [keep_publishing([b1.writer(1)], stop_flag, every=0.002), relaying]
+        relaying.start()
         reader = b0.reader(stale_after=5.0)
         try:
             assert wait_until(lambda: reader.status(1) == SlotStatus.LIVE, timeout=20), "the relay never landed"
@@ -409,14 +409,7 @@ def test_one_frame_of_many_ranks_takes_a_bounded_share_of_fds_given_back_with_th
         # a relay of node 2's ranks now: every read of them is LIVE
         writers = [board2.writer(r) for r in (0, 1, 2, 3)]
 
-        def publish() -> None:
-            k = 0
-            while not publishing.wait(0.02):
-                k += 1
-                for w in writers:
-                    w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
-
-        threading.Thread(target=publish, daemon=True).start()
+        keep_publishing(writers, publishing)
         relay = subprocess.Popen([*CLI, "relay", "--board", name2, "--to", endpoint, "--node-id", "2",
                                   "--remote-board", name0, "--quiet"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
