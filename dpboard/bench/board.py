@@ -13,7 +13,6 @@ installed, else the stand-in of dpboard.bench.sglang_board, labelled as such.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import select
@@ -27,15 +26,14 @@ import numpy as np
 
 from dpboard.bench.sglang_board import FlockBoard, FlockReader, FlockWriter, load_sglang, sglang_snapshot
 from dpboard.bench.stats import (
-    add_common_arguments,
     batched_ns,
-    describe,
     fmt_ns,
     machine_line,
     markdown_table,
     pct,
     per_call_ns,
     timer_overhead_ns,
+    topic_parser,
     write_json,
 )
 from dpboard.board import Board
@@ -308,8 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--helper"]:
         _helper(argv[1], argv[2], argv[3], int(argv[4]))
         return 0
-    parser = argparse.ArgumentParser(prog="dpboard bench board", description=describe(__doc__))
-    add_common_arguments(parser, "a tenth of the samples")
+    parser = topic_parser("board", __doc__, "a tenth of the samples")
     args = parser.parse_args(argv)
     text, summary = report(args.quick)
     print(text)

@@ -19,15 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.bench.stats import (
-    add_common_arguments,
-    describe,
-    fmt_ns,
-    machine_line,
-    markdown_table,
-    pct,
-    write_json,
-)
+from dpboard.bench.stats import fmt_ns, machine_line, markdown_table, pct, topic_parser, write_json
 from dpboard.board import MAX_SLOTS, Board
 from dpboard.controller import Dispatcher, LoadBalanceMethod
 from dpboard.options import count
@@ -111,34 +103,32 @@ def _publish_all(board: Board, writers, rng: random.Random) -> None:
         w.publish_values(rng.randint(0, 50), rng.randint(0, 50), 0, rng.randint(0, 10**6), 0, 10**6, 0)
 
 
-def _time_single(dispatch: Callable, reqs: Sequence, blocks: int, refresh_board: Callable) -> np.ndarray:
+def _time_blocks(call: Callable, reqs: Sequence, blocks: int, refresh_board: Callable, *,
+                 batched: bool) -> np.ndarray:
+    """Per-request ns of each of ``blocks`` timed blocks over ``reqs``: one call per request, or one call
+    with them all (``batched``); fresh snapshots every few blocks, outside the timing."""
     samples = np.empty(blocks)
     t = time.perf_counter_ns
+    refresh_every = 4 if batched else 16
     for b in range(blocks):
-        if b % 16 == 0:
+        if b % refresh_every == 0:
             refresh_board()
         a = t()
-        for req in reqs:
-            dispatch(req)
+        if batched:
+            call(reqs)
+        else:
+            for req in reqs:
+                call(req)
         samples[b] = (t() - a) / len(reqs)
     return samples
 
 
-def _time_batch(dispatch_batch: Callable, reqs: Sequence, blocks: int, refresh_board: Callable) -> np.ndarray:
-    samples = np.empty(blocks)
-    t = time.perf_counter_ns
-    for b in range(blocks):
-        if b % 4 == 0:
-            refresh_board()
-        a = t()
-        dispatch_batch(reqs)
-        samples[b] = (t() - a) / len(reqs)
-    return samples
+_time_single = functools.partial(_time_blocks, batched=False)  # call: a dispatch
+_time_batch = functools.partial(_time_blocks, batched=True)  # call: a dispatch_batch
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench dispatch", description=describe(__doc__))
-    add_common_arguments(p, "a short run (fewer blocks)")
+    p = topic_parser("dispatch", __doc__, "a short run (fewer blocks)")
     p.add_argument("--ranks", type=count(1, MAX_SLOTS), nargs="+", default=[8, 64],
                    help="DP sizes to measure (default 8 64)")
     p.add_argument("--batch", type=count(1, 1_000_000), default=1024, help="requests per batch (default 1024)")

@@ -19,15 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.bench.stats import (
-    add_common_arguments,
-    describe,
-    fmt_ns,
-    machine_line,
-    markdown_table,
-    pct,
-    write_json,
-)
+from dpboard.bench.stats import fmt_ns, machine_line, markdown_table, pct, topic_parser, write_json
 from dpboard.options import count
 
 QUEUES = (0, 1_000, 10_000)
@@ -35,8 +27,7 @@ RUNNING = 64  # max_num_seqs: the requests decoding at every step
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench engine", description=describe(__doc__))
-    add_common_arguments(p, "a short run (fewer steps)")
+    p = topic_parser("engine", __doc__, "a short run (fewer steps)")
     p.add_argument("--waiting", type=count(0, 1_000_000), nargs="+", default=list(QUEUES),
                    help="waiting requests to measure at (default 0 1000 10000)")
     return p

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.bench.stats import add_common_arguments, describe, machine_line, write_json
+from dpboard.bench.stats import machine_line, topic_parser, write_json
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.loads import compute_loads
 from dpboard.options import count
@@ -403,8 +403,7 @@ def gpu_markdown(rows: list[dict[str, Any]]) -> str:
 # -- command line ----------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench kernels", description=describe(__doc__))
-    add_common_arguments(p, quick="fewer iterations (a smoke run)")
+    p = topic_parser("kernels", __doc__, "fewer iterations (a smoke run)")
     p.add_argument("--backends", default="available",
                    help="comma-separated: numba, numba-parallel (raw kernel on every thread), numba-cuda, cupy "
                         "(default: every one available here)")

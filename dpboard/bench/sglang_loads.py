@@ -38,18 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from dpboard.bench import stats
 from dpboard.bench.sglang_board import load_sglang
-from dpboard.bench.stats import (
-    add_common_arguments,
-    describe,
-    fmt_ns,
-    machine_line,
-    markdown_table,
-    pct,
-    per_call_ns,
-    timer_overhead_ns,
-    write_json,
-)
 from dpboard.board import Board
 from dpboard.snapshot import LoadSnapshot
 
@@ -138,10 +128,10 @@ def make_inquirer(n_waiting: int, capacity: int = 1 << 20) -> Any:
     used = 300_000
     pool = pool_stats(full_num_used=used, full_token_usage=used / capacity, full_available_size=capacity - used,
                       full_evictable_size=0, full_capacity=capacity)
-    stats = types.SimpleNamespace(gen_throughput=1500.0, cache_hit_rate=0.4, utilization=0.8, spec_accept_rate=0.0,
-                                  lora_pool_slots_used=0, lora_pool_slots_total=0, lora_pool_utilization=0.0,
-                                  kv_transfer_speed_gb_s=0.0, kv_transfer_latency_ms=0.0, num_grammar_queue_reqs=0,
-                                  num_paused_reqs=0, num_retracted_reqs=0)
+    scheduler_stats = types.SimpleNamespace(
+        gen_throughput=1500.0, cache_hit_rate=0.4, utilization=0.8, spec_accept_rate=0.0, lora_pool_slots_used=0,
+        lora_pool_slots_total=0, lora_pool_utilization=0.0, kv_transfer_speed_gb_s=0.0, kv_transfer_latency_ms=0.0,
+        num_grammar_queue_reqs=0, num_paused_reqs=0, num_retracted_reqs=0)
     tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(weight_load_mem_usage=14.2),
                                       graph_memory_usage={"decode": 1.3})
     allocator = types.SimpleNamespace(get_kvcache=lambda: types.SimpleNamespace(mem_usage=60.1))
@@ -155,7 +145,7 @@ def make_inquirer(n_waiting: int, capacity: int = 1 << 20) -> Any:
         token_to_kv_pool_allocator=allocator, spec_algorithm=types.SimpleNamespace(is_none=lambda: True),
         get_running_batch=lambda: running, get_waiting_queue=lambda: waiting,
         waiting_queue_prefix_matched=lambda: False, get_recent_cache_hit_rate=lambda: 0.4,
-        get_stats=lambda: stats, get_chunked_req=lambda: None,
+        get_stats=lambda: scheduler_stats, get_chunked_req=lambda: None,
         get_disagg_prefill_bootstrap_queue=no_queue, get_disagg_prefill_inflight_queue=no_queue,
         get_disagg_decode_prealloc_queue=no_queue, get_disagg_decode_transfer_queue=no_queue,
         get_spec_total_num_accept_tokens=lambda: 0, get_spec_total_num_forward_ct=lambda: 0,
@@ -165,7 +155,7 @@ def make_inquirer(n_waiting: int, capacity: int = 1 << 20) -> Any:
 
 
 def _summary(samples: np.ndarray) -> dict[str, float]:
-    return {"50": pct(samples, 50), "99": pct(samples, 99), "n": int(len(samples))}
+    return {"50": stats.pct(samples, 50), "99": stats.pct(samples, 99), "n": int(len(samples))}
 
 
 def measure(quick: bool = False, waiting: tuple[int, ...] = WAITING) -> dict[str, Any]:
@@ -193,9 +183,9 @@ def measure(quick: bool = False, waiting: tuple[int, ...] = WAITING) -> dict[str
             gc.collect()
             gc.disable()
             try:
-                loads_ns = per_call_ns(inquirer.get_loads, k)
-                publish_ns = per_call_ns(lambda: writer.publish(fields), calls)
-                plugin_ns = per_call_ns(lambda snap=snap: plugin.write(snap), calls)
+                loads_ns = stats.per_call_ns(inquirer.get_loads, k)
+                publish_ns = stats.per_call_ns(lambda: writer.publish(fields), calls)
+                plugin_ns = stats.per_call_ns(lambda snap=snap: plugin.write(snap), calls)
             finally:
                 gc.enable()
             rows.append({"waiting": n, "calls": k, "num_waiting_reqs": snap.num_waiting_reqs,
@@ -205,8 +195,8 @@ def measure(quick: bool = False, waiting: tuple[int, ...] = WAITING) -> dict[str
     finally:
         board.close()
         board.unlink()
-    return {"quick": quick, "sglang": what, "machine": machine_line(), "timer_overhead_ns": timer_overhead_ns(),
-            "load_average": os.getloadavg()[0], "rows": rows}
+    return {"quick": quick, "sglang": what, "machine": stats.machine_line(),
+            "timer_overhead_ns": stats.timer_overhead_ns(), "load_average": os.getloadavg()[0], "rows": rows}
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -215,15 +205,13 @@ def table(doc: dict[str, Any]) -> str:
     rows = []
     for r in doc["rows"]:
         g, b, w = r["get_loads_ns"], r["board_publish_ns"], r["plugin_write_ns"]
-        rows.append([f"{r['waiting']:,}", fmt_ns(g["50"]), fmt_ns(g["99"]), fmt_ns(b["50"]), fmt_ns(b["99"]),
-                     fmt_ns(w["50"]), fmt_ns(w["99"]), f"{g['50'] / b['50']:.0f}x"])
-    return markdown_table(headers, rows)
+        cells = [stats.fmt_ns(summary[q]) for summary in (g, b, w) for q in ("50", "99")]
+        rows.append([f"{r['waiting']:,}", *cells, f"{g['50'] / b['50']:.0f}x"])
+    return stats.markdown_table(headers, rows)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench sglang_loads", description=describe(__doc__))
-    add_common_arguments(p, "a smoke run: 200 calls at each size (figures not to quote)")
-    return p
+    return stats.topic_parser("sglang_loads", __doc__, "a smoke run: 200 calls at each size (figures not to quote)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,13 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     except SGLangMissing as e:
         # nothing to time without the engine: said, not failed (`dpboard bench all` goes on)
         print(f"dpboard bench sglang_loads: skipped: {e}")
-        write_json(args.json, {"quick": args.quick, "skipped": str(e)})
+        stats.write_json(args.json, {"quick": args.quick, "skipped": str(e)})
         return 0
     print(f"SGLang's own get_loads ({doc['sglang'].split(chr(39))[0]}, compiled from its wheel) beside the board "
           f"write, per call; {doc['machine']}; load average {doc['load_average']:.1f}; "
           f"timer pair {doc['timer_overhead_ns']:.0f} ns")
     print(table(doc))
-    write_json(args.json, doc)
+    stats.write_json(args.json, doc)
     return 0
 
 

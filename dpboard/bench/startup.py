@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from dpboard.bench.stats import add_common_arguments, describe, machine_line, markdown_table, write_json
+from dpboard.bench.stats import machine_line, markdown_table, topic_parser, write_json
 
 SLOTS = 8
 LIVE = 4
@@ -82,9 +82,7 @@ def table(doc: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpboard bench startup", description=describe(__doc__))
-    add_common_arguments(p, "3 rounds instead of 20 (a smoke run)")
-    return p
+    return topic_parser("startup", __doc__, "3 rounds instead of 20 (a smoke run)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,3 +100,11 @@ def describe(doc: str | None) -> str:
     """A topic's --help description: its docstring's first paragraph, whole, in plain text."""
     first = (doc or "").strip().split("\n\n")[0]
     return " ".join(first.split()).replace("``", "")
+
+
+def topic_parser(topic: str, doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """A topic's parser, before its own options: ``dpboard bench TOPIC``, its docstring's first
+    paragraph as the description, and the options every topic takes (``quick``: what --quick does)."""
+    parser = argparse.ArgumentParser(prog=f"dpboard bench {topic}", description=describe(doc))
+    add_common_arguments(parser, quick)
+    return parser

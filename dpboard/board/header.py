@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from dpboard.board.errors import BoardLayoutError
-from dpboard.board.liveness import process_alive, process_exited
+from dpboard.board.liveness import process_alive, process_exited, process_start_ticks
 from dpboard.board.names import MAX_SLOTS
 from dpboard.snapshot import HEADER_LAYOUT, HEADER_SIZE, LAYOUT_VERSION, MAGIC, SLOT_SIZE, segment_size
 
@@ -28,6 +31,15 @@ class BoardHeader:
     generation: int
     node_id: int
     creator_start_ticks: int
+
+    @classmethod
+    def new(cls, name: str, n_slots: int, node_id: int) -> BoardHeader:
+        """The header of a board this process creates now: this dpboard's layout, this process as its
+        creator, a random odd generation."""
+        pid = os.getpid()
+        return cls(name=name, layout_version=LAYOUT_VERSION, header_size=HEADER_SIZE, n_slots=n_slots,
+                   slot_size=SLOT_SIZE, creator_pid=pid, creation_time_ns=time.time_ns(),
+                   generation=secrets.randbits(63) | 1, node_id=node_id, creator_start_ticks=process_start_ticks(pid))
 
     @property
     def creator_alive(self) -> bool:
@@ -51,18 +63,10 @@ def unpack_header(buf: Any) -> tuple[bytes, BoardHeader]:
     """(magic, header) from the first bytes of a segment (``buf`` holds at least HEADER_STRUCT.size)."""
     (magic, version, header_size, n_slots, slot_size, creator_pid, created, generation, raw_name,
      node_id, start_ticks) = HEADER_STRUCT.unpack_from(buf, 0)
-    header = BoardHeader(
-        name=raw_name.rstrip(b"\x00").decode("utf-8", "replace"),
-        layout_version=version,
-        header_size=header_size,
-        n_slots=n_slots,
-        slot_size=slot_size,
-        creator_pid=creator_pid,
-        creation_time_ns=created,
-        generation=generation,
-        node_id=node_id,
-        creator_start_ticks=start_ticks,
-    )
+    header = BoardHeader(name=raw_name.rstrip(b"\x00").decode("utf-8", "replace"), layout_version=version,
+                         header_size=header_size, n_slots=n_slots, slot_size=slot_size, creator_pid=creator_pid,
+                         creation_time_ns=created, generation=generation, node_id=node_id,
+                         creator_start_ticks=start_ticks)
     return magic, header
 
 

@@ -13,7 +13,6 @@ import errno
 import mmap
 import numbers
 import os
-import secrets
 import stat
 import struct
 import time
@@ -45,7 +44,6 @@ from dpboard.snapshot import (
     COLLECTOR_STATS_FIELDS,
     COLLECTOR_STATS_OFFSET,
     HEADER_SIZE,
-    LAYOUT_VERSION,
     MAGIC,
     SLOT_SIZE,
     LoadSnapshot,
@@ -285,19 +283,7 @@ class Board:
             ) from None
         except posix_ipc.PermissionsError:
             raise AccessDeniedError(f"cannot create board {name!r} in {SHM_DIR}: permission denied") from None
-        pid = os.getpid()
-        header = BoardHeader(
-            name=name,
-            layout_version=LAYOUT_VERSION,
-            header_size=HEADER_SIZE,
-            n_slots=n_slots,
-            slot_size=SLOT_SIZE,
-            creator_pid=pid,
-            creation_time_ns=time.time_ns(),
-            generation=secrets.randbits(63) | 1,
-            node_id=node_id,
-            creator_start_ticks=process_start_ticks(pid),
-        )
+        header = BoardHeader.new(name, n_slots, node_id)
         mapping = None
         try:
             os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
@@ -320,7 +306,7 @@ class Board:
             raise
         finally:
             shm.close_fd()
-        atexit.register(_unlink_at_exit, seg, header.generation, pid)
+        atexit.register(_unlink_at_exit, seg, header.generation, header.creator_pid)
         return cls(name, size, mapping, header, owner=True, identity=(st.st_dev, st.st_ino))
 
     @classmethod

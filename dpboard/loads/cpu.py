@@ -11,6 +11,8 @@ Compiled code is cached on disk (``cache=True``): only the first run on a machin
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from numba import njit, prange
 
@@ -61,6 +63,19 @@ _U8 = np.uint64(8)
 _U48 = np.uint64(48)
 
 
+def _serial_and_parallel(pass_):
+    """A pass written once (its loop a ``prange``) compiled twice: serial, where ``prange`` runs as
+    ``range``, and over threads. Each build compiles a copy of the function under its own name,
+    because Numba's disk cache tells functions apart by name and bytecode, not by compile options."""
+    builds = []
+    for parallel in (False, True):
+        name = f"{pass_.__name__}_{'parallel' if parallel else 'serial'}"
+        copy = types.FunctionType(pass_.__code__, pass_.__globals__, name)
+        copy.__qualname__ = name
+        builds.append(njit(cache=True, nogil=True, parallel=parallel)(copy))
+    return tuple(builds)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _req_terms(code, length):
     """One request row: (running, waiting, seqlen without KV, seqlen awaiting transfer, bad code,
@@ -81,27 +96,7 @@ def _req_terms(code, length):
     )
 
 
-@njit(cache=True, nogil=True)
-def _req_pass_serial(state, seqlen, out):
-    running = waiting = without_kv = awaiting = bad = bad_seqlen = np.int64(0)
-    for i in range(state.shape[0]):
-        r, w, nk, aw, b, bs = _req_terms(state[i], seqlen[i])
-        running += r
-        waiting += w
-        without_kv += nk
-        awaiting += aw
-        bad += b
-        bad_seqlen += bs
-    out[RUNNING] = running
-    out[WAITING] = waiting
-    out[SEQLEN_WITHOUT_KV] = without_kv
-    out[SEQLEN_AWAITING_TRANSFER] = awaiting
-    out[BAD_REQ_STATES] = bad
-    out[BAD_SEQLENS] = bad_seqlen
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _req_pass_parallel(state, seqlen, out):
+def _req_pass(state, seqlen, out):
     running = waiting = without_kv = awaiting = bad = bad_seqlen = np.int64(0)
     for i in prange(state.shape[0]):
         r, w, nk, aw, b, bs = _req_terms(state[i], seqlen[i])
@@ -117,6 +112,9 @@ def _req_pass_parallel(state, seqlen, out):
     out[SEQLEN_AWAITING_TRANSFER] = awaiting
     out[BAD_REQ_STATES] = bad
     out[BAD_SEQLENS] = bad_seqlen
+
+
+_req_pass_serial, _req_pass_parallel = _serial_and_parallel(_req_pass)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -172,24 +170,10 @@ def _page_tail(pages, start, out, free, evictable, any_out_of_range):
     out[BAD_PAGE_STATES] = bad
 
 
-@njit(cache=True, nogil=True)
-def _page_pass_bytes_serial(pages, out):
+def _page_pass_bytes(pages, out):
     num_blocks = pages.shape[0] // (8 * _BLOCK_WORDS)
     blocks = pages[: num_blocks * 8 * _BLOCK_WORDS].view(np.uint64).reshape(num_blocks, _BLOCK_WORDS)
-    free = evictable = out_of_range = np.uint64(0)
-    for b in range(num_blocks):
-        f, e, bits = _block_counts(blocks, b)
-        free += f
-        evictable += e
-        out_of_range |= bits
-    _page_tail(pages, num_blocks * 8 * _BLOCK_WORDS, out, free, evictable, out_of_range != 0)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _page_pass_bytes_parallel(pages, out):
-    num_blocks = pages.shape[0] // (8 * _BLOCK_WORDS)
-    blocks = pages[: num_blocks * 8 * _BLOCK_WORDS].view(np.uint64).reshape(num_blocks, _BLOCK_WORDS)
-    free = evictable = bad_blocks = np.uint64(0)  # prange reduces sums, not ORs
+    free = evictable = bad_blocks = np.uint64(0)  # bad blocks counted: prange reduces sums, not ORs
     for b in prange(num_blocks):
         f, e, bits = _block_counts(blocks, b)
         free += f
@@ -198,21 +182,7 @@ def _page_pass_bytes_parallel(pages, out):
     _page_tail(pages, num_blocks * 8 * _BLOCK_WORDS, out, free, evictable, bad_blocks != 0)
 
 
-@njit(cache=True, nogil=True)
-def _page_pass_serial(pages, out):
-    free = evictable = bad = np.int64(0)
-    for i in range(pages.shape[0]):
-        p = np.int64(pages[i])
-        free += np.int64(p == _P_FREE)
-        evictable += np.int64(p == _P_EVICTABLE)
-        bad += np.int64((p < 0) | (p > _P_MAX))
-    out[FREE_PAGES] = free
-    out[EVICTABLE_PAGES] = evictable
-    out[BAD_PAGE_STATES] = bad
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _page_pass_parallel(pages, out):
+def _page_pass(pages, out):
     free = evictable = bad = np.int64(0)
     for i in prange(pages.shape[0]):
         p = np.int64(pages[i])
@@ -224,12 +194,22 @@ def _page_pass_parallel(pages, out):
     out[BAD_PAGE_STATES] = bad
 
 
-@njit(cache=True, nogil=True)
-def _raw_counts_byte_pages(state, seqlen, pages, out, req_parallel_min, page_parallel_min):
-    if state.shape[0] >= req_parallel_min:
+_page_pass_bytes_serial, _page_pass_bytes_parallel = _serial_and_parallel(_page_pass_bytes)
+_page_pass_serial, _page_pass_parallel = _serial_and_parallel(_page_pass)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _req_counts(state, seqlen, out, parallel_min):
+    """The request pass, over threads from ``parallel_min`` rows."""
+    if state.shape[0] >= parallel_min:
         _req_pass_parallel(state, seqlen, out)
     else:
         _req_pass_serial(state, seqlen, out)
+
+
+@njit(cache=True, nogil=True)
+def _raw_counts_byte_pages(state, seqlen, pages, out, req_parallel_min, page_parallel_min):
+    _req_counts(state, seqlen, out, req_parallel_min)
     if pages.shape[0] >= page_parallel_min:
         _page_pass_bytes_parallel(pages, out)
     else:
@@ -238,10 +218,7 @@ def _raw_counts_byte_pages(state, seqlen, pages, out, req_parallel_min, page_par
 
 @njit(cache=True, nogil=True)
 def _raw_counts_wide_pages(state, seqlen, pages, out, req_parallel_min, page_parallel_min):
-    if state.shape[0] >= req_parallel_min:
-        _req_pass_parallel(state, seqlen, out)
-    else:
-        _req_pass_serial(state, seqlen, out)
+    _req_counts(state, seqlen, out, req_parallel_min)
     if pages.shape[0] >= page_parallel_min:
         _page_pass_parallel(pages, out)
     else:

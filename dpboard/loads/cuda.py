@@ -348,7 +348,27 @@ def specialize(kernel: Any, args: tuple[Any, ...]) -> Any:
         raise UnavailableError(_compile_failure(e)) from e
 
 
-class NumbaCudaRunner:
+class _BindingRunner:
+    """What both CUDA runners do with a binding (``prepare``'s, of one set of tables): keep the last
+    one, so that ``compute_loads`` on the same tables again only launches."""
+
+    _last: Any = None
+
+    def prepare(self, req_state: Any, req_seqlen: Any, page_state: Any) -> Any:
+        raise NotImplementedError
+
+    def bound(self, req_state: Any, req_seqlen: Any, page_state: Any) -> Any:
+        """The binding of the last tables if these are they, else a new one (compute_loads' cache)."""
+        last = self._last
+        if last is None or not last.same_tables(req_state, req_seqlen, page_state):
+            last = self._last = self.prepare(req_state, req_seqlen, page_state)
+        return last
+
+    def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
+        return self.bound(req_state, req_seqlen, page_state).raw_counts().copy()
+
+
+class NumbaCudaRunner(_BindingRunner):
     """The numba-cuda kernels, compiled once per process, and the launch geometry of this device."""
 
     def __init__(self) -> None:
@@ -367,7 +387,6 @@ class NumbaCudaRunner:
             from dpboard.loads.launch import BLOCKS_PER_SM
 
             self.max_blocks = self.cuda.get_current_device().MULTIPROCESSOR_COUNT * BLOCKS_PER_SM
-        self._last: NumbaRawCounts | None = None
 
     def device(self, x: Any) -> Any:
         """A device view of a table (once per binding)."""
@@ -386,16 +405,6 @@ class NumbaCudaRunner:
 
     def prepare(self, req_state: Any, req_seqlen: Any, page_state: Any) -> NumbaRawCounts:
         return NumbaRawCounts(self, (req_state, req_seqlen, page_state))
-
-    def bound(self, req_state: Any, req_seqlen: Any, page_state: Any) -> NumbaRawCounts:
-        """The binding of the last tables if these are they, else a new one (compute_loads' cache)."""
-        last = self._last
-        if last is None or not last.same_tables(req_state, req_seqlen, page_state):
-            last = self._last = self.prepare(req_state, req_seqlen, page_state)
-        return last
-
-    def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
-        return self.bound(req_state, req_seqlen, page_state).raw_counts().copy()
 
 
 class NumbaRawCounts:
@@ -452,7 +461,7 @@ def cuda_source() -> str:
     return (cuda_sources_dir() / "loads.cu").read_text()
 
 
-class CupyRunner:
+class CupyRunner(_BindingRunner):
     """The CUDA C kernels through CuPy on ``device`` (a ``launch.CupyDevice``; ``launch.NullDevice``
     to measure the host side alone)."""
 
@@ -460,7 +469,6 @@ class CupyRunner:
         from dpboard.loads.launch import CupyDevice
 
         self.device = device if device is not None else CupyDevice(_cupy())
-        self._last: Any = None
 
     def sources(self) -> tuple[str, str]:
         return cuda_source(), str(cuda_sources_dir())
@@ -475,16 +483,6 @@ class CupyRunner:
 
         tables = tuple(self.on_device(x) for x in (req_state, req_seqlen, page_state))
         return CupyRawCounts(self.device, tables, *self.sources())  # type: ignore[arg-type]
-
-    def bound(self, req_state: Any, req_seqlen: Any, page_state: Any) -> Any:
-        """The binding of the last tables if these are they, else a new one (compute_loads' cache)."""
-        last = self._last
-        if last is None or not last.same_tables(req_state, req_seqlen, page_state):
-            last = self._last = self.prepare(req_state, req_seqlen, page_state)
-        return last
-
-    def raw_counts(self, req_state: Any, req_seqlen: Any, page_state: Any) -> np.ndarray:
-        return self.bound(req_state, req_seqlen, page_state).raw_counts().copy()
 
 
 _runners: dict[str, Any] = {}

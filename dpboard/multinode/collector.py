@@ -57,6 +57,7 @@ from dpboard.multinode.peers import (
     FD_RESERVE,
     HANDSHAKE_TIMEOUT_MS,
     MIN_PEERS,
+    PEER_STATS,
     PeerGuard,
     Proof,
     peer_address,
@@ -520,10 +521,7 @@ class Collector:
         g = self._guard
         ranks = {"ranks_written": len(self._writers), "rank_budget": self.rank_budget,
                  "ranks_refused": self.ranks_refused}
-        if g is None:
-            return {"peers": 0, "max_peers": 0, "shed": 0, "accept_failures": 0, "pauses": 0, **ranks}
-        return {"peers": g.open_peers, "max_peers": g.max_peers, "shed": g.shed,
-                "accept_failures": g.accept_failures, "pauses": g.pauses, **ranks}
+        return {**(dict.fromkeys(PEER_STATS, 0) if g is None else g.stats()), **ranks}
 
     def serve(self, stop: threading.Event | None = None, *, duration: float | None = None,
               poll_ms: int = 100) -> None:

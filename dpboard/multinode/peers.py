@@ -62,6 +62,8 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 
 log = logging.getLogger("dpboard.peers")
+# What PeerGuard.stats reports, in this order (all zero where a socket has no guard).
+PEER_STATS = ("peers", "max_peers", "shed", "accept_failures", "pauses")
 
 
 def peer_budget(requested: int | None) -> int:
@@ -171,29 +173,10 @@ class PeerGuard:
         self._thread = threading.Thread(target=self._run, name="dpboard-peer-guard", daemon=True)
         self._thread.start()
 
-    @property
-    def max_peers(self) -> int:
-        return self.rules.cap
-
-    @property
-    def open_peers(self) -> int:
-        return self.rules.open_count
-
-    @property
-    def shed(self) -> int:
-        return self.rules.shed
-
-    @property
-    def accept_failures(self) -> int:
-        return self.rules.accept_failures
-
-    @property
-    def pauses(self) -> int:
-        return self.rules.pauses
-
     def stats(self) -> dict[str, int]:
-        return {"peers": self.open_peers, "max_peers": self.max_peers, "shed": self.shed,
-                "accept_failures": self.accept_failures, "pauses": self.pauses}
+        """``PEER_STATS`` now: open connections, the cap, and what the guard did."""
+        r = self.rules
+        return dict(zip(PEER_STATS, (r.open_count, r.cap, r.shed, r.accept_failures, r.pauses), strict=True))
 
     # -- what the owner tells and asks ------------------------------------------------------------
 

@@ -128,11 +128,7 @@ class Relay:
             self._mask[ranks] = True
         self._last_sent = np.full(n, -1, dtype=np.int64)
         self._resync = True
-        self.ticks = 0
-        self.frames_sent = 0
-        self.snapshots_sent = 0
-        self.frames_dropped = 0
-        self.connects = 0
+        self.ticks = self.frames_sent = self.snapshots_sent = self.frames_dropped = self.connects = 0
         self._frame_seq = 0
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUSH)

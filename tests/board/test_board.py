@@ -6,7 +6,6 @@ import gc
 import json
 import os
 import resource
-import shutil
 import signal
 import stat
 import struct
@@ -38,6 +37,7 @@ from dpboard.snapshot import (
 )
 from tests.support.names import new_board_name
 from tests.support.other_user import as_nobody, error_as_nobody, need_root
+from tests.support.pid_namespace import pid_namespace_prefix
 from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import read_line
 from tests.support.raw import plant_board, raw_segment
@@ -922,12 +922,7 @@ def test_clean_leaves_a_live_board_made_in_another_pid_namespace(board_name):
     """`unshare --pid --fork --mount-proc`: the creator is pid 1 in its namespace, which from here is
     another process (or none); `ls` said not alive and `clean` removed the board while its slot was
     33 ms old."""
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) for a PID namespace")
-    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"this kernel refuses a new PID namespace: {probe.stderr.decode().strip()}")
+    in_pid_namespace = pid_namespace_prefix()
     code = f"""
 import os, sys, time
 from dpboard import Board, LoadSnapshot
@@ -941,7 +936,7 @@ while time.monotonic() < deadline and not os.path.exists({str(Path('/tmp') / (bo
 os._exit(0)  # as a crash would: no unlink
 """
     stop_file = Path("/tmp") / (board_name + ".stop")
-    proc = subprocess.Popen([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+    proc = subprocess.Popen([*in_pid_namespace, sys.executable, "-c", code],
                             stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).parents[2]))
     path = Path("/dev/shm", f"dpboard.{board_name}")
     try:

@@ -28,20 +28,14 @@ W1, W2, R1, R2 = "dmb ish", "stlr", "ldar", "dmb ishld"
 # Every function of the module that writes or reads a seqlocked row or slot (its methods and
 # functions, as its method tables name them), with what the argument needs in it, counting what
 # it calls in the same file (GCC may or may not inline a helper).
+SLOT_WRITERS = ("writer_publish", "writer_publish_values", "writer_publish_relayed", "writer_publish_paused",
+                "writer_retire")
+SLOT_READERS = ("view_read", "view_read_with_status", "view_status", "view_read_all", "view_read_array",
+                "view_read_detailed", "view_read_detailed_array")
 NEEDS: dict[str, tuple[str, ...]] = {
     # board slots
-    "writer_publish": (W1, W2),
-    "writer_publish_values": (W1, W2),
-    "writer_publish_relayed": (W1, W2),
-    "writer_publish_paused": (W1, W2),
-    "writer_retire": (W1, W2),
-    "view_read": (R1, R2),
-    "view_read_with_status": (R1, R2),
-    "view_status": (R1, R2),
-    "view_read_all": (R1, R2),
-    "view_read_array": (R1, R2),
-    "view_read_detailed": (R1, R2),
-    "view_read_detailed_array": (R1, R2),
+    **dict.fromkeys(SLOT_WRITERS, (W1, W2)),
+    **dict.fromkeys(SLOT_READERS, (R1, R2)),
     # side-record rows
     "seqrow_begin": (W1,),
     "seqrow_end": (W2,),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -298,6 +299,32 @@ def test_importing_loads_does_not_import_numba():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 
+
+_CACHE_PROBE = """
+import sys
+import numpy as np
+from dpboard.loads import cpu
+build = getattr(cpu, sys.argv[1])
+build(np.zeros(4, np.int8), np.zeros(4, np.int32), np.zeros(9, np.int64))
+print(sum(build.stats.cache_hits.values()))
+"""
+
+
+@pytest.mark.parametrize("first, second", [("_req_pass_parallel", "_req_pass_serial"),
+                                           ("_req_pass_serial", "_req_pass_parallel")])
+def test_serial_and_parallel_builds_keep_their_own_disk_cache(tmp_path, first, second):
+    """Both builds of a pass come from one function, and Numba's disk cache keys a function by its name
+    and bytecode, not by ``parallel=``: one build must never load the other's compiled code."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def cache_hits(build: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE, build], capture_output=True, text=True,
+                             timeout=120, check=True, env=env)
+        return int(out.stdout)
+
+    assert cache_hits(first) == 0
+    assert cache_hits(first) == 1  # the cache does serve a build its own code
+    assert cache_hits(second) == 0
 
 @pytest.mark.parametrize("n_pages", [2040, 2047, 4080 + 13, 1 << 16])
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8])

@@ -22,7 +22,7 @@ from dpboard import Board, LoadSnapshot, SlotStatus
 from dpboard.multinode.collector import HANDSHAKE_TIMEOUT_MS, Collector
 from dpboard.multinode.relay import Relay
 from dpboard.multinode.wire import RECORD_DTYPE, pack_frame
-from tests.support.flood import SilentFlood, cpu_seconds, limit_fds, open_fds
+from tests.support.flood import SilentFlood, cpu_share, limit_fds, open_fds
 from tests.support.names import new_board_name
 from tests.support.procutil import read_line, stop, wait_until
 
@@ -36,6 +36,22 @@ REOPEN_PER_SECOND = 200  # after the first FLOOD_OPEN: each accepted connection 
 # (shared with the test's own flood), a guarded collector 0.003-0.05 (the flood's replacements cost it
 # accepts and closes). Generous, and far below a spin.
 CPU_BOUND = 0.15
+
+
+def keep_publishing(writers: list, stop: threading.Event, every: float = 0.02) -> threading.Thread:
+    """A started daemon thread that publishes into each writer's slot every ``every`` seconds (its
+    num_received_reqs counting up) until ``stop`` is set."""
+
+    def publish() -> None:
+        k = 0
+        while not stop.wait(every):
+            k += 1
+            for w in writers:
+                w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
@@ -53,23 +69,14 @@ def test_silent_peers_neither_starve_a_relay_nor_peg_the_collector():
         port = int(endpoint.rsplit(":", 1)[1])
         writers = [board1.writer(r) for r in (2, 3)]
 
-        def publish() -> None:
-            k = 0
-            while not publishing.wait(0.02):
-                k += 1
-                for w in writers:
-                    w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
-
-        threading.Thread(target=publish, daemon=True).start()
+        keep_publishing(writers, publishing)
         reader = board0.reader(stale_after=2.0)
         with SilentFlood(port, keep_open=FLOOD_OPEN, total=FLOOD_TOTAL, seconds=FLOOD_SECONDS,
                          reopen_per_second=REOPEN_PER_SECOND) as flood:
             # the flood holds more connections than the collector has fds
             assert wait_until(lambda: flood.opened >= FLOOD_OPEN, timeout=20), flood.opened
             time.sleep(1.0)
-            cpu0, wall0 = cpu_seconds(collector.pid), time.monotonic()
-            time.sleep(3.0)
-            busy = (cpu_seconds(collector.pid) - cpu0) / (time.monotonic() - wall0)
+            busy = cpu_share(collector.pid, 3.0)
             assert busy < CPU_BOUND, f"the collector used {busy:.2f} CPU-seconds per second under the flood"
             assert collector.poll() is None
             assert open_fds(collector.pid) < FD_LIMIT  # the cap keeps fds free: no accept fails
@@ -146,9 +153,7 @@ def test_out_of_fds_with_no_peer_to_close_backs_off_instead_of_spinning():
             s.connect_ex(("127.0.0.1", port))
             peers.append(s)
         time.sleep(1.0)
-        cpu0, wall0 = cpu_seconds(hog.pid), time.monotonic()
-        time.sleep(3.0)
-        busy = (cpu_seconds(hog.pid) - cpu0) / (time.monotonic() - wall0)
+        busy = cpu_share(hog.pid, 3.0)
         # unguarded: 0.33 here (load average 18); guarded: about 0.003
         assert busy < CPU_BOUND, f"the collector used {busy:.2f} CPU-seconds per second while out of fds"
         assert hog.poll() is None
@@ -305,19 +310,10 @@ def test_loud_junk_and_a_connection_every_50_ms_never_shed_an_established_relay(
         endpoint = read_line(collector).split(" owns ")[1].split()[0]
         port = int(endpoint.rsplit(":", 1)[1])
         stop_flag = threading.Event()
-        writer = b1.writer(1)
-
-        def publish() -> None:
-            k = 0
-            while not stop_flag.wait(0.002):
-                k += 1
-                writer.publish(LoadSnapshot(dp_rank=1, num_received_reqs=k))
-
         relay = Relay(b1, endpoint, 1, remote_board=name0)
-        threads = [threading.Thread(target=publish, daemon=True),
-                   threading.Thread(target=relay.run, args=(stop_flag,), daemon=True)]
-        for t in threads:
-            t.start()
+        relaying = threading.Thread(target=relay.run, args=(stop_flag,), daemon=True)
+        threads = [keep_publishing([b1.writer(1)], stop_flag, every=0.002), relaying]
+        relaying.start()
         reader = b0.reader(stale_after=5.0)
         try:
             assert wait_until(lambda: reader.status(1) == SlotStatus.LIVE, timeout=20), "the relay never landed"
@@ -409,14 +405,7 @@ def test_one_frame_of_many_ranks_takes_a_bounded_share_of_fds_given_back_with_th
         # a relay of node 2's ranks now: every read of them is LIVE
         writers = [board2.writer(r) for r in (0, 1, 2, 3)]
 
-        def publish() -> None:
-            k = 0
-            while not publishing.wait(0.02):
-                k += 1
-                for w in writers:
-                    w.publish(LoadSnapshot(dp_rank=w.rank, num_received_reqs=k))
-
-        threading.Thread(target=publish, daemon=True).start()
+        keep_publishing(writers, publishing)
         relay = subprocess.Popen([*CLI, "relay", "--board", name2, "--to", endpoint, "--node-id", "2",
                                   "--remote-board", name0, "--quiet"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

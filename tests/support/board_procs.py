@@ -66,19 +66,30 @@ def consistent_detail(k: int) -> LoadDetail | None:
     )
 
 
-def detailed_writer(board_name: str, rank: int, seconds: float) -> None:
+def _publish_for(board_name: str, rank: int, seconds: float, batch: int, publish_one) -> int:
+    """``publish_one(writer, k)`` for k = 1, 2, ..., the clock read every ``batch`` publishes, until
+    ``seconds`` have passed; the number of publishes."""
     board = Board.attach(board_name)
     w = board.writer(rank)
     deadline = time.monotonic() + seconds
     k = 0
     while time.monotonic() < deadline:
-        for _ in range(200):
+        for _ in range(batch):
             k += 1
-            detail = consistent_detail(k)
-            if detail is None:
-                w.publish(consistent_snapshot(rank, k))
-            else:
-                w.publish_detailed(consistent_snapshot(rank, k), detail)
+            publish_one(w, k)
+    return k
+
+
+def _publish_consistent_detail(w, k: int) -> None:
+    detail = consistent_detail(k)
+    if detail is None:
+        w.publish(consistent_snapshot(w.rank, k))
+    else:
+        w.publish_detailed(consistent_snapshot(w.rank, k), detail)
+
+
+def detailed_writer(board_name: str, rank: int, seconds: float) -> None:
+    k = _publish_for(board_name, rank, seconds, 200, _publish_consistent_detail)
     print(json.dumps({"role": "detailed_writer", "rank": rank, "publishes": k}), flush=True)
 
 
@@ -107,14 +118,7 @@ def detailed_reader(board_name: str, seconds: float) -> None:
 
 
 def writer(board_name: str, rank: int, seconds: float) -> None:
-    board = Board.attach(board_name)
-    w = board.writer(rank)
-    deadline = time.monotonic() + seconds
-    k = 0
-    while time.monotonic() < deadline:
-        for _ in range(1000):
-            k += 1
-            w.publish(consistent_snapshot(rank, k))
+    k = _publish_for(board_name, rank, seconds, 1000, lambda w, k: w.publish(consistent_snapshot(rank, k)))
     print(json.dumps({"role": "writer", "rank": rank, "publishes": k}), flush=True)
 
 
