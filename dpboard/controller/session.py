@@ -89,8 +89,8 @@ class DispatchSession:
 
     ``logger`` is the engine's dpboard logger; ``own_path`` names what places a request dpboard
     could not ("SGLang's own dispatch", "vLLM's own pick"), ``fallback_path`` what places one the
-    Dispatcher had no rank for (default ``own_path``). ``tally``: the row, or None. ``slots``: the
-    board slot of each of the Dispatcher's ranks (vLLM's API server dispatches over its own
+    Dispatcher had no rank for (default ``own_path``). ``tally``: the row, or None. ``slot_of``:
+    the board slot of each of the Dispatcher's ranks (vLLM's API server dispatches over its own
     engines; default: rank k is slot k). ``requests``: the requests per slot so far, when something
     else counts them (vLLM's sent row); otherwise the row takes them from the Dispatcher's budget
     where it has one, else from ``picked``. ``count_every_pick``: every request handed to a rank
@@ -102,13 +102,13 @@ class DispatchSession:
 
     def __init__(self, *, logger: logging.Logger, own_path: str = "the engine's own dispatch",
                  fallback_path: str | None = None, tally: DispatchTally | None = None,
-                 slots: Sequence[int] | None = None, requests: Callable[[], Any] | None = None,
+                 slot_of: Sequence[int] | None = None, requests: Callable[[], Any] | None = None,
                  count_every_pick: bool = False) -> None:
         self.logger = logger
         self.own_path = own_path
         self.fallback_path = fallback_path or own_path
         self.tally = tally
-        self._slots = None if slots is None else tuple(int(s) for s in slots)
+        self._slot_of = None if slot_of is None else tuple(int(s) for s in slot_of)
         self._requests = requests
         self._count_every_pick = count_every_pick
         self._counts_picks = False  # the row's requests per rank come from ``picked``
@@ -165,7 +165,7 @@ class DispatchSession:
         self._counts_picks = tally.source is None
 
     def _slot(self, index: int) -> int:
-        return index if self._slots is None else self._slots[index]
+        return index if self._slot_of is None else self._slot_of[index]
 
     # -- what the engine tells the session ---------------------------------------------------------
 

@@ -132,7 +132,7 @@ def test_dpboard_method_routes_through_one_dispatcher(instance, tmp_path, monkey
     cluster = make_cluster(instance, tmp_path)
     c = cluster.controller
     try:
-        dispatcher: Dispatcher = c._dpboard_dispatch
+        dispatcher: Dispatcher = c._dpboard_dispatch.dispatcher
         assert dispatcher.method.value == "inflight_tokens" and dispatcher.num_workers == 3
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         cluster.send(req("a", 1000))  # 900 -> 1900: still the lightest
@@ -217,18 +217,18 @@ def test_with_every_rank_stale_requests_still_go_out_and_are_counted(instance, t
     try:
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         cluster.send(req("live", 10))
-        assert cluster.received() == {1: ["live"]} and getattr(c, "_dpboard_fallbacks", 0) == 0
+        assert cluster.received() == {1: ["live"]} and c._dpboard_dispatch.fallbacks == 0
         time.sleep(0.3)  # no rank publishes: every one is stale at the next refresh
         for i in range(3):
             cluster.send(req(f"stale{i}", 2000))
         got = cluster.received(3)
         # The lightest by the last-known loads first, each pick charged: 910 -> 2910, then 2910 < 3000, ...
         assert got == {1: ["stale0", "stale1"], 2: ["stale2"]}
-        assert c._dpboard_fallbacks == 3
+        assert c._dpboard_dispatch.fallbacks == 3
         publish(cluster, {0: 100, 1: 9000, 2: 9000}, k=2)  # the ranks come back: the dispatcher decides again
         time.sleep(0.03)
         cluster.send(req("back", 10))
-        assert cluster.received() == {0: ["back"]} and c._dpboard_fallbacks == 3
+        assert cluster.received() == {0: ["back"]} and c._dpboard_dispatch.fallbacks == 3
     finally:
         close(cluster)
 
@@ -255,7 +255,7 @@ def test_a_stale_after_outside_its_bounds_is_refused_at_start_naming_the_variabl
 def test_an_exception_in_dpboards_pick_is_answered_by_sglangs_own_dispatch(instance, tmp_path, monkeypatch, caplog):
     """A bug in dpboard's pick (the dispatcher raising something that is not a DpboardError) once
     went up through SGLang's _request_dispatcher, which stops the whole server. SGLang's own
-    dispatch now places the request, and the controller counts it (``_dpboard_errors``, a fallback in
+    dispatch now places the request, and the controller's session counts it (``faults``, a fallback in
     the dispatch record) and logs it at the 1st, 10th, ... time, the first with its traceback."""
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
     cluster = make_cluster(instance, tmp_path)
@@ -266,13 +266,14 @@ def test_an_exception_in_dpboards_pick_is_answered_by_sglangs_own_dispatch(insta
         def broken(request):
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(c._dpboard_dispatch, "dispatch", broken)
+        monkeypatch.setattr(c._dpboard_dispatch.dispatcher, "dispatch", broken)
         with caplog.at_level("WARNING", logger="dpboard.sglang"):
             for i in range(10):
                 cluster.send(req(f"f{i}", 10))
             got = cluster.received(10)
         assert sorted(r for rids in got.values() for r in rids) == sorted(f"f{i}" for i in range(10))
-        assert c._dpboard_errors == 10 and c._dpboard_fallbacks == 10 and c._dpboard_tally.fallbacks == 10
+        session = c._dpboard_dispatch
+        assert session.faults == 10 and session.fallbacks == 10 and session.tally.fallbacks == 10
         said = [r for r in caplog.records if "injected" in r.getMessage()]
         assert ["#1" in said[0].getMessage(), "#10" in said[1].getMessage()] == [True, True] and len(said) == 2
         assert said[0].exc_info is not None and said[1].exc_info is None
@@ -285,7 +286,7 @@ def test_auto_under_dp_attention_dispatches_with_inflight_lockstep(instance, tmp
     monkeypatch.setenv("DPBOARD_METHOD", "auto")
     cluster = make_cluster(instance, tmp_path, attn_dp_enabled=True, chunked_prefill_size=2730)
     try:
-        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch
+        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch.dispatcher
         assert dispatcher.method.value == "inflight_lockstep"
         import msgspec
 
@@ -316,7 +317,7 @@ def test_beside_sglangs_prefill_delayer_the_lockstep_horizon_is_two_steps(instan
         cluster = make_cluster(instance, tmp_path, attn_dp_enabled=True, chunked_prefill_size=2730,
                                enable_prefill_delayer=delayer)
     try:
-        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch
+        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch.dispatcher
         horizon = 2 if delayer else 6
         assert dispatcher.method.value == "inflight_lockstep" and dispatcher.lockstep_horizon == horizon
         assert dispatcher.budget.core.horizon == horizon
@@ -330,6 +331,6 @@ def test_auto_without_dp_attention_keeps_round_robin(instance, tmp_path, monkeyp
     monkeypatch.setenv("DPBOARD_METHOD", "auto")
     cluster = make_cluster(instance, tmp_path)
     try:
-        assert cluster.controller._dpboard_dispatch.method.value == "round_robin"
+        assert cluster.controller._dpboard_dispatch.dispatcher.method.value == "round_robin"
     finally:
         close(cluster)
