@@ -46,7 +46,7 @@ from dpboard.controller.connections import (
     RequestInput,
     shown,
 )
-from dpboard.controller.delivery import DeliveryLedger
+from dpboard.controller.delivery import DeliveryLedger, RankAvailability
 from dpboard.controller.dispatcher import Dispatcher
 from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
@@ -206,10 +206,7 @@ class DataParallelController:
         self.context = context or zmq.Context()
         self._stop = threading.Event()
         self._ranks = [r for r, e in enumerate(self.worker_endpoints) if e is not None]
-        self._stale = [False] * n
-        self._full: set[int] = set()  # ranks whose queue refused a send during this batch
-        self._draining: dict[int, float] = {}  # rank -> when its unacknowledged requests go elsewhere
-        self._status: list[bool | None] = [None] * n  # what the dispatcher was last told
+        self.availability = RankAvailability(n)
         self._next_ack = 0.0
         self.stats = new_counts(n)
         self.input: RequestInput | None = None
@@ -266,12 +263,7 @@ class DataParallelController:
     # -- availability: connections, staleness, full queues ------------------------------------------
 
     def _update_status(self, rank: int) -> None:
-        pipe = self.workers[rank]
-        ok = (pipe is not None and pipe.connected and not pipe.backlogged and not self._stale[rank]
-              and rank not in self._draining and rank not in self._full)
-        if ok != self._status[rank]:
-            self._status[rank] = ok
-            self.dispatcher.set_status(rank, ok)
+        self.availability.update(rank, self.workers[rank], self.dispatcher)
 
     def _on_monitor(self, rank: int, now: float) -> None:
         pipe = self.workers[rank]
@@ -281,7 +273,7 @@ class DataParallelController:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.stats["disconnects"] += 1
                 if self.ledger is not None:
-                    self._draining[rank] = now + self.redeliver_after
+                    self.availability.draining[rank] = now + self.redeliver_after
                     log.warning("worker %d (%s) disconnected: no more requests go there; the %d it has not "
                                 "acknowledged go elsewhere in %.2g s unless it counts them first", rank,
                                 pipe.endpoint, self.ledger.unacknowledged(rank), self.redeliver_after)
@@ -336,22 +328,22 @@ class DataParallelController:
                 if ledger.pending[rank] or ledger.uncounted[rank]:
                     ledger.observe(rank, int(received[rank]))
             stale = st == _STALE or st == _TORN
-            if stale != self._stale[rank]:
-                self._stale[rank] = stale
+            if stale != self.availability.stale[rank]:
+                self.availability.stale[rank] = stale
                 if stale:
                     log.warning("worker %d's board slot is %s: no more requests go there until it publishes",
                                 rank, SlotStatus(st).label)
                 else:
                     log.info("worker %d publishes again", rank)
                 self._update_status(rank)
-        for rank, when in list(self._draining.items()):
+        for rank, when in list(self.availability.draining.items()):
             if now >= when:
                 st = int(status[rank])
                 self._close_epoch(rank, int(received[rank]) if st in (_LIVE, _STALE) else 0)
         self.stats["delivered"] = ledger.delivered
 
     def _close_epoch(self, rank: int, received_now: int) -> None:
-        del self._draining[rank]
+        del self.availability.draining[rank]
         lost = self.ledger.close_epoch(rank, received_now)
         self.dispatcher.forget_in_flight(rank)  # nothing more of what was sent there will be counted
         self._update_status(rank)
@@ -456,7 +448,7 @@ class DataParallelController:
         ranks' availability and stamps the record; what was sent stays in the delivery ledger,
         which is the controller's."""
         self.session.use(new)
-        self._status = [None] * len(self._status)
+        self.availability.forget_told()
         for rank in self._ranks:
             self._update_status(rank)
 
@@ -492,7 +484,7 @@ class DataParallelController:
                 self._redeliver(req, tried=set())
         else:
             self._send_batch(ranks, reqs)
-        full, self._full = self._full, set()
+        full, self.availability.full = self.availability.full, set()
         for rank in full:  # a full queue refuses for this batch only: the next one tries it again
             self._update_status(rank)
 
@@ -529,7 +521,8 @@ class DataParallelController:
                 return
             if rank in tried:  # pinned to a rank that does not take it now
                 self.dispatcher.retract(rank, req)
-                self._reject(req.rid, f"DP rank {rank} is not taking requests ({self._why_not(rank)})")
+                why = self.availability.why_not(rank, self.workers[rank])
+                self._reject(req.rid, f"DP rank {rank} is not taking requests ({why})")
                 return
             if self._try_send(rank, req):
                 return
@@ -541,7 +534,7 @@ class DataParallelController:
     def _try_send(self, rank: int, req: Request) -> bool:
         """True when ZMQ took the frame for ``rank``'s connected scheduler."""
         pipe = self.workers[rank]
-        if pipe is None or not pipe.connected or rank in self._draining:
+        if pipe is None or not pipe.connected or rank in self.availability.draining:
             return False
         if not pipe.send(req.raw):
             return False
@@ -566,24 +559,9 @@ class DataParallelController:
         self.stats["send_dropped"] += n
         self.session.count_fallbacks(n)
         pipe = self.workers[rank]
-        if pipe is not None and pipe.connected and not pipe.backlogged and rank not in self._draining:
-            self._full.add(rank)
+        if pipe is not None and pipe.connected and not pipe.backlogged and rank not in self.availability.draining:
+            self.availability.full.add(rank)
         self._update_status(rank)
-
-    def _why_not(self, rank: int) -> str:
-        pipe = self.workers[rank]
-        if pipe is None:
-            return "a reserved slot with no worker"
-        if not pipe.connected:
-            return "not connected"
-        if pipe.backlogged:
-            return (f"it has not taken the {pipe.queue.queued / 2**20:.1f} MiB queued for it, over "
-                    f"--max-queued-mib {pipe.max_queued_bytes // 2**20}")
-        if rank in self._draining:
-            return "its connection broke; waiting for its last count"
-        if self._stale[rank]:
-            return "its board slot is stale"
-        return "its queue is full"
 
     def _reject(self, rid: Any, error: str) -> None:
         self.stats["rejected"] += 1
