@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("dpboard.views.serve", "HTTP exporter: a live page at /, /v1/loads, /metrics, /healthz"),
     "doctor": ("dpboard.views.doctor", "why requests go where they go: the troubleshooting checklist answered "
                "from a board and its dispatcher's record, with evidence, cause and fix"),
-    "controller": ("dpboard.controller.process", "run the ZMQ data-parallel controller"),
+    "controller": ("dpboard.controller.command", "run the ZMQ data-parallel controller"),
     "relay": ("dpboard.multinode.relay", "forward this node's board to node0's collector"),
     "collect": ("dpboard.multinode.collector", "own node0's load PULL socket and write relayed snapshots"),
     "demo": ("dpboard.demo.run", "run a simulated DP cluster on this machine with the live board"),

@@ -298,11 +298,12 @@ class TickingReader:
 
 
 def open_tally(board: str, rows: int, index: int, slots: int, *, method: str, mode: str = "null",
-               refresh_interval: float = 0.0, logger: Any = None) -> DispatchTally | None:
+               refresh_interval: float = 0.0, logger: Any = None, trust_uids: tuple[int, ...] = ()) -> DispatchTally | None:
     """Row ``index`` of ``board``'s dispatch record, as a tally; a record that cannot be used is
-    logged and done without (None): it is for diagnosis and never keeps a dispatcher from serving."""
+    logged and done without (None): it is for diagnosis and never keeps a dispatcher from serving.
+    ``trust_uids``: also attach a record these users created (the controller's ``--trust-uid``)."""
     try:
-        record = DispatchRecord.open(board, rows, slots)
+        record = DispatchRecord.open(board, rows, slots, trust_uids=trust_uids)
     except DpboardError as e:
         if logger is not None:
             logger.warning("dpboard: no dispatch record for dpboard doctor: %s", e)

@@ -9,6 +9,7 @@ tokens is refused (``RequestRefused``, answered with an error): no budget sum ma
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -18,22 +19,19 @@ from dpboard.controller.budget import MAX_REQUEST_TOKENS
 from dpboard.errors import InvalidInputError
 
 
+@dataclass(slots=True, eq=False)  # eq=False: a request is itself, as the delivery ledger holds it
 class Request:
     """What the Dispatcher reads of a decoded frame; ``raw`` is what is forwarded. ``lost`` counts the
     receivers whose connection broke before they acknowledged it (the controller's redelivery bound)."""
 
-    __slots__ = ("rid", "routed_dp_rank", "bootstrap_room", "num_tokens", "raw", "block_hashes", "lost")
-
-    def __init__(self, rid: Any, routed_dp_rank: int | None, bootstrap_room: int | None, num_tokens: int,
-                 raw: bytes, block_hashes: list[int] | None = None):
-        self.rid = rid
-        self.routed_dp_rank = routed_dp_rank
-        self.bootstrap_room = bootstrap_room
-        self.num_tokens = num_tokens
-        self.raw = raw
-        # the prompt's chained block hashes, read from ``raw`` by a controller whose method uses them
-        self.block_hashes = block_hashes
-        self.lost = 0
+    rid: Any
+    routed_dp_rank: int | None
+    bootstrap_room: int | None
+    num_tokens: int
+    raw: bytes
+    # the prompt's chained block hashes, read from ``raw`` by a controller whose method uses them
+    block_hashes: list[int] | None = None
+    lost: int = 0
 
 
 class MalformedFrame(InvalidInputError):

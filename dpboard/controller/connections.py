@@ -24,6 +24,7 @@ and the error channel it connects (docs/SECURITY.md, "The controller's connectio
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import socket
@@ -282,10 +283,8 @@ class Pipe:
     def __init__(self, context: zmq.Context, endpoint: str, what: str, *, send_hwm: int | None,
                  max_queued_bytes: int, immediate: bool, reconnect_ivl_ms: int | None = None) -> None:
         self.endpoint, self.what = endpoint, what
-        self.max_queued_bytes = max_queued_bytes
-        self.immediate = immediate
-        self.connected = False
-        self.backlogged = False
+        self.max_queued_bytes, self.immediate = max_queued_bytes, immediate
+        self.connected = self.backlogged = False
         self.queue: SendQueue | None = None
         self._fd: int | None = None
         # What was queued while no connection was there (a pipe without IMMEDIATE queues from the
@@ -390,13 +389,11 @@ class Pipe:
             self.socket.setsockopt(zmq.LINGER, ms)
 
     def close(self, linger: int | None = None) -> None:
-        if self.monitor is not None:
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
             if not self.socket.closed:
-                try:
+                with contextlib.suppress(zmq.ZMQError):  # a monitor the context already stopped
                     self.socket.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-            self.monitor.close(linger=0)
-            self.monitor = None
+            monitor.close(linger=0)
         if not self.socket.closed:
             self.socket.close(linger)

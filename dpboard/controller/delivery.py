@@ -1,4 +1,6 @@
-"""``DeliveryLedger``: which requests each rank has acknowledged. The pure part of the delivery rule.
+"""``DeliveryLedger``: which requests each rank has acknowledged. The pure part of the delivery rule;
+``RankAvailability``: whether each rank takes requests now (connection, board slot, draining, full
+queue), what the controller tells its Dispatcher.
 
 docs/DISPATCH.md ("Delivery") states the rule; the controller process applies it. In short: a
 request that ZMQ took for a connected scheduler is *dispatched*; it is *delivered* once that
@@ -125,3 +127,48 @@ class DeliveryLedger:
         if rank is not None:
             return len(self.pending[rank])
         return sum(len(p) for p in self.pending)
+
+
+class RankAvailability:
+    """Whether each rank takes requests now, and why not. Besides its connection (a pipe's
+    ``connected`` and ``backlogged``, see ``dpboard.controller.connections.Pipe``): its board slot
+    stale or torn (``stale``), its connection broken with requests not yet acknowledged
+    (``draining``: rank -> when those go elsewhere), its queue refusing a send in this batch
+    (``full``). ``told`` is what the dispatcher last heard of each rank, so that it hears only of
+    changes (``update``)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.stale = [False] * num_workers
+        self.draining: dict[int, float] = {}
+        self.full: set[int] = set()
+        self.told: list[bool | None] = [None] * num_workers
+
+    def takes(self, rank: int, pipe: Any) -> bool:
+        return (pipe is not None and pipe.connected and not pipe.backlogged and not self.stale[rank]
+                and rank not in self.draining and rank not in self.full)
+
+    def update(self, rank: int, pipe: Any, dispatcher: Any) -> None:
+        """Tell ``dispatcher`` (``set_status``) whether ``rank`` takes requests, when that changed."""
+        ok = self.takes(rank, pipe)
+        if ok != self.told[rank]:
+            self.told[rank] = ok
+            dispatcher.set_status(rank, ok)
+
+    def forget_told(self) -> None:
+        """A new dispatcher heard nothing yet: the next ``update`` of each rank tells it."""
+        self.told = [None] * len(self.told)
+
+    def why_not(self, rank: int, pipe: Any) -> str:
+        """Why ``rank`` does not take requests now, in words."""
+        if pipe is None:
+            return "a reserved slot with no worker"
+        if not pipe.connected:
+            return "not connected"
+        if pipe.backlogged:
+            return (f"it has not taken the {pipe.queue.queued / 2**20:.1f} MiB queued for it, over "
+                    f"--max-queued-mib {pipe.max_queued_bytes // 2**20}")
+        if rank in self.draining:
+            return "its connection broke; waiting for its last count"
+        if self.stale[rank]:
+            return "its board slot is stale"
+        return "its queue is full"

@@ -1,4 +1,4 @@
-"""``DataParallelController``: the ZMQ shell around the Dispatcher, and ``dpboard controller``.
+"""``DataParallelController``: the ZMQ shell around the Dispatcher (``dpboard controller`` is ``command.py``).
 
 Tokenizer side --PUSH--> [PULL, bound here] controller --PUSH (connected)--> scheduler rank k [PULL, bound]
 
@@ -14,8 +14,9 @@ Neither ever stops the loop. A request whose send fails is taken back out of the
 (``Dispatcher.retract``): the rank never got it.
 
 The sockets and their bounds (the input's connections, the bytes queued per scheduler, the log of
-malformed frames) live in ``dpboard.controller.connections``; this module is the loop that uses them
-and the command line.
+malformed frames) live in ``dpboard.controller.connections``; the Dispatcher, its dispatch-record
+row and its counts in a ``dpboard.controller.session.DispatchSession``; this module is the loop
+that uses them.
 
 With a load-aware method the controller is node0's single owner of the relays' load PULL socket
 (docs/MULTINODE.md, "One owner"): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
@@ -24,22 +25,15 @@ same loop as the requests.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 
-from dpboard.board.dispatch_record import DispatchRecord, DispatchRow
-from dpboard.board.stale import stale_after
-from dpboard.controller.auto import AUTO_CHECK_INTERVAL, AutoMethod
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
 from dpboard.controller.connections import (
     DEFAULT_MAX_INPUT_MIB,
@@ -52,27 +46,12 @@ from dpboard.controller.connections import (
     RequestInput,
     shown,
 )
-from dpboard.controller.delivery import DeliveryLedger
-from dpboard.controller.dispatcher import (
-    DEFAULT_LOCKSTEP_HORIZON,
-    DEFAULT_REFRESH_INTERVAL,
-    DELAYER_LOCKSTEP_HORIZON,
-    Dispatcher,
-    default_lockstep_horizon,
-)
-from dpboard.controller.methods import (
-    AUTO,
-    DISAGGREGATION_MODES,
-    METHOD_CHOICES,
-    ReaderOwner,
-    parse_load_balance_method,
-    resolve_load_balance_method,
-    zmq_reader_owner,
-)
+from dpboard.controller.delivery import DeliveryLedger, RankAvailability
+from dpboard.controller.dispatcher import Dispatcher
+from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
-from dpboard.multinode.peers import DEFAULT_MAX_PEERS, Proof
-from dpboard.options import count, seconds
-from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, lock_path, take_endpoint
+from dpboard.multinode.peers import Proof
+from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, take_endpoint
 from dpboard.snapshot import SlotStatus
 from dpboard.stopping import StopFlag
 
@@ -99,20 +78,6 @@ _LIVE, _STALE, _TORN = int(SlotStatus.LIVE), int(SlotStatus.STALE), int(SlotStat
 
 class ControllerBusyError(OwnerBusyError):
     """Another process already binds the controller's input endpoint, or already controls its board."""
-
-
-def board_lock_path(board_name: str) -> Path:
-    """The lock a controller holds on its board: one controller per board (and so per set of
-    schedulers), since two would each count the other's sends as their own deliveries."""
-    return lock_path("controller.board", board_name)
-
-
-def take_board(board_name: str) -> OwnerLock:
-    """This process is ``board_name``'s one controller; ``ControllerBusyError`` names the other."""
-    return OwnerLock(board_lock_path(board_name), f"board {board_name!r}", busy=ControllerBusyError,
-                     role="a controller",
-                     hint="two controllers sending to the same schedulers disagree about what each received "
-                          "(their ledgers and acknowledgements): stop that one, or give each its own board")
 
 
 def new_counts(n: int) -> dict[str, Any]:
@@ -166,9 +131,11 @@ class DataParallelController:
     ``max_redeliveries + 1`` ranks is answered on the error channel instead (counted in
     ``stats["redelivery_exhausted"]``).
 
-    ``record``, when given, is this controller's row of the board's dispatch record
-    (``dpboard.board.dispatch_record.DispatchRow``): the loop copies its counts there at most every
-    0.1 s, for ``dpboard doctor``; requests are counted where they already are, in ``stats``.
+    ``session``, when given, is the ``dpboard.controller.session.DispatchSession`` holding
+    ``dispatcher`` (with ``count_every_pick``) and this controller's row of the board's dispatch
+    record, for ``dpboard doctor``: each request handed to a rank, each pick whose rank refused it
+    (a fallback in the record) and each rejection is counted there, and the loop publishes the row
+    at most every 0.1 s. Without one the controller holds a session of its own, with no record.
 
     ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
@@ -198,7 +165,7 @@ class DataParallelController:
         acks: Any = None,
         redeliver_after: float | None = None,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
-        record: Any = None,
+        session: DispatchSession | None = None,
         auto: Any = None,
     ):
         n = dispatcher.num_workers
@@ -216,16 +183,16 @@ class DataParallelController:
             raise InvalidInputError(f"poll_interval must be in (0, {MAX_POLL_INTERVAL}] seconds, got {poll_interval!r}")
         if acks is not None and redeliver_after is None:
             redeliver_after = getattr(acks, "stale_after", 1.0)
-        self.dispatcher = dispatcher
+        if session is None:
+            session = DispatchSession(logger=log, count_every_pick=True)
+        if session.dispatcher is not dispatcher:
+            session.use(dispatcher)
+        self.session = session
         self.worker_endpoints = list(worker_endpoints)
         self.input_endpoint = input_endpoint
         self.error_endpoint = error_endpoint
         self.collector = collector
-        self.record = record
         self.auto = auto
-        self._refreshes_before = 0  # refreshes of the Dispatchers that auto replaced (for the record)
-        self._routed = [0] * n  # requests sent with routed_dp_rank, per rank (for the record)
-        self._with_room = 0  # requests sent carrying a bootstrap_room
         self.acks = acks
         self.redeliver_after = float(redeliver_after or 1.0)
         self.max_redeliveries = max_redeliveries
@@ -239,10 +206,7 @@ class DataParallelController:
         self.context = context or zmq.Context()
         self._stop = threading.Event()
         self._ranks = [r for r, e in enumerate(self.worker_endpoints) if e is not None]
-        self._stale = [False] * n
-        self._full: set[int] = set()  # ranks whose queue refused a send during this batch
-        self._draining: dict[int, float] = {}  # rank -> when its unacknowledged requests go elsewhere
-        self._status: list[bool | None] = [None] * n  # what the dispatcher was last told
+        self.availability = RankAvailability(n)
         self._next_ack = 0.0
         self.stats = new_counts(n)
         self.input: RequestInput | None = None
@@ -299,12 +263,7 @@ class DataParallelController:
     # -- availability: connections, staleness, full queues ------------------------------------------
 
     def _update_status(self, rank: int) -> None:
-        pipe = self.workers[rank]
-        ok = (pipe is not None and pipe.connected and not pipe.backlogged and not self._stale[rank]
-              and rank not in self._draining and rank not in self._full)
-        if ok != self._status[rank]:
-            self._status[rank] = ok
-            self.dispatcher.set_status(rank, ok)
+        self.availability.update(rank, self.workers[rank], self.dispatcher)
 
     def _on_monitor(self, rank: int, now: float) -> None:
         pipe = self.workers[rank]
@@ -314,7 +273,7 @@ class DataParallelController:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.stats["disconnects"] += 1
                 if self.ledger is not None:
-                    self._draining[rank] = now + self.redeliver_after
+                    self.availability.draining[rank] = now + self.redeliver_after
                     log.warning("worker %d (%s) disconnected: no more requests go there; the %d it has not "
                                 "acknowledged go elsewhere in %.2g s unless it counts them first", rank,
                                 pipe.endpoint, self.ledger.unacknowledged(rank), self.redeliver_after)
@@ -369,22 +328,22 @@ class DataParallelController:
                 if ledger.pending[rank] or ledger.uncounted[rank]:
                     ledger.observe(rank, int(received[rank]))
             stale = st == _STALE or st == _TORN
-            if stale != self._stale[rank]:
-                self._stale[rank] = stale
+            if stale != self.availability.stale[rank]:
+                self.availability.stale[rank] = stale
                 if stale:
                     log.warning("worker %d's board slot is %s: no more requests go there until it publishes",
                                 rank, SlotStatus(st).label)
                 else:
                     log.info("worker %d publishes again", rank)
                 self._update_status(rank)
-        for rank, when in list(self._draining.items()):
+        for rank, when in list(self.availability.draining.items()):
             if now >= when:
                 st = int(status[rank])
                 self._close_epoch(rank, int(received[rank]) if st in (_LIVE, _STALE) else 0)
         self.stats["delivered"] = ledger.delivered
 
     def _close_epoch(self, rank: int, received_now: int) -> None:
-        del self._draining[rank]
+        del self.availability.draining[rank]
         lost = self.ledger.close_epoch(rank, received_now)
         self.dispatcher.forget_in_flight(rank)  # nothing more of what was sent there will be counted
         self._update_status(rank)
@@ -461,8 +420,8 @@ class DataParallelController:
                         self.input.service()
                     if self.input.socket in ready:
                         self._serve_ready()
-                    if self.record is not None and self.record.due(now):
-                        self._publish_record()
+                    if self.session.due(now):
+                        self.session.publish()
                     if now >= next_log:
                         next_log = now + self.log_every
                         self._log_counts()
@@ -475,32 +434,23 @@ class DataParallelController:
             self._frame_log.flush()
             self.stats["input"] = self.input.peer_stats
             self.stats["log_held_back"] = self._frame_log.held_back_total
-            if self.record is not None:
-                self._publish_record()
+            self.session.publish()
             if self.collector is not None and hasattr(self.collector, "stats"):
                 self.stats["collector"] = self.collector.stats()
         return self.stats
 
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.session.dispatcher
+
     def _use_dispatcher(self, new: Dispatcher) -> None:
-        """Dispatch with ``new`` from the next batch on: ``auto`` changed. It learns each rank's
-        availability as the old one had it; what was sent stays in the delivery ledger, which is the
-        controller's."""
-        old = self.dispatcher
-        self._refreshes_before += old.refresh_count
-        new.set_active(old.active)
-        self.dispatcher = new
-        self._status = [None] * len(self._status)
+        """Dispatch with ``new`` from the next batch on: ``auto`` changed. The session hands it the
+        ranks' availability and stamps the record; what was sent stays in the delivery ledger,
+        which is the controller's."""
+        self.session.use(new)
+        self.availability.forget_told()
         for rank in self._ranks:
             self._update_status(rank)
-        if self.record is not None:
-            self.record.set_method(new.method.value)
-
-    def _publish_record(self) -> None:
-        """This controller's counts into its dispatch-record row. Fallbacks are picks whose rank
-        refused the send, dispatched again; rejections are the requests answered with an error."""
-        s = self.stats
-        self.record.publish(self._refreshes_before + self.dispatcher.refresh_count, s["dispatched"], sum(self._routed), self._with_room,
-                            s["retracted"], s["rejected"] + s["malformed"], s["per_rank"], self._routed)
 
     def _serve_ready(self) -> None:
         reqs: list[Request] = []
@@ -517,6 +467,7 @@ class DataParallelController:
             except MalformedFrame as e:
                 self.input.prove(fd, Proof.SPOKE)
                 self.stats["malformed"] += 1
+                self.session.rejected()
                 if e.rid is None:
                     self._frame_log.warning("dropped a malformed request frame: %s", str(e))
                 else:
@@ -533,7 +484,7 @@ class DataParallelController:
                 self._redeliver(req, tried=set())
         else:
             self._send_batch(ranks, reqs)
-        full, self._full = self._full, set()
+        full, self.availability.full = self.availability.full, set()
         for rank in full:  # a full queue refuses for this batch only: the next one tries it again
             self._update_status(rank)
 
@@ -554,9 +505,7 @@ class DataParallelController:
         for rank, failed in refused.items():
             for req in reversed(failed):
                 self.dispatcher.retract(rank, req)
-            self.stats["retracted"] += len(failed)
-            self.stats["send_dropped"] += len(failed)
-            self._refusing(rank)
+            self._refused(rank, len(failed))
         for rank, failed in refused.items():
             for req in failed:
                 self._redeliver(req, tried={rank})
@@ -572,21 +521,20 @@ class DataParallelController:
                 return
             if rank in tried:  # pinned to a rank that does not take it now
                 self.dispatcher.retract(rank, req)
-                self._reject(req.rid, f"DP rank {rank} is not taking requests ({self._why_not(rank)})")
+                why = self.availability.why_not(rank, self.workers[rank])
+                self._reject(req.rid, f"DP rank {rank} is not taking requests ({why})")
                 return
             if self._try_send(rank, req):
                 return
             self.dispatcher.retract(rank, req)
-            self.stats["retracted"] += 1
-            self.stats["send_dropped"] += 1
-            self._refusing(rank)
+            self._refused(rank, 1)
             tried.add(rank)
         self._reject(req.rid, "no DP rank took the request: every rank refused it")
 
     def _try_send(self, rank: int, req: Request) -> bool:
         """True when ZMQ took the frame for ``rank``'s connected scheduler."""
         pipe = self.workers[rank]
-        if pipe is None or not pipe.connected or rank in self._draining:
+        if pipe is None or not pipe.connected or rank in self.availability.draining:
             return False
         if not pipe.send(req.raw):
             return False
@@ -595,10 +543,7 @@ class DataParallelController:
             self._update_status(rank)
         self.stats["dispatched"] += 1
         self.stats["per_rank"][rank] += 1
-        if req.routed_dp_rank is not None:
-            self._routed[rank] += 1
-        if req.bootstrap_room is not None:
-            self._with_room += 1
+        self.session.picked(rank, routed=req.routed_dp_rank is not None, with_room=req.bootstrap_room is not None)
         if self.ledger is not None and self.ledger.sent(rank, req) and not self._said_uncounted:
             self._said_uncounted = True
             log.warning("worker %d took %d requests without counting one in num_received_reqs on its board "
@@ -607,30 +552,20 @@ class DataParallelController:
                         "elsewhere what a broken connection loses (said once)", rank, self.ledger.uncounted_after)
         return True
 
-    def _refusing(self, rank: int) -> None:
-        """``rank`` refused a send: keep requests away from it (for this batch, when its queue is full)."""
+    def _refused(self, rank: int, n: int) -> None:
+        """``rank`` refused ``n`` sends, retracted: counted (fallbacks in the record: they are
+        dispatched again), and requests kept away from it (for this batch, when its queue is full)."""
+        self.stats["retracted"] += n
+        self.stats["send_dropped"] += n
+        self.session.count_fallbacks(n)
         pipe = self.workers[rank]
-        if pipe is not None and pipe.connected and not pipe.backlogged and rank not in self._draining:
-            self._full.add(rank)
+        if pipe is not None and pipe.connected and not pipe.backlogged and rank not in self.availability.draining:
+            self.availability.full.add(rank)
         self._update_status(rank)
-
-    def _why_not(self, rank: int) -> str:
-        pipe = self.workers[rank]
-        if pipe is None:
-            return "a reserved slot with no worker"
-        if not pipe.connected:
-            return "not connected"
-        if pipe.backlogged:
-            return (f"it has not taken the {pipe.queue.queued / 2**20:.1f} MiB queued for it, over "
-                    f"--max-queued-mib {pipe.max_queued_bytes // 2**20}")
-        if rank in self._draining:
-            return "its connection broke; waiting for its last count"
-        if self._stale[rank]:
-            return "its board slot is stale"
-        return "its queue is full"
 
     def _reject(self, rid: Any, error: str) -> None:
         self.stats["rejected"] += 1
+        self.session.rejected()
         self._frame_log.warning("request %s rejected: %s", shown(rid), error)
         self._send_error(rid, error)
 
@@ -676,234 +611,3 @@ class DataParallelController:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# -- the command line --------------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", required=True, metavar="ENDPOINT",
-                   help="ZMQ endpoint to bind the request PULL socket on, e.g. ipc:///tmp/dp-in")
-    p.add_argument("--workers", nargs="+", required=True, metavar="ENDPOINT",
-                   help=f"one endpoint per worker slot, in rank order, where that scheduler's PULL is bound "
-                        f"({RESERVED!r} for a reserved slot)")
-    p.add_argument("--errors", metavar="ENDPOINT",
-                   help="ZMQ endpoint where the tokenizer side's PULL for {rid, error} answers is bound")
-    p.add_argument("--method", "--load-balance-method", dest="method", default="auto", choices=METHOD_CHOICES,
-                   help="dispatch method (default auto). Which for which deployment (docs/DISPATCH.md, "
-                        "'When to use which'): independent ranks, TTFT first: inflight_cache "
-                        "(inflight_backlog without prefix reuse); PD prefill: inflight_cache through "
-                        "SGLang's bootstrap registration rather than auto's follow_bootstrap_room; PD "
-                        "decode: auto (round_robin) or inflight_cache, equal there; DP attention with "
-                        "prefill and decode on the same ranks (ranks in lockstep): inflight_lockstep, "
-                        "what auto picks there")
-    p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=None,
-                   help="the ranks step in lockstep (SGLang's DP attention, vLLM's MoE DP): auto picks "
-                        "inflight_lockstep (default: as the --board's slots say, looked at again every "
-                        f"{AUTO_CHECK_INTERVAL:g} s: auto changes when their lockstep sections appear or go)")
-    p.add_argument("--prefill-delayer", action="store_true",
-                   help="the engines run SGLang's --enable-prefill-delayer: inflight_lockstep's horizon "
-                        f"defaults to {DELAYER_LOCKSTEP_HORIZON} group steps")
-    p.add_argument("--lockstep-horizon", type=count(0, 10_000), default=None, metavar="STEPS",
-                   help="inflight_lockstep: group steps to the first token within which any rank is as good as "
-                        f"the earliest (default {DEFAULT_LOCKSTEP_HORIZON}, {DELAYER_LOCKSTEP_HORIZON} with "
-                        "--prefill-delayer)")
-    p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
-                   help="PD role of this server (null: no PD)")
-    p.add_argument("--board", help="the schedulers' board: loads for load-aware methods, and with any method "
-                                   "the received counts that acknowledge deliveries (docs/DISPATCH.md, Delivery)")
-    p.add_argument("--trust-uid", type=count(0, 2**32 - 2), action="append", default=[], metavar="UID",
-                   help="also attach a --board that this user created (e.g. 0 for root); repeatable")
-    p.add_argument("--stale-after", type=stale_after, default=1.0,
-                   help="seconds before a slot is stale (default 1)")
-    p.add_argument("--refresh-interval", type=seconds(zero=True), default=DEFAULT_REFRESH_INTERVAL,
-                   help="seconds between budget refreshes from the board (default 0.02; 0: every dispatch)")
-    p.add_argument("--inflight-accounting", action=argparse.BooleanOptionalAction, default=None,
-                   help="add requests sent but not yet received to each rank's load (default: on for inflight_*)")
-    p.add_argument("--health-aware", action=argparse.BooleanOptionalAction, default=None,
-                   help="never pick a stale or torn slot (default: on for inflight_*)")
-    p.add_argument("--rotate-ties", action=argparse.BooleanOptionalAction, default=None,
-                   help="equal loads rotate instead of favouring rank 0 (default: on for inflight_*)")
-    p.add_argument("--max-redeliveries", type=count(0, MAX_REDELIVERIES), default=DEFAULT_MAX_REDELIVERIES,
-                   help=f"times a request lost by a scheduler whose connection broke is sent to another rank; "
-                        f"then it is answered on --errors (default {DEFAULT_MAX_REDELIVERIES}; with --board)")
-    p.add_argument("--send-hwm", type=count(1, MAX_SEND_HWM), default=DEFAULT_SEND_HWM,
-                   help=f"requests queued per scheduler before a send fails and the request goes elsewhere "
-                        f"(default {DEFAULT_SEND_HWM})")
-    p.add_argument("--max-queued-mib", type=count(1, MAX_QUEUED_MIB), default=DEFAULT_MAX_QUEUED_MIB, metavar="MIB",
-                   help=f"MiB of requests queued in this process for one scheduler that it has not taken; a "
-                        f"scheduler at this bound counts as unavailable (its requests go elsewhere) until it "
-                        f"takes all but half (default {DEFAULT_MAX_QUEUED_MIB}: 4 GiB for a 64-rank node); the "
-                        f"same bound holds --errors answers")
-    p.add_argument("--max-input-mib", default=DEFAULT_MAX_INPUT_MIB, metavar="MIB",
-                   type=count(MIN_INPUT_MIB, MAX_INPUT_MIB,
-                              hint=f"room for one frame of the largest size ({MIN_INPUT_MIB} MiB) at least"),
-                   help=f"MiB of requests received on one --input connection and not yet read: ZMQ's receive "
-                        f"high-water mark is this over the largest frame ({MIN_INPUT_MIB} MiB; default "
-                        f"{DEFAULT_MAX_INPUT_MIB}: {DEFAULT_MAX_INPUT_MIB // MIN_INPUT_MIB} frames); a sender "
-                        f"beyond it waits")
-    p.add_argument("--max-peers", type=count(1, 2**20), default=None, metavar="N",
-                   help=f"connections held at once on --input (default {DEFAULT_MAX_PEERS}, never more than the "
-                        f"fds `ulimit -n` leaves less 64); beyond it those that sent no valid request go first")
-    p.add_argument("--collect-bind", metavar="ENDPOINT",
-                   help="own node0's load fan-in PULL here (load-aware methods): relays' snapshots go into "
-                        "--board, as `dpboard collect` would do; e.g. tcp://10.0.0.1:5757")
-    p.add_argument("--collect-curve-secret-key", metavar="FILE",
-                   help="with --collect-bind: this node's CURVE certificate (.key_secret), as `dpboard collect "
-                        "--curve-secret-key`")
-    p.add_argument("--collect-curve-authorized-keys", metavar="DIR",
-                   help="with --collect-bind: directory of the relays' public certificates allowed in")
-    p.add_argument("--collect-curve-key-nodes", metavar="FILE",
-                   help="with --collect-curve-authorized-keys: which node ids each key speaks for, as `dpboard "
-                        "collect --curve-key-nodes` (default: node<N>.key speaks for node N)")
-    p.add_argument("--duration", type=seconds(), help="exit after this many seconds (default: until SIGTERM)")
-    p.add_argument("--log-every", type=seconds(), default=10.0, help="seconds between count logs (default 10)")
-    p.add_argument("--stats-json", action="store_true", help="print the final counts as one JSON line on stdout")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    method = resolve_load_balance_method(args.method, args.disaggregation_mode)
-    endpoints = [None if e == RESERVED else e for e in args.workers]
-    owner = zmq_reader_owner(method, args.disaggregation_mode, dp_size=len(endpoints))
-    if args.collect_bind is None and (args.collect_curve_secret_key or args.collect_curve_authorized_keys
-                                      or args.collect_curve_key_nodes):
-        raise InvalidInputError("--collect-curve-* options configure the load fan-in: give --collect-bind ENDPOINT too")
-    if args.collect_bind is not None and owner is not ReaderOwner.CONTROLLER:
-        why = (f"method {method.value} does not read loads" if not method.is_load_aware
-               else "a controller of a single rank reads no loads")
-        raise InvalidInputError(
-            f"--collect-bind: {why}, so this controller does not own the load fan-in PULL socket; run "
-            f"`dpboard collect --board NAME --bind {args.collect_bind}` instead (or let the tokenizer-side "
-            f"process own it)"
-        )
-    if method.is_load_aware and not args.board:
-        raise InvalidInputError(f"--method {method.value} reads loads: give --board NAME (the board the "
-                                "schedulers publish to)")
-    # Every check that needs no socket, before any is opened.
-    check_endpoint(args.input, "--input", bind=True)
-    for rank, endpoint in enumerate(endpoints):
-        if endpoint is not None:
-            check_endpoint(endpoint, f"--workers (rank {rank})", bind=False)
-    if args.errors is not None:
-        check_endpoint(args.errors, "--errors", bind=False)
-    # One controller per board, before anything is attached or bound: a second one stops here.
-    board_lock = take_board(args.board) if args.board else None
-    # Signals count from here: one that comes while the sockets and the record are being set up ends
-    # the loop as soon as it starts, and everything is closed and removed as after any stop.
-    try:
-        with StopFlag() as starting:
-            return _attach_and_serve(args, method, endpoints, owner, starting.event)
-    finally:
-        if board_lock is not None:
-            board_lock.release()
-
-
-def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], owner: ReaderOwner,
-                      stop: threading.Event) -> int:
-    follower = None
-    reader = None
-    collector = None
-    if args.board:
-        from dpboard.board import BoardFollower, FollowingReader
-
-        follower = BoardFollower(args.board, min_slots=len(endpoints), trust_uids=args.trust_uid, logger=log)
-        if follower.board.n_slots < len(endpoints):
-            n_slots = follower.board.n_slots
-            follower.close()
-            raise InvalidInputError(f"board {args.board!r} has {n_slots} slots, fewer than the {len(endpoints)} "
-                                    f"--workers: give one board slot per worker slot")
-        reader = FollowingReader(follower, stale_after=args.stale_after, n_slots=len(endpoints))
-        if args.collect_bind is not None:
-            from dpboard.multinode.collector import Collector
-
-            try:
-                collector = Collector(follower.board, args.collect_bind,
-                                      curve_secret_key=args.collect_curve_secret_key,
-                                      curve_authorized_keys=args.collect_curve_authorized_keys,
-                                      curve_key_nodes=args.collect_curve_key_nodes)
-            except BaseException:
-                follower.close()
-                raise
-        elif owner is ReaderOwner.CONTROLLER:
-            log.info("load-aware method: the load fan-in PULL on node0 belongs to this controller "
-                     "(give --collect-bind ENDPOINT to receive other nodes' relays)")
-    try:
-        return _serve(args, method, endpoints, reader, collector, stop)
-    finally:
-        if collector is not None:
-            collector.close()  # removes its lock files
-        if follower is not None:
-            follower.close()
-
-
-def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any,
-           stop: threading.Event) -> int:
-    def build(method: Any) -> Dispatcher:
-        return Dispatcher(
-            method,
-            len(endpoints),
-            reader=reader if method.is_load_aware else None,
-            active=[r for r, e in enumerate(endpoints) if e is not None],
-            refresh_interval=args.refresh_interval,
-            inflight_accounting=args.inflight_accounting,
-            health_aware=args.health_aware,
-            rotate_ties=args.rotate_ties,
-            lockstep_horizon=(default_lockstep_horizon(args.prefill_delayer) if args.lockstep_horizon is None
-                              else args.lockstep_horizon),
-        )
-
-    auto = None
-    if parse_load_balance_method(args.method) == AUTO:
-        # auto for ranks in lockstep (--lockstep, or the board's lockstep sections as they are):
-        # inflight_lockstep; the schedulers usually publish after the controller starts
-        auto = AutoMethod(build, reader, len(endpoints), args.disaggregation_mode, lockstep=args.lockstep, logger=log)
-        dispatcher = auto.dispatcher
-        if auto.follows_board:
-            log.info("auto: method %s for now; the board's lockstep sections are looked at again every %g s",
-                     dispatcher.described, AUTO_CHECK_INTERVAL)
-        else:
-            auto = None
-    else:
-        dispatcher = build(method)
-    record = _open_record(args, dispatcher) if args.board else None
-    try:
-        controller = DataParallelController(
-            dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
-            max_queued_mib=args.max_queued_mib, max_input_mib=args.max_input_mib, max_peers=args.max_peers,
-            log_every=args.log_every,
-            collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
-            record=None if record is None else record[1], auto=auto)
-        try:
-            stats = controller.run(duration=args.duration, stop=stop)
-        finally:
-            controller.close()
-    finally:
-        if record is not None:
-            record[0].close()
-    if args.stats_json:
-        print(json.dumps(stats), flush=True)
-    return 0
-
-
-def _open_record(args: argparse.Namespace, dispatcher: Dispatcher) -> tuple[DispatchRecord, DispatchRow] | None:
-    """The board's dispatch record and this controller's row of it, for ``dpboard doctor``; a record
-    that cannot be used is logged and done without: it never keeps the controller from serving."""
-    try:
-        record = DispatchRecord.open(args.board, 1, dispatcher.num_workers, trust_uids=tuple(args.trust_uid))
-    except DpboardError as e:
-        log.warning("controller: no dispatch record for dpboard doctor: %s", e)
-        return None
-    try:
-        row = record.row(0, method=dispatcher.method.value, mode=args.disaggregation_mode,
-                         refresh_interval=dispatcher.refresh_interval)
-    except DpboardError as e:
-        record.close()
-        log.warning("controller: no dispatch record for dpboard doctor: %s", e)
-        return None
-    return record, row
-
-
-add_controller_arguments = add_arguments
-run_controller = run

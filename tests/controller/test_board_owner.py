@@ -14,7 +14,7 @@ import zmq
 
 from dpboard import Board
 from dpboard.controller.codec import encode_request
-from dpboard.controller.process import board_lock_path
+from dpboard.controller.command import board_lock_path
 from dpboard.ownership import endpoint_lock_path
 from tests.support.procutil import kill, stop, wait_for
 from tests.support.sockets import bound_pull, connected_push

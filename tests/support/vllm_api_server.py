@@ -26,7 +26,7 @@ def main() -> int:
     vllm.plugins.load_general_plugins()
     from dpboard.integrations.vllm import dispatch
     from tests.integrations.vllm.real.conftest import vllm_config
-    from tests.support.vllm_engine import engine_request, make_client
+    from tests.support.vllm_engine import make_client, picked_ranks
 
     client = make_client(vllm_config(engines, api_servers=count), engines, client_index=index, client_count=count)
     state = dispatch.client_dispatch(client)
@@ -36,11 +36,8 @@ def main() -> int:
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "send":
-            ranks = []
-            for _ in range(command["n"]):
-                engine = client.get_core_engine_for_request(engine_request(f"s{index}-{sent}", 16))
-                ranks.append(int.from_bytes(engine, "little"))
-                sent += 1
+            ranks = picked_ranks(client, [f"s{index}-{sent + i}" for i in range(command["n"])])
+            sent += command["n"]
             print(json.dumps({"ranks": ranks}), flush=True)
         elif command["op"] == "in_flight":
             state.reader.read_array()

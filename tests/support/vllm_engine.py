@@ -130,6 +130,13 @@ def engine_request(request_id: str, prompt_len: int, max_tokens: int = 4, *, dat
     )
 
 
+def picked_ranks(client: Any, request_ids: list[str], prompt_len: int = 16) -> list[int]:
+    """The DP rank of the engine ``client`` picks (``get_core_engine_for_request``) for a request of
+    each id, in order."""
+    return [int.from_bytes(client.get_core_engine_for_request(engine_request(rid, prompt_len)), "little")
+            for rid in request_ids]
+
+
 def as_request(engine: EngineCoreProc, request: EngineCoreRequest) -> Request:
     """The engine's Request, its block hashes by the engine's hasher (core.py's preprocess_add_request)."""
     return Request.from_engine_core_request(request, engine.request_block_hasher)

@@ -346,7 +346,7 @@ async def serve(spec: dict[str, Any]) -> int:
     register_model()
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    from tests.support.vllm_engine import engine_request
+    from tests.support.vllm_engine import picked_ranks
 
     model = model_dir(bool(spec["moe"]))
     try:
@@ -365,12 +365,8 @@ async def serve(spec: dict[str, Any]) -> int:
         while (line := await lines.get()) is not None:
             command = json.loads(line)
             if command["op"] == "pick":
-                ranks = []
-                for _ in range(command["n"]):
-                    engine = client.get_core_engine_for_request(engine_request(f"p{sent}", 16))
-                    ranks.append(int.from_bytes(engine, "little"))
-                    sent += 1
-                say({"ranks": ranks})
+                say({"ranks": picked_ranks(client, [f"p{sent + i}" for i in range(command["n"])])})
+                sent += command["n"]
             elif command["op"] == "send":
                 say(await generate(client, command["n"], command["tokens"], command["max_tokens"], sent))
                 sent += command["n"]

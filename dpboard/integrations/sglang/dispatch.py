@@ -2,8 +2,10 @@
 
 Hooks on ``DataParallelController``:
 
-- ``__init__`` (BEFORE): DPBOARD_METHOD checked; (AFTER): one ``Dispatcher`` for the controller, over the instance's board, with
-  SGLang's worker slots (``len(self.workers)``, reserved elastic slots included) and active ranks.
+- ``__init__`` (BEFORE): DPBOARD_METHOD checked; (AFTER): the controller's ``DispatchSession``
+  (``dpboard.controller.session``: its row of the dispatch record, its counts of fallbacks and
+  faults) with one ``Dispatcher`` over the instance's board, with SGLang's worker slots
+  (``len(self.workers)``, reserved elastic slots included) and active ranks.
 - ``total_tokens_scheduler`` / ``total_requests_scheduler`` (AROUND): SGLang's
   ``maybe_external_dp_rank_routing`` first (its check and its send, unchanged; the pick is then
   charged to the dispatcher so its in-flight count stays exact), else the dispatcher's rank, sent
@@ -21,30 +23,23 @@ opens anything) rather than ignore DPBOARD_METHOD.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from typing import Any
 
-import numpy as np
-
-from dpboard.board import BoardReader
-from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
-from dpboard.board.segment import SlotLocks
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, default_lockstep_horizon
 from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
 from dpboard.integrations.sglang.transport import instance_board
-from dpboard.snapshot import SNAPSHOT_DTYPE
 
 logger = logging.getLogger("dpboard.sglang")
 
-STATE = "_dpboard_dispatch"  # the controller's attribute holding its Dispatcher
-FALLBACKS = "_dpboard_fallbacks"  # the controller's count of requests placed by a fallback pick
-ERRORS = "_dpboard_errors"  # the controller's count of exceptions in dpboard's pick or accounting
-TALLY = "_dpboard_tally"  # the controller's counts for its row of the board's dispatch record
+# the controller's attribute holding its DispatchSession: the Dispatcher, the dispatch record's row,
+# the counts of fallbacks (``fallbacks``) and of exceptions in dpboard's pick or accounting (``faults``)
+STATE = "_dpboard_dispatch"
 LOAD_AWARE = ("TOTAL_TOKENS", "TOTAL_REQUESTS")
 _module_name = "sglang.srt.managers.data_parallel_controller"
 
@@ -60,46 +55,6 @@ def register(registry: Any, hook_type: Any, module_name: str) -> None:
     registry.register(f"{cls}.refresh_load_budget", refresh_load_budget, hook_type.AROUND)
     registry.register(f"{cls}.update_active_ranks", sync_active, hook_type.AFTER)
     registry.register(f"{cls}._refresh_active_workers", sync_active, hook_type.AFTER)
-
-
-class _LockCheckedReader:
-    """The board's reader, with every slot whose writer's lock is gone read as STALE at once: a
-    scheduler that died (SIGKILL, a crash) gets no new request while its last publish is still
-    within DPBOARD_STALE_AFTER (SlotLocks looks at the locks every 50 ms at most)."""
-
-    def __init__(self, reader: BoardReader, locks: SlotLocks):
-        self._reader = reader
-        self._locks = locks
-        self.n_slots = reader.n_slots
-
-    def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
-        out = self._reader.read_array(out)
-        if self._locks.refresh():
-            self._locks.demote(out["status"])
-        return out
-
-    def read_detailed_array(self, out: np.ndarray) -> np.ndarray:
-        """The records with their detail (the backlog methods read the engines' queued prefill there)."""
-        out = self._reader.read_detailed_array(out)
-        if self._locks.refresh():
-            self._locks.demote(out["load"]["status"])
-        return out
-
-
-class _PaddedReader:
-    """A board reader for more worker slots than the board has (SGLang's reserved elastic-EP slots,
-    which publish nothing): the board's records, then EMPTY ones."""
-
-    def __init__(self, reader: BoardReader, n: int):
-        self._reader = reader
-        self._records = np.zeros(n, SNAPSHOT_DTYPE)
-        self._records["dp_rank"] = np.arange(n)
-        self._board_slots = reader.n_slots
-
-    def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
-        out = self._records if out is None else out
-        self._reader.read_array(out[: self._board_slots])
-        return out
 
 
 def check_settings(controller: Any, *args: Any, **kwargs: Any) -> None:
@@ -133,24 +88,21 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     module = sys.modules[_module_name]
     num_dp_ranks = module.get_parallel().num_dp_ranks
     board = instance_board(controller.port_args, num_dp_ranks)
-    reader: Any = _LockCheckedReader(board.reader(stale_after=settings.stale_after), board.slot_locks())
     num_workers = len(controller.workers)
-    if num_workers > board.n_slots:
-        reader = _PaddedReader(reader, num_workers)
     mode = module.get_disagg().disaggregation_mode
     lockstep = _dp_attention(module)  # DPBOARD_METHOD=auto under --enable-dp-attention: inflight_lockstep
     method = resolve_load_balance_method(settings.method, mode, lockstep=lockstep)
-    tally = open_tally(board.name, 1, 0, num_workers, method=method.value, mode=mode,
-                       refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=logger)
-    if tally is not None:
-        reader = TickingReader(reader, tally)  # the record is published from the refreshes
+    session = DispatchSession.with_record(board.name, num_workers, method=method.value, mode=mode,
+                                          refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=logger,
+                                          own_path="SGLang's own dispatch", fallback_path="the pick SGLang's budget would make")
+    # a scheduler that died is left at once; SGLang's reserved elastic-EP slots read as EMPTY
+    reader = session.reader(board.reader(stale_after=settings.stale_after), locks=board.slot_locks(),
+                            num_workers=num_workers)
     dispatcher = Dispatcher(settings.method, num_workers, reader=reader, active=controller._active_workers,
                             disaggregation_mode=mode, lockstep=lockstep,
                             lockstep_horizon=default_lockstep_horizon(_prefill_delayer(mode)))
-    if tally is not None and dispatcher.budget is not None:
-        tally.source = dispatcher.budget.sent_reqs.copy  # the budget's own count of each rank's requests
-    setattr(controller, STATE, dispatcher)
-    setattr(controller, TALLY, tally)
+    session.use(dispatcher)
+    setattr(controller, STATE, session)
     _sync(controller, dispatcher)
     logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.described, board.name,
                 num_workers)
@@ -180,100 +132,50 @@ def _prefill_delayer(mode: str) -> bool:
 
 def dispatch_request(original: Any, controller: Any, req: Any) -> None:
     """AROUND ``total_tokens_scheduler`` / ``total_requests_scheduler``."""
-    dispatcher: Dispatcher | None = getattr(controller, STATE, None)
-    if dispatcher is None:
+    session: DispatchSession | None = getattr(controller, STATE, None)
+    if session is None:
         return original(controller, req)
-    tally: DispatchTally | None = getattr(controller, TALLY, None)
     try:
         routed = controller.maybe_external_dp_rank_routing(req)
     except ValueError:  # SGLang refuses a routed rank that is not active
-        if tally is not None:
-            tally.rejected += 1
+        session.rejected()
         raise
     if routed:
         try:
-            _count_routed(dispatcher, tally, req)
+            session.routed(req.routed_dp_rank, request_tokens(req))
         except Exception as e:  # SGLang sent it already: the count is dpboard's, the request is fine
-            _failed(controller, e, req, placed=False)
+            session.fault(e, getattr(req, "rid", "?"), placed=False)
         return None
+    dispatcher = session.dispatcher
     try:
         try:
             rank = dispatcher.dispatch(req)
         except DpboardError as e:
             # Never into SGLang's loop: an error there stops the controller and, through SIGQUIT to its
             # parent, the whole server. SGLang's own budget always picks a rank; so does the fallback.
-            rank = _fallback_pick(controller, dispatcher, req, e)
+            rank = _fallback_pick(controller, session, req, e)
     except Exception as e:  # a bug in dpboard's pick: SGLang's own dispatch places the request
-        _failed(controller, e, req)
+        session.fault(e, getattr(req, "rid", "?"))
         return original(controller, req)
     try:
         sys.modules[_module_name].sock_send(controller.workers[rank], req)
     except BaseException:
         dispatcher.retract(rank, req)
         raise
-    if tally is not None and dispatcher.budget is None:  # a load-aware budget counts its picks itself
-        try:
-            tally.per_rank[rank] += 1
-            if getattr(req, "bootstrap_room", None) is not None:
-                tally.with_room += 1
-            tally.countdown -= 1
-            if not tally.countdown:
-                tally.tick()
-        except Exception as e:  # sent already: only the record's count is lost
-            _failed(controller, e, req, placed=False)
+    try:
+        session.picked(rank, with_room=getattr(req, "bootstrap_room", None) is not None)
+    except Exception as e:  # sent already: only the record's count is lost
+        session.fault(e, getattr(req, "rid", "?"), placed=False)
     return None
 
 
-def _count_routed(dispatcher: Dispatcher, tally: DispatchTally | None, req: Any) -> None:
-    """A request SGLang routed itself (routed_dp_rank): charged to the dispatcher, counted in the record."""
-    if dispatcher.budget is not None:
-        dispatcher.budget.charge(req.routed_dp_rank, request_tokens(req))
-    if tally is not None:
-        tally.routed += 1
-        tally.routed_per_rank[req.routed_dp_rank] += 1
-        if dispatcher.budget is None:
-            tally.per_rank[req.routed_dp_rank] += 1
-        tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
-        if not tally.countdown:
-            tally.tick()
-
-
-def _failed(controller: Any, error: Exception, req: Any, placed: bool = True) -> None:
-    """An exception in dpboard's pick or its accounting, never SGLang's: counted in
-    ``controller._dpboard_errors`` (with ``placed``, the request went through SGLang's own dispatch: a
-    fallback, also in the dispatch record) and logged at the 1st, 10th, 100th... time, the first
-    with its traceback."""
-    count = getattr(controller, ERRORS, 0) + 1
-    setattr(controller, ERRORS, count)
-    if placed:
-        _count_fallback(controller)
-    if math.log10(count).is_integer():
-        where = "SGLang's own dispatch placed it" if placed else "only dpboard's count of it is lost"
-        logger.warning("dpboard: %s: %s in dpboard's dispatch of request %s; %s (dpboard fault #%d)",
-                       type(error).__name__, error, getattr(req, "rid", "?"), where, count,
-                       exc_info=error if count == 1 else None)
-
-
-def _count_fallback(controller: Any) -> int:
-    """One more request placed by a fallback (``controller._dpboard_fallbacks``, the dispatch record)."""
-    count = getattr(controller, FALLBACKS, 0) + 1
-    setattr(controller, FALLBACKS, count)
-    tally = getattr(controller, TALLY, None)
-    if tally is not None:
-        tally.fallbacks = count
-    return count
-
-
-def _fallback_pick(controller: Any, dispatcher: Dispatcher, req: Any, why: DpboardError) -> int:
+def _fallback_pick(controller: Any, session: DispatchSession, req: Any, why: DpboardError) -> int:
     """The rank SGLang's budget would pick when the dispatcher has none (no live rank: one long step
     stalled every rank past DPBOARD_STALE_AFTER; a request the method cannot place): the least
     loaded by the dispatcher's last-known loads among SGLang's available active workers, whatever
-    their staleness, charged to the dispatcher. Counted in ``controller._dpboard_fallbacks``, and
-    logged at the 1st, 10th, 100th... time so that a stuck board shows without flooding the log."""
-    count = _count_fallback(controller)
-    if math.log10(count).is_integer():
-        logger.warning("dpboard: %s; request %s dispatched as SGLang's budget would (fallback #%d)",
-                       why, getattr(req, "rid", "?"), count)
+    their staleness, charged to the dispatcher. Counted and logged by the session (``fallback``)."""
+    count = session.fallback(why, getattr(req, "rid", "?"))
+    dispatcher = session.dispatcher
     n = dispatcher.num_workers
     active = [r for r in controller._active_workers if 0 <= r < n and controller.workers[r] is not None]
     ranks = [r for r in active if r < len(controller.status) and controller.status[r]] or active
@@ -300,9 +202,9 @@ def refresh_load_budget(original: Any, controller: Any) -> None:
 
 def sync_active(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``update_active_ranks`` / ``_refresh_active_workers``."""
-    dispatcher = getattr(controller, STATE, None)
-    if dispatcher is not None:
-        _sync(controller, dispatcher)
+    session = getattr(controller, STATE, None)
+    if session is not None:
+        _sync(controller, session.dispatcher)
     return None
 
 

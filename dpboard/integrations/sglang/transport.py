@@ -271,12 +271,12 @@ class BoardLoadReader:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self._collector is not None:
-            self._collector.close()
-            self._collector = None
+        collector, self._collector = self._collector, None  # first: poll() drains nothing from here on
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5)
+        if collector is not None:
+            collector.close()
 
     def __repr__(self) -> str:
         owner = ", owns the collector" if self._collector is not None else ""

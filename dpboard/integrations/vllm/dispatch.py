@@ -26,7 +26,7 @@ leaves it out there (versions.py).
 
 dpboard never fails a request: an exception inside its pick or its accounting sends that request
 through vLLM's own pick (``get_core_engine_for_request`` as shipped, vLLM's bookkeeping and all),
-counted (``ClientDispatch.faults``, and a fallback in the dispatch record ``dpboard doctor`` reads)
+counted (``DispatchSession.faults``, and a fallback in the dispatch record ``dpboard doctor`` reads)
 and logged at the 1st, 10th, 100th... time, the first with its traceback. ``shutdown`` (after
 vLLM's) closes the server's rows; the last process of the deployment out removes the board and its
 records (leaving.py).
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -58,11 +57,11 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board, BoardReader
-from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
 from dpboard.board.segment import SlotLocks
 from dpboard.board.sent import SentRecord, SentWriter
 from dpboard.controller import Dispatcher, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL
+from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
 from dpboard.integrations.vllm import versions
 from dpboard.integrations.vllm.leaving import remove_if_gone
@@ -179,10 +178,11 @@ def _fields(recs: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 class ClientDispatch:
-    """What one DPLBAsyncMPClient decides with: the dispatcher, and this server's sent row."""
+    """What one DPLBAsyncMPClient decides with: its ``DispatchSession`` (the dispatcher, its row of
+    the dispatch record, its counts of fallbacks and faults), and this server's sent row."""
 
     def __init__(self, method: Any, board: Board, sent: SentRecord, row: SentWriter, ranks: Sequence[int],
-                 stale_after: float = DEFAULT_STALE_AFTER, tally: DispatchTally | None = None,
+                 stale_after: float = DEFAULT_STALE_AFTER, session: DispatchSession | None = None,
                  lockstep: int | None = None) -> None:
         self.board = board
         self.sent = sent
@@ -192,17 +192,16 @@ class ClientDispatch:
         if outside:
             raise InvalidInputError(f"vLLM engines of DP ranks {outside} have no slot on board {board.name!r} "
                                     f"({board.n_slots} slots)")
+        self.session = session or DispatchSession(logger=log, own_path="vLLM's own pick", slot_of=self.ranks)
         self.reader = GlobalInflightReader(board.reader(stale_after=stale_after), sent, self.ranks, row,
                                            board.slot_locks())
-        self.tally = tally  # this server's row of the dispatch record (dpboard doctor), published per refresh
-        reader = self.reader if tally is None else TickingReader(self.reader, tally)
         # a MoE model's engines step together (DPEngineCoreProc): auto picks inflight_lockstep, whose
         # chunk is the engines' step budget (the reader carries no detail)
-        self.dispatcher = Dispatcher(method, len(self.ranks), reader=reader, inflight_accounting=False,
-                                     lockstep=lockstep is not None, lockstep_chunk=lockstep)
+        self.dispatcher = Dispatcher(method, len(self.ranks), reader=self.session.reader(self.reader),
+                                     inflight_accounting=False, lockstep=lockstep is not None,
+                                     lockstep_chunk=lockstep)
+        self.session.use(self.dispatcher)
         self.request = _Request()
-        self.warned = False
-        self.faults = 0  # exceptions in dpboard's pick or accounting (each request placed by vLLM's pick)
         self.closed = False
         _open_here[board.name] += 1
 
@@ -218,45 +217,15 @@ class ClientDispatch:
         return index
 
     def charge(self, index: int, request: Any) -> None:
-        """A request vLLM routed itself (explicit rank, late-interaction index): counted as load."""
-        if self.tally is not None and request.data_parallel_rank is not None:
-            self.tally.routed += 1
-            self.tally.routed_per_rank[self.ranks[index]] += 1
-            self.tally.countdown -= 1  # routed requests refresh nothing: they tick the record themselves
-            if not self.tally.countdown:
-                self.tally.tick()
-        if self.dispatcher.budget is not None:
-            self.dispatcher.budget.charge(index, len(request.prompt_token_ids or ()))
+        """A request vLLM placed itself: an explicit rank (routed) or a late-interaction index."""
+        tokens = len(request.prompt_token_ids or ())
+        if request.data_parallel_rank is not None:
+            self.session.routed(index, tokens)
+        else:
+            self.session.pinned(index, tokens)
 
     def sent_to(self, index: int, request: Any) -> None:
         self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
-
-    def warn_unavailable(self) -> None:
-        if self.tally is not None:
-            self.tally.fallbacks += 1  # vLLM's own pick places the request
-        if not self.warned:
-            self.warned = True
-            log.warning("dpboard: no engine of %s is live on board %r; vLLM's own pick decides until one is",
-                        list(self.ranks), self.board.name)
-
-    def failed(self, error: Exception, request: Any, placed: bool = True) -> None:
-        """An exception in dpboard's pick or its accounting: counted (``faults``; with ``placed``, the
-        request goes through vLLM's own pick, a fallback in the dispatch record) and logged at the
-        1st, 10th, 100th... time, the first with its traceback."""
-        self.faults += 1
-        if placed and self.tally is not None:
-            try:
-                self.tally.fallbacks += 1
-                self.tally.countdown -= 1  # a failing pick refreshes nothing: tick the record here
-                if self.tally.countdown <= 0:
-                    self.tally.tick()
-            except Exception:  # noqa: BLE001 - the record is for diagnosis; the count above stands
-                pass
-        if math.log10(self.faults).is_integer():
-            where = "vLLM's own pick placed it" if placed else "it is not counted in the sent record"
-            log.warning("dpboard: %s: %s in dpboard's dispatch of request %s; %s (dpboard fault #%d)",
-                        type(error).__name__, error, getattr(request, "request_id", "?"), where, self.faults,
-                        exc_info=error if self.faults == 1 else None)
 
     def close(self) -> None:
         """Give up this server's rows; the last process of the deployment to leave removes the board
@@ -264,9 +233,8 @@ class ClientDispatch:
         if self.closed:
             return
         self.closed = True
+        self.session.close()
         try:
-            if self.tally is not None:
-                self.tally.close()
             self.sent.close()
         except Exception:
             log.exception("dpboard: the sent record of board %r was not closed cleanly", self.board.name)
@@ -343,11 +311,16 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
         sent = SentRecord.open(name, int(client.client_count), n_slots, generation=board.generation)
         try:
             row = sent.row(int(client.client_index))
-            tally = open_tally(name, int(client.client_count), int(client.client_index), n_slots, method=method.value,
-                               refresh_interval=DEFAULT_REFRESH_INTERVAL, logger=log)
-            if tally is not None:  # the requests per engine: what this server's sent row counts
-                tally.source = lambda: [row.sent(s)[0] for s in range(n_slots)]
-            state = ClientDispatch(method, board, sent, row, ranks, stale, tally, lockstep=step_budget)
+            # the requests per engine in the record: what this server's sent row counts
+            session = DispatchSession.with_record(
+                name, n_slots, method=method.value, refresh_interval=DEFAULT_REFRESH_INTERVAL,
+                rows=int(client.client_count), index=int(client.client_index), logger=log,
+                own_path="vLLM's own pick", slot_of=ranks, requests=lambda: [row.sent(s)[0] for s in range(n_slots)])
+            try:
+                state = ClientDispatch(method, board, sent, row, ranks, stale, session, lockstep=step_budget)
+            except BaseException:
+                session.close()
+                raise
         except BaseException:
             sent.close()
             raise
@@ -395,10 +368,10 @@ def patch(cls: type, late_interaction_index: Any, support: Support = SUPPORTED["
         if index is None:
             try:
                 index = state.pick(request)
-            except UnavailableError:
+            except UnavailableError as e:
                 # no engine is live on the board (all stale or never published): vLLM's own pick,
                 # so that the request still goes somewhere vLLM will answer it from
-                state.warn_unavailable()
+                state.session.fallback(e, request.request_id)
                 return None
         else:
             state.charge(index, request)
@@ -413,14 +386,14 @@ def patch(cls: type, late_interaction_index: Any, support: Support = SUPPORTED["
             if choice is not None:
                 state.sent_to(choice[1], request)
         except Exception as e:  # dpboard's failure, never the user's: vLLM's own pick places it
-            state.failed(e, request)
+            state.session.fault(e, getattr(request, "request_id", "?"))
             choice = None
         if choice is None:
             engine = original_pick(self, request)  # vLLM records it in reqs_in_flight itself
             try:
                 state.sent_to(self.core_engines.index(engine), request)
             except Exception as e:
-                state.failed(e, request, placed=False)
+                state.session.fault(e, getattr(request, "request_id", "?"), placed=False)
             return engine
         engine, _, new = choice
         if new:  # as vLLM records its own picks: abort routing and finish bookkeeping stay vLLM's

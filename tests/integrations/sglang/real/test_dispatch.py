@@ -8,8 +8,10 @@ as with SGLANG_USE_PICKLE_IPC.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -104,6 +106,22 @@ def close(cluster: Cluster) -> None:
     cluster.controller.context.destroy(linger=0)
 
 
+@contextlib.contextmanager
+def dispatching(instance, tmp_path, monkeypatch, dpboard_method: str | None, *, stale_after: str | None = None,
+                **kwargs) -> Iterator[Cluster]:
+    """A cluster whose controller is made with DPBOARD_METHOD (None: unset, SGLang's own budget) and
+    DPBOARD_STALE_AFTER as given; closed at the end."""
+    if dpboard_method is not None:
+        monkeypatch.setenv("DPBOARD_METHOD", dpboard_method)
+    if stale_after is not None:
+        monkeypatch.setenv("DPBOARD_STALE_AFTER", stale_after)
+    cluster = make_cluster(instance, tmp_path, **kwargs)
+    try:
+        yield cluster
+    finally:
+        close(cluster)
+
+
 def publish(cluster: Cluster, totals: dict[int, int], k: int = 1) -> None:
     import msgspec
 
@@ -113,26 +131,20 @@ def publish(cluster: Cluster, totals: dict[int, int], k: int = 1) -> None:
         cluster.writers[rank].write(snap)
 
 
-def test_without_dpboard_method_sglangs_budget_dispatches(instance, tmp_path):
-    cluster = make_cluster(instance, tmp_path)
-    try:
+def test_without_dpboard_method_sglangs_budget_dispatches(instance, tmp_path, monkeypatch):
+    with dispatching(instance, tmp_path, monkeypatch, None) as cluster:
         assert not hasattr(cluster.controller, "_dpboard_dispatch")
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         cluster.send(req("a", 10))
         assert cluster.received() == {1: ["a"]}
         # SGLang's DPBudget, refreshed from the board through the plugin's reader
         assert cluster.controller.dp_budget.total_tokens == [5000, 910, 3000]
-    finally:
-        close(cluster)
 
 
 def test_dpboard_method_routes_through_one_dispatcher(instance, tmp_path, monkeypatch):
-    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
-    monkeypatch.setenv("DPBOARD_STALE_AFTER", "1.0")
-    cluster = make_cluster(instance, tmp_path)
-    c = cluster.controller
-    try:
-        dispatcher: Dispatcher = c._dpboard_dispatch
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens", stale_after="1.0") as cluster:
+        c = cluster.controller
+        dispatcher: Dispatcher = c._dpboard_dispatch.dispatcher
         assert dispatcher.method.value == "inflight_tokens" and dispatcher.num_workers == 3
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         cluster.send(req("a", 1000))  # 900 -> 1900: still the lightest
@@ -176,21 +188,15 @@ def test_dpboard_method_routes_through_one_dispatcher(instance, tmp_path, monkey
             cluster.send(req(rid, 10))
         got = cluster.received(4)
         assert 1 not in got and sorted(sum(got.values(), [])) == rids
-    finally:
-        close(cluster)
 
 
 def test_batches_refresh_once_and_follow_the_same_rules(instance, tmp_path, monkeypatch):
-    monkeypatch.setenv("DPBOARD_METHOD", "total_tokens")
-    cluster = make_cluster(instance, tmp_path)
-    try:
+    with dispatching(instance, tmp_path, monkeypatch, "total_tokens") as cluster:
         publish(cluster, {0: 100, 1: 200, 2: 300})
         batch = io.BatchTokenizedGenerateReqInput(req(f"b{i}", 150) for i in range(4))
         cluster.send(batch)  # SGLang's dispatch_batch_generate: one refresh, then each request
         # seed total_tokens: 100 -> 250 (rank 0), 200 -> 350 (rank 1), 250 -> 400 (rank 0), 300 -> 450 (rank 2)
         assert cluster.received(4) == {0: ["b0", "b2"], 1: ["b1"], 2: ["b3"]}
-    finally:
-        close(cluster)
 
 
 def test_dpboard_method_needs_a_load_aware_sglang_method(instance, tmp_path, monkeypatch):
@@ -210,27 +216,22 @@ def test_with_every_rank_stale_requests_still_go_out_and_are_counted(instance, t
     no live rank, and its UnavailableError once went up through SGLang's _request_dispatcher (SGLang's
     controller then sends SIGQUIT to its parent: the whole server dies). SGLang's own budget never
     raises there; the plugin falls back to the pick SGLang's budget would make, and counts it."""
-    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
-    monkeypatch.setenv("DPBOARD_STALE_AFTER", "0.05")
-    cluster = make_cluster(instance, tmp_path)
-    c = cluster.controller
-    try:
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens", stale_after="0.05") as cluster:
+        c = cluster.controller
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         cluster.send(req("live", 10))
-        assert cluster.received() == {1: ["live"]} and getattr(c, "_dpboard_fallbacks", 0) == 0
+        assert cluster.received() == {1: ["live"]} and c._dpboard_dispatch.fallbacks == 0
         time.sleep(0.3)  # no rank publishes: every one is stale at the next refresh
         for i in range(3):
             cluster.send(req(f"stale{i}", 2000))
         got = cluster.received(3)
         # The lightest by the last-known loads first, each pick charged: 910 -> 2910, then 2910 < 3000, ...
         assert got == {1: ["stale0", "stale1"], 2: ["stale2"]}
-        assert c._dpboard_fallbacks == 3
+        assert c._dpboard_dispatch.fallbacks == 3
         publish(cluster, {0: 100, 1: 9000, 2: 9000}, k=2)  # the ranks come back: the dispatcher decides again
         time.sleep(0.03)
         cluster.send(req("back", 10))
-        assert cluster.received() == {0: ["back"]} and c._dpboard_fallbacks == 3
-    finally:
-        close(cluster)
+        assert cluster.received() == {0: ["back"]} and c._dpboard_dispatch.fallbacks == 3
 
 
 def test_follow_bootstrap_room_without_pd_is_refused_at_start(instance, tmp_path, monkeypatch):
@@ -255,37 +256,32 @@ def test_a_stale_after_outside_its_bounds_is_refused_at_start_naming_the_variabl
 def test_an_exception_in_dpboards_pick_is_answered_by_sglangs_own_dispatch(instance, tmp_path, monkeypatch, caplog):
     """A bug in dpboard's pick (the dispatcher raising something that is not a DpboardError) once
     went up through SGLang's _request_dispatcher, which stops the whole server. SGLang's own
-    dispatch now places the request, and the controller counts it (``_dpboard_errors``, a fallback in
+    dispatch now places the request, and the controller's session counts it (``faults``, a fallback in
     the dispatch record) and logs it at the 1st, 10th, ... time, the first with its traceback."""
-    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
-    cluster = make_cluster(instance, tmp_path)
-    c = cluster.controller
-    try:
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens") as cluster:
+        c = cluster.controller
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
 
         def broken(request):
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(c._dpboard_dispatch, "dispatch", broken)
+        monkeypatch.setattr(c._dpboard_dispatch.dispatcher, "dispatch", broken)
         with caplog.at_level("WARNING", logger="dpboard.sglang"):
             for i in range(10):
                 cluster.send(req(f"f{i}", 10))
             got = cluster.received(10)
         assert sorted(r for rids in got.values() for r in rids) == sorted(f"f{i}" for i in range(10))
-        assert c._dpboard_errors == 10 and c._dpboard_fallbacks == 10 and c._dpboard_tally.fallbacks == 10
+        session = c._dpboard_dispatch
+        assert session.faults == 10 and session.fallbacks == 10 and session.tally.fallbacks == 10
         said = [r for r in caplog.records if "injected" in r.getMessage()]
         assert ["#1" in said[0].getMessage(), "#10" in said[1].getMessage()] == [True, True] and len(said) == 2
         assert said[0].exc_info is not None and said[1].exc_info is None
-    finally:
-        close(cluster)
 
 
 def test_auto_under_dp_attention_dispatches_with_inflight_lockstep(instance, tmp_path, monkeypatch):
     # SGLang divided --chunked-prefill-size 8192 by the 3 DP ranks: each rank's writer publishes that
-    monkeypatch.setenv("DPBOARD_METHOD", "auto")
-    cluster = make_cluster(instance, tmp_path, attn_dp_enabled=True, chunked_prefill_size=2730)
-    try:
-        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch
+    with dispatching(instance, tmp_path, monkeypatch, "auto", attn_dp_enabled=True, chunked_prefill_size=2730) as cluster:
+        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch.dispatcher
         assert dispatcher.method.value == "inflight_lockstep"
         import msgspec
 
@@ -303,33 +299,23 @@ def test_auto_under_dp_attention_dispatches_with_inflight_lockstep(instance, tmp
         # three 100-token prompts share one chunk on rank 1, where a prefill stalls one decode
         assert cluster.received(3) == {1: ["r0", "r1", "r2"]}
         assert dispatcher.budget.chunk.tolist() == [2730, 2730, 2730]
-    finally:
-        close(cluster)
 
 
 @pytest.mark.parametrize("delayer", [None, False, True], ids=["unset", "off", "on"])
 def test_beside_sglangs_prefill_delayer_the_lockstep_horizon_is_two_steps(instance, tmp_path, monkeypatch, caplog,
                                                                            delayer):
     # --enable-prefill-delayer holds prefill back until the ranks prefill together: a shorter horizon
-    monkeypatch.setenv("DPBOARD_METHOD", "auto")
-    with caplog.at_level("INFO", logger="dpboard.sglang"):
-        cluster = make_cluster(instance, tmp_path, attn_dp_enabled=True, chunked_prefill_size=2730,
-                               enable_prefill_delayer=delayer)
-    try:
-        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch
+    with caplog.at_level("INFO", logger="dpboard.sglang"), dispatching(
+            instance, tmp_path, monkeypatch, "auto", attn_dp_enabled=True, chunked_prefill_size=2730,
+            enable_prefill_delayer=delayer) as cluster:
+        dispatcher: Dispatcher = cluster.controller._dpboard_dispatch.dispatcher
         horizon = 2 if delayer else 6
         assert dispatcher.method.value == "inflight_lockstep" and dispatcher.lockstep_horizon == horizon
         assert dispatcher.budget.core.horizon == horizon
         said = [r.getMessage() for r in caplog.records if "DP dispatch by" in r.getMessage()]
         assert said and f"inflight_lockstep (horizon {horizon} group steps)" in said[-1]
-    finally:
-        close(cluster)
 
 
 def test_auto_without_dp_attention_keeps_round_robin(instance, tmp_path, monkeypatch):
-    monkeypatch.setenv("DPBOARD_METHOD", "auto")
-    cluster = make_cluster(instance, tmp_path)
-    try:
-        assert cluster.controller._dpboard_dispatch.method.value == "round_robin"
-    finally:
-        close(cluster)
+    with dispatching(instance, tmp_path, monkeypatch, "auto") as cluster:
+        assert cluster.controller._dpboard_dispatch.dispatcher.method.value == "round_robin"

@@ -9,13 +9,7 @@ import pytest
 
 from dpboard.board.dispatch_record import read_dispatch_record
 from dpboard.views.doctor import diagnose, take_sample
-from tests.integrations.sglang.real.test_dispatch import (
-    close,
-    launch_without_processes,
-    make_cluster,
-    publish,
-    req,
-)
+from tests.integrations.sglang.real.test_dispatch import dispatching, launch_without_processes, publish, req
 
 pytestmark = pytest.mark.timeout(120)
 __all__ = ["launch_without_processes"]  # the module's fixture: SGLang's scheduler launch replaced
@@ -26,9 +20,7 @@ def _record(cluster):
 
 
 def test_the_plugins_dispatcher_publishes_its_counts(instance, tmp_path, monkeypatch):
-    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
-    cluster = make_cluster(instance, tmp_path)
-    try:
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens") as cluster:
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         for i in range(9):
             cluster.send(req(f"r{i}", 10, routed=2))
@@ -44,17 +36,13 @@ def test_the_plugins_dispatcher_publishes_its_counts(instance, tmp_path, monkeyp
         assert row.counts["requests"] == 10 and row.counts["routed"] == 9 and row.counts["rejected"] == 1
         assert row.per_rank[2] == 9 and row.routed_per_rank == [0, 0, 9]
         assert row.counts["refreshes"] >= 1
-    finally:
-        close(cluster)
 
 
 def test_doctor_names_routed_dp_rank_behind_the_plugins_dispatch(instance, tmp_path, monkeypatch):
     from dpboard import Board
 
-    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
-    cluster = make_cluster(instance, tmp_path)
-    name = cluster.writers[0].board_name
-    try:
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens") as cluster:
+        name = cluster.writers[0].board_name
         publish(cluster, {0: 100, 1: 100, 2: 100})
         board = Board.attach(name)
         reader = board.reader(stale_after=5.0)
@@ -70,16 +58,11 @@ def test_doctor_names_routed_dp_rank_behind_the_plugins_dispatch(instance, tmp_p
         board.close()
         found = {f.id: f for f in diagnose([first, last], stale_after=5.0)}
         assert "routed_one_rank" in found and "rank 0" in found["routed_one_rank"].title
-    finally:
-        close(cluster)
 
 
 def test_fallback_picks_are_counted_in_the_record(instance, tmp_path, monkeypatch):
     """Every rank stale: the plugin places requests by its fallback pick, and its row says how many."""
-    monkeypatch.setenv("DPBOARD_METHOD", "inflight_tokens")
-    monkeypatch.setenv("DPBOARD_STALE_AFTER", "0.05")
-    cluster = make_cluster(instance, tmp_path)
-    try:
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens", stale_after="0.05") as cluster:
         publish(cluster, {0: 5000, 1: 900, 2: 3000})
         cluster.send(req("live", 10))
         time.sleep(0.3)  # no rank publishes: every one is stale at the next refresh
@@ -90,5 +73,3 @@ def test_fallback_picks_are_counted_in_the_record(instance, tmp_path, monkeypatc
         assert sum(len(v) for v in cluster.received(5).values()) == 5
         (row,) = _record(cluster)
         assert row.counts["fallbacks"] == 3 and row.counts["requests"] == 4
-    finally:
-        close(cluster)

@@ -5,17 +5,16 @@ for the session. Its tests run in file order; the last one stops it."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from dpboard.board import SHM_DIR
+from tests.integrations.serving_faults import fault_file, need_environment
 from tests.support.names import new_board_name
 from tests.support.procutil import wait_until
 from tests.support.sglang_serving import Server, missing
 
 METHOD = "inflight_tokens"
+__all__ = ["fault_file"]  # the session's fixture: while its file exists, dpboard's pick raises
 
 
 def plugin_env(board: str, method: str = METHOD) -> dict[str, str]:
@@ -23,11 +22,7 @@ def plugin_env(board: str, method: str = METHOD) -> dict[str, str]:
 
 
 def start(env: dict[str, str], **kwargs) -> Server:
-    reason = missing(kwargs.get("dp_attention", False))
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the SGLang serving tests: {reason}")
-        pytest.skip(reason)
+    need_environment(missing(kwargs.get("dp_attention", False)), "the SGLang serving tests")
     srv = Server(env, **kwargs)
     try:
         srv.ready_after = srv.wait_ready()
@@ -35,12 +30,6 @@ def start(env: dict[str, str], **kwargs) -> Server:
         srv.kill()
         raise
     return srv
-
-
-@pytest.fixture(scope="session")
-def fault_file(tmp_path_factory) -> Path:
-    """While this file exists, dpboard's pick raises in SGLang's DP controller."""
-    return tmp_path_factory.mktemp("fault") / "raise-in-pick"
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dpboard.board import SHM_DIR, Board
-from dpboard.board.dispatch_record import read_dispatch_record
 from dpboard.snapshot import SlotStatus
+from tests.integrations.serving_faults import answered_while_dpboard_fails, counted, dispatchers
 from tests.integrations.sglang.serving.conftest import METHOD
 from tests.support.names import ROOT, SESSION_FILES
 from tests.support.procutil import kill, wait_until
@@ -42,10 +42,6 @@ def settled(server) -> bool:
     r = records(server)
     return (r["status"] == int(SlotStatus.LIVE)).all() and not r["num_running_reqs"].any() \
         and not r["num_waiting_reqs"].any()
-
-
-def dispatchers(server) -> list:
-    return [row for row in read_dispatch_record(server.board) or [] if row.alive]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -162,7 +158,7 @@ def test_long_requests_held_on_one_rank_send_new_ones_to_the_other(server):
     (inflight_tokens) sends every one to rank 1, and each rank received exactly what it served."""
     assert wait_until(lambda: settled(server), timeout=SETTLE)
     before = records(server)["num_received_reqs"].astype(np.int64)
-    routed_before = sum(row.counts["routed"] for row in dispatchers(server))
+    routed_before = counted(server, "routed")
     streams = [stream_generate(server, f"a long story {i}", LONG, 0) for i in range(2)]
     try:
         assert wait_until(lambda: records(server)["num_running_reqs"].tolist() == [2, 0], timeout=SETTLE), \
@@ -179,28 +175,17 @@ def test_long_requests_held_on_one_rank_send_new_ones_to_the_other(server):
 
     def routed_counted() -> bool:  # the record is published from the controller's refreshes
         server.generate("after the long ones", 1)
-        return sum(row.counts["routed"] for row in dispatchers(server)) >= routed_before + 2
+        return counted(server, "routed") >= routed_before + 2
 
     assert wait_until(routed_counted, timeout=SETTLE, interval=0.5), dispatchers(server)
 
 
 def test_a_fault_in_dpboards_pick_is_answered_through_sglangs_own_pick_and_logged_once(server, fault_file):
     assert wait_until(lambda: settled(server), timeout=SETTLE)
-    fallbacks = sum(row.counts["fallbacks"] for row in dispatchers(server))
-    fault_file.touch()
-    try:
-        answers = [server.generate(f"while dpboard fails {i}", 4) for i in range(8)]
-    finally:
-        fault_file.unlink()
+    answers = answered_while_dpboard_fails(server, fault_file, server.generate, settle=SETTLE)
     assert sum(served_by(answers).values()) == 8
     assert all(a["meta_info"]["completion_tokens"] == 4 for _, a in answers)
     assert all("dpboard" not in json.dumps(a) for _, a in answers)
-
-    def counted() -> bool:
-        server.generate("after the fault", 1)
-        return sum(row.counts["fallbacks"] for row in dispatchers(server)) >= fallbacks + 8
-
-    assert wait_until(counted, timeout=SETTLE, interval=0.5), dispatchers(server)
     log = server.log()
     lines = [line for line in log.splitlines() if "in dpboard's dispatch of request" in line]
     assert len(lines) == 1, lines  # faults 1 to 8: logged at the first only (then the 10th, 100th...)
@@ -254,7 +239,7 @@ def test_the_dp_aware_gateway_picks_the_rank_and_dpboard_keeps_it(server, gatewa
     assert status == 200
     assert sorted(w["url"] for w in workers["workers"]) == [f"{server.url}@{rank}" for rank in range(DP)]
     assert wait_until(lambda: settled(server), timeout=SETTLE)
-    routed_before = sum(row.counts["routed"] for row in dispatchers(server))
+    routed_before = counted(server, "routed")
     answers = [gateway.post("/generate", {"text": f"rank chosen by smg {i}",
                                           "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
                for i in range(8)]
@@ -263,7 +248,7 @@ def test_the_dp_aware_gateway_picks_the_rank_and_dpboard_keeps_it(server, gatewa
 
     def routed_counted() -> bool:  # the record is published from the controller's refreshes
         server.generate("after the gateway", 1)
-        return sum(row.counts["routed"] for row in dispatchers(server)) >= routed_before + 8
+        return counted(server, "routed") >= routed_before + 8
 
     assert wait_until(routed_counted, timeout=SETTLE, interval=0.5), dispatchers(server)
     row = dispatchers(server)[0]

@@ -149,7 +149,7 @@ def test_while_no_engine_is_live_vllms_own_pick_decides(board_name, monkeypatch)
 def test_an_exception_in_dpboards_pick_or_accounting_is_answered_by_vllms_own_pick(board_name, monkeypatch, caplog):
     """A bug in dpboard's pick (here: the dispatcher raising) or in its accounting (the sent row
     raising) never reaches the request: vLLM's own pick places it, with vLLM's bookkeeping; each is
-    counted (a fallback in the dispatch record, ``faults``) and logged at the 1st, 10th, ... time."""
+    counted (a fallback in the dispatch record, the session's ``faults``) and logged at the 1st, 10th, ... time."""
     from dpboard.board.dispatch_record import read_dispatch_record
 
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
@@ -167,11 +167,11 @@ def test_an_exception_in_dpboards_pick_or_accounting_is_answered_by_vllms_own_pi
         assert client.reqs_in_flight == {f"r{i}": picks[i] for i in range(12)}
         assert client.engine_inflight == shipped.engine_inflight
         assert state.sent.totals()[:, 0].sum() == 12  # still counted as sent: in flight stays exact
-        assert state.faults == 12 and state.tally.fallbacks == 12
+        assert state.session.faults == 12 and state.session.tally.fallbacks == 12
         said = [r for r in caplog.records if "injected" in r.getMessage()]
         assert [f"#{n}" in r.getMessage() for r, n in zip(said, (1, 10), strict=True)] == [True, True]
         assert said[0].exc_info is not None and said[1].exc_info is None  # the first with its traceback
-        state.tally.publish()
+        state.session.publish()
         rows = [row for row in read_dispatch_record(board_name) if row.alive]
         assert [row.counts["fallbacks"] for row in rows] == [12]
 
@@ -185,4 +185,4 @@ def test_an_exception_in_dpboards_pick_or_accounting_is_answered_by_vllms_own_pi
         monkeypatch.setattr(state.row, "add", no_row)
         engine = client.get_core_engine_for_request(engine_request("acc", 8))
         assert client.reqs_in_flight["acc"] == engine and sum(client.engine_inflight.values()) == 13
-        assert state.faults == 14  # the pick's accounting, then the fallback's: both counted
+        assert state.session.faults == 14  # the pick's accounting, then the fallback's: both counted

@@ -15,6 +15,7 @@ engine's requests; the board is what notices: its slot goes stale and later pick
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -52,6 +53,43 @@ KILL_AT = 30
 TOKENS = 10
 
 
+def live_reader(board_name: str, stale_after: float):
+    """The board's reader once both engines' slots are LIVE."""
+    reader = Board.attach(board_name).reader(stale_after=stale_after)
+    assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(2)), timeout=30)
+    return reader
+
+
+@contextlib.contextmanager
+def picking_client(config):
+    """A DPLBAsyncMPClient over two engines picking through the board, as the patched ``__init__``
+    makes it, and its ClientDispatch; closed at the end."""
+    client = make_client(config, 2)
+    state = dispatch.client_dispatch(client)
+    setattr(client, dispatch.STATE, state)
+    try:
+        yield client, state
+    finally:
+        state.close()
+
+
+@contextlib.contextmanager
+def engines_the_server_did_not_start():
+    """Two engine-core processes (tests/support/vllm_engine_proc.py) with the plugin, each ready;
+    killed at the end."""
+    env = {**os.environ, "VLLM_PLUGINS": "dpboard"}
+    engines = [subprocess.Popen([sys.executable, "-m", "tests.support.vllm_engine_proc", str(r), "2"], cwd=ROOT, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for r in range(2)]
+    try:
+        for proc in engines:
+            assert json.loads(read_line(proc, timeout=120)) == {"ready": True}
+        yield engines
+    finally:
+        for proc in engines:
+            kill(proc)
+
+
 def test_an_engine_killed_mid_stream_leaves_no_request_unanswered(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     monkeypatch.setenv("DPBOARD_STALE_AFTER", str(STALE_AFTER))
@@ -81,9 +119,7 @@ async def _serve_and_kill(board_name: str, procs: list) -> None:
     while len(ready) < 2:  # each engine's first message on the input socket ends its handshake
         identity, _ = await asyncio.wait_for(input_socket.recv_multipart(), timeout=120)
         ready.add(identity)
-    reader = Board.attach(board_name).reader(stale_after=STALE_AFTER)
-    assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(2)), timeout=30)
-
+    reader = live_reader(board_name, STALE_AFTER)
     client = make_client(config, 2)
     state = dispatch.client_dispatch(client)
     setattr(client, dispatch.STATE, state)
@@ -153,15 +189,8 @@ def test_an_engine_the_server_did_not_start_is_left_by_picks_once_stale(board_na
     """No vLLM monitor watches it: the board is what notices it died."""
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     monkeypatch.setenv("DPBOARD_STALE_AFTER", str(STALE_AFTER))
-    env = {**os.environ, "VLLM_PLUGINS": "dpboard"}
-    engines = [subprocess.Popen([sys.executable, "-m", "tests.support.vllm_engine_proc", str(r), "2"], cwd=ROOT, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-               for r in range(2)]
     finished: queue.Queue[tuple[int, list[str]]] = queue.Queue()
-    state = None
-    try:
-        for proc in engines:
-            assert json.loads(read_line(proc, timeout=120)) == {"ready": True}
+    with engines_the_server_did_not_start() as engines:
 
         def outputs(rank: int, proc: subprocess.Popen) -> None:
             for line in proc.stdout:
@@ -169,52 +198,49 @@ def test_an_engine_the_server_did_not_start_is_left_by_picks_once_stale(board_na
 
         for rank, proc in enumerate(engines):
             threading.Thread(target=outputs, args=(rank, proc), daemon=True).start()
-        reader = Board.attach(board_name).reader(stale_after=STALE_AFTER)  # as DPBOARD_STALE_AFTER
-        assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(2)), timeout=30)
-        client = make_client(vllm_config(2), 2)
-        state = dispatch.client_dispatch(client)
-        setattr(client, dispatch.STATE, state)
-        done: set[str] = set()
-        sent_to: dict[str, int] = {}
+        reader = live_reader(board_name, STALE_AFTER)  # as DPBOARD_STALE_AFTER
+        with picking_client(vllm_config(2)) as (client, _):
+            _left_once_stale(client, engines, finished, reader)
 
-        def take_outputs() -> None:  # vLLM's output handler: finished requests leave its bookkeeping
-            while not finished.empty():
-                rank, ids = finished.get_nowait()
-                done.update(ids)
-                asyncio.run(DPLBAsyncMPClient.process_engine_outputs(client, EngineCoreOutputs(
-                    engine_index=rank, finished_requests=set(ids))))
 
-        killed_at = None
-        for i in range(REQUESTS):
-            take_outputs()
-            if i == 20:
-                engines[1].send_signal(signal.SIGKILL)
-                engines[1].wait(10)
-                killed_at = time.monotonic()
-            rid = f"r{i}"
-            rank = int.from_bytes(client.get_core_engine_for_request(_request(rid)), "little")
-            sent_to[rid] = rank
-            try:
-                engines[rank].stdin.write(json.dumps({"id": rid, "tokens": 32, "max_tokens": 10}) + "\n")
-                engines[rank].stdin.flush()
-            except (BrokenPipeError, OSError):
-                pass  # sent to the dead engine: still in reqs_in_flight under it
-            time.sleep(0.02)
-        # sent well after the dead engine's slot went stale (its last publish + STALE_AFTER, then a margin)
-        after_stale = [rid for rid in sent_to if int(rid[1:]) >= 20 + int(STALE_AFTER / 0.02) + 10]
-        assert after_stale and all(sent_to[rid] == 0 for rid in after_stale), sent_to
-        assert reader.status(1) is SlotStatus.STALE and time.monotonic() - killed_at > STALE_AFTER
-        # every request the live engine got is answered
-        assert wait_until(lambda: (take_outputs(), {r for r, k in sent_to.items() if k == 0} <= done)[1], timeout=60)
-        dead = {rid for rid, engine in client.reqs_in_flight.items() if engine == (1).to_bytes(2, "little")}
-        assert set(sent_to) == done | dead and not done & dead
-        assert all(sent_to[rid] == 1 for rid in dead)
-        assert all(engine == (1).to_bytes(2, "little") for engine in client.reqs_in_flight.values())
-    finally:
-        if state is not None:
-            state.close()
-        for proc in engines:
-            kill(proc)
+def _left_once_stale(client, engines: list[subprocess.Popen], finished: queue.Queue, reader) -> None:
+    """90 requests picked, the second engine SIGKILLed at the 20th; the picks after its slot went stale."""
+    done: set[str] = set()
+    sent_to: dict[str, int] = {}
+
+    def take_outputs() -> None:  # vLLM's output handler: finished requests leave its bookkeeping
+        while not finished.empty():
+            rank, ids = finished.get_nowait()
+            done.update(ids)
+            asyncio.run(DPLBAsyncMPClient.process_engine_outputs(client, EngineCoreOutputs(
+                engine_index=rank, finished_requests=set(ids))))
+
+    killed_at = None
+    for i in range(REQUESTS):
+        take_outputs()
+        if i == 20:
+            engines[1].send_signal(signal.SIGKILL)
+            engines[1].wait(10)
+            killed_at = time.monotonic()
+        rid = f"r{i}"
+        rank = int.from_bytes(client.get_core_engine_for_request(_request(rid)), "little")
+        sent_to[rid] = rank
+        try:
+            engines[rank].stdin.write(json.dumps({"id": rid, "tokens": 32, "max_tokens": 10}) + "\n")
+            engines[rank].stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # sent to the dead engine: still in reqs_in_flight under it
+        time.sleep(0.02)
+    # sent well after the dead engine's slot went stale (its last publish + STALE_AFTER, then a margin)
+    after_stale = [rid for rid in sent_to if int(rid[1:]) >= 20 + int(STALE_AFTER / 0.02) + 10]
+    assert after_stale and all(sent_to[rid] == 0 for rid in after_stale), sent_to
+    assert reader.status(1) is SlotStatus.STALE and time.monotonic() - killed_at > STALE_AFTER
+    # every request the live engine got is answered
+    assert wait_until(lambda: (take_outputs(), {r for r, k in sent_to.items() if k == 0} <= done)[1], timeout=60)
+    dead = {rid for rid, engine in client.reqs_in_flight.items() if engine == (1).to_bytes(2, "little")}
+    assert set(sent_to) == done | dead and not done & dead
+    assert all(sent_to[rid] == 1 for rid in dead)
+    assert all(engine == (1).to_bytes(2, "little") for engine in client.reqs_in_flight.values())
 
 
 def _request(rid: str):
@@ -231,20 +257,11 @@ def test_an_engine_that_leaves_or_is_killed_gets_no_pick_after_the_next_refresh(
     the engine from its first board refresh after the engine stopped reading (a leaving one), or after
     the next look at the slots' locks (a killed one: LOCK_CHECK_INTERVAL). Picks before that are
     counted, as what a request already on its way costs."""
-    from dpboard.board.segment import LOCK_CHECK_INTERVAL
-
     stale_after = 60.0
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     monkeypatch.setenv("DPBOARD_STALE_AFTER", str(stale_after))
-    env = {**os.environ, "VLLM_PLUGINS": "dpboard"}
-    engines = [subprocess.Popen([sys.executable, "-m", "tests.support.vllm_engine_proc", str(r), "2"], cwd=ROOT, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-               for r in range(2)]
     stopped = threading.Event()
-    state = None
-    try:
-        for proc in engines:
-            assert json.loads(read_line(proc, timeout=120)) == {"ready": True}
+    with engines_the_server_did_not_start() as engines:
 
         def outputs(proc: subprocess.Popen) -> None:
             for line in proc.stdout:
@@ -253,45 +270,46 @@ def test_an_engine_that_leaves_or_is_killed_gets_no_pick_after_the_next_refresh(
 
         for proc in engines:
             threading.Thread(target=outputs, args=(proc,), daemon=True).start()
-        reader = Board.attach(board_name).reader(stale_after=stale_after)
-        assert wait_until(lambda: all(reader.status(r) is SlotStatus.LIVE for r in range(2)), timeout=30)
-        client = make_client(vllm_config(2), 2)
-        state = dispatch.client_dispatch(client)
-        setattr(client, dispatch.STATE, state)
-        dispatcher = state.dispatcher
-        after = []  # (rank, whether the pick's refresh came after the engine was gone and that could be seen)
-        gone_at = seen_from = None
-        for i in range(200):
-            if i == 20:
-                if way == "sigterm":
-                    engines[1].send_signal(signal.SIGTERM)
-                    assert stopped.wait(30)  # its busy loop has ended: it reads no more requests
-                else:
-                    engines[1].send_signal(signal.SIGKILL)
-                    engines[1].wait(10)
-                gone_at = time.monotonic()
-            if gone_at is not None and seen_from is None and time.monotonic() >= gone_at + (
-                    LOCK_CHECK_INTERVAL if way == "sigkill" else 0):
-                seen_from = dispatcher.refresh_count  # refreshes after this one can see it
-            rank = int.from_bytes(client.get_core_engine_for_request(_request(f"r{i}")), "little")
-            if gone_at is not None:
-                after.append((rank, seen_from is not None and dispatcher.refresh_count > seen_from))
-            try:
-                engines[rank].stdin.write(json.dumps({"id": f"r{i}", "tokens": 32, "max_tokens": 10}) + "\n")
-                engines[rank].stdin.flush()
-            except (BrokenPipeError, OSError):
-                pass  # the killed engine's pipe
-            if len(after) >= 60:
-                break
-            time.sleep(0.02)
+        reader = live_reader(board_name, stale_after)
+        with picking_client(vllm_config(2)) as (client, state):
+            after = _picks_around_the_engine_gone(client, state.dispatcher, engines, stopped, way)
         picked_after = sum(rank == 1 for rank, _ in after)
         late = sum(rank == 1 for rank, seen in after if seen)
         print(f"{way}: {picked_after} of {len(after)} picks to the gone engine, {late} after it could be seen")
         assert late == 0, after
         assert sum(seen for _, seen in after) >= 30  # most picks came after it could be seen
         assert reader.status(1) is SlotStatus.STALE or way == "sigkill"  # a leaving engine's own word
-    finally:
-        if state is not None:
-            state.close()
-        for proc in engines:
-            kill(proc)
+
+
+def _picks_around_the_engine_gone(client, dispatcher, engines: list[subprocess.Popen], stopped: threading.Event,
+                                  way: str) -> list[tuple[int, bool]]:
+    """Picks until 60 came after the second engine was stopped (``way``) at the 20th: (rank,
+    whether the pick's refresh came after the engine was gone and that could be seen)."""
+    from dpboard.board.segment import LOCK_CHECK_INTERVAL
+
+    after = []  # (rank, whether the pick's refresh came after the engine was gone and that could be seen)
+    gone_at = seen_from = None
+    for i in range(200):
+        if i == 20:
+            if way == "sigterm":
+                engines[1].send_signal(signal.SIGTERM)
+                assert stopped.wait(30)  # its busy loop has ended: it reads no more requests
+            else:
+                engines[1].send_signal(signal.SIGKILL)
+                engines[1].wait(10)
+            gone_at = time.monotonic()
+        if gone_at is not None and seen_from is None and time.monotonic() >= gone_at + (
+                LOCK_CHECK_INTERVAL if way == "sigkill" else 0):
+            seen_from = dispatcher.refresh_count  # refreshes after this one can see it
+        rank = int.from_bytes(client.get_core_engine_for_request(_request(f"r{i}")), "little")
+        if gone_at is not None:
+            after.append((rank, seen_from is not None and dispatcher.refresh_count > seen_from))
+        try:
+            engines[rank].stdin.write(json.dumps({"id": f"r{i}", "tokens": 32, "max_tokens": 10}) + "\n")
+            engines[rank].stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the killed engine's pipe
+        if len(after) >= 60:
+            break
+        time.sleep(0.02)
+    return after

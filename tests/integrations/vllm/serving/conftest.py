@@ -4,30 +4,19 @@ once for the session, since it takes minutes. Its tests run in file order; the l
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
+from tests.integrations.serving_faults import fault_file, need_environment
 from tests.support.names import new_board_name
 from tests.support.vllm_serving import Server, missing
 
 METHOD = "inflight_requests"
-
-
-@pytest.fixture(scope="session")
-def fault_file(tmp_path_factory) -> Path:
-    """While this file exists, dpboard's pick raises in the server's API servers."""
-    return tmp_path_factory.mktemp("fault") / "raise-in-pick"
+__all__ = ["fault_file"]  # the session's fixture: while its file exists, dpboard's pick raises
 
 
 @pytest.fixture(scope="session")
 def server(fault_file):
-    reason = missing()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the serving tests: {reason}")
-        pytest.skip(reason)
+    need_environment(missing(), "the serving tests")
     board = new_board_name()
     srv = Server({"DPBOARD_VLLM_BOARD": board, "DPBOARD_METHOD": METHOD, "VLLM_PLUGINS": "dpboard"},
                  fault_file=fault_file)

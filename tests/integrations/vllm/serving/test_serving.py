@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from dpboard.board import SHM_DIR, Board
-from dpboard.board.dispatch_record import read_dispatch_record
 from dpboard.board.sent import SentRecord
 from dpboard.snapshot import SlotStatus
+from tests.integrations.serving_faults import answered_while_dpboard_fails, counted
 from tests.support.names import ROOT, SESSION_FILES
 from tests.support.procutil import wait_until
 
@@ -49,11 +49,6 @@ def settled(server) -> bool:
     r = records(server)
     return (r["num_received_reqs"].tolist() == sent(server) and not r["num_running_reqs"].any()
             and not r["num_waiting_reqs"].any())
-
-
-def dispatchers(server) -> list:
-    rows = read_dispatch_record(server.board) or []
-    return [row for row in rows if row.alive]
 
 
 def test_two_live_engine_slots_with_the_engine_cores_pids_and_vllms_kv_capacity(server):
@@ -112,7 +107,7 @@ def test_long_requests_held_on_one_engine_send_new_ones_to_the_other(server):
         for s in streams:
             s.close()  # vLLM aborts a stream whose client goes
     assert wait_until(lambda: settled(server), timeout=SETTLE), (records(server), sent(server))
-    routed = sum(row.counts["routed"] for row in dispatchers(server))
+    routed = counted(server, "routed")
     assert routed >= 2  # the two pinned ones, as the API servers' dispatch record counts them
 
 
@@ -137,20 +132,9 @@ def test_dpboard_doctor_finds_the_deployment_healthy(server):
 
 def test_a_fault_in_dpboards_pick_is_answered_through_vllms_own_pick(server, fault_file):
     assert wait_until(lambda: settled(server), timeout=SETTLE)
-    fallbacks = sum(row.counts["fallbacks"] for row in dispatchers(server))
-    fault_file.touch()
-    try:
-        answers = [server.completion(f"while dpboard fails {i}", 4) for i in range(8)]
-    finally:
-        fault_file.unlink()
+    answers = answered_while_dpboard_fails(server, fault_file, server.completion, settle=SETTLE)
     assert [status for status, _ in answers] == [200] * 8, answers
     assert all(a["usage"]["completion_tokens"] == 4 for _, a in answers)
-
-    def counted() -> bool:  # the dispatch record is published from the refreshes: later requests bring it
-        server.completion("after the fault", 1)
-        return sum(row.counts["fallbacks"] for row in dispatchers(server)) >= fallbacks + 8
-
-    assert wait_until(counted, timeout=SETTLE, interval=0.5), dispatchers(server)
     log = server.log()
     assert "RuntimeError: fault injected by the serving tests in dpboard's dispatch" in log
     assert "vLLM's own pick placed it (dpboard fault #1)" in log and "Traceback" in log

@@ -25,13 +25,14 @@ were expected``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ from dpboard.board.sent import SENT_PREFIX, SentRecord
 from dpboard.snapshot import SlotStatus
 from tests.support.names import ROOT, SESSION_FILES, new_board_name
 from tests.support.procutil import read_line, stop, wait_until
+from tests.support.session_server import free_port
 from tests.support.vllm_startup import TOKEN
 
 DP = 4
@@ -186,6 +188,26 @@ def test_vllms_own_start_up_gives_four_live_slots_and_picks_across_them(board_na
         server.kill()
 
 
+@contextlib.contextmanager
+def api_servers(*other_boards: str) -> Iterator[list[ApiServer]]:
+    """The test's API servers (appended by the test): asked to stop all at once (stdin closed) and
+    waited for once the test's body is through, killed however it ends; the files of the other
+    nodes' boards removed (the suite's leak check knows only ``board_name``)."""
+    servers: list[ApiServer] = []
+    try:
+        yield servers
+        for server in servers:
+            server.close_stdin()
+        for server in servers:
+            server.stopped()
+    finally:
+        for server in servers:
+            server.kill()
+        for name in other_boards:
+            for path in (SHM_DIR / f"{SEGMENT_PREFIX}{name}", SHM_DIR / f"{SENT_PREFIX}{name}"):
+                path.unlink(missing_ok=True)
+
+
 def board_files(name: str) -> list[str]:
     """What of board ``name`` is in /dev/shm: the board, its sent record, its dispatch record."""
     return sorted(p.name for kind in SESSION_FILES for p in SHM_DIR.glob(f"{kind}{name}"))
@@ -222,12 +244,9 @@ def test_hybrid_load_balancing_each_node_picks_its_engines_from_its_own_board(bo
     node-local): node 0 (ranks 0-1, the coordinator, the handshake with every engine) and node 1
     (``--data-parallel-start-rank 2``), over TCP on 127.0.0.1 as across machines."""
     boards = [board_name, new_board_name()]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rpc_port = s.getsockname()[1]
+    rpc_port = free_port()
     local = DP // 2
-    servers = []
-    try:
+    with api_servers(boards[1]) as servers:
         for node, name in enumerate(boards):
             parallel = {"data_parallel_size_local": local, "data_parallel_rank": node * local,
                         "data_parallel_hybrid_lb": True, "data_parallel_master_ip": "127.0.0.1",
@@ -245,15 +264,6 @@ def test_hybrid_load_balancing_each_node_picks_its_engines_from_its_own_board(bo
             ranks = server.ask({"op": "pick", "n": 2 * local})["ranks"]
             assert sorted(ranks) == sorted(mine * 2), ranks
             assert sent_totals(name) == [2 if r in mine else 0 for r in range(DP)]
-        for server in servers:
-            server.close_stdin()
-        for server in servers:
-            server.stopped()
-    finally:
-        for server in servers:
-            server.kill()
-        for path in (SHM_DIR / f"{SEGMENT_PREFIX}{boards[1]}", SHM_DIR / f"{SENT_PREFIX}{boards[1]}"):
-            path.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -264,49 +274,39 @@ def test_several_nodes_headless_engines_reach_node0_through_the_relay(board_name
     ``dpboard relay`` brings their slots to node 0's ``dpboard collect``, where the API server picks
     across all four."""
     node1_board = new_board_name()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rpc_port = s.getsockname()[1]
+    rpc_port = free_port()
     endpoint = f"ipc://{tmp_path}/collector"
     cli = [sys.executable, "-m", "dpboard.cli"]
     local = DP // 2
     common = {"data_parallel_size_local": local, "data_parallel_master_ip": "127.0.0.1",
               "data_parallel_rpc_port": rpc_port}
-    servers: list[ApiServer] = []
     tools: list[subprocess.Popen] = []
     try:
         tools.append(subprocess.Popen([*cli, "collect", "--board", board_name, "--bind", endpoint, "--n-slots", str(DP),
                                        "--local-ranks", *map(str, range(local)), "--quiet"], cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        servers.append(ApiServer({"moe": moe, "dp": DP, "parallel": common},
-                                 {"DPBOARD_METHOD": "inflight_requests", "DPBOARD_VLLM_BOARD": board_name}))
-        servers.append(ApiServer({"moe": moe, "dp": DP, "headless": True,
-                                  "parallel": {**common, "data_parallel_rank": local}},
-                                 {"DPBOARD_VLLM_BOARD": node1_board, "DPBOARD_VLLM_NODE_ID": "1"}))
-        node0, node1 = servers
-        assert node1.ready()["engines"] == list(range(local, DP))
-        ready = node0.ready()  # once vLLM's handshake with all four engine cores is done
-        assert ready["client"] == "DPLBAsyncMPClient" and ready["engines"] == list(range(DP))
-        live_slots(node1_board, list(range(local, DP)), node1)
-        tools.append(subprocess.Popen([*cli, "relay", "--board", node1_board, "--to", endpoint, "--node-id", "1",
-                                       "--remote-board", board_name, "--quiet"], cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        records = live_slots(board_name, list(range(DP)), node0)
-        assert records["writer_pid"].tolist() == node0.engine_pids + node1.engine_pids
-        assert records["node_id"].tolist() == [0] * local + [1] * local
-        ranks = node0.ask({"op": "pick", "n": 2 * DP})["ranks"]
-        assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
-        for server in servers:
-            server.close_stdin()
-        for server in servers:
-            server.stopped()
+        with api_servers(node1_board) as servers:
+            servers.append(ApiServer({"moe": moe, "dp": DP, "parallel": common},
+                                     {"DPBOARD_METHOD": "inflight_requests", "DPBOARD_VLLM_BOARD": board_name}))
+            servers.append(ApiServer({"moe": moe, "dp": DP, "headless": True,
+                                      "parallel": {**common, "data_parallel_rank": local}},
+                                     {"DPBOARD_VLLM_BOARD": node1_board, "DPBOARD_VLLM_NODE_ID": "1"}))
+            node0, node1 = servers
+            assert node1.ready()["engines"] == list(range(local, DP))
+            ready = node0.ready()  # once vLLM's handshake with all four engine cores is done
+            assert ready["client"] == "DPLBAsyncMPClient" and ready["engines"] == list(range(DP))
+            live_slots(node1_board, list(range(local, DP)), node1)
+            tools.append(subprocess.Popen([*cli, "relay", "--board", node1_board, "--to", endpoint, "--node-id", "1",
+                                           "--remote-board", board_name, "--quiet"], cwd=ROOT,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            records = live_slots(board_name, list(range(DP)), node0)
+            assert records["writer_pid"].tolist() == node0.engine_pids + node1.engine_pids
+            assert records["node_id"].tolist() == [0] * local + [1] * local
+            ranks = node0.ask({"op": "pick", "n": 2 * DP})["ranks"]
+            assert sorted(ranks) == sorted(list(range(DP)) * 2), ranks
     finally:
-        for server in servers:
-            server.kill()
         for proc in reversed(tools):
             stop(proc)
-        for path in (SHM_DIR / f"{SEGMENT_PREFIX}{node1_board}", SHM_DIR / f"{SENT_PREFIX}{node1_board}"):
-            path.unlink(missing_ok=True)
 
 
 def test_external_load_balancing_each_rank_publishes_its_own_slot(board_name):
@@ -317,11 +317,8 @@ def test_external_load_balancing_each_rank_publishes_its_own_slot(board_name):
     do not support external data parallel mode", engine/arg_utils.py:2455-2465)."""
     moe = True
     dp = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rpc_port = s.getsockname()[1]
-    servers = []
-    try:
+    rpc_port = free_port()
+    with api_servers() as servers:
         for rank in range(dp):
             parallel = {"data_parallel_size_local": 1, "data_parallel_rank": rank, "data_parallel_external_lb": True,
                         "data_parallel_master_ip": "127.0.0.1", "data_parallel_rpc_port": rpc_port}
@@ -332,13 +329,6 @@ def test_external_load_balancing_each_rank_publishes_its_own_slot(board_name):
         records = live_slots(board_name, list(range(dp)), servers[0], dp)
         assert records["dp_rank"].tolist() == list(range(dp))
         assert records["writer_pid"].tolist() == [server.engine_pids[0] for server in servers]
-        for server in servers:
-            server.close_stdin()
-        for server in servers:
-            server.stopped()
-    finally:
-        for server in servers:
-            server.kill()
 
 
 def _alive(pid: int) -> bool:
