@@ -5,16 +5,14 @@ a board whose writer runs in another PID namespace (a container sharing /dev/shm
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR
 from dpboard.integrations.vllm import leaving
 from tests.support.names import ROOT
+from tests.support.pid_namespace import pid_namespace_prefix
 from tests.support.procutil import read_line, wait_until
 
 WRITER = """
@@ -31,23 +29,13 @@ os._exit(0)  # as a killed container would: nothing removed
 """
 
 
-def _unshare() -> str:
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) for a PID namespace")
-    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"this kernel refuses a new PID namespace: {probe.stderr.decode().strip()}")
-    return unshare
-
-
 def test_a_board_written_from_another_pid_namespace_outlives_every_exit_path_until_abandoned(board_name, tmp_path,
                                                                                            monkeypatch):
-    unshare = _unshare()
+    prefix = pid_namespace_prefix()
     name = f"vllm-{board_name}"  # a board DPBOARD_VLLM=1 covers: the launcher looks at every vllm-* board
     path = SHM_DIR / f"{SEGMENT_PREFIX}{name}"
     stop = tmp_path / "stop"
-    proc = subprocess.Popen([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", WRITER, name, str(stop)],
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", WRITER, name, str(stop)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     monkeypatch.setattr(leaving, "EXIT_WAIT", 0.5)  # the launcher's wait for its children: none here
     try:
