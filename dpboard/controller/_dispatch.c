@@ -41,6 +41,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* The largest request, in tokens (dpboard.controller.budget.MAX_REQUEST_TOKENS, compared at import). */
@@ -744,24 +745,18 @@ static int core_set_key(Core *self, PyObject *v, void *c) {
     self->key = (int)key;
     return 0;
 }
-static PyObject *core_get_last_refresh(Core *self, void *c) { return PyFloat_FromDouble(self->last_refresh); }
-static int core_set_last_refresh(Core *self, PyObject *v, void *c) {
-    double t = v ? PyFloat_AsDouble(v) : -1.0;
-    if (t == -1.0 && (v == NULL || PyErr_Occurred())) {
-        if (v == NULL) PyErr_SetString(PyExc_TypeError, "last_refresh cannot be deleted");
-        return -1;
-    }
-    self->last_refresh = t;
-    return 0;
+/* The throttle's two doubles (last_refresh, interval): `offset` is the field's offset in Core. */
+static PyObject *core_get_double(Core *self, void *offset) {
+    return PyFloat_FromDouble(*(double *)((char *)self + (size_t)offset));
 }
-static PyObject *core_get_interval(Core *self, void *c) { return PyFloat_FromDouble(self->interval); }
-static int core_set_interval(Core *self, PyObject *v, void *c) {
-    double t = v ? PyFloat_AsDouble(v) : -1.0;
-    if (t == -1.0 && (v == NULL || PyErr_Occurred())) {
-        if (v == NULL) PyErr_SetString(PyExc_TypeError, "interval cannot be deleted");
+static int core_set_double(Core *self, PyObject *v, void *offset) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the throttle's figures cannot be deleted");
         return -1;
     }
-    self->interval = t;
+    double t = PyFloat_AsDouble(v);
+    if (t == -1.0 && PyErr_Occurred()) return -1;
+    *(double *)((char *)self + (size_t)offset) = t;
     return 0;
 }
 
@@ -800,10 +795,10 @@ static PyGetSetDef core_getset[] = {
     {"n", (getter)core_get_n, NULL, "number of ranks", NULL},
     {"key", (getter)core_get_key, (setter)core_set_key,
      "the argmin key, one of the KEY_* constants (dpboard.controller.methods.ArgminKey)", NULL},
-    {"last_refresh", (getter)core_get_last_refresh, (setter)core_set_last_refresh,
-     "the clock's reading at the last refresh (-inf: none yet)", NULL},
-    {"interval", (getter)core_get_interval, (setter)core_set_interval, "seconds between two refreshes at least",
-     NULL},
+    {"last_refresh", (getter)core_get_double, (setter)core_set_double,
+     "the clock's reading at the last refresh (-inf: none yet)", (void *)offsetof(Core, last_refresh)},
+    {"interval", (getter)core_get_double, (setter)core_set_double, "seconds between two refreshes at least",
+     (void *)offsetof(Core, interval)},
     {"horizon", (getter)core_get_horizon, (setter)core_set_horizon,
      "inflight_lockstep: group steps to the first token any rank may take", NULL},
     {NULL},
