@@ -62,9 +62,8 @@ class LoadBalanceMethod(str, enum.Enum):
 
     @property
     def by_backlog(self) -> bool:
-        """True when the key reads the prefill work queued at each rank (``ArgminKey.BACKLOG`` and after)."""
-        key = METHODS[self].key
-        return key is not None and key.reads_backlog
+        """True when the key reads the prefill work queued at each rank (``ArgminKey.reads_backlog``)."""
+        return getattr(METHODS[self].key, "reads_backlog", False)
 
     @property
     def uses_prefix_index(self) -> bool:
@@ -73,9 +72,8 @@ class LoadBalanceMethod(str, enum.Enum):
 
     @property
     def by_headroom(self) -> bool:
-        """True when the key also reads each rank's KV room (``ArgminKey.HEADROOM``, ``LOCKSTEP``)."""
-        key = METHODS[self].key
-        return key is not None and key.reads_room
+        """True when the key also reads each rank's KV room (``ArgminKey.reads_room``)."""
+        return getattr(METHODS[self].key, "reads_room", False)
 
     @property
     def by_lockstep(self) -> bool:
@@ -231,6 +229,11 @@ def deployment(disaggregation_mode: str | None = None, *, lockstep: bool = False
     return Deployment.LOCKSTEP if lockstep else Deployment.NO_PD
 
 
+def auto_pick(disaggregation_mode: str | None = None, *, lockstep: bool = False) -> LoadBalanceMethod:
+    """What ``auto`` is for a deployment: the method whose row lists it (``AUTO_PICKS``)."""
+    return AUTO_PICKS[deployment(disaggregation_mode, lockstep=lockstep)]
+
+
 def _normalise(text: str) -> str:
     return text.strip().lower().replace("-", "_")
 
@@ -282,7 +285,7 @@ def resolve_load_balance_method(
     where = deployment(disaggregation_mode, lockstep=lockstep)
     parsed = parse_load_balance_method(method)
     if parsed == AUTO:
-        return AUTO_PICKS[where]
+        return AUTO_PICKS[where]  # auto_pick
     assert isinstance(parsed, LoadBalanceMethod)
     if where is Deployment.PD_PREFILL and METHODS[parsed].delivery is Delivery.ROUND_ROBIN:
         stable = AUTO_PICKS[Deployment.PD_PREFILL]
