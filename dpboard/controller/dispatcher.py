@@ -327,10 +327,10 @@ class Dispatcher:
         if self._delivery is not _ARGMIN:
             delivery = self._delivery
             if delivery is not _ARGMIN_CARRIED:
-                if delivery is _ROUND_ROBIN:
-                    return self._dispatch_round_robin(req)
                 if delivery is _ROOM:
                     return self._dispatch_room(req)
+                if delivery is _ROUND_ROBIN:
+                    return self._dispatch_round_robin(req)
                 return self._dispatch_cache(req)  # _ARGMIN_PREFIX
             # the prefix index only for a request that carries its prompt's block hashes (the ZMQ
             # controller reads them from the frame in C, the simulator from the trace); any other saves
@@ -464,7 +464,11 @@ class Dispatcher:
         return picks
 
     def _dispatch_round_robin(self, req: Any) -> int:
-        routed = getattr(req, "routed_dp_rank", None)
+        # the request's attributes read directly, an absent one None: ~25 ns less than getattr's default
+        try:
+            routed = req.routed_dp_rank
+        except AttributeError:
+            routed = None
         if routed is not None:
             return check_routed_rank(routed, self._active_mask)
         active = self._active
@@ -482,10 +486,16 @@ class Dispatcher:
         )
 
     def _dispatch_room(self, req: Any) -> int:
-        routed = getattr(req, "routed_dp_rank", None)
+        try:  # as in _dispatch_round_robin
+            routed = req.routed_dp_rank
+        except AttributeError:
+            routed = None
         if routed is not None:
             return check_routed_rank(routed, self._active_mask)
-        room = getattr(req, "bootstrap_room", None)
+        try:
+            room = req.bootstrap_room
+        except AttributeError:
+            room = None
         if room is None:
             raise InvalidInputError(
                 "request has no bootstrap_room: follow_bootstrap_room needs one; send PD requests "
