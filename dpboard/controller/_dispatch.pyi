@@ -6,12 +6,8 @@ from typing import Any
 import numpy as np
 
 MAX_REQUEST_TOKENS: int
-# the argmin keys: dpboard.controller.methods.ArgminKey's values (compared at import)
-KEY_REQUESTS: int
-KEY_TOKENS: int
-KEY_BACKLOG: int
-KEY_HEADROOM: int
-KEY_LOCKSTEP: int
+# and KEY_<NAME> per argmin key: dpboard.controller.methods.ArgminKey's values (budget.py compares them
+# at import)
 
 class ArgminCore:
     next_start: int
