@@ -667,12 +667,7 @@ class RankModel:
     def _hand_off(self, req: SimRequest, now_s: float) -> None:
         """A PD prefill rank: the prompt is done; its KV goes to the decode side (freed here)."""
         req.prefilled_s = now_s
-        self._drop_kv(req)
-        self.handed_off.append(req)
-        if self.on_first_token is not None:
-            self.on_first_token(req)
-        if self.on_finish is not None:
-            self.on_finish(req)
+        self._leave(req, self.handed_off, first_token=True)
 
     def _note_hits(self, now_s: float) -> None:
         """Add this prefill step to the 15 s hit-rate window, as SGLang does after each prefill batch."""
@@ -761,7 +756,14 @@ class RankModel:
 
     def _finish(self, req: SimRequest, now_s: float) -> None:
         req.finished_s = now_s
+        self._leave(req, self.finished)
+
+    def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False) -> None:
+        """``req`` leaves this rank: its KV freed, kept in ``into``, the hooks told (its first token
+        too, for a PD prefill rank's hand-off)."""
         self._drop_kv(req)
-        self.finished.append(req)
+        into.append(req)
+        if first_token and self.on_first_token is not None:
+            self.on_first_token(req)
         if self.on_finish is not None:
             self.on_finish(req)

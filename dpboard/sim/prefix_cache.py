@@ -103,28 +103,26 @@ class PrefixCache:
 
     def acquire(self, ids: Sequence[int], n: int) -> None:
         """Pin the first ``n`` blocks of ``ids`` (all held: call ``match`` first) for a running request."""
-        self._stamp += 1
-        stamp = self._stamp
-        blocks = self._blocks
-        for i in range(n):
-            block = blocks[ids[i]]
-            if block.refs == 0:
-                self.locked_tokens += block.tokens
-            block.refs += 1
-            block.stamp = stamp
+        self._repin(ids, n, 1)
 
     def release(self, ids: Sequence[int], n: int) -> None:
         """Unpin the first ``n`` blocks of ``ids``; a block nobody pins becomes evictable."""
+        self._repin(ids, n, -1)
+
+    def _repin(self, ids: Sequence[int], n: int, delta: int) -> None:
+        """One more (``delta`` 1) or one fewer (-1) pin on the first ``n`` blocks of ``ids``, all
+        stamped now: the tokens locked follow the blocks that gain their first pin or lose their last."""
         self._stamp += 1
         stamp = self._stamp
         blocks = self._blocks
         for i in range(n):
             block = blocks[ids[i]]
-            block.refs -= 1
+            was_pinned = block.refs > 0
+            block.refs += delta
             block.stamp = stamp
-            if block.refs == 0:
-                self.locked_tokens -= block.tokens
-                if block.children == 0:
+            if was_pinned != (block.refs > 0):
+                self.locked_tokens += block.tokens if delta > 0 else -block.tokens
+                if delta < 0 and block.children == 0:
                     heapq.heappush(self._evictable, (stamp, ids[i]))
 
     def insert(self, ids: Sequence[int], sizes: Sequence[int], start: int) -> int:
