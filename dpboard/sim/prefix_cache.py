@@ -26,7 +26,7 @@ blocks does rank r hold, by this observer's knowledge.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 BLOCK_TOKENS = 512  # tokens per block: Mooncake's hash_ids granularity
 
@@ -52,6 +52,16 @@ def prefix_tokens(prompt_len: int, n_blocks: int, matched: int) -> int:
         return matched * BLOCK_TOKENS
     return prompt_len
 
+
+
+def leading_blocks(ids: Sequence[int], held: Container[int]) -> int:
+    """How many leading blocks of ``ids`` are in ``held``."""
+    n = 0
+    for block_id in ids:
+        if block_id not in held:
+            break
+        n += 1
+    return n
 
 class _Block:
     __slots__ = ("parent", "children", "refs", "tokens", "stamp")
@@ -93,13 +103,7 @@ class PrefixCache:
 
     def match(self, ids: Sequence[int]) -> int:
         """How many leading blocks of ``ids`` this cache holds (no side effect)."""
-        blocks = self._blocks
-        n = 0
-        for block_id in ids:
-            if block_id not in blocks:
-                break
-            n += 1
-        return n
+        return leading_blocks(ids, self._blocks)
 
     def acquire(self, ids: Sequence[int], n: int) -> None:
         """Pin the first ``n`` blocks of ``ids`` (all held: call ``match`` first) for a running request."""
@@ -255,11 +259,7 @@ class RoutedPrefixTree:
     def longest_match(self, ids: Sequence[int]) -> tuple[int, int]:
         """(leading blocks of ``ids`` sent to some rank, the deepest one's tenant; -1 if none)."""
         tenants = self._tenants
-        depth = 0
-        for block_id in ids:
-            if block_id not in tenants:
-                break
-            depth += 1
+        depth = leading_blocks(ids, tenants)
         if depth == 0:
             return 0, -1
         return depth, next(iter(tenants[ids[depth - 1]]))
