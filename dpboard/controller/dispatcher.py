@@ -62,11 +62,11 @@ def default_lockstep_chunk(num_workers: int) -> int:
 
 
 _STALE = int(SlotStatus.STALE)
+_TORN = int(SlotStatus.TORN)
 # The deliveries as module globals: the hot path compares with these (an enum's attribute costs
 # ~150 ns to look up, a global ~5 ns).
 _ROUND_ROBIN, _ROOM, _ARGMIN, _ARGMIN_PREFIX, _ARGMIN_CARRIED = (
     Delivery.ROUND_ROBIN, Delivery.ROOM, Delivery.ARGMIN, Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED)
-_TORN = int(SlotStatus.TORN)
 
 
 class Dispatcher:
