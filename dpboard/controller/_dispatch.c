@@ -250,13 +250,39 @@ static int refresh_due(Core *self) {
     return 1;
 }
 
-/* The request's token estimate: len(input_ids), else num_tokens. -1 with an exception on bad input. */
-static int64_t request_tokens(PyObject *req) {
-    PyObject *ids = PyObject_GetAttr(req, s_input_ids);
-    if (ids == NULL) {
+/* obj's attribute `name`: 1 with a new reference in *out, 0 when it is absent or None, -1 with an
+   exception (any but AttributeError). */
+static inline int optional_attr(PyObject *obj, PyObject *name, PyObject **out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
         PyErr_Clear();
-    } else if (ids != Py_None) {
+        return 0;
+    }
+    if (v == Py_None) {
+        Py_DECREF(v);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* 1 when obj is an int (a bool is not): *value is it and *fits 1, or *fits 0 when it does not fit a
+   long long. 0 when obj is no int. Never an exception. */
+static inline int int_value(PyObject *obj, long long *value, int *fits) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) return 0;
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    *fits = !overflow;
+    return 1;
+}
+
+/* The request's token estimate: len(input_ids), else num_tokens. -1 with an exception on bad input. */
+static int64_t request_tokens(PyObject *req) {
+    PyObject *ids, *nt;
+    int has = optional_attr(req, s_input_ids, &ids);
+    if (has < 0) return -1;
+    if (has) {
         Py_ssize_t len = PyList_CheckExact(ids) ? PyList_GET_SIZE(ids) : PyObject_Length(ids);
         if (len < 0) {
             PyErr_Clear();
@@ -272,29 +298,22 @@ static int64_t request_tokens(PyObject *req) {
             return -1;
         }
         return (int64_t)len;
-    } else {
-        Py_DECREF(ids);
     }
-    PyObject *nt = PyObject_GetAttr(req, s_num_tokens);
-    if (nt == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-        nt = Py_NewRef(Py_None);
-    }
-    if (nt == Py_None) {
-        Py_DECREF(nt);
+    has = optional_attr(req, s_num_tokens, &nt);
+    if (has < 0) return -1;
+    if (!has) {
         PyErr_SetString(InvalidInputError,
                         "request has neither input_ids nor num_tokens: give it one of them (the token estimate)");
         return -1;
     }
-    if (!PyLong_Check(nt) || PyBool_Check(nt)) {
+    long long v;
+    int fits;
+    if (!int_value(nt, &v, &fits)) {
         PyErr_Format(InvalidInputError, "request num_tokens must be an int >= 0, got %R", nt);
         Py_DECREF(nt);
         return -1;
     }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(nt, &overflow);
-    if (overflow || v < 0 || v > MAX_REQUEST_TOKENS) {
+    if (!fits || v < 0 || v > MAX_REQUEST_TOKENS) {
         PyErr_Format(InvalidInputError, "request num_tokens must be an int in [0, %lld], got %R",
                      (long long)MAX_REQUEST_TOKENS, nt);
         Py_DECREF(nt);
@@ -306,24 +325,17 @@ static int64_t request_tokens(PyObject *req) {
 
 /* 1: routed to *rank; 0: not routed; -1: exception (invalid rank). */
 static int request_routed(Core *self, PyObject *req, Py_ssize_t *rank) {
-    PyObject *r = PyObject_GetAttr(req, s_routed_dp_rank);
-    if (r == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-        return 0;
-    }
-    if (r == Py_None) {
-        Py_DECREF(r);
-        return 0;
-    }
-    if (!PyLong_Check(r) || PyBool_Check(r)) {
+    PyObject *r;
+    int has = optional_attr(req, s_routed_dp_rank, &r);
+    if (has <= 0) return has;
+    long long v;
+    int fits;
+    if (!int_value(r, &v, &fits)) {
         PyErr_Format(InvalidInputError, "routed_dp_rank must be an int or None, got %R", r);
         Py_DECREF(r);
         return -1;
     }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(r, &overflow);
-    if (overflow || v < 0 || v >= self->n || !self->routable[v]) {
+    if (!fits || v < 0 || v >= self->n || !self->routable[v]) {
         PyErr_Format(InvalidInputError, "DP rank %R is not active.", r);
         Py_DECREF(r);
         return -1;
@@ -346,42 +358,29 @@ static inline Py_ssize_t settle_pick(Core *self, Py_ssize_t best) {
     return best;
 }
 
+/* The plain keys: the lexicographic argmin of (first[r], then[r]) over the candidate ranks, ties to
+   the scan order: KEY_TOKENS (tokens, requests), KEY_BACKLOG (backlog, tokens), KEY_REQUESTS
+   (requests, requests: requests alone). */
 static Py_ssize_t argmin(Core *self) {
     const Py_ssize_t n = self->n;
-    const int64_t *tok = self->tokens, *rq = self->requests;
+    const int64_t *first = self->requests, *then = self->requests;
+    if (self->key == KEY_TOKENS) {
+        first = self->tokens;
+    } else if (self->key == KEY_BACKLOG) {
+        first = self->backlog;
+        then = self->tokens;
+    }
     const uint8_t *cand = self->candidate;
     Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
-    int64_t bt = 0, bq = 0;
+    int64_t bf = 0, bt = 0;
     if (i < 0 || i >= n) i = 0;
-    if (self->key == KEY_BACKLOG) {
-        const int64_t *bl = self->backlog;
-        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
-            if (!cand[i]) continue;
-            int64_t b = bl[i], t = tok[i];
-            if (best < 0 || b < bq || (b == bq && t < bt)) {
-                best = i;
-                bq = b;
-                bt = t;
-            }
-        }
-    } else if (self->key == KEY_TOKENS) {
-        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
-            if (!cand[i]) continue;
-            int64_t t = tok[i], q = rq[i];
-            if (best < 0 || t < bt || (t == bt && q < bq)) {
-                best = i;
-                bt = t;
-                bq = q;
-            }
-        }
-    } else {
-        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
-            if (!cand[i]) continue;
-            int64_t q = rq[i];
-            if (best < 0 || q < bq) {
-                best = i;
-                bq = q;
-            }
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t f = first[i], t = then[i];
+        if (best < 0 || f < bf || (f == bf && t < bt)) {
+            best = i;
+            bf = f;
+            bt = t;
         }
     }
     return settle_pick(self, best);
