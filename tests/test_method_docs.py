@@ -1,14 +1,14 @@
 """The README's table of which method for which deployment is the one the other docs point to, and
 every method name the docs give (in the table, after ``DPBOARD_METHOD=``, ``--method`` or
-``--load-balance-method``) is one the method registry knows. Names are read from the registry, so
-a method added there needs its row here, and a method renamed or gone fails wherever a doc still
-names it."""
+``--load-balance-method``) is one the method registry knows. Names are read from the registry (the
+rows of ``dpboard.controller.methods.METHODS``), so a method added there needs its row here, and a
+method renamed or gone fails wherever a doc still names it."""
 
 from __future__ import annotations
 
 import re
 
-from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod
+from dpboard.controller.methods import METHOD_CHOICES, METHODS
 from dpboard.sim.methods import VLLM_BOARD
 from dpboard.sim.peers import PEERS
 from tests.support.names import ROOT
@@ -41,7 +41,7 @@ def test_each_row_names_registered_methods_and_every_method_has_a_row():
         assert names, f"the row {deployment!r} names no method"
         assert names <= registry, (deployment, names - registry)
         named |= names
-    missing = {m.value for m in LoadBalanceMethod} - named
+    missing = {m.value for m in METHODS} - named  # a row of the method table needs one in the README's
     assert not missing, f"registered methods without a row in README.md's table: {sorted(missing)}"
 
 

@@ -12,16 +12,18 @@
  * Rules (docs/DISPATCH.md, "The rules" and "What dpboard adds"):
  *   - routed_dp_rank set: that rank, if it is an int in range and routable (active), else
  *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
- *   - otherwise argmin over candidate ranks of (tokens, requests), of requests alone, or (by_backlog,
- *     inflight_backlog) of (backlog, tokens): queued prefill tokens first; or (pick_saving,
- *     inflight_cache) of (backlog + the tokens the rank's prefix cache does not hold, tokens); or
- *     (by_headroom, inflight_ttft) the same among the ranks whose KV can hold the uncached prompt
- *     (tokens[r] + uncached <= capacity[r], or no capacity published), before any rank that cannot,
- *     and among those the fewest tokens[r] + uncached; or (by_lockstep, inflight_lockstep) among
+ *   - otherwise argmin over candidate ranks of the core's key (enum key below; each method's key is
+ *     its row in dpboard/controller/methods.py, ArgminKey, whose values these are: the module exports
+ *     them as KEY_<NAME> and budget.py compares them at import): KEY_REQUESTS requests alone;
+ *     KEY_TOKENS (tokens, requests); KEY_BACKLOG (backlog, tokens): queued prefill tokens first, or
+ *     with pick_saving (inflight_cache) (backlog + the tokens the rank's prefix cache does not hold,
+ *     tokens); KEY_HEADROOM (inflight_ttft) the same among the ranks whose KV can hold the uncached
+ *     prompt (tokens[r] + uncached <= capacity[r], or no capacity published), before any rank that
+ *     cannot, and among those the fewest tokens[r] + uncached; KEY_LOCKSTEP (inflight_lockstep) among
  *     the ranks with room whose first token comes within max(earliest, horizon) group steps
  *     (s[r] = ceil((backlog[r] + uncached) / chunk[r])), the fewest running[r] * (s[r] -
  *     ceil(backlog[r] / chunk[r])) (the decodes its prefill stalls), then the earlier s[r], then
- *     fewer tokens; no rank with room: as by_headroom; ties
+ *     fewer tokens; no rank with room: as KEY_HEADROOM; ties
  *     go to the first rank met scanning from 0 (seed) or from the rank after the last pick (rotate).
  *   - a pick adds 1 request and the request's tokens (len(input_ids), else num_tokens) to the budget
  *     (to tokens, and to backlog when the budget keeps one: the prompt queues for prefill),
@@ -38,10 +40,31 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* The largest request, in tokens (dpboard.controller.budget.MAX_REQUEST_TOKENS, compared at import). */
 #define MAX_REQUEST_TOKENS (INT64_C(1) << 32)
+
+/* The argmin keys: the values of dpboard.controller.methods.ArgminKey (exported as KEY_<NAME>, compared
+   at import), and the arrays each reads beyond the tokens and requests every core has. */
+enum { KEY_REQUESTS, KEY_TOKENS, KEY_BACKLOG, KEY_HEADROOM, KEY_LOCKSTEP, NUM_KEYS };
+enum { NEEDS_BACKLOG = 1, NEEDS_CAPACITY = 2, NEEDS_RUNNING_CHUNK = 4 };
+static const struct {
+    const char *name;
+    int needs;
+    const char *missing; /* the error when the core lacks what the key reads */
+} KEYS[NUM_KEYS] = {
+    [KEY_REQUESTS] = {"KEY_REQUESTS", 0, NULL},
+    [KEY_TOKENS] = {"KEY_TOKENS", 0, NULL},
+    [KEY_BACKLOG] = {"KEY_BACKLOG", NEEDS_BACKLOG, "key BACKLOG needs the backlog array (queued prefill tokens per rank)"},
+    [KEY_HEADROOM] = {"KEY_HEADROOM", NEEDS_BACKLOG | NEEDS_CAPACITY,
+                      "key HEADROOM needs the backlog and capacity arrays (queued prefill and KV capacity per rank)"},
+    [KEY_LOCKSTEP] = {"KEY_LOCKSTEP", NEEDS_BACKLOG | NEEDS_CAPACITY | NEEDS_RUNNING_CHUNK,
+                      "key LOCKSTEP needs the backlog, capacity, running and chunk arrays (queued prefill, KV "
+                      "capacity, running requests and prefill chunk per rank)"},
+};
 
 static PyObject *s_routed_dp_rank, *s_input_ids, *s_num_tokens;
 /* dpboard.errors.InvalidInputError (a ValueError) and UnavailableError (a RuntimeError): what a bad
@@ -57,9 +80,12 @@ typedef struct {
     const int64_t *running, *chunk;
     const uint8_t *candidate, *routable;
     Py_ssize_t n, ring_cap;
-    int by_tokens, rotate, by_backlog, by_headroom, by_lockstep;
+    int key, rotate;
     int64_t horizon;
     Py_ssize_t next_start;
+    /* the refresh throttle: due when clock() - last_refresh >= interval (clock NULL: never due) */
+    PyObject *clock;
+    double interval, last_refresh;
 } Core;
 
 /* True when a buffer's struct format is a native-order int64 (itemsize 8) or a bool/byte (itemsize 1):
@@ -109,90 +135,154 @@ static int core_init(Core *self, PyObject *args, PyObject *kwds) {
         self->capacity = NULL;
         self->running = self->chunk = NULL;
         self->candidate = self->routable = NULL;
-        self->by_lockstep = 0;
+        self->key = KEY_REQUESTS;
         self->ring_cap = 0;
     }
     return -1;
 }
 
+/* 0 when the core holds what `key` reads, else -1 with the key's error (an unknown key included). */
+static int check_key(Core *self, long key) {
+    if (key < 0 || key >= NUM_KEYS) {
+        PyErr_Format(PyExc_ValueError, "key must be one of the KEY_* constants (0..%d), got %ld", NUM_KEYS - 1, key);
+        return -1;
+    }
+    int needs = KEYS[key].needs;
+    if (((needs & NEEDS_BACKLOG) && !self->backlog) || ((needs & NEEDS_CAPACITY) && !self->capacity) ||
+        ((needs & NEEDS_RUNNING_CHUNK) && !(self->running && self->chunk))) {
+        PyErr_SetString(PyExc_ValueError, KEYS[key].missing);
+        return -1;
+    }
+    return 0;
+}
+
+/* The array named `name` of `arrays` (a DPBudget, or any object with those attributes): required, or
+   optional (absent or None: *out stays NULL). */
+static int array_attr(Core *self, PyObject *arrays, const char *name, int required, Py_ssize_t itemsize,
+                      Py_ssize_t min_len, void **out, Py_ssize_t *len_out) {
+    PyObject *obj = PyObject_GetAttrString(arrays, name);
+    if (obj == NULL) {
+        if (required || !PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = 0;
+    if (obj != Py_None || required) rc = get_array(self, obj, name, itemsize, min_len, out, len_out);
+    Py_DECREF(obj);
+    return rc;
+}
+
 static int core_init_arrays(Core *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tokens", "requests", "candidate", "routable", "sent_reqs",
-                             "sent_tokens", "ring", "by_tokens", "rotate", "backlog", "by_backlog",
-                             "capacity", "by_headroom", "running", "chunk", "by_lockstep", "horizon", NULL};
-    PyObject *tok, *req, *cand, *rout, *sreq, *stok, *ring, *backlog = Py_None, *capacity = Py_None;
-    PyObject *running = Py_None, *chunk = Py_None;
-    int by_tokens = 1, rotate = 0, by_backlog = 0, by_headroom = 0, by_lockstep = 0;
+    static char *kwlist[] = {"arrays", "key", "rotate", "horizon", "clock", "interval", NULL};
+    PyObject *arrays, *clock = Py_None;
+    int key = KEY_TOKENS, rotate = 0;
     long long horizon = 0;
+    double interval = 0.0;
     if (self->nbufs) {
         PyErr_SetString(PyExc_RuntimeError, "ArgminCore is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ppOpOpOOpL", kwlist, &tok, &req, &cand, &rout, &sreq,
-                                     &stok, &ring, &by_tokens, &rotate, &backlog, &by_backlog, &capacity,
-                                     &by_headroom, &running, &chunk, &by_lockstep, &horizon))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|ipLOd", kwlist, &arrays, &key, &rotate, &horizon, &clock,
+                                     &interval))
         return -1;
-    if (by_lockstep && (backlog == Py_None || capacity == Py_None || running == Py_None || chunk == Py_None)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "by_lockstep needs the backlog, capacity, running and chunk arrays (queued prefill, KV "
-                        "capacity, running requests and prefill chunk per rank)");
+    if (clock != Py_None && !PyCallable_Check(clock)) {
+        PyErr_SetString(PyExc_ValueError, "clock must be a callable returning seconds, or None");
         return -1;
     }
     if (horizon < 0) {
         PyErr_SetString(PyExc_ValueError, "horizon must be >= 0 group steps");
         return -1;
     }
-    if (by_headroom && (backlog == Py_None || capacity == Py_None)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "by_headroom needs the backlog and capacity arrays (queued prefill and KV capacity per rank)");
-        return -1;
-    }
-    if (by_backlog && backlog == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
-        return -1;
-    }
-    Py_ssize_t n;
-    if (get_array(self, tok, "tokens", 8, 1, (void **)&self->tokens, &n) < 0) return -1;
+    Py_ssize_t n, ring_len;
+    if (array_attr(self, arrays, "total_tokens", 1, 8, 1, (void **)&self->tokens, &n) < 0) return -1;
     self->n = n;
-    if (get_array(self, req, "requests", 8, n, (void **)&self->requests, NULL) < 0) return -1;
-    if (get_array(self, cand, "candidate", 1, n, (void **)&self->candidate, NULL) < 0) return -1;
-    if (get_array(self, rout, "routable", 1, n, (void **)&self->routable, NULL) < 0) return -1;
-    if (get_array(self, sreq, "sent_reqs", 8, n, (void **)&self->sent_reqs, NULL) < 0) return -1;
-    if (get_array(self, stok, "sent_tokens", 8, n, (void **)&self->sent_tokens, NULL) < 0) return -1;
-    if (ring != Py_None) {
-        Py_ssize_t len;
-        if (get_array(self, ring, "ring", 8, n, (void **)&self->ring, &len) < 0) return -1;
-        self->ring_cap = len / n;
-    }
-    if (backlog != Py_None && get_array(self, backlog, "backlog", 8, n, (void **)&self->backlog, NULL) < 0)
+    if (array_attr(self, arrays, "total_requests", 1, 8, n, (void **)&self->requests, NULL) < 0 ||
+        array_attr(self, arrays, "candidate", 1, 1, n, (void **)&self->candidate, NULL) < 0 ||
+        array_attr(self, arrays, "routable", 1, 1, n, (void **)&self->routable, NULL) < 0 ||
+        array_attr(self, arrays, "sent_reqs", 1, 8, n, (void **)&self->sent_reqs, NULL) < 0 ||
+        array_attr(self, arrays, "sent_tokens", 1, 8, n, (void **)&self->sent_tokens, NULL) < 0 ||
+        array_attr(self, arrays, "ring", 0, 8, n, (void **)&self->ring, &ring_len) < 0 ||
+        array_attr(self, arrays, "backlog", 0, 8, n, (void **)&self->backlog, NULL) < 0 ||
+        array_attr(self, arrays, "capacity", 0, 8, n, (void **)&self->capacity, NULL) < 0 ||
+        array_attr(self, arrays, "running", 0, 8, n, (void **)&self->running, NULL) < 0 ||
+        array_attr(self, arrays, "chunk", 0, 8, n, (void **)&self->chunk, NULL) < 0)
         return -1;
-    if (capacity != Py_None &&
-        get_array(self, capacity, "capacity", 8, n, (void **)&self->capacity, NULL) < 0)
-        return -1;
-    if (running != Py_None && get_array(self, running, "running", 8, n, (void **)&self->running, NULL) < 0)
-        return -1;
-    if (chunk != Py_None && get_array(self, chunk, "chunk", 8, n, (void **)&self->chunk, NULL) < 0)
-        return -1;
-    self->by_lockstep = by_lockstep;
+    if (self->ring) self->ring_cap = ring_len / n;
+    if (check_key(self, key) < 0) return -1;
+    self->key = key;
     self->horizon = (int64_t)horizon;
-    self->by_backlog = by_backlog;
-    self->by_headroom = by_headroom;
-    self->by_tokens = by_tokens;
     self->rotate = rotate;
+    Py_XSETREF(self->clock, clock == Py_None ? NULL : Py_NewRef(clock));
+    self->interval = interval;
+    self->last_refresh = -INFINITY; /* the first pick refreshes */
+    return 0;
+}
+
+/* The clock may be a bound method of an object that holds this core (the simulator's): the core
+   takes part in garbage collection so that such a cycle is freed. */
+static int core_traverse(Core *self, visitproc visit, void *arg) {
+    Py_VISIT(self->clock);
+    return 0;
+}
+
+static int core_clear(Core *self) {
+    Py_CLEAR(self->clock);
     return 0;
 }
 
 static void core_dealloc(Core *self) {
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
     for (int i = 0; i < self->nbufs; i++) PyBuffer_Release(&self->bufs[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* The request's token estimate: len(input_ids), else num_tokens. -1 with an exception on bad input. */
-static int64_t request_tokens(PyObject *req) {
-    PyObject *ids = PyObject_GetAttr(req, s_input_ids);
-    if (ids == NULL) {
+/* 1 when a refresh is due (last_refresh is then now), 0 when not, -1 with an exception (the clock's). */
+static int refresh_due(Core *self) {
+    if (self->clock == NULL) return 0;
+    PyObject *t = PyObject_CallNoArgs(self->clock);
+    if (t == NULL) return -1;
+    double now = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    if (now == -1.0 && PyErr_Occurred()) return -1;
+    if (!(now - self->last_refresh >= self->interval)) return 0;
+    self->last_refresh = now;
+    return 1;
+}
+
+/* obj's attribute `name`: 1 with a new reference in *out, 0 when it is absent or None, -1 with an
+   exception (any but AttributeError). */
+static inline int optional_attr(PyObject *obj, PyObject *name, PyObject **out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
         PyErr_Clear();
-    } else if (ids != Py_None) {
+        return 0;
+    }
+    if (v == Py_None) {
+        Py_DECREF(v);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* 1 when obj is an int (a bool is not): *value is it and *fits 1, or *fits 0 when it does not fit a
+   long long. 0 when obj is no int. Never an exception. */
+static inline int int_value(PyObject *obj, long long *value, int *fits) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) return 0;
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    *fits = !overflow;
+    return 1;
+}
+
+/* The request's token estimate: len(input_ids), else num_tokens. -1 with an exception on bad input. */
+static int64_t request_tokens(PyObject *req) {
+    PyObject *ids, *nt;
+    int has = optional_attr(req, s_input_ids, &ids);
+    if (has < 0) return -1;
+    if (has) {
         Py_ssize_t len = PyList_CheckExact(ids) ? PyList_GET_SIZE(ids) : PyObject_Length(ids);
         if (len < 0) {
             PyErr_Clear();
@@ -208,29 +298,22 @@ static int64_t request_tokens(PyObject *req) {
             return -1;
         }
         return (int64_t)len;
-    } else {
-        Py_DECREF(ids);
     }
-    PyObject *nt = PyObject_GetAttr(req, s_num_tokens);
-    if (nt == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-        nt = Py_NewRef(Py_None);
-    }
-    if (nt == Py_None) {
-        Py_DECREF(nt);
+    has = optional_attr(req, s_num_tokens, &nt);
+    if (has < 0) return -1;
+    if (!has) {
         PyErr_SetString(InvalidInputError,
                         "request has neither input_ids nor num_tokens: give it one of them (the token estimate)");
         return -1;
     }
-    if (!PyLong_Check(nt) || PyBool_Check(nt)) {
+    long long v;
+    int fits;
+    if (!int_value(nt, &v, &fits)) {
         PyErr_Format(InvalidInputError, "request num_tokens must be an int >= 0, got %R", nt);
         Py_DECREF(nt);
         return -1;
     }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(nt, &overflow);
-    if (overflow || v < 0 || v > MAX_REQUEST_TOKENS) {
+    if (!fits || v < 0 || v > MAX_REQUEST_TOKENS) {
         PyErr_Format(InvalidInputError, "request num_tokens must be an int in [0, %lld], got %R",
                      (long long)MAX_REQUEST_TOKENS, nt);
         Py_DECREF(nt);
@@ -242,24 +325,17 @@ static int64_t request_tokens(PyObject *req) {
 
 /* 1: routed to *rank; 0: not routed; -1: exception (invalid rank). */
 static int request_routed(Core *self, PyObject *req, Py_ssize_t *rank) {
-    PyObject *r = PyObject_GetAttr(req, s_routed_dp_rank);
-    if (r == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-        return 0;
-    }
-    if (r == Py_None) {
-        Py_DECREF(r);
-        return 0;
-    }
-    if (!PyLong_Check(r) || PyBool_Check(r)) {
+    PyObject *r;
+    int has = optional_attr(req, s_routed_dp_rank, &r);
+    if (has <= 0) return has;
+    long long v;
+    int fits;
+    if (!int_value(r, &v, &fits)) {
         PyErr_Format(InvalidInputError, "routed_dp_rank must be an int or None, got %R", r);
         Py_DECREF(r);
         return -1;
     }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(r, &overflow);
-    if (overflow || v < 0 || v >= self->n || !self->routable[v]) {
+    if (!fits || v < 0 || v >= self->n || !self->routable[v]) {
         PyErr_Format(InvalidInputError, "DP rank %R is not active.", r);
         Py_DECREF(r);
         return -1;
@@ -282,42 +358,29 @@ static inline Py_ssize_t settle_pick(Core *self, Py_ssize_t best) {
     return best;
 }
 
+/* The plain keys: the lexicographic argmin of (first[r], then[r]) over the candidate ranks, ties to
+   the scan order: KEY_TOKENS (tokens, requests), KEY_BACKLOG (backlog, tokens), KEY_REQUESTS
+   (requests, requests: requests alone). */
 static Py_ssize_t argmin(Core *self) {
     const Py_ssize_t n = self->n;
-    const int64_t *tok = self->tokens, *rq = self->requests;
+    const int64_t *first = self->requests, *then = self->requests;
+    if (self->key == KEY_TOKENS) {
+        first = self->tokens;
+    } else if (self->key == KEY_BACKLOG) {
+        first = self->backlog;
+        then = self->tokens;
+    }
     const uint8_t *cand = self->candidate;
     Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
-    int64_t bt = 0, bq = 0;
+    int64_t bf = 0, bt = 0;
     if (i < 0 || i >= n) i = 0;
-    if (self->by_backlog) {
-        const int64_t *bl = self->backlog;
-        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
-            if (!cand[i]) continue;
-            int64_t b = bl[i], t = tok[i];
-            if (best < 0 || b < bq || (b == bq && t < bt)) {
-                best = i;
-                bq = b;
-                bt = t;
-            }
-        }
-    } else if (self->by_tokens) {
-        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
-            if (!cand[i]) continue;
-            int64_t t = tok[i], q = rq[i];
-            if (best < 0 || t < bt || (t == bt && q < bq)) {
-                best = i;
-                bt = t;
-                bq = q;
-            }
-        }
-    } else {
-        for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
-            if (!cand[i]) continue;
-            int64_t q = rq[i];
-            if (best < 0 || q < bq) {
-                best = i;
-                bq = q;
-            }
+    for (Py_ssize_t k = 0; k < n; k++, i = (i + 1 == n) ? 0 : i + 1) {
+        if (!cand[i]) continue;
+        int64_t f = first[i], t = then[i];
+        if (best < 0 || f < bf || (f == bf && t < bt)) {
+            best = i;
+            bf = f;
+            bt = t;
         }
     }
     return settle_pick(self, best);
@@ -416,6 +479,19 @@ static Py_ssize_t argmin_lockstep(Core *self, int64_t t, const int64_t *sav, int
     return settle_pick(self, best);
 }
 
+/* The rank for a request of t tokens with no saving anywhere, by the core's key. */
+static Py_ssize_t argmin_key(Core *self, int64_t t) {
+    int64_t unused;
+    switch (self->key) {
+    case KEY_LOCKSTEP:
+        return argmin_lockstep(self, t, NULL, &unused);
+    case KEY_HEADROOM:
+        return argmin_headroom(self, t);
+    default:
+        return argmin(self);
+    }
+}
+
 static inline void charge(Core *self, Py_ssize_t r, int64_t t) {
     self->tokens[r] = sat_add(self->tokens[r], t);
     self->requests[r] = sat_add(self->requests[r], 1);
@@ -441,9 +517,7 @@ static Py_ssize_t pick_one(Core *self, PyObject *req, int64_t *tokens_out) {
     int64_t t = request_tokens(req);
     if (t < 0) return -1;
     if (!routed) {
-        int64_t unused;
-        rank = self->by_lockstep ? argmin_lockstep(self, t, NULL, &unused)
-               : self->by_headroom ? argmin_headroom(self, t) : argmin(self);
+        rank = argmin_key(self, t);
         if (rank < 0) return -1;
     }
     charge(self, rank, t);
@@ -456,6 +530,21 @@ static PyObject *core_pick(Core *self, PyObject *req) {
     Py_ssize_t rank = pick_one(self, req, &t);
     if (rank < 0) return NULL;
     return PyLong_FromSsize_t(rank);
+}
+
+/* pick_fresh(req): None when the throttle says the budget must be refreshed first (the caller
+   refreshes, then picks), else pick(req). The plain argmin's whole decision in one call. */
+static PyObject *core_pick_fresh(Core *self, PyObject *req) {
+    int due = refresh_due(self);
+    if (due < 0) return NULL;
+    if (due) Py_RETURN_NONE;
+    return core_pick(self, req);
+}
+
+static PyObject *core_refresh_due(Core *self, PyObject *unused) {
+    int due = refresh_due(self);
+    if (due < 0) return NULL;
+    return PyBool_FromLong(due);
 }
 
 static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
@@ -505,14 +594,14 @@ static PyObject *core_pick_batch(Core *self, PyObject *reqs) {
    prefill work queued there and the part of the prompt (t tokens) that the rank's prefix cache does
    not hold (sav[r] tokens, from the controller's prefix index; none when sav is NULL): key
    backlog[r] + max(0, t - sav[r]), ties to fewer KV tokens, then to the scan order. With
-   by_headroom (inflight_ttft) a rank whose KV cannot hold the uncached prompt on top of what it
+   KEY_HEADROOM (inflight_ttft) a rank whose KV cannot hold the uncached prompt on top of what it
    holds and queues (tokens[r] + u > capacity[r]) comes after every rank that can, and among such
    ranks the key is tokens[r] + u: its prompt waits for running requests to free KV, and the rank
-   with the fewest tokens frees room first. Needs the backlog array (and capacity for by_headroom). */
+   with the fewest tokens frees room first. Needs the backlog array (and capacity for KEY_HEADROOM). */
 static Py_ssize_t argmin_saving(Core *self, int64_t t, const int64_t *sav, int64_t *uncached_out) {
     const Py_ssize_t n = self->n;
     const int64_t *tok = self->tokens, *bl = self->backlog;
-    const int64_t *cap = self->by_headroom ? self->capacity : NULL;
+    const int64_t *cap = self->key == KEY_HEADROOM ? self->capacity : NULL;
     const uint8_t *cand = self->candidate;
     Py_ssize_t i = self->rotate ? self->next_start : 0, best = -1;
     int64_t bk = 0, bt = 0, bu = 0;
@@ -568,7 +657,7 @@ static PyObject *core_pick_saving(Core *self, PyObject *const *args, Py_ssize_t 
     int64_t t = routed < 0 ? -1 : request_tokens(args[0]);
     if (t >= 0) {
         if (routed) u = t > sav[rank] ? t - sav[rank] : 0;
-        else if (self->by_lockstep) rank = argmin_lockstep(self, t, sav, &u);
+        else if (self->key == KEY_LOCKSTEP) rank = argmin_lockstep(self, t, sav, &u);
         else rank = argmin_saving(self, t, sav, &u);
     }
     PyBuffer_Release(&sb);
@@ -584,9 +673,7 @@ static PyObject *core_pick_tokens(Core *self, PyObject *arg) {
         PyErr_Format(InvalidInputError, "estimated tokens must be in [0, %lld], got %lld", (long long)MAX_REQUEST_TOKENS, t);
         return NULL;
     }
-    int64_t unused;
-    Py_ssize_t rank = self->by_lockstep ? argmin_lockstep(self, (int64_t)t, NULL, &unused)
-                      : self->by_headroom ? argmin_headroom(self, (int64_t)t) : argmin(self);
+    Py_ssize_t rank = argmin_key(self, (int64_t)t);
     if (rank < 0) return NULL;
     charge(self, rank, (int64_t)t);
     return PyLong_FromSsize_t(rank);
@@ -649,28 +736,29 @@ static int core_set_next_start(Core *self, PyObject *v, void *c) {
     return 0;
 }
 static PyObject *core_get_n(Core *self, void *c) { return PyLong_FromSsize_t(self->n); }
-static PyObject *core_get_by_tokens(Core *self, void *c) { return PyBool_FromLong(self->by_tokens); }
-static int core_set_by_tokens(Core *self, PyObject *v, void *c) {
-    int b = v ? PyObject_IsTrue(v) : -1;
-    if (b < 0) return -1;
-    self->by_tokens = b;
+static PyObject *core_get_key(Core *self, void *c) { return PyLong_FromLong(self->key); }
+static int core_set_key(Core *self, PyObject *v, void *c) {
+    long key = v ? PyLong_AsLong(v) : -1;
+    if (key == -1 && PyErr_Occurred()) return -1;
+    if (check_key(self, key) < 0) return -1;
+    self->key = (int)key;
     return 0;
 }
-
-static PyObject *core_get_by_backlog(Core *self, void *c) { return PyBool_FromLong(self->by_backlog); }
-static int core_set_by_backlog(Core *self, PyObject *v, void *c) {
-    int b = v ? PyObject_IsTrue(v) : -1;
-    if (b < 0) return -1;
-    if (b && self->backlog == NULL) {
-        PyErr_SetString(PyExc_ValueError, "by_backlog needs the backlog array (queued prefill tokens per rank)");
+/* The throttle's two doubles (last_refresh, interval): `offset` is the field's offset in Core. */
+static PyObject *core_get_double(Core *self, void *offset) {
+    return PyFloat_FromDouble(*(double *)((char *)self + (size_t)offset));
+}
+static int core_set_double(Core *self, PyObject *v, void *offset) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the throttle's figures cannot be deleted");
         return -1;
     }
-    self->by_backlog = b;
+    double t = PyFloat_AsDouble(v);
+    if (t == -1.0 && PyErr_Occurred()) return -1;
+    *(double *)((char *)self + (size_t)offset) = t;
     return 0;
 }
 
-static PyObject *core_get_by_headroom(Core *self, void *c) { return PyBool_FromLong(self->by_headroom); }
-static PyObject *core_get_by_lockstep(Core *self, void *c) { return PyBool_FromLong(self->by_lockstep); }
 static PyObject *core_get_horizon(Core *self, void *c) { return PyLong_FromLongLong(self->horizon); }
 static int core_set_horizon(Core *self, PyObject *v, void *c) {
     long long h = v ? PyLong_AsLongLong(v) : -1;
@@ -685,6 +773,10 @@ static int core_set_horizon(Core *self, PyObject *v, void *c) {
 
 static PyMethodDef core_methods[] = {
     {"pick", (PyCFunction)core_pick, METH_O, "pick(req) -> rank: routed rank or argmin, charged."},
+    {"pick_fresh", (PyCFunction)core_pick_fresh, METH_O,
+     "pick_fresh(req) -> rank, or None when a refresh is due first (the throttle's clock read once)."},
+    {"refresh_due", (PyCFunction)core_refresh_due, METH_NOARGS,
+     "refresh_due() -> True when the throttle's interval has passed since the last refresh (now the last)."},
     {"pick_batch", (PyCFunction)core_pick_batch, METH_O,
      "pick_batch(reqs) -> list of ranks, with consecutive speculative charges; all or nothing."},
     {"pick_tokens", (PyCFunction)core_pick_tokens, METH_O, "pick_tokens(n) -> argmin rank, charged n tokens."},
@@ -700,14 +792,12 @@ static PyMethodDef core_methods[] = {
 static PyGetSetDef core_getset[] = {
     {"next_start", (getter)core_get_next_start, (setter)core_set_next_start, "where the next tie scan starts", NULL},
     {"n", (getter)core_get_n, NULL, "number of ranks", NULL},
-    {"by_tokens", (getter)core_get_by_tokens, (setter)core_set_by_tokens,
-     "argmin of (tokens, requests) when true, of requests when false", NULL},
-    {"by_backlog", (getter)core_get_by_backlog, (setter)core_set_by_backlog,
-     "argmin of (backlog, tokens) when true (overrides by_tokens)", NULL},
-    {"by_headroom", (getter)core_get_by_headroom, NULL,
-     "argmin of (overflows KV, backlog + request or tokens + request, tokens) when true (inflight_ttft)", NULL},
-    {"by_lockstep", (getter)core_get_by_lockstep, NULL,
-     "the inflight_lockstep pick when true (fewest stalled decodes within the horizon)", NULL},
+    {"key", (getter)core_get_key, (setter)core_set_key,
+     "the argmin key, one of the KEY_* constants (dpboard.controller.methods.ArgminKey)", NULL},
+    {"last_refresh", (getter)core_get_double, (setter)core_set_double,
+     "the clock's reading at the last refresh (-inf: none yet)", (void *)offsetof(Core, last_refresh)},
+    {"interval", (getter)core_get_double, (setter)core_set_double, "seconds between two refreshes at least",
+     (void *)offsetof(Core, interval)},
     {"horizon", (getter)core_get_horizon, (setter)core_set_horizon,
      "inflight_lockstep: group steps to the first token any rank may take", NULL},
     {NULL},
@@ -716,7 +806,9 @@ static PyGetSetDef core_getset[] = {
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpboard.controller._dispatch.ArgminCore",
     .tp_basicsize = sizeof(Core),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
     .tp_doc = "Argmin and speculative charge over a DPBudget's arrays (changed in place).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)core_init,
@@ -749,6 +841,12 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
         Py_DECREF(&CoreType);
         Py_DECREF(m);
         return NULL;
+    }
+    for (int k = 0; k < NUM_KEYS; k++) {
+        if (PyModule_AddIntConstant(m, KEYS[k].name, k) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

@@ -1,8 +1,8 @@
 """``auto`` decided from the board as it is (docs/DISPATCH.md, rule 1), by the controller and the simulator alike.
 
 ``auto`` is round_robin, or inflight_lockstep where the ranks step in lockstep (DP attention, vLLM's
-MoE DP); a PD prefill server's is follow_bootstrap_room, a PD decode server's round_robin
-(``resolve_load_balance_method``). Whether the ranks step in lockstep is on the board: each rank's
+MoE DP); a PD prefill server's is follow_bootstrap_room, a PD decode server's round_robin: the rows of
+``dpboard.controller.methods.METHODS`` that list those deployments (``auto_pick``). Whether the ranks step in lockstep is on the board: each rank's
 lockstep section. A controller is usually started before its schedulers publish, so a decision
 taken once, at start, would be round_robin for the controller's whole life: ``AutoMethod`` looks
 again, at most every ``AUTO_CHECK_INTERVAL`` seconds (at every check while no slot is live yet),
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.controller.methods import AUTO, LoadBalanceMethod, resolve_load_balance_method
+from dpboard.controller.methods import LoadBalanceMethod, auto_pick
 from dpboard.snapshot import DETAIL_FLAG, DETAILED_DTYPE, SlotStatus
 
 AUTO_CHECK_INTERVAL = 1.0  # seconds between two looks at the board's lockstep sections, once a slot is live
@@ -48,7 +48,7 @@ def auto_method(reader: Any, num_workers: int, disaggregation_mode: str | None =
     (``lockstep_on_board``; a board with nothing live yet, or no reader: not in lockstep)."""
     if lockstep is None:
         lockstep = bool(reader is not None and lockstep_on_board(reader, num_workers))
-    return resolve_load_balance_method(AUTO, disaggregation_mode, lockstep=lockstep)
+    return auto_pick(disaggregation_mode, lockstep=lockstep)
 
 
 class AutoMethod:
@@ -63,22 +63,18 @@ class AutoMethod:
                  disaggregation_mode: str | None = None, *, lockstep: bool | None = None,
                  interval: float = AUTO_CHECK_INTERVAL, clock: Callable[[], float] = time.monotonic,
                  logger: logging.Logger | None = None) -> None:
-        self._build = build
-        self._reader = reader
-        self._n = num_workers
-        self._mode = disaggregation_mode
-        self._interval = interval
-        self._clock = clock
-        self._log = logger
-        # only a server without PD has a choice to make, and only when the board can say it
+        self._build, self._reader, self._n, self._mode = build, reader, num_workers, disaggregation_mode
+        self._interval, self._clock, self._log = interval, clock, logger
+        # only a deployment whose auto pick depends on lockstep (no PD) has a choice to make, and only
+        # when the board can say it
         self._follows = (lockstep is None and reader is not None
-                         and resolve_load_balance_method(AUTO, disaggregation_mode, lockstep=True)
-                         is not resolve_load_balance_method(AUTO, disaggregation_mode, lockstep=False))
+                         and auto_pick(disaggregation_mode, lockstep=True)
+                         is not auto_pick(disaggregation_mode, lockstep=False))
         self._records = np.zeros(num_workers, DETAILED_DTYPE) if self._follows else None
         self._next = float("-inf")
         self.changes = 0
         seen = self._look() if self._follows else lockstep
-        self.method = resolve_load_balance_method(AUTO, disaggregation_mode, lockstep=bool(seen))
+        self.method = auto_pick(disaggregation_mode, lockstep=bool(seen))
         self.dispatcher = build(self.method)
 
     @property
@@ -99,7 +95,7 @@ class AutoMethod:
         seen = self._look()
         if seen is None:
             return False  # the slots went quiet: keep what they said last
-        method = resolve_load_balance_method(AUTO, self._mode, lockstep=seen)
+        method = auto_pick(self._mode, lockstep=seen)
         if method is self.method:
             return False
         before, self.method = self.method, method

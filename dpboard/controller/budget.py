@@ -16,19 +16,19 @@ Refresh rules (docs/DISPATCH.md, rule 6 and "What dpboard adds, and why"):
 - in-flight accounting: the budget is always *snapshot + what is in flight*: ``in_flight = sent -
   received`` requests, and their tokens come from the ring (the cumulative tokens after each send),
   so a refresh never erases requests still on their way, and never counts one twice.
-- with ``by_headroom`` (``inflight_ttft``) the backlog also keeps the prompts of ours that a rank
+- with a key that reads KV room (``ArgminKey.HEADROOM``, ``LOCKSTEP``) the backlog also keeps the prompts of ours that a rank
   admitted since its previous snapshot: the batch it is prefilling, which its queued figure leaves
   out (``_count_prefilling``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from dpboard.controller.methods import LoadBalanceMethod
+from dpboard.controller.methods import METHODS, ArgminKey, LoadBalanceMethod
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
 
@@ -44,9 +44,14 @@ try:
 except ImportError:  # a source tree without the built extension: the Python twin does the same work
     ArgminCore = None
 else:
-    if _dispatch.MAX_REQUEST_TOKENS != MAX_REQUEST_TOKENS:
-        raise ImportError(f"dpboard.controller._dispatch was built with MAX_REQUEST_TOKENS "
-                          f"{_dispatch.MAX_REQUEST_TOKENS}, budget.py says {MAX_REQUEST_TOKENS}: rebuild it")
+    # the facts the C core and this module share, compared as the board's layout is (board/seqlock.py):
+    # an extension built from another source is an ImportError naming both, never a wrong key
+    _compiled = {name: getattr(_dispatch, name) for name in dir(_dispatch) if name.startswith("KEY_")}
+    _compiled["MAX_REQUEST_TOKENS"] = _dispatch.MAX_REQUEST_TOKENS
+    _expected = {f"KEY_{k.name}": k.value for k in ArgminKey} | {"MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS}
+    if _compiled != _expected:
+        raise ImportError(f"dpboard.controller._dispatch ({_dispatch.__file__}) was built from another source: it "
+                          f"has {_compiled}, methods.py and budget.py say {_expected}: rebuild it (pip install -e .)")
 
 _LIVE = int(SlotStatus.LIVE)
 _STALE = int(SlotStatus.STALE)
@@ -96,50 +101,57 @@ def check_routed_rank(rank: Any, routable: np.ndarray) -> int:
     return rank
 
 
-class PyArgminCore:
-    """``dpboard.controller._dispatch.ArgminCore`` in Python: same arguments, same picks, same errors."""
+# What each key reads beyond the tokens and requests every core has, and the error when it is missing:
+# _dispatch.c's KEYS (the twin tests compare the two cores' errors).
+_KEY_NEEDS: dict[ArgminKey, tuple[tuple[str, ...], str]] = {
+    ArgminKey.BACKLOG: (("backlog",), "key BACKLOG needs the backlog array (queued prefill tokens per rank)"),
+    ArgminKey.HEADROOM: (("backlog", "capacity"), "key HEADROOM needs the backlog and capacity arrays (queued "
+                         "prefill and KV capacity per rank)"),
+    ArgminKey.LOCKSTEP: (("backlog", "capacity", "running", "chunk"), "key LOCKSTEP needs the backlog, capacity, "
+                         "running and chunk arrays (queued prefill, KV capacity, running requests and prefill "
+                         "chunk per rank)"),
+}
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        requests: np.ndarray,
-        candidate: np.ndarray,
-        routable: np.ndarray,
-        sent_reqs: np.ndarray,
-        sent_tokens: np.ndarray,
-        ring: np.ndarray | None,
-        by_tokens: bool = True,
-        rotate: bool = False,
-        backlog: np.ndarray | None = None,
-        by_backlog: bool = False,
-        capacity: np.ndarray | None = None,
-        by_headroom: bool = False,
-        running: np.ndarray | None = None,
-        chunk: np.ndarray | None = None,
-        by_lockstep: bool = False,
-        horizon: int = 0,
-    ):
-        if by_lockstep and (backlog is None or capacity is None or running is None or chunk is None):
-            raise InvalidInputError(
-                "by_lockstep needs the backlog, capacity, running and chunk arrays (queued prefill, KV "
-                "capacity, running requests and prefill chunk per rank)"
-            )
+
+class PyArgminCore:
+    """``dpboard.controller._dispatch.ArgminCore`` in Python: same arguments, same picks, same errors.
+
+    ``arrays`` is a ``DPBudget`` (or any object with its array attributes: ``total_tokens``,
+    ``total_requests``, ``candidate``, ``routable``, ``sent_reqs``, ``sent_tokens``, and where the key
+    reads them ``ring``, ``backlog``, ``capacity``, ``running``, ``chunk``); ``key`` an ``ArgminKey``.
+    ``clock`` and ``interval``: the refresh throttle of ``pick_fresh`` and ``refresh_due`` (no clock:
+    never due)."""
+
+    def __init__(self, arrays: Any, key: int = ArgminKey.TOKENS, rotate: bool = False, horizon: int = 0,
+                 clock: Callable[[], float] | None = None, interval: float = 0.0):
         if horizon < 0:
             raise InvalidInputError("horizon must be >= 0 group steps")
-        if by_backlog and backlog is None:
-            raise InvalidInputError("by_backlog needs the backlog array (queued prefill tokens per rank)")
-        if by_headroom and (backlog is None or capacity is None):
-            raise InvalidInputError(
-                "by_headroom needs the backlog and capacity arrays (queued prefill and KV capacity per rank)"
-            )
-        self.capacity, self.by_headroom = capacity, bool(by_headroom)
-        self.running, self.chunk, self.by_lockstep, self.horizon = running, chunk, bool(by_lockstep), int(horizon)
-        self.tokens, self.requests, self.backlog = tokens, requests, backlog
-        self.candidate, self.routable = candidate, routable
-        self.sent_reqs, self.sent_tokens, self.ring = sent_reqs, sent_tokens, ring
-        self.n = len(tokens)
-        self.by_tokens, self.rotate, self.by_backlog = bool(by_tokens), bool(rotate), bool(by_backlog)
+        if clock is not None and not callable(clock):
+            raise InvalidInputError("clock must be a callable returning seconds, or None")
+        self.tokens, self.requests = arrays.total_tokens, arrays.total_requests
+        self.candidate, self.routable = arrays.candidate, arrays.routable
+        self.sent_reqs, self.sent_tokens = arrays.sent_reqs, arrays.sent_tokens
+        self.ring, self.backlog, self.capacity, self.running, self.chunk = (
+            getattr(arrays, name, None) for name in ("ring", "backlog", "capacity", "running", "chunk"))
+        self.n = len(self.tokens)
+        self.key = key
+        self.rotate, self.horizon = bool(rotate), int(horizon)
         self.next_start = 0
+        self.clock, self.interval, self.last_refresh = clock, float(interval), float("-inf")
+
+    @property
+    def key(self) -> ArgminKey:
+        return self._key
+
+    @key.setter
+    def key(self, value: int) -> None:
+        if not isinstance(value, int) or value not in ArgminKey._value2member_map_:
+            raise InvalidInputError(f"key must be one of the KEY_* constants (0..{len(ArgminKey) - 1}), got {value}")
+        key = ArgminKey(value)
+        names, missing = _KEY_NEEDS.get(key, ((), ""))
+        if any(getattr(self, name) is None for name in names):
+            raise InvalidInputError(missing)
+        self._key = key
 
     def _routed(self, req: Any) -> int | None:
         r = getattr(req, "routed_dp_rank", None)
@@ -156,10 +168,10 @@ class PyArgminCore:
 
     def _argmin_saving(self, tokens: int, savings: np.ndarray | None) -> tuple[int, int]:
         """(rank, uncached tokens) with the lowest ``backlog + uncached``, ties to fewer KV tokens;
-        with by_headroom, the ranks whose KV cannot hold the uncached prompt (``tokens + uncached >
+        with the HEADROOM key, the ranks whose KV cannot hold the uncached prompt (``tokens + uncached >
         capacity``) come after the others, keyed ``tokens + uncached``. ``_dispatch.c``'s
         argmin_saving."""
-        cap = self.capacity if self.by_headroom else None
+        cap = self.capacity if self._key is ArgminKey.HEADROOM else None
         best, best_key, best_uncached = -1, None, 0
         for i, uncached, held in self._scan(tokens, savings):
             cost = _sat(int(self.backlog[i]) + uncached)
@@ -198,20 +210,23 @@ class PyArgminCore:
                 best, best_key, best_uncached = i, key, uncached
         return self._settle_pick(best), best_uncached
 
+    # the keys the C core's argmin compares (the others scan the ranks twice or read the request's size)
+    _PLAIN_KEYS: dict[ArgminKey, Callable[[PyArgminCore, int], Any]] = {
+        ArgminKey.REQUESTS: lambda core, i: int(core.requests[i]),
+        ArgminKey.TOKENS: lambda core, i: (int(core.tokens[i]), int(core.requests[i])),
+        ArgminKey.BACKLOG: lambda core, i: (int(core.backlog[i]), int(core.tokens[i])),
+    }
+
     def _argmin(self) -> int:
         n = self.n
         start = self.next_start if self.rotate else 0
+        key_of = self._PLAIN_KEYS[self._key]
         best, best_key = -1, None
         for k in range(n):
             i = (start + k) % n
             if not self.candidate[i]:
                 continue
-            if self.by_backlog:
-                key = (int(self.backlog[i]), int(self.tokens[i]))
-            elif self.by_tokens:
-                key = (int(self.tokens[i]), int(self.requests[i]))
-            else:
-                key = int(self.requests[i])
+            key = key_of(self, i)
             if best < 0 or key < best_key:
                 best, best_key = i, key
         return self._settle_pick(best)
@@ -277,14 +292,28 @@ class PyArgminCore:
 
     def _argmin_tokens(self, tokens: int) -> int:
         """The rank for a request of ``tokens`` tokens with no saving anywhere."""
-        if self.by_lockstep:
+        if self._key is ArgminKey.LOCKSTEP:
             return self._argmin_lockstep(tokens, None)[0]
-        if self.by_headroom:
+        if self._key is ArgminKey.HEADROOM:
             return self._argmin_saving(tokens, None)[0]
         return self._argmin()
 
     def pick(self, req: Any) -> int:
         return self._pick(req)[0]
+
+    def refresh_due(self) -> bool:
+        """True when ``interval`` has passed on the clock since the last refresh (now the last one)."""
+        if self.clock is None:
+            return False
+        now = float(self.clock())
+        if not now - self.last_refresh >= self.interval:
+            return False
+        self.last_refresh = now
+        return True
+
+    def pick_fresh(self, req: Any) -> int | None:
+        """None when a refresh is due first (the caller refreshes, then picks), else ``pick(req)``."""
+        return None if self.refresh_due() else self._pick(req)[0]
 
     def pick_batch(self, reqs: Sequence[Any]) -> list[int]:
         saved_start = self.next_start
@@ -309,7 +338,7 @@ class PyArgminCore:
             uncached = max(0, tokens - int(savings[routed]))
             self.charge(routed, uncached)
             return routed, uncached
-        pick = self._argmin_lockstep if self.by_lockstep else self._argmin_saving
+        pick = self._argmin_lockstep if self._key is ArgminKey.LOCKSTEP else self._argmin_saving
         best, best_uncached = pick(tokens, savings)
         self.charge(best, best_uncached)
         return best, best_uncached
@@ -328,16 +357,17 @@ class DPBudget:
     ``DPBudget(num_workers)`` then ``update_budget(snapshots)`` / ``update_from_array(records)`` to
     refresh, and ``dispatch(method, estimated_tokens)`` to pick the argmin rank and charge it, as in
     SGLang. The arrays are public and live (a pick changes them in place): read, do not rebind.
+    ``key``: how the argmin compares ranks (the method's row in ``METHODS``); ``clock`` and
+    ``refresh_interval``: the refresh throttle its core keeps (``core.pick_fresh``, ``core.refresh_due``).
     """
 
     def __init__(
         self,
         num_workers: int,
         *,
-        by_tokens: bool = True,
-        by_backlog: bool = False,
-        by_headroom: bool = False,
-        by_lockstep: bool = False,
+        key: ArgminKey = ArgminKey.TOKENS,
+        clock: Callable[[], float] | None = None,
+        refresh_interval: float = 0.0,
         lockstep_horizon: int = 0,
         lockstep_chunk: int = 1,
         rotate_ties: bool = False,
@@ -382,7 +412,7 @@ class DPBudget:
         # inflight_ttft: the prompts of ours each rank took out of its waiting queue since its
         # previous snapshot, i.e. the batch it is prefilling now, which the engine's queued-prefill
         # figure leaves out until their first tokens (see _count_prefilling)
-        self.count_prefilling = bool(by_headroom) and self.inflight_accounting
+        self.count_prefilling = ArgminKey(key).reads_room and self.inflight_accounting
         self.snap_waiting = np.zeros(n, np.int64)
         self.admitted = np.zeros(n, np.int64)
         self.prefilling = np.zeros(n, np.int64)
@@ -390,25 +420,8 @@ class DPBudget:
         self.status = np.zeros(n, np.uint8)  # the SlotStatus seen at the last refresh
         self._ranks = np.arange(n)
         core_type = ArgminCore if (use_extension and ArgminCore is not None) else PyArgminCore
-        self.core = core_type(
-            self.total_tokens,
-            self.total_requests,
-            self.candidate,
-            self.routable,
-            self.sent_reqs,
-            self.sent_tokens,
-            self.ring,
-            by_tokens=by_tokens,
-            rotate=rotate_ties,
-            backlog=self.backlog,
-            by_backlog=by_backlog,
-            capacity=self.capacity,
-            by_headroom=by_headroom,
-            running=self.running,
-            chunk=self.chunk,
-            by_lockstep=by_lockstep,
-            horizon=lockstep_horizon,
-        )
+        self.core = core_type(self, key=int(key), rotate=rotate_ties, horizon=lockstep_horizon, clock=clock,
+                              interval=float(refresh_interval))
 
     # -- refresh ------------------------------------------------------------------------------------
 
@@ -544,13 +557,13 @@ class DPBudget:
     # -- picks --------------------------------------------------------------------------------------
 
     def dispatch(self, method: LoadBalanceMethod | str | None = None, estimated_tokens: int = 0) -> int:
-        """Argmin rank for ``method`` (default: the budget's key), charged +1 and +estimated_tokens."""
+        """Argmin rank for ``method`` (default: the budget's key), charged +1 and +estimated_tokens.
+        A method given sets the budget's key to its own (its row's) for this pick and the next ones."""
         if method is not None:
-            m = LoadBalanceMethod(method)
-            if not m.is_load_aware:
-                raise InvalidInputError(f"DPBudget.dispatch needs a load-aware method, got {m.value}")
-            self.core.by_tokens = m.by_tokens
-            self.core.by_backlog = m.by_backlog
+            spec = METHODS[LoadBalanceMethod(method)]
+            if spec.key is None:
+                raise InvalidInputError(f"DPBudget.dispatch needs a load-aware method, got {spec.method.value}")
+            self.core.key = spec.key
         return self.core.pick_tokens(int(estimated_tokens))
 
     def charge(self, rank: int, tokens: int) -> None:

@@ -22,7 +22,13 @@ from dpboard.controller.budget import (
     request_tokens,
     snapshots_to_array,
 )
-from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.controller.methods import (
+    METHODS,
+    ArgminKey,
+    Delivery,
+    LoadBalanceMethod,
+    resolve_load_balance_method,
+)
 from dpboard.controller.prefix_index import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CAPACITY_BLOCKS,
@@ -57,6 +63,10 @@ def default_lockstep_chunk(num_workers: int) -> int:
 
 _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
+# The deliveries as module globals: the hot path compares with these (an enum's attribute costs
+# ~150 ns to look up, a global ~5 ns).
+_ROUND_ROBIN, _ROOM, _ARGMIN, _ARGMIN_PREFIX, _ARGMIN_CARRIED = (
+    Delivery.ROUND_ROBIN, Delivery.ROOM, Delivery.ARGMIN, Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED)
 
 
 class Dispatcher:
@@ -103,6 +113,8 @@ class Dispatcher:
         lockstep_chunk: int | None = None,
     ):
         self.method = resolve_load_balance_method(method, disaggregation_mode, lockstep=lockstep)
+        self.spec = spec = METHODS[self.method]
+        self._delivery = spec.delivery  # read on every dispatch: one attribute, not two
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise InvalidInputError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
                              f"got {num_workers!r}")
@@ -111,26 +123,25 @@ class Dispatcher:
         if not isinstance(refresh_interval, (int, float)) or not refresh_interval >= 0:
             raise InvalidInputError(f"refresh_interval must be a number of seconds >= 0, got {refresh_interval!r}")
         self.num_workers = num_workers
-        self.refresh_interval = float(refresh_interval)
+        self._refresh_interval = float(refresh_interval)
         self._clock = clock
-        improved = self.method.is_improved
-        self.inflight_accounting = improved if inflight_accounting is None else bool(inflight_accounting)
-        self.health_aware = improved if health_aware is None else bool(health_aware)
-        self.rotate_ties = improved if rotate_ties is None else bool(rotate_ties)
+        self.inflight_accounting = spec.inflight_accounting if inflight_accounting is None else bool(inflight_accounting)
+        self.health_aware = spec.health_aware if health_aware is None else bool(health_aware)
+        self.rotate_ties = spec.rotate_ties if rotate_ties is None else bool(rotate_ties)
         self.refresh_count = 0
-        self._last_refresh = float("-inf")  # the first load-aware dispatch always refreshes
         self._rr_counter = 0
         self._active_mask = np.zeros(num_workers, bool)
         self._available_mask = np.ones(num_workers, bool)
+        self._available_list = [True] * num_workers  # the same, for round robin (a list indexes faster)
         self._active: tuple[int, ...] = ()
         self.reader = reader
         self.budget: DPBudget | None = None
         self.prefix: PrefixIndex | None = None
         self.lockstep_horizon = lockstep_horizon
         self.lockstep_chunk = default_lockstep_chunk(num_workers) if lockstep_chunk is None else lockstep_chunk
-        if self.method.is_load_aware:
+        if spec.is_load_aware:
             self._setup_load_aware(reader, ledger_capacity, use_extension)
-        if self.method.uses_prefix_index:
+        if spec.uses_prefix_index:
             self.prefix = PrefixIndex(num_workers, prefix_block_size, prefix_capacity_blocks)
             self._savings = np.zeros(num_workers, np.int64)
             self._capacities = np.zeros(num_workers, np.int64)  # the KV capacities last given to the index
@@ -139,17 +150,6 @@ class Dispatcher:
             # request types whose instances cannot carry block_hashes (see _none_carry_hashes)
             self._hashless: dict[type, bool] = {}
         self.set_active(range(num_workers) if active is None else active)
-        # bind the method's fast path once, so a call does no branching on the method
-        if self.method is LoadBalanceMethod.ROUND_ROBIN:
-            self.dispatch = self._dispatch_round_robin  # type: ignore[method-assign]
-        elif self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
-            self.dispatch = self._dispatch_room  # type: ignore[method-assign]
-        elif self.method.by_headroom:
-            self.dispatch = self._dispatch_ttft  # type: ignore[method-assign]
-        elif self.prefix is not None:
-            self.dispatch = self._dispatch_cache  # type: ignore[method-assign]
-        else:
-            self.dispatch = self._dispatch_load  # type: ignore[method-assign]
 
     def _setup_load_aware(self, reader: Any, ledger_capacity: int, use_extension: bool) -> None:
         n = self.num_workers
@@ -160,10 +160,9 @@ class Dispatcher:
             )
         self.budget = DPBudget(
             n,
-            by_tokens=self.method.by_tokens,
-            by_backlog=self.method.by_backlog,
-            by_headroom=self.method.by_headroom,
-            by_lockstep=self.method.by_lockstep,
+            key=self.spec.key,
+            clock=self._clock,  # the throttle lives in the core: the plain argmin is one call
+            refresh_interval=self._refresh_interval,
             lockstep_horizon=self.lockstep_horizon,
             lockstep_chunk=self.lockstep_chunk,
             rotate_ties=self.rotate_ties,
@@ -172,6 +171,7 @@ class Dispatcher:
             use_extension=use_extension,
         )
         self._pick = self.budget.core.pick
+        self._pick_fresh = self.budget.core.pick_fresh
         self._pick_batch = self.budget.core.pick_batch
         if hasattr(reader, "read_array"):
             first = reader.read_array()
@@ -198,7 +198,7 @@ class Dispatcher:
                 f"reader must be a BoardReader or have read_all() (or read_array()), got {type(reader).__name__}"
             )
         self._read_queued = None
-        if self.method.by_backlog and hasattr(reader, "read_detailed_array"):
+        if self.spec.key.reads_backlog and hasattr(reader, "read_detailed_array"):
             self._read_queued = self._queued_prefill_reader(reader)
 
     def _queued_prefill_reader(self, reader: Any) -> Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -234,6 +234,17 @@ class Dispatcher:
     # -- the active set and availability ------------------------------------------------------------
 
     @property
+    def refresh_interval(self) -> float:
+        """Seconds between two refreshes of the budget from the board, at least (the throttle)."""
+        return self._refresh_interval
+
+    @refresh_interval.setter
+    def refresh_interval(self, seconds: float) -> None:
+        self._refresh_interval = float(seconds)
+        if self.budget is not None:
+            self.budget.core.interval = self._refresh_interval
+
+    @property
     def active(self) -> tuple[int, ...]:
         return self._active
 
@@ -264,6 +275,7 @@ class Dispatcher:
         """Mark a rank available or not (a failed or draining worker); every slot starts available."""
         rank = self._worker_rank(rank, "rank")
         self._available_mask[rank] = bool(available)
+        self._available_list[rank] = bool(available)
         self._update_candidates()
 
     def _update_candidates(self) -> None:
@@ -282,7 +294,7 @@ class Dispatcher:
         """Read the board into the budget now (dispatch does this itself, at most once per interval)."""
         if self.budget is None:
             return
-        self._last_refresh = self._clock()
+        self.budget.core.last_refresh = self._clock()
         self._refresh()
 
     def _refresh(self) -> None:
@@ -304,40 +316,61 @@ class Dispatcher:
     # -- dispatch -------------------------------------------------------------------------------------
 
     def dispatch(self, req: Any) -> int:
-        """The rank for ``req``: ``routed_dp_rank`` first, then the method.
+        """The rank for ``req``, as the method's row (``self.spec``) says: ``routed_dp_rank`` first
+        (every delivery takes it), then its delivery, and for an argmin its key, which the C core
+        compares (``DPBudget.core``).
 
-        ``__init__`` binds the method's own fast path over this name; this body is the same choice."""
-        if self.method.by_headroom:
-            return self._dispatch_ttft(req)
-        if self.prefix is not None:
-            return self._dispatch_cache(req)
-        if self.budget is not None:
-            return self._dispatch_load(req)
-        if self.method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
-            return self._dispatch_room(req)
-        return self._dispatch_round_robin(req)
+        The plain argmin falls through to the end: on that path each Python step is ~5-15 ns of a
+        ~150 ns decision (docs/BENCHMARKS.md), so it makes one comparison and one call, the C core's
+        (its throttle included). The deliveries are compared with module globals: an enum member's
+        attribute lookup costs ~150 ns."""
+        if self._delivery is not _ARGMIN:
+            delivery = self._delivery
+            if delivery is not _ARGMIN_CARRIED:
+                if delivery is _ROOM:
+                    return self._dispatch_room(req)
+                if delivery is _ROUND_ROBIN:
+                    return self._dispatch_round_robin(req)
+                return self._dispatch_cache(req)  # _ARGMIN_PREFIX
+            # the prefix index only for a request that carries its prompt's block hashes (the ZMQ
+            # controller reads them from the frame in C, the simulator from the trace); any other saves
+            # nothing anywhere: the plain argmin below applies the same cost with no saving and skips
+            # the index (hashing a Python list of input_ids would cost more than the whole decision)
+            kind = self._hashless.get(type(req))  # as in _none_carry_hashes, for one request
+            if kind is None:
+                kind = self._hashless[type(req)] = _never_has_block_hashes(req)
+            if not kind and getattr(req, "block_hashes", None) is not None:
+                return self._dispatch_cache(req)
+            if self._charged_any:
+                self._forget_charges()
+        rank = self._pick_fresh(req)  # the C core: the 20 ms throttle, then the argmin of the key
+        if rank is None:  # the budget is due a refresh first
+            self._refresh()
+            rank = self._pick(req)
+        return rank
 
     def dispatch_batch(self, reqs: Sequence[Any]) -> list[int]:
         """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
-        nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept."""
-        method = self.method
-        if method.by_headroom and self._none_carry_hashes(reqs):
+        nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept.
+        The same deliveries as ``dispatch``, per batch."""
+        delivery = self._delivery
+        if delivery is _ARGMIN_CARRIED:
+            if not self._none_carry_hashes(reqs):
+                return self._dispatch_cache_batch(reqs)
             self._forget_charges()
-            self._refresh_if_due()
-            return self._pick_batch(reqs)
-        if self.prefix is not None:
+        elif delivery is _ARGMIN_PREFIX:
             return self._dispatch_cache_batch(reqs)
-        if self.budget is not None:
-            self._refresh_if_due()
-            return self._pick_batch(reqs)
-        if method is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM:
+        elif delivery is _ROOM:
             return [self._dispatch_room(req) for req in reqs]
-        saved = self._rr_counter
-        try:
-            return [self._dispatch_round_robin(req) for req in reqs]
-        except BaseException:
-            self._rr_counter = saved
-            raise
+        elif delivery is _ROUND_ROBIN:
+            saved = self._rr_counter
+            try:
+                return [self._dispatch_round_robin(req) for req in reqs]
+            except BaseException:
+                self._rr_counter = saved
+                raise
+        self._refresh_if_due()
+        return self._pick_batch(reqs)
 
     def retract(self, rank: int, req: Any) -> None:
         """Take back the pick of ``req`` on ``rank``: its send failed, so the rank never got it.
@@ -365,25 +398,14 @@ class Dispatcher:
 
     def _refresh_if_due(self) -> None:
         """The 20 ms throttle (docs/DISPATCH.md, rule 6): read the board only when ``refresh_interval`` has passed."""
-        now = self._clock()
-        if now - self._last_refresh >= self.refresh_interval:
-            self._last_refresh = now
+        if self.budget is not None and self.budget.core.refresh_due():
             self._refresh()
-
-    def _dispatch_load(self, req: Any) -> int:
-        # _refresh_if_due written out: on this path a method call is ~20 ns of a ~130 ns decision
-        # (docs/BENCHMARKS.md); the batch and cache paths call it.
-        now = self._clock()
-        if now - self._last_refresh >= self.refresh_interval:
-            self._last_refresh = now
-            self._refresh()
-        return self._pick(req)
 
     def _pick_cached(self, req: Any) -> int:
         """One inflight_cache pick: the prompt's cached tokens on every rank from the prefix index,
         the pick charged its uncached part, and the prompt recorded on the rank that got it."""
         assert self.prefix is not None
-        if self.method.by_headroom:  # inflight_ttft: the block hashes the request carries, if any
+        if self._delivery is _ARGMIN_CARRIED:  # the block hashes the request carries, if any
             carried = getattr(req, "block_hashes", None)
             hashes = [] if carried is None else list(carried)
         else:
@@ -423,25 +445,6 @@ class Dispatcher:
         self._refresh_if_due()
         return self._pick_cached(req)
 
-    def _dispatch_ttft(self, req: Any) -> int:
-        # The index is consulted for requests that carry their prompt's block hashes (the ZMQ
-        # controller reads them from the frame in C, the simulator from the trace). Any other
-        # request saves nothing anywhere: the C core's plain pick applies the same cost with no
-        # saving and skips the index, so a decision costs what inflight_backlog's does (hashing a
-        # Python list of input_ids would cost more than the whole decision).
-        kind = self._hashless.get(type(req))  # as in _none_carry_hashes, for one request
-        if kind is None:
-            kind = self._hashless[type(req)] = _never_has_block_hashes(req)
-        if kind or getattr(req, "block_hashes", None) is None:
-            if self._charged_any:
-                self._forget_charges()
-            now = self._clock()
-            if now - self._last_refresh >= self.refresh_interval:
-                self._last_refresh = now
-                self._refresh()
-            return self._pick(req)
-        return self._dispatch_cache(req)
-
     def _dispatch_cache_batch(self, reqs: Sequence[Any]) -> list[int]:
         # One refresh, then one pick per request in order, each seeing the prompts recorded before it.
         # All or nothing for the budget; the index keeps what failed batches recorded (it is an estimate).
@@ -461,14 +464,18 @@ class Dispatcher:
         return picks
 
     def _dispatch_round_robin(self, req: Any) -> int:
-        routed = getattr(req, "routed_dp_rank", None)
+        # the request's attributes read directly, an absent one None: ~25 ns less than getattr's default
+        try:
+            routed = req.routed_dp_rank
+        except AttributeError:
+            routed = None
         if routed is not None:
             return check_routed_rank(routed, self._active_mask)
         active = self._active
         n = len(active)
         if n == 0:
             raise UnavailableError("no active DP rank: the active set is empty (call set_active with the live ranks)")
-        available = self._available_mask
+        available = self._available_list
         for _ in range(n):
             slot = active[self._rr_counter % n]
             self._rr_counter = (self._rr_counter + 1) % n
@@ -479,16 +486,22 @@ class Dispatcher:
         )
 
     def _dispatch_room(self, req: Any) -> int:
-        routed = getattr(req, "routed_dp_rank", None)
+        try:  # as in _dispatch_round_robin
+            routed = req.routed_dp_rank
+        except AttributeError:
+            routed = None
         if routed is not None:
             return check_routed_rank(routed, self._active_mask)
-        room = getattr(req, "bootstrap_room", None)
+        try:
+            room = req.bootstrap_room
+        except AttributeError:
+            room = None
         if room is None:
             raise InvalidInputError(
                 "request has no bootstrap_room: follow_bootstrap_room needs one; send PD requests "
                 "through the router, which sets it, not straight to the prefill server"
             )
-        if not isinstance(room, int) or isinstance(room, bool):
+        if type(room) is not int and (not isinstance(room, int) or isinstance(room, bool)):
             raise InvalidInputError(f"bootstrap_room must be an int, got {room!r}")
         # len(workers) counts reserved slots too, and status is not checked (as in SGLang): the room
         # mapping must stay stable while ranks come and go
@@ -497,7 +510,7 @@ class Dispatcher:
     @property
     def described(self) -> str:
         """The method as start-up lines name it, with the lockstep horizon where it has one."""
-        if self.method is LoadBalanceMethod.INFLIGHT_LOCKSTEP:
+        if self.spec.key is ArgminKey.LOCKSTEP:
             return f"{self.method.value} (horizon {self.lockstep_horizon} group steps)"
         return self.method.value
 

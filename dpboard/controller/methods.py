@@ -1,10 +1,21 @@
-"""Dispatch methods, the ``auto`` rules (docs/DISPATCH.md, rule 1), and who owns node0's load PULL socket
-(docs/MULTINODE.md, "One owner")."""
+"""Dispatch methods, one row each in ``METHODS``; the ``auto`` rules (docs/DISPATCH.md, rule 1), read
+from the rows; and who owns node0's load PULL socket (docs/MULTINODE.md, "One owner").
+
+A method is its row: how a request is placed (``Delivery``), which argmin key the C core compares
+ranks by (``ArgminKey``: ``_dispatch.c`` switches on its values and exports them, checked at import
+by ``dpboard.controller.budget``), the defaults of dpboard's own rules, and where ``auto`` picks it.
+The ``Dispatcher``, ``DPBudget``, ``auto``, the simulator and the command lines read the rows; the
+trait properties of ``LoadBalanceMethod`` read them too (docs/ARCHITECTURE.md, "Adding a dispatch
+method").
+"""
 
 from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from dpboard.errors import InvalidInputError
 
@@ -19,7 +30,8 @@ class LoadBalanceMethod(str, enum.Enum):
     rank's prefix cache does not hold; ``inflight_ttft``, the one to leave on, on that plus the
     tokens that would not fit the rank's KV capacity; ``inflight_lockstep``, for ranks that step in
     lockstep (DP attention), among the ranks whose first token comes within a few group steps, on
-    the running decodes its prefill would stall (docs/DISPATCH.md says when to use which).
+    the running decodes its prefill would stall (docs/DISPATCH.md says when to use which). Each
+    member's facts are its row in ``METHODS``; the properties below read it.
     """
 
     ROUND_ROBIN = "round_robin"
@@ -34,94 +46,192 @@ class LoadBalanceMethod(str, enum.Enum):
     INFLIGHT_LOCKSTEP = "inflight_lockstep"
 
     @property
+    def spec(self) -> MethodSpec:
+        """This method's row of ``METHODS``."""
+        return METHODS[self]
+
+    @property
     def is_load_aware(self) -> bool:
         """True when the method reads the board (and so needs a reader)."""
-        return self not in (LoadBalanceMethod.ROUND_ROBIN, LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
+        return METHODS[self].is_load_aware
 
     @property
     def by_tokens(self) -> bool:
-        """True when the argmin key is (tokens, requests); False when it is requests alone."""
-        return self in (LoadBalanceMethod.TOTAL_TOKENS, LoadBalanceMethod.INFLIGHT_TOKENS)
+        """True when the argmin key is (tokens, requests)."""
+        return METHODS[self].key is ArgminKey.TOKENS
 
     @property
     def by_backlog(self) -> bool:
-        """True when the argmin key is (queued prefill tokens, tokens): the ``inflight_backlog`` key.
-
-        A new request's first token comes after the prompts queued ahead of it on the rank (prefill
-        runs before decode), so the rank with the least queued prefill work answers first; among
-        equal queues (most often empty ones) the lighter decode batch (fewer KV tokens) wins, as its
-        steps are shorter and its cache has more room to admit the prompt.
-        """
-        return self in (
-            LoadBalanceMethod.INFLIGHT_BACKLOG,
-            LoadBalanceMethod.INFLIGHT_CACHE,
-            LoadBalanceMethod.INFLIGHT_TTFT,
-            LoadBalanceMethod.INFLIGHT_LOCKSTEP,
-        )
+        """True when the key reads the prefill work queued at each rank (``ArgminKey.reads_backlog``)."""
+        return getattr(METHODS[self].key, "reads_backlog", False)
 
     @property
     def uses_prefix_index(self) -> bool:
-        """True when the controller keeps a prefix index to estimate each rank's cached prompt tokens.
-
-        The request's first token comes after the prefill work queued at the rank and after its own
-        prompt's prefill, less what the rank's prefix cache already holds of it: the key is
-        ``backlog + max(0, prompt - cached)``, ties to the lighter KV.
-        """
-        return self in (
-            LoadBalanceMethod.INFLIGHT_CACHE,
-            LoadBalanceMethod.INFLIGHT_TTFT,
-            LoadBalanceMethod.INFLIGHT_LOCKSTEP,
-        )
+        """True when the controller keeps a prefix index to estimate each rank's cached prompt tokens."""
+        return METHODS[self].uses_prefix_index
 
     @property
     def by_headroom(self) -> bool:
-        """True when the key also reads the rank's KV room: ``inflight_ttft``.
-
-        A rank whose KV can hold the request's uncached prompt on top of what it holds and queues
-        (``tokens + uncached <= capacity``) starts the prompt after its queued prefill: key
-        ``backlog + uncached``. A rank that cannot makes the prompt wait for its running requests
-        to free KV: it comes after every rank that can, and among such ranks the one with the
-        fewest ``tokens + uncached`` frees room first. While any rank has room the method is
-        ``inflight_cache`` over those ranks (``inflight_backlog`` for a request without prompt
-        blocks). Its backlog also keeps the batch a rank is prefilling (the requests of ours the
-        rank took out of its waiting queue since its previous snapshot), which the engine's queued
-        figure leaves out though it is still ahead of a new request's first token."""
-        return self in (LoadBalanceMethod.INFLIGHT_TTFT, LoadBalanceMethod.INFLIGHT_LOCKSTEP)
+        """True when the key also reads each rank's KV room (``ArgminKey.reads_room``)."""
+        return getattr(METHODS[self].key, "reads_room", False)
 
     @property
     def by_lockstep(self) -> bool:
-        """True for ``inflight_lockstep``: ``inflight_ttft``'s figures, chosen for ranks in lockstep.
-
-        With DP attention every rank's step ends together, a prompt's first token on rank r comes
-        ``s_r = ceil((backlog_r + uncached) / chunk_r)`` group steps from now, and each step in
-        which r prefills gives none of r's running requests a token (SGLang runs a rank's prefill
-        batch on its own). Among the ranks whose KV has room, those with ``s_r`` at most
-        ``max(min s, horizon)`` are as good for the first token; among them the pick is the one
-        whose prefill stalls the fewest decodes: ``running_r * (s_r - ceil(backlog_r / chunk_r))``
-        (running requests times the prefill steps the prompt adds there; 0 where it fills a chunk
-        already under way), then the earlier ``s_r``, then fewer KV tokens. No rank with room: as
-        ``inflight_ttft``. docs/DISPATCH.md, "inflight_lockstep", says why."""
-        return self is LoadBalanceMethod.INFLIGHT_LOCKSTEP
+        """True for the key of ranks in lockstep (``ArgminKey.LOCKSTEP``)."""
+        return METHODS[self].key is ArgminKey.LOCKSTEP
 
     @property
     def is_improved(self) -> bool:
         """True for dpboard's own methods (in-flight accounting, health-aware, rotating ties on)."""
-        return self in (
-            LoadBalanceMethod.INFLIGHT_REQUESTS,
-            LoadBalanceMethod.INFLIGHT_TOKENS,
-            LoadBalanceMethod.INFLIGHT_BACKLOG,
-            LoadBalanceMethod.INFLIGHT_CACHE,
-            LoadBalanceMethod.INFLIGHT_TTFT,
-            LoadBalanceMethod.INFLIGHT_LOCKSTEP,
-        )
+        return METHODS[self].is_improved
 
     def __str__(self) -> str:
         return self.value
 
 
+class ArgminKey(enum.IntEnum):
+    """What the argmin compares, per candidate rank; ties go to the scan order (from rank 0, or from
+    the rank after the last pick with rotating ties). The values are the ids ``_dispatch.c`` switches
+    on (it exports each as ``KEY_<NAME>``; ``dpboard.controller.budget`` compares them at import), and
+    ``PyArgminCore`` keys its Python twin of each by the member."""
+
+    # running + waiting (+ in flight)
+    REQUESTS = 0
+    # (tokens, requests)
+    TOKENS = 1
+    # (queued prefill tokens, tokens): a new request's first token comes after the prompts queued
+    # ahead of it (prefill runs before decode); among equal queues the lighter decode batch wins. With
+    # a prefix index: queued prefill + the part of the prompt the rank does not hold, ties to fewer tokens
+    BACKLOG = 2
+    # BACKLOG among the ranks whose KV holds the uncached prompt on top of what they hold (tokens +
+    # uncached <= capacity) before any rank that cannot, and among those the fewest tokens + uncached
+    # (its prompt waits for KV to free); the backlog keeps the batch a rank is prefilling
+    HEADROOM = 3
+    # ranks in lockstep (DP attention): among HEADROOM's ranks with room, those whose first token comes
+    # within max(earliest, horizon) group steps, the fewest running decodes the prefill stalls
+    # (running x prefill steps added), then the earlier step, then fewer tokens; no room: HEADROOM's
+    # pick (docs/DISPATCH.md, "inflight_lockstep")
+    LOCKSTEP = 4
+
+    @property
+    def reads_backlog(self) -> bool:
+        """The key reads each rank's queued prefill (the budget's ``backlog``, the engine's own figure)."""
+        return self in (ArgminKey.BACKLOG, ArgminKey.HEADROOM, ArgminKey.LOCKSTEP)
+
+    @property
+    def reads_room(self) -> bool:
+        """The key reads each rank's KV capacity (and the budget counts the batch a rank prefills)."""
+        return self in (ArgminKey.HEADROOM, ArgminKey.LOCKSTEP)
+
+
+class Delivery(enum.Enum):
+    """How the Dispatcher places a request once ``routed_dp_rank`` is not set."""
+
+    ROUND_ROBIN = "round robin over the active, available ranks; load is never read"
+    ROOM = "bootstrap_room modulo the worker slots (reserved ones included); status is not read"
+    ARGMIN = "the C core's argmin of the key over the candidates, charged speculatively"
+    # hashes of the prompt's input_ids, matched on every rank's prefix index before the argmin
+    ARGMIN_PREFIX = "the argmin with each rank's cached share of the prompt from the prefix index"
+    # hashing a Python list of input_ids costs more than the whole decision: only a request that
+    # carries its block hashes (the ZMQ controller's frames, the simulator's trace) consults the index
+    ARGMIN_CARRIED = "ARGMIN_PREFIX for a request that carries its block hashes, else ARGMIN"
+
+
+class Deployment(enum.Enum):
+    """What ``auto`` decides from: PD disaggregation, and whether the ranks step in lockstep."""
+
+    NO_PD = "no PD"
+    LOCKSTEP = "no PD, ranks in lockstep (DP attention, vLLM's MoE DP)"
+    PD_PREFILL = "PD prefill"
+    PD_DECODE = "PD decode"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One dispatch method: everything the code asks of it (docs/ARCHITECTURE.md, "Adding a dispatch method").
+
+    ``key`` is None exactly for the methods that read no load. ``inflight_accounting``,
+    ``health_aware`` and ``rotate_ties`` are the Dispatcher's defaults for its options of those
+    names. ``auto_for``: the deployments where ``auto`` is this method (each has exactly one)."""
+
+    method: LoadBalanceMethod
+    delivery: Delivery
+    key: ArgminKey | None = None
+    inflight_accounting: bool = False
+    health_aware: bool = False
+    rotate_ties: bool = False
+    auto_for: frozenset[Deployment] = frozenset()
+
+    def __post_init__(self) -> None:
+        if (self.key is None) != (self.delivery in (Delivery.ROUND_ROBIN, Delivery.ROOM)):
+            raise AssertionError(f"{self.method.value}: an argmin delivery needs a key, and only it has one")
+
+    @property
+    def is_load_aware(self) -> bool:
+        return self.key is not None
+
+    @property
+    def uses_prefix_index(self) -> bool:
+        return self.delivery in (Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED)
+
+    @property
+    def is_improved(self) -> bool:
+        return self.inflight_accounting and self.health_aware and self.rotate_ties
+
+
+def _row(method: LoadBalanceMethod, delivery: Delivery, key: ArgminKey | None = None, *, improved: bool = False,
+         auto_for: tuple[Deployment, ...] = ()) -> tuple[LoadBalanceMethod, MethodSpec]:
+    # dpboard's own methods switch all three of its rules on; SGLang's keep SGLang's behaviour
+    return method, MethodSpec(method, delivery, key, improved, improved, improved, frozenset(auto_for))
+
+
+_M, _D, _K, _P = LoadBalanceMethod, Delivery, ArgminKey, Deployment
+METHODS: Mapping[LoadBalanceMethod, MethodSpec] = MappingProxyType(dict([
+    _row(_M.ROUND_ROBIN, _D.ROUND_ROBIN, auto_for=(_P.NO_PD, _P.PD_DECODE)),
+    _row(_M.FOLLOW_BOOTSTRAP_ROOM, _D.ROOM, auto_for=(_P.PD_PREFILL,)),
+    _row(_M.TOTAL_REQUESTS, _D.ARGMIN, _K.REQUESTS),
+    _row(_M.TOTAL_TOKENS, _D.ARGMIN, _K.TOKENS),
+    _row(_M.INFLIGHT_REQUESTS, _D.ARGMIN, _K.REQUESTS, improved=True),
+    _row(_M.INFLIGHT_TOKENS, _D.ARGMIN, _K.TOKENS, improved=True),
+    _row(_M.INFLIGHT_BACKLOG, _D.ARGMIN, _K.BACKLOG, improved=True),
+    _row(_M.INFLIGHT_CACHE, _D.ARGMIN_PREFIX, _K.BACKLOG, improved=True),
+    _row(_M.INFLIGHT_TTFT, _D.ARGMIN_CARRIED, _K.HEADROOM, improved=True),
+    _row(_M.INFLIGHT_LOCKSTEP, _D.ARGMIN_CARRIED, _K.LOCKSTEP, improved=True, auto_for=(_P.LOCKSTEP,)),
+]))
+AUTO_PICKS: Mapping[Deployment, LoadBalanceMethod] = MappingProxyType(
+    {d: spec.method for spec in METHODS.values() for d in spec.auto_for})
+
+
+def _check_table() -> None:
+    # the rows in the enum's order (the command lines list them so), one per method, and every
+    # deployment one auto pick
+    picks = [d for spec in METHODS.values() for d in spec.auto_for]
+    if list(METHODS) != list(LoadBalanceMethod) or sorted(picks, key=list(Deployment).index) != list(Deployment):
+        raise AssertionError(f"METHODS: one row per method, in LoadBalanceMethod's order (rows: "
+                             f"{[m.value for m in METHODS]}), and one auto pick per deployment "
+                             f"(picks: {[d.name for d in picks]})")
+
+
+_check_table()
+
 AUTO = "auto"
-METHOD_CHOICES: tuple[str, ...] = (AUTO, *(m.value for m in LoadBalanceMethod))
+METHOD_CHOICES: tuple[str, ...] = (AUTO, *(m.value for m in METHODS))
 DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")
+
+
+def deployment(disaggregation_mode: str | None = None, *, lockstep: bool = False) -> Deployment:
+    """The deployment ``auto`` decides for: the PD side when there is one, else whether ranks step in lockstep."""
+    mode = parse_disaggregation_mode(disaggregation_mode)
+    if mode == "prefill":
+        return Deployment.PD_PREFILL
+    if mode == "decode":
+        return Deployment.PD_DECODE
+    return Deployment.LOCKSTEP if lockstep else Deployment.NO_PD
+
+
+def auto_pick(disaggregation_mode: str | None = None, *, lockstep: bool = False) -> LoadBalanceMethod:
+    """What ``auto`` is for a deployment: the method whose row lists it (``AUTO_PICKS``)."""
+    return AUTO_PICKS[deployment(disaggregation_mode, lockstep=lockstep)]
 
 
 def _normalise(text: str) -> str:
@@ -166,28 +276,26 @@ def resolve_load_balance_method(
 ) -> LoadBalanceMethod:
     """Resolve ``auto`` and the PD prefill rule before a controller starts (docs/DISPATCH.md, rule 1).
 
-    ``auto``: no PD -> round_robin, or inflight_lockstep where the ranks step in lockstep
-    (``lockstep``: DP attention, vLLM's MoE DP); PD prefill -> follow_bootstrap_room; PD decode ->
-    round_robin. ``round_robin`` in PD prefill warns and becomes follow_bootstrap_room: decode finds
-    the prefill rank by ``bootstrap_room``, so prefill must map rooms to ranks stably.
+    ``auto`` is the method whose row lists the deployment (``AUTO_PICKS``): no PD -> round_robin, or
+    inflight_lockstep where the ranks step in lockstep (``lockstep``: DP attention, vLLM's MoE DP);
+    PD prefill -> follow_bootstrap_room; PD decode -> round_robin. A round-robin method in PD prefill
+    warns and becomes prefill's ``auto``: decode finds the prefill rank by ``bootstrap_room``, so
+    prefill must map rooms to ranks stably.
     """
-    mode = parse_disaggregation_mode(disaggregation_mode)
+    where = deployment(disaggregation_mode, lockstep=lockstep)
     parsed = parse_load_balance_method(method)
     if parsed == AUTO:
-        if mode == "prefill":
-            return LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM
-        if mode == "null" and lockstep:
-            return LoadBalanceMethod.INFLIGHT_LOCKSTEP
-        return LoadBalanceMethod.ROUND_ROBIN
+        return AUTO_PICKS[where]  # auto_pick
     assert isinstance(parsed, LoadBalanceMethod)
-    if mode == "prefill" and parsed is LoadBalanceMethod.ROUND_ROBIN:
+    if where is Deployment.PD_PREFILL and METHODS[parsed].delivery is Delivery.ROUND_ROBIN:
+        stable = AUTO_PICKS[Deployment.PD_PREFILL]
         warnings.warn(
-            "load balance method round_robin does not map bootstrap_room stably in PD prefill; "
-            "using follow_bootstrap_room instead",
+            f"load balance method {parsed.value} does not map bootstrap_room stably in PD prefill; "
+            f"using {stable.value} instead",
             UserWarning,
             stacklevel=2,
         )
-        return LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM
+        return stable
     return parsed
 
 

@@ -25,6 +25,16 @@ FILE_PROFILE = "llama3.1-8b-h100"  # real traces run on a calibrated model unles
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``dpboard sim``'s options, by subject: the workload, the methods, the rank model, the goodput
+    SLOs with how loads are published and read, and what the run writes."""
+    _add_workload_arguments(p)
+    _add_method_arguments(p)
+    _add_rank_model_arguments(p)
+    _add_measuring_arguments(p)
+    _add_output_arguments(p)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--trace", default=None, choices=sorted(SCENARIOS), help=f"named synthetic scenario (default {DEFAULT_SCENARIO})"
@@ -57,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--duration", type=float, default=None, help="--trace: seconds of arrivals (default: the scenario's)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace, the spread and random ties (default 0)")
+
+
+def _add_method_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--methods",
         default=None,
@@ -69,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cadence=step|sglang|period, publish_every=N and prefill_delayer=on|off for that method alone. Default: the seed "
         "methods, the peers and dpboard's methods",
     )
+
+
+def _add_rank_model_arguments(p: argparse.ArgumentParser) -> None:
     prof = p.add_mutually_exclusive_group()
     prof.add_argument(
         "--profile",
@@ -126,6 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "lockstep under --dp-attention), KV transfer between them; a method is then PREFILL/DECODE "
         "(e.g. follow_bootstrap_room/round_robin, SGLang's auto), a single name both sides",
     )
+
+
+def _add_measuring_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slo-ttft-ms", type=float, default=None, help="goodput: time-to-first-token SLO, ms (default: the profile's)"
     )
@@ -155,6 +174,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the queued prefill ranks report: SGLang's own estimate (default) or the exact uncached "
         "tokens an engine that matched its waiting queue could report",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the full results as JSON here ('-' for stdout)")
     p.add_argument(
         "--plot", metavar="PNG", type=output_file, help="write TTFT distributions and imbalance over time (matplotlib)"

@@ -1,5 +1,7 @@
 """Which policy a method spec names: ``NAME[:key=value,...]`` -> dpboard's ``Dispatcher`` with those
-options (policy.py) or one of the peers' routers (peers.py)."""
+options (policy.py) or one of the peers' routers (peers.py). What the simulator knows of dpboard's
+methods is their rows in ``dpboard.controller.methods.METHODS``: which it offers, which are SGLang's
+seed methods and which dpboard's own, and ``auto``'s pair for PD."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from dpboard.controller.methods import AUTO, AUTO_PICKS, METHODS, Delivery, Deployment, LoadBalanceMethod
 from dpboard.errors import InvalidInputError
 from dpboard.sim.peers import PEERS, make_peer
 from dpboard.sim.policy import AutoPolicy, DispatcherPolicy, Policy, SimBoard
@@ -45,12 +48,35 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def controller_methods() -> list[str]:
-    """Names of the methods dpboard's controller offers (empty when it cannot be imported)."""
+    """Names of the methods dpboard's controller offers, in the table's order."""
+    return [m.value for m in METHODS]
+
+
+def method_row(name: str) -> Any:
+    """The ``METHODS`` row of the controller's method ``name`` (a spec's name part), or None for a
+    peer, ``auto`` or any other name."""
     try:
-        from dpboard.controller import LoadBalanceMethod
-    except ImportError:
-        return []
-    return [m.value if isinstance(m.value, str) else m.name.lower() for m in LoadBalanceMethod]
+        return METHODS[LoadBalanceMethod(name.strip().lower())]
+    except ValueError:
+        return None
+
+
+def seed_and_improved() -> tuple[list[str], list[str]]:
+    """SGLang's seed methods that compare load across ranks or rotate (round robin, total_requests,
+    total_tokens: not the room, a PD method), and dpboard's own methods, in the table's order."""
+    seeds = [m.value for m, row in METHODS.items() if not row.is_improved and row.delivery is not Delivery.ROOM]
+    return seeds, [m.value for m, row in METHODS.items() if row.is_improved]
+
+
+def pd_auto() -> tuple[str, str]:
+    """``auto``'s (prefill, decode) pair: the rows that list PD prefill and PD decode."""
+    return AUTO_PICKS[Deployment.PD_PREFILL].value, AUTO_PICKS[Deployment.PD_DECODE].value
+
+
+def maps_rooms(name: str) -> bool:
+    """The method places a request by its ``bootstrap_room`` (PD prefill's stable mapping)."""
+    row = method_row(name)
+    return row is not None and row.delivery is Delivery.ROOM
 
 
 # vLLM's default deployment (one API server per rank) dispatching through the board: every API
@@ -92,8 +118,6 @@ def make_policy(
             f"method {name!r} needs dpboard.controller, which cannot be imported ({e}); "
             f"only the peers' policies ({', '.join(PEERS)}) run without it"
         ) from e
-    from dpboard.controller.methods import AUTO
-
     try:
         method = resolve_load_balance_method(name)
     except ValueError:

@@ -157,12 +157,8 @@ class SimRequest:
         is_burst: bool = False,
         block_ids: tuple[int, ...] = (),
     ):
-        self.rid = rid
-        self.arrival_s = arrival_s
-        self.prompt_len = prompt_len
-        self.output_len = output_len
-        self.is_burst = is_burst
-        self.block_ids = block_ids
+        self.rid, self.arrival_s, self.prompt_len, self.output_len = rid, arrival_s, prompt_len, output_len
+        self.is_burst, self.block_ids = is_burst, block_ids
         self.routed_dp_rank: int | None = None
         self.bootstrap_room: int | None = None
         self.num_tokens = prompt_len  # the dispatcher's token estimate: the prompt length
@@ -270,11 +266,8 @@ class RankModel:
         # SGLang's windowed prefix-cache hit rate (metrics_reporter.py _CacheHitRateWindow): the
         # hit and total prompt tokens of each prefill step of the last HIT_RATE_WINDOW_S seconds.
         self._hit_window: deque[tuple[float, int, int]] = deque()
-        self._hit_tokens = 0
-        self._hit_total = 0
+        self._hit_tokens = self._hit_total = self._step_hit = self._step_total = 0
         self.recent_hit_rate = 0.0
-        self._step_hit = 0
-        self._step_total = 0
         # The part of a chunked prompt whose KV is not allocated yet: SGLang allocates chunk by chunk.
         self._unallocated = 0
         # PD prefill: the bootstrap queue (requests whose decode side has not pre-allocated yet)
@@ -667,12 +660,7 @@ class RankModel:
     def _hand_off(self, req: SimRequest, now_s: float) -> None:
         """A PD prefill rank: the prompt is done; its KV goes to the decode side (freed here)."""
         req.prefilled_s = now_s
-        self._drop_kv(req)
-        self.handed_off.append(req)
-        if self.on_first_token is not None:
-            self.on_first_token(req)
-        if self.on_finish is not None:
-            self.on_finish(req)
+        self._leave(req, self.handed_off, first_token=True)
 
     def _note_hits(self, now_s: float) -> None:
         """Add this prefill step to the 15 s hit-rate window, as SGLang does after each prefill batch."""
@@ -761,7 +749,14 @@ class RankModel:
 
     def _finish(self, req: SimRequest, now_s: float) -> None:
         req.finished_s = now_s
+        self._leave(req, self.finished)
+
+    def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False) -> None:
+        """``req`` leaves this rank: its KV freed, kept in ``into``, the hooks told (its first token
+        too, for a PD prefill rank's hand-off)."""
         self._drop_kv(req)
-        self.finished.append(req)
+        into.append(req)
+        if first_token and self.on_first_token is not None:
+            self.on_first_token(req)
         if self.on_finish is not None:
             self.on_finish(req)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.errors import InvalidInputError
-from dpboard.sim.methods import make_policy, parse_method_spec
+from dpboard.sim.methods import make_policy, maps_rooms, parse_method_spec, pd_auto
 from dpboard.sim.model import DECODE_ROLE, PREFILL_ROLE, RankModel, SimRequest
 from dpboard.sim.policy import SimBoard
 from dpboard.sim.prefill_delayer import PrefillDelayer
@@ -48,8 +48,7 @@ from dpboard.sim.simulation import (
 from dpboard.sim.stepping import RankGroup
 from dpboard.sim.trace import Trace
 
-FOLLOW_ROOM = "follow_bootstrap_room"
-PD_AUTO = (FOLLOW_ROOM, "round_robin")  # SGLang's auto: prefill follows the room, decode round-robins
+PD_AUTO = pd_auto()  # SGLang's auto: prefill follows the room, decode round-robins (the table's rows)
 
 # Event kinds after the base simulation's eight.
 _HOLD = 8
@@ -80,8 +79,8 @@ def split_pd_method(spec: str) -> tuple[str, str]:
     name = parse_method_spec(spec)[0]
     if name == "auto":
         return PD_AUTO
-    if name == FOLLOW_ROOM:
-        return spec, "round_robin"
+    if maps_rooms(name):  # the room is a prefill-side mapping: the decode side takes auto's
+        return spec, PD_AUTO[1]
     return spec, spec
 
 
@@ -145,7 +144,7 @@ class PdSimulation(Simulation):
         self._n_prefill = n_p
         # The rendezvous: load-aware prefill registers its pick with the bootstrap server and the
         # decode side queries it (two round trips before the decode rank can pre-allocate).
-        self._queries = parse_method_spec(p_spec)[0] != FOLLOW_ROOM
+        self._queries = not maps_rooms(parse_method_spec(p_spec)[0])
         self._link_free = [0.0] * n_p
         self._transfer_s: list[float] = []  # per request: end of prefill -> KV on the decode rank
         self._rooms = bootstrap_rooms(len(self.trace), self.trace.seed)

@@ -1,6 +1,6 @@
 """The peers' routers as policies of ``dpboard sim``: what users run today beside dpboard.
 
-Each one is written from its source (cited below and in docs/DISPATCH.md) and sees only what it
+Each one is written from its source (cited below and in docs/DISPATCH-RESULTS.md, "The loop, the board and the peers") and sees only what it
 sees in its own system, never the simulator's truth:
 
 - ``vllm``: vLLM 0.33's internal DP load balancer as ``vllm serve`` deploys it, one API server per
@@ -93,14 +93,9 @@ class VllmPolicy(Policy):
         servers = n_ranks if api_servers is None else api_servers
         if servers < 1:
             raise InvalidInputError(f"vllm api_servers must be >= 1 (vllm serve starts one per DP rank), got {servers}")
-        self.name = name
-        self.n_ranks = n_ranks
-        self.tick_period_s = stats_interval_s
-        self._clock = clock
-        self._delay_s = delay_s
-        self.client_count = servers
-        self.kv_threshold = kv_threshold
-        self.kv_weight = kv_weight
+        self.name, self.n_ranks, self.tick_period_s = name, n_ranks, stats_interval_s
+        self._clock, self._delay_s, self.client_count = clock, delay_s, servers
+        self.kv_threshold, self.kv_weight = kv_threshold, kv_weight
         self._rng = random.Random(seed)
         self.start = [(n_ranks * i) // servers for i in range(servers)]
         # each server's view of the engines, and its own requests in flight to each
@@ -185,21 +180,15 @@ class GatewayCacheAwarePolicy(Policy):
         self,
         n_ranks: int,
         *,
-        cache_threshold: float = 0.3,
-        balance_abs_threshold: int = 64,
-        balance_rel_threshold: float = 1.5,
-        eviction_interval_s: float = 120.0,
-        max_tree_size: int = 2**26,
-        chars_per_token: float = 4.0,
+        # the gateway's command-line defaults
+        cache_threshold: float = 0.3, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
+        eviction_interval_s: float = 120.0, max_tree_size: int = 2**26, chars_per_token: float = 4.0,
         name: str = CACHE_AWARE,
     ):
         if eviction_interval_s <= 0 or max_tree_size < 1 or chars_per_token <= 0:
             raise InvalidInputError("cache_aware needs eviction_interval > 0, max_tree_size >= 1, chars_per_token > 0")
-        self.name = name
-        self.n_ranks = n_ranks
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+        self.name, self.n_ranks, self.cache_threshold = name, n_ranks, cache_threshold
+        self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.tick_period_s = eviction_interval_s
         self.max_tree_tokens = int(max_tree_size / chars_per_token)
         self.load = [0] * n_ranks
@@ -273,9 +262,8 @@ class DynamoKvPolicy(Policy):
         n_ranks: int,
         *,
         seed: int = 0,
-        overlap_score_credit: float = 1.0,
-        prefill_load_scale: float = 1.0,
-        router_temperature: float = 0.0,
+        # Dynamo's KV router defaults
+        overlap_score_credit: float = 1.0, prefill_load_scale: float = 1.0, router_temperature: float = 0.0,
         block_size: int = 16,
         name: str = DYNAMO_KV,
     ):

@@ -26,7 +26,7 @@ blocks does rank r hold, by this observer's knowledge.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 BLOCK_TOKENS = 512  # tokens per block: Mooncake's hash_ids granularity
 
@@ -52,6 +52,16 @@ def prefix_tokens(prompt_len: int, n_blocks: int, matched: int) -> int:
         return matched * BLOCK_TOKENS
     return prompt_len
 
+
+
+def leading_blocks(ids: Sequence[int], held: Container[int]) -> int:
+    """How many leading blocks of ``ids`` are in ``held``."""
+    n = 0
+    for block_id in ids:
+        if block_id not in held:
+            break
+        n += 1
+    return n
 
 class _Block:
     __slots__ = ("parent", "children", "refs", "tokens", "stamp")
@@ -93,38 +103,30 @@ class PrefixCache:
 
     def match(self, ids: Sequence[int]) -> int:
         """How many leading blocks of ``ids`` this cache holds (no side effect)."""
-        blocks = self._blocks
-        n = 0
-        for block_id in ids:
-            if block_id not in blocks:
-                break
-            n += 1
-        return n
+        return leading_blocks(ids, self._blocks)
 
     def acquire(self, ids: Sequence[int], n: int) -> None:
         """Pin the first ``n`` blocks of ``ids`` (all held: call ``match`` first) for a running request."""
-        self._stamp += 1
-        stamp = self._stamp
-        blocks = self._blocks
-        for i in range(n):
-            block = blocks[ids[i]]
-            if block.refs == 0:
-                self.locked_tokens += block.tokens
-            block.refs += 1
-            block.stamp = stamp
+        self._repin(ids, n, 1)
 
     def release(self, ids: Sequence[int], n: int) -> None:
         """Unpin the first ``n`` blocks of ``ids``; a block nobody pins becomes evictable."""
+        self._repin(ids, n, -1)
+
+    def _repin(self, ids: Sequence[int], n: int, delta: int) -> None:
+        """One more (``delta`` 1) or one fewer (-1) pin on the first ``n`` blocks of ``ids``, all
+        stamped now: the tokens locked follow the blocks that gain their first pin or lose their last."""
         self._stamp += 1
         stamp = self._stamp
         blocks = self._blocks
         for i in range(n):
             block = blocks[ids[i]]
-            block.refs -= 1
+            was_pinned = block.refs > 0
+            block.refs += delta
             block.stamp = stamp
-            if block.refs == 0:
-                self.locked_tokens -= block.tokens
-                if block.children == 0:
+            if was_pinned != (block.refs > 0):
+                self.locked_tokens += block.tokens if delta > 0 else -block.tokens
+                if delta < 0 and block.children == 0:
                     heapq.heappush(self._evictable, (stamp, ids[i]))
 
     def insert(self, ids: Sequence[int], sizes: Sequence[int], start: int) -> int:
@@ -257,11 +259,7 @@ class RoutedPrefixTree:
     def longest_match(self, ids: Sequence[int]) -> tuple[int, int]:
         """(leading blocks of ``ids`` sent to some rank, the deepest one's tenant; -1 if none)."""
         tenants = self._tenants
-        depth = 0
-        for block_id in ids:
-            if block_id not in tenants:
-                break
-            depth += 1
+        depth = leading_blocks(ids, tenants)
         if depth == 0:
             return 0, -1
         return depth, next(iter(tenants[ids[depth - 1]]))

@@ -347,8 +347,10 @@ def write_json(doc: dict[str, Any], path: str) -> None:
 
 def _line_style(method: str) -> dict[str, Any]:
     # dpboard's own methods solid, the baselines (SGLang's, vLLM's) dashed
-    name = method.split(":")[0]
-    ours = name.startswith("inflight_")
+    from dpboard.sim.methods import method_row
+
+    row = method_row(method.split(":")[0])
+    ours = row is not None and row.is_improved
     return {"linewidth": 1.6 if ours else 1.2, "linestyle": "-" if ours else "--"}
 
 

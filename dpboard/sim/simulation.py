@@ -54,7 +54,6 @@ from dpboard.sim.trace import Trace
 from dpboard.sim.transfer import PdConfig
 
 CADENCES = ("step", "sglang", "period")
-SEED_METHODS = ("round_robin", "total_requests", "total_tokens")
 
 # Event kinds, in the heap as (time, seq, kind, a, b); the index of their handler in Simulation.
 _ARRIVE = 0
@@ -539,12 +538,10 @@ def simulate(trace: Trace, methods: list[str], config: SimConfig) -> list[RunRes
 
 def default_methods() -> list[str]:
     """The seed methods, the peers' routers and every improved method the controller offers."""
-    from dpboard.sim.methods import controller_methods
+    from dpboard.sim.methods import seed_and_improved
     from dpboard.sim.peers import PEERS
 
-    offered = controller_methods()
-    improved = [m for m in offered if m not in (*SEED_METHODS, "auto", "follow_bootstrap_room")]
-    seeds = [m for m in SEED_METHODS if m in offered] if offered else []
+    seeds, improved = seed_and_improved()
     return [*seeds, *PEERS, *improved]
 
 

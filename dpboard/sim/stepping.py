@@ -113,11 +113,8 @@ class RankGroup:
         self.config = ranks[0].config
         self.lockstep = lockstep.validate(self.config) if lockstep is not None else None
         self.busy = False
-        self.steps = 0
-        self.rank_steps = 0
-        self.idle_rank_steps = 0
-        self.extend_steps = 0
-        self.eager_decode_rank_steps = 0
+        # steps of the group; rank steps, those idle, those eager (no CUDA graph); extend steps
+        self.steps = self.rank_steps = self.idle_rank_steps = self.eager_decode_rank_steps = self.extend_steps = 0
         self.held_idle_passes = 0  # passes without a forward: the delayer held the only work there was
         self.stalled_decodes = 0  # running requests that got no token because their rank prefilled
         if lockstep is not None:

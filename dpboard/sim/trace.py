@@ -65,20 +65,11 @@ class TraceSpec:
 
 SCENARIOS: dict[str, TraceSpec] = {
     "steady": TraceSpec(name="steady", rate_per_rank=16.0),
-    "bursty": TraceSpec(
-        name="bursty",
-        rate_per_rank=10.0,
-        burst_every_s=4.0,
-        burst_per_rank=20.0,
-        burst_span_s=0.005,
-    ),
-    "longshort": TraceSpec(
-        name="longshort",
-        rate_per_rank=10.0,
-        short_prompt_median=300.0,
-        long_fraction=0.08,
-        long_prompt_median=12000.0,
-    ),
+    # bursts every 4 s on average, 20 requests per rank within 5 ms, over a steady 10 per rank and second
+    "bursty": TraceSpec(name="bursty", rate_per_rank=10.0, burst_every_s=4.0, burst_per_rank=20.0, burst_span_s=0.005),
+    # 8 % of the prompts long (median 12 000 tokens), the rest short (median 300)
+    "longshort": TraceSpec(name="longshort", rate_per_rank=10.0, short_prompt_median=300.0, long_fraction=0.08,
+                           long_prompt_median=12000.0),
 }
 
 
@@ -199,16 +190,8 @@ def generate_trace(spec: TraceSpec, n_ranks: int, seed: int) -> Trace:
         )
         prompt = np.where(is_long, long_prompt, prompt)
     output = _lognormal_ints(rng, n, spec.output_median, spec.output_sigma, 1, spec.output_max)
-    return Trace(
-        name=spec.name,
-        spec=spec,
-        n_ranks=n_ranks,
-        seed=seed,
-        arrival_s=arrival,
-        prompt_len=prompt,
-        output_len=output,
-        is_burst=is_burst,
-    )
+    return Trace(name=spec.name, spec=spec, n_ranks=n_ranks, seed=seed, arrival_s=arrival, prompt_len=prompt,
+                 output_len=output, is_burst=is_burst)
 
 
 # A scenario on a rank model other than the one its rates were set for runs at this share of that

@@ -214,6 +214,19 @@ def _azure_seconds(text: str, where: _Where, line: int, col: int) -> tuple[int, 
     return whole, float("0." + frac) if frac else 0.0
 
 
+def _append_lengths(fields: list[str], where: _Where, line: int, prompt: tuple[array, int, str],
+                    output: tuple[array, int, str]) -> None:
+    """A CSV row's prompt tokens (at least 1) and output tokens, each (the array it goes to, its
+    column, its name) checked, onto their arrays."""
+    for (values, col, name), least in ((prompt, 1), (output, 0)):
+        values.append(_uint(fields[col], where, line, col + 1, name, least))
+
+
+def _require_rows(rows: array, where: _Where) -> None:
+    if not rows:
+        raise InvalidInputError(f"trace file {where.path} has a header but no requests")
+
+
 def _read_azure(f: TextIO, header: list[str], where: _Where) -> TraceFile:
     ti, ci, gi = (header.index(c) for c in AZURE_COLUMNS)
     whole = array("q")
@@ -224,10 +237,8 @@ def _read_azure(f: TextIO, header: list[str], where: _Where) -> TraceFile:
         w, f = _azure_seconds(fields[ti], where, line, ti + 1)
         whole.append(w)
         frac.append(f)
-        prompt.append(_uint(fields[ci], where, line, ci + 1, "ContextTokens", 1))
-        output.append(_uint(fields[gi], where, line, gi + 1, "GeneratedTokens", 0))
-    if not whole:
-        raise InvalidInputError(f"trace file {where.path} has a header but no requests")
+        _append_lengths(fields, where, line, (prompt, ci, "ContextTokens"), (output, gi, "GeneratedTokens"))
+    _require_rows(whole, where)
     # Whole seconds as integers first: absolute times near 2**31 s would lose the sub-ms part in a float.
     seconds = np.frombuffer(whole, dtype=np.int64)
     arrival = (seconds - seconds.min()).astype(np.float64) + np.frombuffer(frac, dtype=np.float64)
@@ -250,10 +261,8 @@ def _read_burstgpt(f: TextIO, header: list[str], where: _Where) -> TraceFile:
         if not math.isfinite(t) or t < 0:
             raise where.error(line, ti + 1, "Timestamp", f"{_short(fields[ti])!r} is not a time in seconds >= 0")
         arrival.append(t)
-        prompt.append(_uint(fields[ri], where, line, ri + 1, "Request tokens", 1))
-        output.append(_uint(fields[oi], where, line, oi + 1, "Response tokens", 0))
-    if not arrival:
-        raise InvalidInputError(f"trace file {where.path} has a header but no requests")
+        _append_lengths(fields, where, line, (prompt, ri, "Request tokens"), (output, oi, "Response tokens"))
+    _require_rows(arrival, where)
     times = np.frombuffer(arrival, dtype=np.float64)
     return _finish(where.path, BURSTGPT, times - times.min(), prompt, output, None, bucketed=False)
 

@@ -25,12 +25,13 @@ from dpboard.errors import InvalidInputError
 class PdConfig:
     """``--pd P:D`` and the profile's transfer terms."""
 
-    n_prefill: int
+    n_prefill: int  # ranks in each pool
     n_decode: int
+    # a request's KV moves over its prefill rank's link: base + tokens x bytes per token / bandwidth
     kv_bytes_per_token: float = 131072.0
     kv_link_bytes_per_s: float = 40e9
     kv_transfer_base_s: float = 0.001
-    bootstrap_rtt_s: float = 0.002
+    bootstrap_rtt_s: float = 0.002  # one round trip to the bootstrap server (the rendezvous)
 
     def validate(self) -> PdConfig:
         if self.n_prefill < 1 or self.n_decode < 1:

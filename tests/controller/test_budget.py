@@ -11,6 +11,7 @@ import pytest
 
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod
+from dpboard.controller.methods import ArgminKey
 from dpboard.snapshot import SEQ_OFFSET, LoadSnapshot, slot_offset
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 from tests.support.procutil import wait_until
@@ -357,7 +358,7 @@ def test_charges_saturate_at_the_top(use_extension):
 @pytest.mark.parametrize("use_extension", [True, False])
 def test_inflight_ttft_keeps_the_batch_being_prefilled_in_the_backlog(use_extension):
     def budget(by_headroom: bool) -> DPBudget:
-        return DPBudget(2, by_backlog=True, by_headroom=by_headroom, inflight_accounting=True,
+        return DPBudget(2, key=ArgminKey.HEADROOM if by_headroom else ArgminKey.BACKLOG, inflight_accounting=True,
                         use_extension=use_extension)
 
     def publish(b: DPBudget, seq: int, *, waiting: int, used: int, waiting_tokens: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ from dpboard.controller import (
     resolve_load_balance_method,
     zmq_reader_owner,
 )
-from dpboard.controller.budget import PyArgminCore
+from dpboard.controller.budget import ArgminCore, PyArgminCore
+from dpboard.controller.methods import ArgminKey
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 
 M = LoadBalanceMethod
@@ -260,9 +262,11 @@ def test_inflight_backlog_on_the_command_line_and_in_the_sglang_signature():
                           LoadSnapshot(dp_rank=1, num_used_tokens=900, num_total_tokens=900, publish_seq=1)])
     assert budget.dispatch(M.TOTAL_TOKENS, 10) == 0  # 50 < 900 tokens
     assert budget.dispatch(M.INFLIGHT_BACKLOG, 10) == 1  # 0 < 60 queued
-    with pytest.raises(ValueError, match="by_backlog needs the backlog array"):
-        PyArgminCore(*(budget.total_tokens, budget.total_requests, budget.candidate, budget.routable,
-                       budget.sent_reqs, budget.sent_tokens, None), by_backlog=True)
+    without_backlog = SimpleNamespace(**{name: getattr(budget, name) for name in (
+        "total_tokens", "total_requests", "candidate", "routable", "sent_reqs", "sent_tokens")})
+    for core_type in (PyArgminCore, ArgminCore):
+        with pytest.raises(ValueError, match="key BACKLOG needs the backlog array"):
+            core_type(without_backlog, key=ArgminKey.BACKLOG)
 
 
 @pytest.mark.parametrize("method", [M.TOTAL_REQUESTS, M.TOTAL_TOKENS, M.INFLIGHT_BACKLOG])
@@ -501,7 +505,7 @@ def test_a_burst_inside_one_window_spreads_by_speculative_updates(n, method):
 @given(
     n=st.integers(1, 9),
     rotate=st.booleans(),
-    key=st.sampled_from(["requests", "tokens", "backlog", "headroom"]),
+    key=st.sampled_from(list(ArgminKey)),
     ops=st.lists(
         st.tuples(st.integers(0, 3), st.integers(0, 50), st.one_of(st.none(), st.integers(-1, 9))),
         max_size=40,
@@ -516,9 +520,8 @@ def test_the_c_core_and_the_python_twin_pick_the_same(n, rotate, key, ops, data)
                                min_size=n, max_size=n))
     snaps = [LoadSnapshot(dp_rank=r, num_used_tokens=used, num_total_tokens=used + queued, max_total_num_tokens=cap,
                           publish_seq=1, timestamp_ns=1) for r, (used, queued, cap) in enumerate(loads)]
-    budgets = [DPBudget(n, by_tokens=key == "tokens", by_backlog=key in ("backlog", "headroom"),
-                        by_headroom=key == "headroom", rotate_ties=rotate, inflight_accounting=True,
-                        use_extension=use) for use in (True, False)]
+    budgets = [DPBudget(n, key=key, rotate_ties=rotate, inflight_accounting=True, use_extension=use)
+               for use in (True, False)]
     assert isinstance(budgets[1].core, PyArgminCore) and not isinstance(budgets[0].core, PyArgminCore)
     for b in budgets:
         b.set_candidates(mask)

@@ -10,12 +10,15 @@ compete on ``running * added steps`` (the decodes the prefill stalls), then ``s`
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller.dispatcher import DEFAULT_LOCKSTEP_HORIZON, default_lockstep_chunk
+from dpboard.controller.methods import ArgminKey
 from dpboard.errors import InvalidInputError
 from dpboard.snapshot import LoadDetail, LoadSnapshot, LockstepDetail, pack_detail, unpack_detail
 from tests.support.dispatch import TokReq
@@ -26,8 +29,8 @@ BOTH = pytest.mark.parametrize("use_extension", [True, False], ids=["c", "python
 
 def budget(use_extension: bool, horizon: int, rows: list[tuple[int, int, int, int]], chunk: int = 512) -> DPBudget:
     """A lockstep budget whose ranks hold ``rows``: (backlog, running, tokens, capacity) each."""
-    b = DPBudget(len(rows), by_backlog=True, by_headroom=True, by_lockstep=True, lockstep_horizon=horizon,
-                 lockstep_chunk=chunk, use_extension=use_extension)
+    b = DPBudget(len(rows), key=ArgminKey.LOCKSTEP, lockstep_horizon=horizon, lockstep_chunk=chunk,
+                 use_extension=use_extension)
     for r, (backlog, running, tokens, capacity) in enumerate(rows):
         b.backlog[r], b.running[r], b.total_tokens[r], b.capacity[r] = backlog, running, tokens, capacity
     return b
@@ -155,11 +158,12 @@ def test_the_core_refuses_a_lockstep_pick_without_its_arrays(use_extension):
 
     core_type = budget_module.ArgminCore if use_extension else budget_module.PyArgminCore
     z8, z1 = np.zeros(2, np.int64), np.ones(2, np.uint8)
-    with pytest.raises(ValueError, match="by_lockstep needs the backlog, capacity, running and chunk"):
-        core_type(z8, z8.copy(), z1, z1.copy(), z8.copy(), z8.copy(), None, backlog=z8.copy(), capacity=z8.copy(),
-                  by_lockstep=True)
+    arrays = SimpleNamespace(total_tokens=z8, total_requests=z8.copy(), candidate=z1, routable=z1.copy(),
+                             sent_reqs=z8.copy(), sent_tokens=z8.copy(), backlog=z8.copy(), capacity=z8.copy())
+    with pytest.raises(ValueError, match="key LOCKSTEP needs the backlog, capacity, running and chunk"):
+        core_type(arrays, key=ArgminKey.LOCKSTEP)
     with pytest.raises(ValueError, match="horizon must be >= 0"):
-        core_type(z8, z8.copy(), z1, z1.copy(), z8.copy(), z8.copy(), None, horizon=-1)
+        core_type(arrays, horizon=-1)
     with pytest.raises(InvalidInputError, match="lockstep_chunk must be an int in"):
         DPBudget(2, lockstep_chunk=0, use_extension=use_extension)
 

@@ -23,6 +23,11 @@ from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
 mapping = mmap.mmap(-1, 512 + 4 * 512)
 statuses = tuple(SlotStatus)
 out = np.zeros(4, SNAPSHOT_DTYPE)
+def core_arrays(dtype, n=2):  # what ArgminCore reads of a DPBudget
+    from types import SimpleNamespace
+    return SimpleNamespace(total_tokens=np.zeros(n, dtype), total_requests=np.zeros(n, dtype),
+                           candidate=np.ones(n, bool), routable=np.ones(n, bool), sent_reqs=np.zeros(n, dtype),
+                           sent_tokens=np.zeros(n, dtype), ring=np.zeros(n * 4, dtype))
 def raised(call):
     try:
         call()
@@ -63,10 +68,7 @@ ids = [1, Shrinking()] + list(range(4000))
 print(raised(lambda: _prefix.hash_token_blocks(ids, 2)))
 """, "ValueError: input_ids changed while it was read"),
     "pick_batch on a list a property empties": ("""
-n = 2
-arrays = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n, bool), np.ones(n, bool), np.zeros(n, np.int64),
-          np.zeros(n, np.int64), np.zeros(n * 4, np.int64)]
-core = _dispatch.ArgminCore(*arrays)
+core = _dispatch.ArgminCore(core_arrays(np.int64))
 class Req:
     routed_dp_rank = None
     @property
@@ -77,11 +79,8 @@ reqs = [Req() for _ in range(3)] + [object() for _ in range(1000)]
 print(raised(lambda: core.pick_batch(reqs)))
 """, "input_ids"),
     "ArgminCore given float64 arrays": ("""
-n = 2
-floats = [np.zeros(n, np.float64) for _ in range(2)] + [np.ones(n, bool), np.ones(n, bool)] + [
-    np.zeros(n, np.float64) for _ in range(3)]
-print(raised(lambda: _dispatch.ArgminCore(*floats)))
-""", "tokens must be an array of int64, got format d"),
+print(raised(lambda: _dispatch.ArgminCore(core_arrays(np.float64))))
+""", "total_tokens must be an array of int64, got format d"),
 }
 
 

@@ -9,11 +9,13 @@ The rank model of these cases (no KV term, whole prompts in one step):
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from dpboard.errors import InvalidInputError
-from dpboard.sim.model import DECODE, IDLE, PREFILL, RankConfig, RankModel, SimRequest
+from dpboard.sim.model import DECODE, IDLE, PREFILL, RankModel, SimRequest
 from dpboard.sim.profile import load_profile
 from dpboard.sim.report import goodput_mask, summarize, tpot_s
 from dpboard.sim.simulation import SimConfig, simulate
@@ -21,17 +23,7 @@ from dpboard.sim.stepping import LockstepCost, RankGroup
 from dpboard.sim.trace import TraceSpec, generate_trace, scenario
 from tests.support import traces
 
-RANK = RankConfig(
-    kv_capacity=100_000,
-    max_running=64,
-    chunked_prefill_size=0,
-    max_prefill_tokens=16384,
-    prefill_base_s=0.010,
-    prefill_s_per_token=100e-6,
-    decode_base_s=0.010,
-    decode_s_per_request=1e-3,
-    decode_s_per_kv_token=0.0,
-)
+RANK = dataclasses.replace(traces.HAND_RANK, max_prefill_tokens=16384)
 COST = LockstepCost(moe_prefill_s_per_token=40e-6, moe_decode_s_per_token=0.5e-3, eager_decode_s=0.005)
 
 

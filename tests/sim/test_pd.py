@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dpboard.errors import InvalidInputError
-from dpboard.sim.model import DECODE_ROLE, PREFILL_ROLE, RankConfig, RankModel, SimRequest
+from dpboard.sim.model import DECODE_ROLE, PREFILL_ROLE, RankModel, SimRequest
 from dpboard.sim.pd import PdSimulation, bootstrap_rooms, simulate_any, split_pd_method
 from dpboard.sim.profile import load_profile
 from dpboard.sim.report import summarize
@@ -22,16 +22,7 @@ from dpboard.sim.trace import TraceSpec, generate_trace, scenario
 from dpboard.sim.transfer import PdConfig, parse_pd
 from tests.support import traces
 
-RANK = RankConfig(
-    kv_capacity=100_000,
-    max_running=64,
-    chunked_prefill_size=0,
-    prefill_base_s=0.010,
-    prefill_s_per_token=100e-6,
-    decode_base_s=0.010,
-    decode_s_per_request=1e-3,
-    decode_s_per_kv_token=0.0,
-)
+RANK = traces.HAND_RANK
 
 
 def pd_config(p: int = 1, d: int = 1, **kw) -> SimConfig:

@@ -175,13 +175,9 @@ HAND_EXPECTED = {
 
 @pytest.mark.parametrize("method", list(HAND_EXPECTED))
 def test_hand_computed_assignment(method):
-    rank = RankConfig(
-        kv_capacity=100_000,
-        prefill_base_s=0.001,
-        prefill_s_per_token=0.0,
-        decode_base_s=1.0,
-        decode_s_per_kv_token=0.0,
-    )
+    # a prefill takes 1 ms whatever its size, a decode step 1 s: the picks alone decide the times
+    rank = RankConfig(kv_capacity=100_000, prefill_base_s=0.001, prefill_s_per_token=0.0, decode_base_s=1.0,
+                      decode_s_per_kv_token=0.0)
     config = SimConfig(
         n_ranks=3,
         rank=rank,

@@ -1,7 +1,8 @@
 """inflight_ttft on a trace no method was tuned on: Markov-modulated arrivals (busy and quiet spells
 of random length, not the Poisson streams or fixed bursts of the scenarios, nor a trace file's
 times) and a prompt mix of uniform short and uniform long prompts (the scenarios draw log-normal
-lengths), with geometric outputs. docs/DISPATCH.md reports the same comparison."""
+lengths), with geometric outputs. docs/DISPATCH-RESULTS.md ("Verdict against the bar") reports the
+same comparison."""
 
 from __future__ import annotations
 
@@ -58,6 +59,6 @@ def test_inflight_ttft_on_an_unseen_trace():
     # below the best of SGLang's methods, vLLM (as vllm serve runs it, and one API server), the
     # gateway and dpboard's other methods
     assert ttft < min(p99.values()), (ttft, p99)
-    # Dynamo's router still does better here, by about 3 % (docs/DISPATCH.md, "Where inflight_ttft
-    # loses"): the bar does not hold against it on this trace
+    # Dynamo's router still does better here, by about 3 % (docs/DISPATCH-RESULTS.md, "Verdict against
+    # the bar"): the bar does not hold against it on this trace
     assert dynamo < ttft, (dynamo, ttft)

@@ -1,5 +1,5 @@
 """Traces written by hand for the simulator's tests: every request's arrival, prompt and output
-given, optionally its prompt's block ids."""
+given, optionally its prompt's block ids; and the rank the hand-worked lockstep and PD cases run on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dpboard.sim.model import RankConfig
 from dpboard.sim.trace import BlockTable, Trace, TraceSpec
+
+# round figures: a 10 ms prefill base and 100 us a prompt token, a 10 ms decode base and 1 ms a request
+HAND_RANK = RankConfig(kv_capacity=100_000, max_running=64, chunked_prefill_size=0, prefill_base_s=0.010,
+                       prefill_s_per_token=100e-6, decode_base_s=0.010, decode_s_per_request=1e-3,
+                       decode_s_per_kv_token=0.0)
 
 
 def hand_trace(arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int], *, ranks: int = 1,
