@@ -147,8 +147,10 @@ class SlotLocks:
 
     ``refresh()`` looks at the locks (one ``F_OFD_GETLK`` per slot) at most every ``interval``
     seconds, and costs one clock read otherwise; ``gone`` holds the ranks found without a writer,
-    the same tuple object while nothing changes. ``demote(status, positions)`` turns LIVE into STALE
-    in a read's status column for those ranks: nothing is allocated when no writer is gone."""
+    the same tuple object while nothing changes. ``demote(status, stamps, positions)`` turns LIVE
+    into STALE in a read's status column for those ranks, unless the slot was published after the
+    look (its ``monotonic_ns`` stamp is later): a writer that started since then holds its lock, and
+    the next look says so. Nothing is allocated when no writer is gone."""
 
     def __init__(self, name: str, identity: tuple[int, int], n_slots: int, *,
                  interval: float = LOCK_CHECK_INTERVAL) -> None:
@@ -156,6 +158,7 @@ class SlotLocks:
         self.interval = check_stale_after(interval, "interval")
         self.gone: tuple[int, ...] = ()
         self._next = 0.0
+        self._looked_ns = 0  # CLOCK_MONOTONIC of the last look, as the writers stamp their slots
         self._fd = -1
         try:
             fd = os.open(SHM_DIR / segment_name(name)[1:], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -177,16 +180,19 @@ class SlotLocks:
             return self.gone
         self._next = now + self.interval
         fd = self._fd
+        self._looked_ns = time.monotonic_ns()  # before the look: a publish stamped later came after it
         gone = tuple(rank for rank in range(self.n_slots) if not range_held(fd, slot_offset(rank), SLOT_SIZE))
         if gone != self.gone:
             self.gone = gone
         return self.gone
 
-    def demote(self, status: Any, positions: Any = None) -> None:
-        """``status[i] = STALE`` where it is LIVE and slot ``positions[rank]`` (or ``rank``) has no writer."""
+    def demote(self, status: Any, stamps: Any, positions: Any = None) -> None:
+        """``status[i] = STALE`` where it is LIVE, slot ``positions[rank]`` (or ``rank``) had no writer
+        at the last look, and ``stamps[i]`` (the read's ``monotonic_ns``) is not later than that look."""
+        looked = self._looked_ns
         for rank in self.gone:
             i = rank if positions is None else positions.get(rank)
-            if i is not None and status[i] == _LIVE_CODE:
+            if i is not None and status[i] == _LIVE_CODE and stamps[i] <= looked:
                 status[i] = _STALE_CODE
 
     def close(self) -> None:

@@ -56,13 +56,14 @@ class LockCheckedReader:
     def read_array(self, out: np.ndarray | None = None) -> np.ndarray:
         out = self._reader.read_array(out)
         if self._locks.refresh():
-            self._locks.demote(out["status"])
+            self._locks.demote(out["status"], out["monotonic_ns"])
         return out
 
     def _read_detailed_array(self, out: np.ndarray) -> np.ndarray:
         out = self._reader.read_detailed_array(out)
         if self._locks.refresh():
-            self._locks.demote(out["load"]["status"])
+            load = out["load"]
+            self._locks.demote(load["status"], load["monotonic_ns"])
         return out
 
 

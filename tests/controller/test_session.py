@@ -157,6 +157,29 @@ def test_a_slot_whose_writer_is_gone_reads_stale_and_reserved_slots_read_empty(b
             board.unlink()
 
 
+def test_a_writer_that_starts_after_a_look_at_the_locks_reads_live_until_the_next_look(board_name):
+    """A look at the locks finds slot 1 without a writer (it has none yet); its writer starts and
+    publishes before the next look. That publish came after the look, so the slot reads LIVE, not
+    STALE from a look that no longer holds (a deployment's first picks used to skip such an engine)."""
+    with Board.create(board_name, n_slots=2) as board:
+        first = board.writer(0)
+        first.publish(LoadSnapshot(dp_rank=0, max_total_num_tokens=1000))
+        session = DispatchSession(logger=log)
+        late = None
+        try:
+            reader = session.reader(board.reader(stale_after=60.0), locks=board.slot_locks(interval=60.0))
+            assert reader.read_array()["status"].tolist() == [SlotStatus.LIVE, SlotStatus.EMPTY]  # the look
+            late = board.writer(1)
+            late.publish(LoadSnapshot(dp_rank=1, max_total_num_tokens=1000))
+            assert reader.read_array()["status"].tolist() == [SlotStatus.LIVE, SlotStatus.LIVE]
+        finally:
+            session.close()
+            for writer in (first, late):
+                if writer is not None:
+                    writer.close()
+            board.unlink()
+
+
 def test_close_leaves_nothing_and_is_idempotent(board_name):
     session = recorded(board_name)
     session.use(Dispatcher("round_robin", 3))

@@ -135,7 +135,7 @@ class GlobalInflightReader:
             np.take(self._board, self._ranks, out=recs)
         locks = self._locks
         if locks is not None and locks.refresh():
-            locks.demote(status, self._positions)
+            locks.demote(status, recs["monotonic_ns"], self._positions)
         np.take(self._sent.totals(self._totals), self._ranks, axis=0, out=self._sent_rows)
         sent, tokens, base, diff, flags = self._sent_reqs, self._sent_tokens, self._base, self._diff, self._flags
         self.any_live = bool(np.equal(status, _LIVE, out=flags).any())

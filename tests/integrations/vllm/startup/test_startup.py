@@ -193,17 +193,15 @@ def test_vllms_own_start_up_gives_four_live_slots_and_picks_across_them(board_na
 
                 def settled() -> bool:  # every request received at its engine, none left running or waiting
                     r = reader.read_array()
-                    return (r["num_received_reqs"].tolist() == [ranks.count(k) for k in range(DP)]
+                    return (r["num_received_reqs"].tolist() == [2] * DP
                             and not r["num_running_reqs"].any()
                             and not r["num_waiting_reqs"].any())
 
                 assert wait_until(settled, timeout=60), reader.read_array()
             finally:
                 board.close()
-        # every pick on a live engine of the deployment, each counted where it went (an API server's
-        # first read can find a just-live slot STALE for one refresh: then its picks skip that engine)
-        assert len(ranks) == 2 * DP and set(ranks) <= set(range(DP)), (ranks, board_state(board_name))
-        assert sent_totals(board_name) == [ranks.count(r) for r in range(DP)]  # with the received counts: none in flight
+        assert sorted(ranks) == sorted(list(range(DP)) * 2), (ranks, board_state(board_name))
+        assert sent_totals(board_name) == [2] * DP  # with the received counts above: nothing in flight
         server.close_stdin()
         server.stopped()
     finally:
@@ -284,8 +282,8 @@ def test_hybrid_load_balancing_each_node_picks_its_engines_from_its_own_board(bo
             assert records["writer_pid"][mine].tolist() == server.engine_pids
             assert records["node_id"][mine].tolist() == [node] * local
             ranks = server.ask({"op": "pick", "n": 2 * local})["ranks"]
-            assert len(ranks) == 2 * local and set(ranks) <= set(mine), (ranks, board_state(name), server.tail())
-            assert sent_totals(name) == [ranks.count(r) for r in range(DP)]
+            assert sorted(ranks) == sorted(mine * 2), (ranks, board_state(name), server.tail())
+            assert sent_totals(name) == [2 if r in mine else 0 for r in range(DP)]
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -325,7 +323,7 @@ def test_several_nodes_headless_engines_reach_node0_through_the_relay(board_name
             assert records["writer_pid"].tolist() == node0.engine_pids + node1.engine_pids
             assert records["node_id"].tolist() == [0] * local + [1] * local
             ranks = node0.ask({"op": "pick", "n": 2 * DP})["ranks"]
-            assert len(ranks) == 2 * DP and set(ranks) <= set(range(DP)), (ranks, board_state(board_name), node0.tail())
+            assert sorted(ranks) == sorted(list(range(DP)) * 2), (ranks, board_state(board_name), node0.tail())
     finally:
         for proc in reversed(tools):
             stop(proc)
