@@ -38,6 +38,23 @@ def counted(server: Any, counter: str) -> int:
     return sum(row.counts[counter] for row in dispatchers(server))
 
 
+def counted_by_then(server: Any, counter: str, at_least: int, ask: Callable[[str, int], Any], *,
+                    settle: float = 120.0) -> int:
+    """``counter`` summed over the live dispatchers once it reaches ``at_least``, asking one-token
+    requests meanwhile: a row is published from its dispatcher's refreshes, so the last counts
+    before a pause wait for the next request that dispatcher picks (docs/FORMAT.md), and with two
+    API servers only a request that reaches the one that counted brings them."""
+
+    def in_the_record() -> bool:
+        if counted(server, counter) >= at_least:
+            return True
+        ask("bring the counts", 1)
+        return counted(server, counter) >= at_least
+
+    assert wait_until(in_the_record, timeout=settle, interval=0.5), (counter, at_least, dispatchers(server))
+    return counted(server, counter)
+
+
 def answered_while_dpboard_fails(server: Any, fault_file: Path, ask: Callable[[str, int], Any], *, n: int = 8,
                                  settle: float = 120.0) -> list:
     """The answers to ``ask(text, max_tokens)``, ``n`` times while dpboard's pick raises in the
@@ -49,10 +66,5 @@ def answered_while_dpboard_fails(server: Any, fault_file: Path, ask: Callable[[s
         answers = [ask(f"while dpboard fails {i}", 4) for i in range(n)]
     finally:
         fault_file.unlink()
-
-    def in_the_record() -> bool:
-        ask("after the fault", 1)
-        return counted(server, "fallbacks") >= before + n
-
-    assert wait_until(in_the_record, timeout=settle, interval=0.5), dispatchers(server)
+    counted_by_then(server, "fallbacks", before + n, ask, settle=settle)
     return answers

@@ -108,7 +108,8 @@ def test_requests_are_answered_on_both_ranks(server):
         assert status == 200, answer
         assert answer["meta_info"]["completion_tokens"] == 8, answer["meta_info"]
     served = Counter(answer["meta_info"]["dp_rank"] for _, answer in answers)
-    assert sorted(served) == [0, 1], served
+    assert sorted(served) == [0, 1], (served, records(server), details(server), read_dispatch_record(server.board),
+                                      [line for line in server.log().splitlines() if "dpboard" in line][-20:])
     assert wait_until(lambda: (records(server)["num_received_reqs"] - before).tolist() == [served[0], served[1]],
                       timeout=SETTLE), (served, before, records(server))
 

@@ -18,7 +18,12 @@ import pytest
 
 from dpboard.board import SHM_DIR, Board
 from dpboard.snapshot import SlotStatus
-from tests.integrations.serving_faults import answered_while_dpboard_fails, counted, dispatchers
+from tests.integrations.serving_faults import (
+    answered_while_dpboard_fails,
+    counted,
+    counted_by_then,
+    dispatchers,
+)
 from tests.integrations.sglang.serving.conftest import METHOD
 from tests.support.names import ROOT, SESSION_FILES
 from tests.support.procutil import kill, wait_until
@@ -173,11 +178,7 @@ def test_long_requests_held_on_one_rank_send_new_ones_to_the_other(server):
             conn.close()  # SGLang aborts a streamed request whose client goes
     assert wait_until(lambda: settled(server), timeout=SETTLE), records(server)
 
-    def routed_counted() -> bool:  # the record is published from the controller's refreshes
-        server.generate("after the long ones", 1)
-        return counted(server, "routed") >= routed_before + 2
-
-    assert wait_until(routed_counted, timeout=SETTLE, interval=0.5), dispatchers(server)
+    counted_by_then(server, "routed", routed_before + 2, server.generate, settle=SETTLE)
 
 
 def test_a_fault_in_dpboards_pick_is_answered_through_sglangs_own_pick_and_logged_once(server, fault_file):
@@ -246,11 +247,7 @@ def test_the_dp_aware_gateway_picks_the_rank_and_dpboard_keeps_it(server, gatewa
     by_rank = served_by(answers)
     assert sum(by_rank.values()) == 8
 
-    def routed_counted() -> bool:  # the record is published from the controller's refreshes
-        server.generate("after the gateway", 1)
-        return counted(server, "routed") >= routed_before + 8
-
-    assert wait_until(routed_counted, timeout=SETTLE, interval=0.5), dispatchers(server)
+    counted_by_then(server, "routed", routed_before + 8, server.generate, settle=SETTLE)
     row = dispatchers(server)[0]
     assert sum(row.routed_per_rank) >= 8
 

@@ -19,7 +19,7 @@ import pytest
 from dpboard.board import SHM_DIR, Board
 from dpboard.board.sent import SentRecord
 from dpboard.snapshot import SlotStatus
-from tests.integrations.serving_faults import answered_while_dpboard_fails, counted
+from tests.integrations.serving_faults import answered_while_dpboard_fails, counted, counted_by_then
 from tests.support.names import ROOT, SESSION_FILES
 from tests.support.procutil import wait_until
 
@@ -90,6 +90,7 @@ def test_long_requests_held_on_one_engine_send_new_ones_to_the_other(server):
     read as they come (a client that stops reading slows its API server down), then closed."""
     assert wait_until(lambda: settled(server), timeout=SETTLE)
     before = records(server)["num_received_reqs"].copy()
+    routed_before = counted(server, "routed")
     streams = [server.stream(f"a long story {i}", LONG, {"X-data-parallel-rank": "0"}) for i in range(2)]
     readers = [threading.Thread(target=drain, args=(s,), daemon=True) for s in streams]
     for t in readers:
@@ -107,8 +108,8 @@ def test_long_requests_held_on_one_engine_send_new_ones_to_the_other(server):
         for s in streams:
             s.close()  # vLLM aborts a stream whose client goes
     assert wait_until(lambda: settled(server), timeout=SETTLE), (records(server), sent(server))
-    routed = counted(server, "routed")
-    assert routed >= 2  # the two pinned ones, as the API servers' dispatch record counts them
+    # the two pinned ones, as the API servers' dispatch record counts them
+    counted_by_then(server, "routed", routed_before + 2, server.completion, settle=SETTLE)
 
 
 def drain(response) -> None:
