@@ -15,9 +15,9 @@ method with and without SGLang's prefill delayer (``inflight_lockstep`` with the
 horizon the SGLang plugin gives it there, ``DELAYER_LOCKSTEP_HORIZON``). Seeds 0-2 where the seed
 changes the run: every method on Mooncake (the bucket spread) and on the scenarios (the draw), only the seeded routers
 (vLLM's, Dynamo's) on Azure. The sensitivity cells rerun the 16-rank cells at 0.5 and 0.9 with one
-profile term changed (the extend floor halved, the eager term 0; DeepEP's term 0 and doubled and a
-new_token_ratio of 0.21 on the 16-rank trace-file cells at 0.9), seed 0, the rows the verdict
-compares. The PD cells run the whole files, 8 prefill : 16 decode ranks.
+profile term changed (the extend floor halved, the eager term 0; DeepEP's term 0 and doubled, a
+new_token_ratio of 0.21 and the prefill delayer's pass without a forward at 0.25 and 4 ms on the
+16-rank trace-file cells at 0.9), seed 0, the rows the verdict compares. The PD cells run the whole files, 8 prefill : 16 decode ranks.
 
 Each cell is one JSON file written when it is done, so an interrupted sweep resumes where it
 stopped; runs go one after another in this process (``nice`` it on a shared machine).
@@ -85,6 +85,9 @@ SENSITIVITY = {
     "deepep-2x": lambda p: dataclasses.replace(
         p, lockstep=dataclasses.replace(p.lockstep, extend_dispatch_s=2 * p.lockstep.extend_dispatch_s)),
     "ratio-0.21": lambda p: dataclasses.replace(p, rank=dataclasses.replace(p.rank, new_token_ratio=0.21)),
+    # the prefill delayer's pass without a forward (the profile's idle_pass_ms, 1 ms): a quarter, four times
+    "idle-pass-0.25ms": lambda p: dataclasses.replace(p, lockstep=dataclasses.replace(p.lockstep, idle_pass_s=0.25e-3)),
+    "idle-pass-4ms": lambda p: dataclasses.replace(p, lockstep=dataclasses.replace(p.lockstep, idle_pass_s=4e-3)),
 }
 MAIN_SENSITIVITY = ("floor-halved", "eager-0")
 PD_METHODS = (

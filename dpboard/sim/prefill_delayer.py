@@ -19,7 +19,8 @@ A held rank still continues a prompt it is chunking ("A mid-chunk rank prefills 
 of the delayer verdict") but admits nothing new; it decodes its running batch, or runs an idle
 batch. The low-watermark and queue triggers are off by default (``prefill_delayer_*`` in
 ``arg_groups/fields/schedule.py``) and not modelled. A pass in which the hold leaves the whole
-group without tokens runs no forward: SGLang's loop gathers again at once (``IDLE_PASS_S``).
+group without tokens runs no forward: SGLang's loop gathers again at once, a pass that costs the
+profile's ``idle_pass_ms`` (``LockstepCost.idle_pass_s``, default ``IDLE_PASS_S``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from dpboard.sim.model import RankModel
 MAX_DELAY_PASSES = 30  # --prefill-delayer-max-delay-passes default
 PREFILL_BS_WINDOW = 16  # SGLANG_PREFILL_DELAYER_MAX_PREFILL_BS_WINDOW_SIZE default
 # A scheduler pass without a forward (two CPU all-gathers over the group): an estimate, not a
-# measurement. It bounds how fast a held group with nothing else to do goes through its passes.
+# measurement, and the default of a profile's idle_pass_ms. It bounds how fast a held group with
+# nothing else to do goes through its passes.
 IDLE_PASS_S = 0.001
 
 

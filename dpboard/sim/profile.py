@@ -22,6 +22,9 @@ their units in the name:
 ``moe_decode_token_us``   lockstep: the routed-expert part of ``decode_request_us`` (optional, 0)
 ``eager_decode_ms``       lockstep: what a decode batch pays in a step where another rank extends
                           (no CUDA graph; optional, 0)
+``idle_pass_ms``          lockstep with SGLang's prefill delayer: a scheduler pass without a forward
+                          (the delayer held the only work there was; its CPU all-gathers over the
+                          group and a loop turn; optional, 1)
 ``deepep_normal_ms``      lockstep: what a step with an extend costs the group more, its MoE
                           all-to-all running in DeepEP's normal mode (optional, 0)
 ``server_chunked_prefill_size``  SGLang's ``--chunked-prefill-size`` default on this GPU: under
@@ -78,6 +81,7 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "moe_decode_token_us": ("moe_decode_s_per_token", 1e6, False, 0.0),
     "eager_decode_ms": ("eager_decode_s", 1e3, False, 0.0),
     "deepep_normal_ms": ("extend_dispatch_s", 1e3, False, 0.0),
+    "idle_pass_ms": ("idle_pass_s", 1e3, False, 1.0),
     "server_chunked_prefill_size": ("server_chunked_prefill_size", 1, True, 0),
     "slo_ttft_ms": ("slo_ttft_s", 1e3, False, 1000.0),
     "slo_tpot_ms": ("slo_tpot_s", 1e3, False, 100.0),
@@ -210,6 +214,7 @@ def load_profile_file(path: str | Path) -> Profile:
             moe_decode_s_per_token=run["moe_decode_s_per_token"],
             eager_decode_s=run["eager_decode_s"],
             extend_dispatch_s=run["extend_dispatch_s"],
+            idle_pass_s=run["idle_pass_s"],
         ).validate(rank)
     except InvalidInputError as e:
         raise InvalidInputError(f"profile file {p}: {e}") from None

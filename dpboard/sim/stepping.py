@@ -50,11 +50,16 @@ class LockstepCost:
     # DeepEP's auto mode runs a step with an extend in normal mode for every rank, slower than the
     # low-latency mode of decode steps: the extra cost of such a step, for the whole group
     extend_dispatch_s: float = 0.0
+    # a pass of SGLang's loop with no forward (the prefill delayer held the only work there was)
+    idle_pass_s: float = IDLE_PASS_S
 
     def validate(self, rank: RankConfig) -> LockstepCost:
-        for name in ("moe_prefill_s_per_token", "moe_decode_s_per_token", "eager_decode_s", "extend_dispatch_s"):
+        for name in ("moe_prefill_s_per_token", "moe_decode_s_per_token", "eager_decode_s", "extend_dispatch_s",
+                     "idle_pass_s"):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"lockstep {name} must be >= 0 seconds")
+        if not self.idle_pass_s > 0:
+            raise InvalidInputError("lockstep idle_pass_s must be > 0 seconds: a pass of the scheduler's loop takes time")
         if self.moe_prefill_s_per_token > rank.prefill_s_per_token:
             raise InvalidInputError(
                 "moe_prefill_token_us is part of prefill_token_us: it cannot exceed it "
@@ -149,7 +154,7 @@ class RankGroup:
             if duration is None and not allow:
                 # the hold left nobody with tokens: no forward, the loop gathers again at once
                 self.held_idle_passes += 1
-                duration = IDLE_PASS_S
+                duration = self.lockstep.idle_pass_s
         self.busy = duration is not None
         return duration
 

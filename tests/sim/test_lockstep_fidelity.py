@@ -76,6 +76,18 @@ def test_the_prefill_delayer_holds_a_lone_rank_for_29_passes_then_lets_it_prefil
     assert free.delayer_held_passes == 0
 
 
+def test_a_pass_without_a_forward_costs_the_profiles_idle_pass():
+    # The lone rank of the case above, held 29 passes with nobody holding tokens: each pass is the
+    # lockstep cost's idle_pass_s (the profile's idle_pass_ms), here 4 ms: A prefills at 116 ms.
+    config = lockstep_config(prefill_delayer=True)
+    config = dataclasses.replace(config, lockstep=dataclasses.replace(COST, idle_pass_s=0.004))
+    (result,) = simulate(hand([0.0], [10], [2]), ["round_robin"], config)
+    assert result.requests[0].admitted_s == pytest.approx(29 * 0.004)
+    assert result.requests[0].first_token_s == pytest.approx(29 * 0.004 + 0.0108)
+    with pytest.raises(InvalidInputError, match="idle_pass_s must be > 0"):
+        dataclasses.replace(COST, idle_pass_s=0.0).validate(RANK)
+
+
 def test_ranks_that_all_could_prefill_are_not_held_and_a_chunked_prompt_goes_on_while_held():
     # Both ranks get a request at t=0. The first arrives alone ("mixed": one held pass of 1 ms, in
     # which the second arrives); then both could prefill ("all", and the decode batches have room):

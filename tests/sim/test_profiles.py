@@ -107,6 +107,9 @@ def test_dp_attention_and_slo_fields_and_their_defaults(tmp_path):
     assert mine.lockstep.moe_prefill_s_per_token == pytest.approx(25e-6)
     assert mine.lockstep.moe_decode_s_per_token == pytest.approx(10e-6)
     assert mine.lockstep.eager_decode_s == pytest.approx(3e-3)
+    assert plain.lockstep.idle_pass_s == mine.lockstep.idle_pass_s == pytest.approx(1e-3)  # the default
+    path.write_text(GOOD + "dp_attention = 1\nidle_pass_ms = 0.25\n")
+    assert load_profile_file(path).lockstep.idle_pass_s == pytest.approx(0.25e-3)
     assert (mine.slo_ttft_s, mine.slo_tpot_s) == pytest.approx((2.5, 0.08))
     deepseek = load_profile("deepseek-v3-dp-attention-h100")
     assert deepseek.dp_attention and deepseek.slo_tpot_s == pytest.approx(0.1)

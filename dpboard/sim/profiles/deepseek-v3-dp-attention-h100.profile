@@ -41,6 +41,10 @@
 #   docs: "the CPU will wait for GPU's signal to arrive"), which low-latency mode does not: 58 MoE
 #   layers x ~100 us is ~6 ms per such step: an estimate, not a measurement. The blog's prefill
 #   figures (normal mode throughout) carry its bandwidth part already.
+# idle_pass_ms: no published figure. A pass of SGLang's scheduler loop in which the prefill
+#   delayer held the only work there was runs no forward: the delayer's all-gather and the batch
+#   sync's over the group on the CPU (gloo), and a loop turn; ~1 ms is an estimate, not a
+#   measurement (the sensitivity cells rerun it at 0.25 and 4 ms).
 # server_chunked_prefill_size: SGLang's --chunked-prefill-size default on an 80 GB H100 (8,192,
 #   _handle_gpu_memory_settings in sglang/srt/arg_groups/memory_hook.py). Under colocated DP
 #   attention SGLang divides it by the attention-DP size (parallel_hook.py): 512 per rank on 16
@@ -69,6 +73,7 @@ moe_prefill_token_us = 74
 moe_decode_token_us = 56
 eager_decode_ms = 12
 deepep_normal_ms = 6
+idle_pass_ms = 1
 server_chunked_prefill_size = 8192
 slo_ttft_ms = 5000
 slo_tpot_ms = 100
