@@ -17,7 +17,8 @@ changes the run: every method on Mooncake (the bucket spread) and on the scenari
 (vLLM's, Dynamo's) on Azure. The sensitivity cells rerun the 16-rank cells at 0.5 and 0.9 with one
 profile term changed (the extend floor halved, the eager term 0; DeepEP's term 0 and doubled, a
 new_token_ratio of 0.21 and the prefill delayer's pass without a forward at 0.25 and 4 ms on the
-16-rank trace-file cells at 0.9), seed 0, the rows the verdict compares. The PD cells run the whole files, 8 prefill : 16 decode ranks.
+16-rank trace-file cells at 0.9), seed 0, the rows the verdict compares. The PD cells run the
+whole files, 8 prefill : 16 decode ranks.
 
 Each cell is one JSON file written when it is done, so an interrupted sweep resumes where it
 stopped; runs go one after another in this process (``nice`` it on a shared machine).

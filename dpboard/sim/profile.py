@@ -54,6 +54,7 @@ from pathlib import Path
 
 from dpboard.errors import InvalidInputError, NotFoundError
 from dpboard.sim.model import RankConfig
+from dpboard.sim.prefill_delayer import IDLE_PASS_S
 from dpboard.sim.stepping import LockstepCost
 from dpboard.sim.transfer import PdConfig
 
@@ -81,7 +82,7 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "moe_decode_token_us": ("moe_decode_s_per_token", 1e6, False, 0.0),
     "eager_decode_ms": ("eager_decode_s", 1e3, False, 0.0),
     "deepep_normal_ms": ("extend_dispatch_s", 1e3, False, 0.0),
-    "idle_pass_ms": ("idle_pass_s", 1e3, False, 1.0),
+    "idle_pass_ms": ("idle_pass_s", 1e3, False, IDLE_PASS_S * 1e3),
     "server_chunked_prefill_size": ("server_chunked_prefill_size", 1, True, 0),
     "slo_ttft_ms": ("slo_ttft_s", 1e3, False, 1000.0),
     "slo_tpot_ms": ("slo_tpot_s", 1e3, False, 100.0),

@@ -54,8 +54,7 @@ class LockstepCost:
     idle_pass_s: float = IDLE_PASS_S
 
     def validate(self, rank: RankConfig) -> LockstepCost:
-        for name in ("moe_prefill_s_per_token", "moe_decode_s_per_token", "eager_decode_s", "extend_dispatch_s",
-                     "idle_pass_s"):
+        for name in ("moe_prefill_s_per_token", "moe_decode_s_per_token", "eager_decode_s", "extend_dispatch_s"):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"lockstep {name} must be >= 0 seconds")
         if not self.idle_pass_s > 0:

@@ -39,8 +39,8 @@ def counted(server: Any, counter: str) -> int:
 
 
 def counted_by_then(server: Any, counter: str, at_least: int, ask: Callable[[str, int], Any], *,
-                    settle: float = 120.0) -> int:
-    """``counter`` summed over the live dispatchers once it reaches ``at_least``, asking one-token
+                    settle: float = 120.0) -> None:
+    """Wait until ``counter`` summed over the live dispatchers reaches ``at_least``, asking one-token
     requests meanwhile: a row is published from its dispatcher's refreshes, so the last counts
     before a pause wait for the next request that dispatcher picks (docs/FORMAT.md), and with two
     API servers only a request that reaches the one that counted brings them."""
@@ -52,7 +52,6 @@ def counted_by_then(server: Any, counter: str, at_least: int, ask: Callable[[str
         return counted(server, counter) >= at_least
 
     assert wait_until(in_the_record, timeout=settle, interval=0.5), (counter, at_least, dispatchers(server))
-    return counted(server, counter)
 
 
 def answered_while_dpboard_fails(server: Any, fault_file: Path, ask: Callable[[str, int], Any], *, n: int = 8,
