@@ -35,6 +35,7 @@ from dpboard.controller.prefix_index import (
     PrefixIndex,
     request_block_hashes,
 )
+from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, WaveHold
 from dpboard.errors import InvalidInputError, UnavailableError
 from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SNAPSHOT_DTYPE, SlotStatus
 
@@ -67,6 +68,9 @@ _TORN = int(SlotStatus.TORN)
 # ~150 ns to look up, a global ~5 ns).
 _ROUND_ROBIN, _ROOM, _ARGMIN, _ARGMIN_PREFIX, _ARGMIN_CARRIED = (
     Delivery.ROUND_ROBIN, Delivery.ROOM, Delivery.ARGMIN, Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED)
+# while requests are held, the caller looks again at least this often (a refresh interval of 0
+# would otherwise ask it to look again at once, for ever)
+WAVE_LOOK_MIN = 0.001
 
 
 class Dispatcher:
@@ -89,6 +93,12 @@ class Dispatcher:
     (``lockstep_chunk`` where a rank publishes none; default SGLang's rule, 8192 / ``num_workers``)
     and takes any rank whose first token comes within ``lockstep_horizon`` group steps.
     ``lockstep``: the ranks step in lockstep, so ``auto`` resolves to ``inflight_lockstep``.
+
+    ``inflight_wave`` holds arrivals (``offer``) while every rank decodes and places them with
+    ``inflight_lockstep``'s pick when a wave is due (``due``, by ``next_due_at``; ``release_all`` at
+    shutdown): at most ``wave_max_hold`` seconds less one group step, ``wave_per_rank`` requests per
+    candidate rank a wave; ``dpboard.controller.wave`` has the rule. Every other method
+    holds nothing: ``offer`` returns what it is given.
     """
 
     def __init__(
@@ -111,10 +121,15 @@ class Dispatcher:
         lockstep: bool = False,
         lockstep_horizon: int = DEFAULT_LOCKSTEP_HORIZON,
         lockstep_chunk: int | None = None,
+        wave_max_hold: float = DEFAULT_WAVE_HOLD,
+        wave_per_rank: int = DEFAULT_WAVE_PER_RANK,
+        wave_idle: bool = True,
     ):
         self.method = resolve_load_balance_method(method, disaggregation_mode, lockstep=lockstep)
         self.spec = spec = METHODS[self.method]
-        self._delivery = spec.delivery  # read on every dispatch: one attribute, not two
+        # read on every dispatch: one attribute, not two; a wave is placed as ARGMIN_CARRIED places a batch
+        self._delivery = _ARGMIN_CARRIED if spec.holds else spec.delivery
+        self.wave = WaveHold(wave_max_hold, wave_per_rank, wave_idle) if spec.holds else None
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise InvalidInputError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
                              f"got {num_workers!r}")
@@ -198,6 +213,7 @@ class Dispatcher:
                 f"reader must be a BoardReader or have read_all() (or read_array()), got {type(reader).__name__}"
             )
         self._read_queued = None
+        self._throughput = np.zeros(n, np.float64)
         if self.spec.key.reads_backlog and hasattr(reader, "read_detailed_array"):
             self._read_queued = self._queued_prefill_reader(reader)
 
@@ -215,6 +231,7 @@ class Dispatcher:
         pd_role = np.zeros(n, bool)
         lockstep_bit = np.uint64(DETAIL_FLAG["lockstep"])
         disagg_bit = np.uint64(DETAIL_FLAG["disaggregation"])
+        throughput = self._throughput = np.zeros(n, np.float64)  # gen_throughput: the wave's group step
 
         def read() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             arr = reader.read_detailed_array(detailed)
@@ -227,6 +244,8 @@ class Dispatcher:
             chunk[(flags & lockstep_bit) == 0] = 0
             mode = detail["disaggregation_mode"]
             np.copyto(pd_role, ((flags & disagg_bit) != 0) & ((mode == b"prefill") | (mode == b"decode")))
+            np.copyto(throughput, detail["gen_throughput"])
+            throughput[~present] = 0.0
             return arr["load"], queued, chunk, pd_role
 
         return read
@@ -306,6 +325,8 @@ class Dispatcher:
             self.budget.update_from_array(records)
         if self.health_aware:
             self._update_candidates()
+        if self.wave is not None:
+            self.wave.read_step(self.budget.running, self._throughput, self.budget.candidate)
         if self.prefix is not None:
             capacities = records["max_total_num_tokens"][: self.num_workers]
             if not np.array_equal(capacities, self._capacities):
@@ -371,6 +392,72 @@ class Dispatcher:
                 raise
         self._refresh_if_due()
         return self._pick_batch(reqs)
+
+    # -- holding (inflight_wave) ----------------------------------------------------------------------
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock this dispatcher reads (``next_due_at`` is in its time)."""
+        return self._clock
+
+    @property
+    def holds(self) -> bool:
+        """The method holds requests back: call ``offer``, then ``due`` by ``next_due_at``."""
+        return self.wave is not None
+
+    def offer(self, reqs: Sequence[Any]) -> list[Any]:
+        """The requests to place now (with ``dispatch_batch``), of these and of those held before.
+
+        A method that holds nothing returns ``reqs`` as given. ``inflight_wave`` places a request
+        with ``routed_dp_rank`` at once, and holds the others while every candidate rank decodes
+        and none is about to prefill; a wave leaves whole (``dpboard.controller.wave``)."""
+        wave = self.wave
+        if wave is None:
+            return list(reqs)
+        self._refresh_if_due()
+        now = self._clock()
+        routed = [req for req in reqs if getattr(req, "routed_dp_rank", None) is not None]
+        free = [req for req in reqs if getattr(req, "routed_dp_rank", None) is None] if routed else list(reqs)
+        if not self._group_can_wait():
+            return routed + wave.take(now, "busy") + free
+        for req in free:
+            wave.hold(req, now)
+        reason = wave.reason(now, True, self._candidates())
+        return routed + wave.take(now, reason) if reason else routed
+
+    def due(self) -> list[Any]:
+        """The held requests whose wave leaves now (all of them, oldest first), or nothing."""
+        wave = self.wave
+        if wave is None or not len(wave):
+            return []
+        self._refresh_if_due()
+        now = self._clock()
+        reason = wave.reason(now, self._group_can_wait(), self._candidates())
+        return wave.take(now, reason) if reason else []
+
+    def next_due_at(self) -> float | None:
+        """When ``due`` may have a wave for the caller (the clock's time), None while nothing is held."""
+        wave = self.wave
+        if wave is None or not len(wave):
+            return None
+        core = self.budget.core
+        return wave.next_due_at(max(core.last_refresh + self._refresh_interval, self._clock() + WAVE_LOOK_MIN))
+
+    def release_all(self) -> list[Any]:
+        """Every held request, to place now or refuse: the caller is stopping (nothing stays held)."""
+        return [] if self.wave is None else self.wave.take(self._clock(), "shutdown")
+
+    @property
+    def held(self) -> int:
+        """Requests held now."""
+        return 0 if self.wave is None else len(self.wave)
+
+    def _group_can_wait(self) -> bool:
+        budget = self.budget
+        return self.wave.can_wait(budget.running, budget.backlog, budget.candidate)
+
+    def _candidates(self) -> int:
+        return int(np.count_nonzero(self.budget.candidate))
 
     def retract(self, rank: int, req: Any) -> None:
         """Take back the pick of ``req`` on ``rank``: its send failed, so the rank never got it.

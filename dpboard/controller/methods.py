@@ -30,7 +30,9 @@ class LoadBalanceMethod(str, enum.Enum):
     rank's prefix cache does not hold; ``inflight_ttft``, the one to leave on, on that plus the
     tokens that would not fit the rank's KV capacity; ``inflight_lockstep``, for ranks that step in
     lockstep (DP attention), among the ranks whose first token comes within a few group steps, on
-    the running decodes its prefill would stall (docs/DISPATCH.md says when to use which). Each
+    the running decodes its prefill would stall; ``inflight_wave``, ``inflight_lockstep``'s pick with
+    arrivals held while every rank decodes, released together so that the group prefills them in
+    one step (docs/DISPATCH.md says when to use which). Each
     member's facts are its row in ``METHODS``; the properties below read it.
     """
 
@@ -44,6 +46,7 @@ class LoadBalanceMethod(str, enum.Enum):
     INFLIGHT_CACHE = "inflight_cache"
     INFLIGHT_TTFT = "inflight_ttft"
     INFLIGHT_LOCKSTEP = "inflight_lockstep"
+    INFLIGHT_WAVE = "inflight_wave"
 
     @property
     def spec(self) -> MethodSpec:
@@ -135,6 +138,9 @@ class Delivery(enum.Enum):
     # hashing a Python list of input_ids costs more than the whole decision: only a request that
     # carries its block hashes (the ZMQ controller's frames, the simulator's trace) consults the index
     ARGMIN_CARRIED = "ARGMIN_PREFIX for a request that carries its block hashes, else ARGMIN"
+    # ranks in lockstep: an arrival waits while every rank decodes, and leaves with a wave
+    # (dpboard.controller.wave); the caller offers requests and places what is due
+    WAVE = "ARGMIN_CARRIED for each wave of requests held while every rank decodes"
 
 
 class Deployment(enum.Enum):
@@ -172,7 +178,12 @@ class MethodSpec:
 
     @property
     def uses_prefix_index(self) -> bool:
-        return self.delivery in (Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED)
+        return self.delivery in (Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED, Delivery.WAVE)
+
+    @property
+    def holds(self) -> bool:
+        """The Dispatcher may hold requests back (``Dispatcher.offer``, ``due``, ``release_all``)."""
+        return self.delivery is Delivery.WAVE
 
     @property
     def is_improved(self) -> bool:
@@ -197,6 +208,7 @@ METHODS: Mapping[LoadBalanceMethod, MethodSpec] = MappingProxyType(dict([
     _row(_M.INFLIGHT_CACHE, _D.ARGMIN_PREFIX, _K.BACKLOG, improved=True),
     _row(_M.INFLIGHT_TTFT, _D.ARGMIN_CARRIED, _K.HEADROOM, improved=True),
     _row(_M.INFLIGHT_LOCKSTEP, _D.ARGMIN_CARRIED, _K.LOCKSTEP, improved=True, auto_for=(_P.LOCKSTEP,)),
+    _row(_M.INFLIGHT_WAVE, _D.WAVE, _K.LOCKSTEP, improved=True),
 ]))
 AUTO_PICKS: Mapping[Deployment, LoadBalanceMethod] = MappingProxyType(
     {d: spec.method for spec in METHODS.values() for d in spec.auto_for})

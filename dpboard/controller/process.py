@@ -26,6 +26,7 @@ same loop as the requests.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -98,6 +99,10 @@ def new_counts(n: int) -> dict[str, Any]:
         "backlogged": 0,  # times a scheduler held max_queued_mib not yet taken (then unavailable)
         "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
         "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
+        # inflight_wave: requests held for a wave, and those of them placed when the controller stopped
+        # (sent, or answered with an error where no rank took them)
+        "held": 0,
+        "released_at_stop": 0,
         "per_rank": [0] * n,
     }
 
@@ -200,6 +205,7 @@ class DataParallelController:
         self._said_uncounted = False
         self.max_batch = max_batch
         self.poll_ms = max(1, int(poll_interval * 1000))
+        self._held_before = 0  # requests held by the dispatchers auto has replaced
         self.log_every = log_every
         self._frame_log = BoundedLog(log)
         self._own_context = context is None
@@ -401,7 +407,7 @@ class DataParallelController:
                 if self.ledger is not None:
                     self._start_epochs()
                 while not stop.is_set():
-                    ready = dict(poller.poll(self.poll_ms))
+                    ready = dict(poller.poll(self._poll_ms()))
                     now = time.monotonic()
                     for sock in ready:
                         rank = monitor_rank.get(sock)
@@ -420,12 +426,15 @@ class DataParallelController:
                         self.input.service()
                     if self.input.socket in ready:
                         self._serve_ready()
+                    if self.dispatcher.held:
+                        self._place(self.dispatcher.due())
                     if self.session.due(now):
                         self.session.publish()
                     if now >= next_log:
                         next_log = now + self.log_every
                         self._log_counts()
         finally:
+            self._release_held()
             if self.ledger is not None:
                 self._read_acks(time.monotonic())
                 self.stats["unacknowledged"] = self.ledger.unacknowledged()
@@ -443,14 +452,39 @@ class DataParallelController:
     def dispatcher(self) -> Dispatcher:
         return self.session.dispatcher
 
+    def _poll_ms(self) -> int:
+        """The poll's timeout: the loop's interval, or less when a held wave is due sooner."""
+        due = self.dispatcher.next_due_at()
+        if due is None:
+            return self.poll_ms
+        return max(0, min(self.poll_ms, int(math.ceil((due - self.dispatcher.clock()) * 1000))))
+
+    def _release_held(self) -> None:
+        """The requests a wave still holds go out now (or are answered, when no rank takes them):
+        the controller is stopping, and nothing it holds is lost."""
+        held = self.dispatcher.release_all()
+        self.stats["released_at_stop"] += len(held)
+        self._count_held()
+        self._place(held)
+
+    def _count_held(self) -> None:
+        wave = self.dispatcher.wave
+        if wave is not None:
+            self.stats["held"] = self._held_before + wave.held_total
+
     def _use_dispatcher(self, new: Dispatcher) -> None:
         """Dispatch with ``new`` from the next batch on: ``auto`` changed. The session hands it the
         ranks' availability and stamps the record; what was sent stays in the delivery ledger,
-        which is the controller's."""
+        which is the controller's. What the old one held goes out with the new one's picks."""
+        held = self.dispatcher.release_all()
+        self._count_held()
+        if self.dispatcher.wave is not None:
+            self._held_before += self.dispatcher.wave.held_total
         self.session.use(new)
         self.availability.forget_told()
         for rank in self._ranks:
             self._update_status(rank)
+        self._place(held)
 
     def _serve_ready(self) -> None:
         reqs: list[Request] = []
@@ -474,6 +508,13 @@ class DataParallelController:
                     self._frame_log.warning("dropped a malformed request frame (rid %s, answered): %s", shown(e.rid),
                                             str(e))
                     self._send_error(e.rid, f"malformed request frame: {e}")
+        if not reqs:
+            return
+        self._place(self.dispatcher.offer(reqs))
+        self._count_held()
+
+    def _place(self, reqs: list[Request]) -> None:
+        """Pick a rank for each request and send it there (a method that holds gave them back)."""
         if not reqs:
             return
         try:
@@ -582,6 +623,9 @@ class DataParallelController:
                  "malformed %d, rejected %d, retracted %d, per rank %s", s["received"], s["dispatched"],
                  s["delivered"], s["redelivered"], s["redelivery_exhausted"], s["malformed"], s["rejected"],
                  s["retracted"], s["per_rank"])
+        if self.dispatcher.wave is not None:
+            log.info("controller: held %d for waves, %d holding now, %d placed at stop", s["held"],
+                     self.dispatcher.held, s["released_at_stop"])
         if self.collector is not None and hasattr(self.collector, "stats"):
             c = self.collector.stats()
             log.info("controller: load fan-in frames %d ok, %d bad; snapshots %d",

@@ -49,7 +49,8 @@ class Schedulers:
     ``lockstep`` is set, and the PULL sockets the controller sends to (what each took, counted
     into its slot's num_received_reqs)."""
 
-    def __init__(self, board: Board, ctx: zmq.Context, endpoints: list[str]) -> None:
+    def __init__(self, board: Board, ctx: zmq.Context, endpoints: list[str], queued: list[int] = QUEUED) -> None:
+        self.queued = queued
         self.writers = [board.writer(r) for r in range(N)]
         self.pulls = [bound_pull(ctx, ep) for ep in endpoints]
         self.got: list[list[str]] = [[] for _ in range(N)]
@@ -70,8 +71,22 @@ class Schedulers:
                     writer.publish_detailed(
                         LoadSnapshot(rank, num_running_reqs=4, num_total_tokens=1000, num_used_tokens=1000,
                                      max_total_num_tokens=10**6, num_received_reqs=len(self.got[rank])),
-                        LoadDetail(num_waiting_uncached_tokens=QUEUED[rank], lockstep=lockstep))
+                        LoadDetail(num_waiting_uncached_tokens=self.queued[rank], lockstep=lockstep))
             time.sleep(0.02)
+
+    def drain(self, seconds: float) -> list[int]:
+        """The ranks of what the schedulers take within ``seconds`` (possibly nothing)."""
+        ranks = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for rank, pull in enumerate(self.pulls):
+                while pull.poll(0):
+                    rid = msgpack.unpackb(pull.recv(), raw=False)["rid"]
+                    with self._lock:
+                        self.got[rank].append(rid)
+                    ranks.append(rank)
+            time.sleep(0.005)
+        return ranks
 
     def take(self, count: int, timeout: float = 20) -> list[int]:
         """The ranks of the next ``count`` requests the schedulers take, in rid order."""

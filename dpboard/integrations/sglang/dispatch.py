@@ -29,7 +29,7 @@ from typing import Any
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, default_lockstep_horizon
-from dpboard.controller.methods import LoadBalanceMethod, resolve_load_balance_method
+from dpboard.controller.methods import METHODS, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
@@ -71,6 +71,11 @@ def check_settings(controller: Any, *args: Any, **kwargs: Any) -> None:
             f"total_requests (SGLang calls its load-aware dispatch only then), got {sglang_method}: "
             f"add --load-balance-method total_tokens, or unset {ENV_METHOD}")
     mode = module.get_disagg().disaggregation_mode
+    if METHODS[resolve_load_balance_method(settings.method, mode)].holds:
+        raise InvalidInputError(
+            f"{ENV_METHOD}={settings.method} holds requests for waves, which needs a loop that looks again on a "
+            f"timer, and SGLang's DP controller calls dpboard only as requests come: use inflight_lockstep "
+            f"(docs/DISPATCH.md, inflight_wave)")
     if resolve_load_balance_method(settings.method, mode) is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and mode != "prefill":
         # Only a PD prefill server's requests carry the room this method maps to a rank.
         raise InvalidInputError(

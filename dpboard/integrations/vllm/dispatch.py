@@ -299,6 +299,10 @@ def client_dispatch(client: Any, environ: Mapping[str, str] = os.environ) -> Cli
     config = client.vllm_config
     step_budget = moe_step_budget(config)
     method = resolve_load_balance_method(method, lockstep=step_budget is not None)  # auto for MoE DP: inflight_lockstep
+    if method.spec.holds:
+        raise InvalidInputError(f"{ENV_METHOD}={method.value} holds requests for waves, which needs a loop that "
+                                f"looks again on a timer, and vLLM's API server picks only as requests come: use "
+                                f"inflight_lockstep here (docs/DISPATCH.md, inflight_wave)")
     name = board_name(environ, getattr(config.model_config, "served_model_name", None))
     if name is None:
         raise InvalidInputError(f"{ENV_METHOD}={method.value} dispatches from a board: name it with "

@@ -241,6 +241,13 @@ def test_follow_bootstrap_room_without_pd_is_refused_at_start(instance, tmp_path
         make_cluster(instance, tmp_path)
 
 
+def test_inflight_wave_is_refused_at_start_with_why(instance, tmp_path, monkeypatch):
+    """SGLang's DP controller calls dpboard only as requests come: a held request would wait for the next."""
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_wave")
+    with pytest.raises(InvalidInputError, match="inflight_wave holds requests for waves.*use inflight_lockstep"):
+        make_cluster(instance, tmp_path)
+
+
 @pytest.mark.parametrize("value", ["1e-300", "0.001", "inf", "1e7", "nan"])
 def test_a_stale_after_outside_its_bounds_is_refused_at_start_naming_the_variable(instance, tmp_path,
                                                                                   monkeypatch, value):

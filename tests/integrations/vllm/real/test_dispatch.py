@@ -126,6 +126,9 @@ def test_a_bad_method_or_no_board_is_refused_with_the_fix(monkeypatch, board_nam
     monkeypatch.setenv("DPBOARD_METHOD", "follow_bootstrap_room")
     with pytest.raises(InvalidInputError, match="which vLLM's requests do not carry"):
         dispatch.client_dispatch(client)
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_wave")
+    with pytest.raises(InvalidInputError, match="holds requests for waves.*use inflight_lockstep here"):
+        dispatch.client_dispatch(client)
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     monkeypatch.delenv("DPBOARD_VLLM_BOARD")
     with pytest.raises(InvalidInputError, match="DPBOARD_VLLM_BOARD=NAME"):

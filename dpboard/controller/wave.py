@@ -1,0 +1,133 @@
+"""``inflight_wave``'s hold: arrivals kept back while ranks in lockstep decode, released together.
+
+Under DP attention one rank's prefill makes the group's step an extend step for every rank, and
+its running decodes wait for it. Prompts that arrive one by one while every rank decodes stall the
+group once each; held and released together they are prefilled in the same step, one stall for
+the wave (docs/DISPATCH.md, "inflight_wave"). The rule, read from the budget after each refresh:
+
+- **hold** an arrival only while every candidate rank is decoding (it runs requests) and none is
+  about to prefill (nothing queued for prefill or in flight to it): then the next extend step is
+  the one this arrival would start;
+- **release** every held request at once when the held fill a wave (one prompt per candidate
+  rank), when some rank is idle or about to prefill (the group steps an extend step anyway, or a
+  rank has nothing to do), or when the oldest has been held its bound: the hold budget less one
+  group step (a released prompt still waits for the step under way), the step read from the board
+  as the ranks' running requests over their decode throughput (SGLang's ``gen_throughput``).
+
+The class is pure: the Dispatcher gives it the budget's arrays and the clock's time, and places what
+it releases. Nothing here waits; ``next_due_at`` says when the caller's loop should look again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from dpboard.errors import InvalidInputError
+
+# The longest any request is held, seconds, less a group step: 0.4 of the 5 s time-to-first-token
+# objective of DeepSeek-V3's DP-attention deployment (the simulator's deepseek-v3-dp-attention-h100
+# profile), chosen among 1-3 s on the DP-attention cells (docs/DISPATCH.md, "inflight_wave")
+DEFAULT_WAVE_HOLD = 2.0
+# a wave is full with this many held requests per candidate rank (1, 2, 4 and 8 measured: 4 and 8
+# alike, 1 and 2 leave before the group has enough to share)
+DEFAULT_WAVE_PER_RANK = 4
+REASONS = ("full", "busy", "bound", "shutdown")  # why a wave left: what the record counts
+
+
+class WaveHold:
+    """The requests held for the next wave, and when they leave."""
+
+    __slots__ = ("max_hold", "wave_per_rank", "idle", "_held", "_since", "held_total", "released", "waves",
+                 "hold_sum", "hold_max", "step")
+
+    def __init__(self, max_hold: float = DEFAULT_WAVE_HOLD, wave_per_rank: int = DEFAULT_WAVE_PER_RANK, idle: bool = True):
+        if not isinstance(max_hold, (int, float)) or isinstance(max_hold, bool) or not 0 <= max_hold <= 60:
+            raise InvalidInputError(f"wave_max_hold must be seconds in [0, 60] (a share of the TTFT objective), "
+                                    f"got {max_hold!r}")
+        if not isinstance(wave_per_rank, int) or isinstance(wave_per_rank, bool) or wave_per_rank < 1:
+            raise InvalidInputError(f"wave_per_rank must be an int >= 1 (a wave is full with this many requests "
+                                    f"per candidate rank), got {wave_per_rank!r}")
+        self.max_hold = float(max_hold)
+        self.idle = bool(idle)
+        self.wave_per_rank = wave_per_rank
+        self._held: deque[Any] = deque()
+        self._since: deque[float] = deque()
+        self.held_total = 0  # requests ever held
+        self.released = dict.fromkeys(REASONS, 0)  # requests released, by the reason their wave left
+        self.waves = 0
+        self.hold_sum = 0.0  # seconds held, summed over released requests
+        self.hold_max = 0.0
+        self.step = 0.0  # the group step last read from the board, seconds (0: not known)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def oldest(self) -> float | None:
+        """When the longest-held request was held (None: nothing held)."""
+        return self._since[0] if self._since else None
+
+    def bound(self) -> float:
+        """How long the oldest may be held: the hold budget less one group step."""
+        return max(0.0, self.max_hold - self.step)
+
+    def read_step(self, running: np.ndarray, throughput: np.ndarray, candidate: np.ndarray) -> None:
+        """The group's decode step from the board: the candidate ranks' running requests over their
+        decode throughput, the longest (in lockstep every rank waits for the slowest)."""
+        known = (candidate != 0) & (throughput > 0) & (running > 0)
+        self.step = float(np.max(running[known] / throughput[known])) if known.any() else 0.0
+
+    def can_wait(self, running: np.ndarray, backlog: np.ndarray, candidate: np.ndarray) -> bool:
+        """Some candidate rank decodes (a prefill would stall it), and, with ``idle``, no rank is
+        idle while none is about to prefill (the idle rank's share of the group is wasted)."""
+        cand = candidate != 0
+        busy = running[cand] > 0
+        if not bool(np.any(busy)):
+            return False
+        if self.idle:
+            queued = backlog[cand] > 0
+            if not bool(np.any(queued)) and not bool(np.all(busy | queued)):
+                return False
+        return True
+
+    def hold(self, req: Any, now: float) -> None:
+        self._held.append(req)
+        self._since.append(now)
+        self.held_total += 1
+
+    def reason(self, now: float, can_wait: bool, candidates: int) -> str | None:
+        """Why the held requests leave now, or None while they stay."""
+        if not self._held:
+            return None
+        if len(self._held) >= self.wave_per_rank * max(1, candidates):
+            return "full"
+        if not can_wait:
+            return "busy"
+        if now >= self._since[0] + self.bound():  # the sum next_due_at gives: no float gap between them
+            return "bound"
+        return None
+
+    def next_due_at(self, refresh_at: float) -> float | None:
+        """When the caller should look again: the oldest's bound, or the next refresh of the board
+        (which may show a rank idle or about to prefill), whichever comes first."""
+        if not self._since:
+            return None
+        return min(self._since[0] + self.bound(), refresh_at)
+
+    def take(self, now: float, reason: str) -> list[Any]:
+        """Every held request, oldest first, counted as released for ``reason``."""
+        out = list(self._held)
+        for since in self._since:
+            waited = max(0.0, now - since)
+            self.hold_sum += waited
+            if waited > self.hold_max:
+                self.hold_max = waited
+        self._held.clear()
+        self._since.clear()
+        if out:
+            self.released[reason] += len(out)
+            self.waves += 1
+        return out
