@@ -11,14 +11,17 @@ them, one cell per JSON file; condense them into the results data; and render ev
 A cell is a trace (the first 1,200 s of the Azure conversation and Mooncake conversation files, or
 the ``bursty`` and ``longshort`` scenarios), a rank count (8, 16, 32) and a load (0.5, 0.75, 0.9 of
 the lockstep group's capacity), on ``deepseek-v3-dp-attention-h100`` with SGLang's chunk rule, each
-method with and without SGLang's prefill delayer (``inflight_lockstep`` with the delayer takes the
+method with and without SGLang's prefill delayer, SGLang's three with its queue trigger too
+(``+delayer +queue``, ratio ``QUEUE_RATIO``) (``inflight_lockstep`` with the delayer takes the
 horizon the SGLang plugin gives it there, ``DELAYER_LOCKSTEP_HORIZON``). Seeds 0-2 where the seed
 changes the run: every method on Mooncake (the bucket spread) and on the scenarios (the draw), only the seeded routers
 (vLLM's, Dynamo's) on Azure. The sensitivity cells rerun the 16-rank cells at 0.5 and 0.9 with one
 profile term changed (the extend floor halved, the eager term 0; DeepEP's term 0 and doubled, a
 new_token_ratio of 0.21 and the prefill delayer's pass without a forward at 0.25 and 4 ms on the
 16-rank trace-file cells at 0.9), seed 0, the rows the verdict compares. The PD cells run the
-whole files, 8 prefill : 16 decode ranks.
+whole files, 8 prefill : 16 decode ranks. The held-out cells (``held-*``) are cells
+``inflight_wave``'s defaults were not chosen on: 24 and 64 ranks, and the second 1,200 s of each
+trace file.
 
 Each cell is one JSON file written when it is done, so an interrupted sweep resumes where it
 stopped; runs go one after another in this process (``nice`` it on a shared machine).
@@ -67,6 +70,17 @@ LOADS = (0.5, 0.75, 0.9)
 RANKS = (8, 16, 32)
 SEEDS = (0, 1, 2)
 LOCKSTEP = "inflight_lockstep:cadence=step"
+WAVE = "inflight_wave:cadence=step"
+OURS = (LOCKSTEP, WAVE)  # the two methods for ranks in lockstep that the bar and auto choose between
+# SGLang's delayer with its opt-in queue trigger (--prefill-delayer-queue-min-ratio; its max delay
+# stays SGLang's 5,000 ms): SGLang's own bounded hold, run beside SGLang's methods. SGLang gives the
+# ratio no default; a half of the running batch is the middle of its (0, 1] range
+QUEUE_RATIO = 0.5
+QUEUED_METHODS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang")
+# cells nobody tuned inflight_wave's defaults on (they were chosen on azure, bursty and longshort at 16
+# ranks, seed 0, loads 0.5-0.9): other rank counts and loads, and the second 1,200 s of each trace file
+HELD_OUT = ((24, 0.6), (24, 0.85), (64, 0.7))
+LATER_WINDOW = (1200.0, 2400.0)
 METHODS = (
     "round_robin",
     "total_requests:cadence=sglang",
@@ -77,6 +91,7 @@ METHODS = (
     "inflight_ttft:cadence=step",
     "inflight_cache:cadence=step",  # Mooncake only: elsewhere the same picks as inflight_backlog
     LOCKSTEP,
+    WAVE,
 )
 SEEDED = ("vllm", "dynamo_kv")  # routers whose ties or servers are drawn from the seed
 SENSITIVITY = {
@@ -101,7 +116,7 @@ PD_METHODS = (
 )
 # a sensitivity cell asks whether the order of the rows that matter changes: seed 0, those rows
 SENSITIVITY_METHODS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang", "cache_aware",
-                       "dynamo_kv", "inflight_ttft:cadence=step", "inflight_cache:cadence=step", LOCKSTEP)
+                       "dynamo_kv", "inflight_ttft:cadence=step", "inflight_cache:cadence=step", LOCKSTEP, WAVE)
 
 
 def cells() -> list[dict[str, Any]]:
@@ -120,6 +135,12 @@ def cells() -> list[dict[str, Any]]:
                             "variant": variant})
     for trace in TRACES:
         out.append({"name": f"pd-{trace}-0.9", "trace": trace, "ranks": 24, "load": 0.9, "pd": (8, 16)})
+    for trace in TRACES:
+        for ranks, load in HELD_OUT:
+            out.append({"name": f"held-{trace}-{ranks}-{load:g}", "trace": trace, "ranks": ranks, "load": load,
+                        "held_out": True})
+        out.append({"name": f"held-{trace}-later-16-0.75", "trace": trace, "ranks": 16, "load": 0.75,
+                    "held_out": True, "window": LATER_WINDOW})
     return out
 
 
@@ -136,7 +157,7 @@ def _trace(cell: dict[str, Any], seed: int, config: SimConfig, trace_files: dict
         if name not in trace_files:
             trace_files[name] = read_trace_file(ROOT / TRACES[name])
         return shape_trace(trace_files[name], n_ranks=config.n_ranks, seed=seed, rank=config.rank,
-                           window=(None, None) if pd else WINDOW, load=cell["load"], pd=pd,
+                           window=(None, None) if pd else tuple(cell.get("window", WINDOW)), load=cell["load"], pd=pd,
                            lockstep=None if pd else config.lockstep)
     return scenario_trace(cell["trace"], config.n_ranks, seed, load=cell["load"], rank=config.rank,
                           lockstep=config.lockstep, pd=pd)
@@ -173,9 +194,12 @@ def run_cell(cell: dict[str, Any], trace_files: dict[str, Any]) -> dict[str, Any
             if trace is None:
                 trace = _trace(cell, seed, base, trace_files)
                 info[str(seed)] = {k: v for k, v in trace.info.items() if isinstance(v, (int, float, str))}
-            for delayer in delayers:
-                config = dataclasses.replace(base, prefill_delayer=delayer)
-                label = method + (" +delayer" if delayer else "")
+            variants = [(d, None) for d in delayers]
+            if pd is None and method in QUEUED_METHODS:
+                variants.append((True, QUEUE_RATIO))
+            for delayer, ratio in variants:
+                config = dataclasses.replace(base, prefill_delayer=delayer, prefill_delayer_queue_min_ratio=ratio)
+                label = method + (" +delayer" if delayer else "") + (" +queue" if ratio else "")
                 summary = summarize(make_simulation(trace, method, config).run())
                 summary["seed"] = seed
                 runs.setdefault(label, []).append(summary)
@@ -205,16 +229,17 @@ def run(args: argparse.Namespace) -> int:
 
 _METRIC = {key: (label, key, fmt) for label, key, fmt in METRICS}
 # goodput with one more decimal than the example's: the bar compares it to within 1 %
-COLUMNS = (("goodput req/s", "goodput_rps", "{:.3f}"), _METRIC["ttft_p99_ms"], _METRIC["ttft_p50_ms"],
+COLUMNS = (("goodput req/s", "goodput_rps", "{:.3f}"), ("met both SLOs", "goodput_share", "{:.1%}"),
+           _METRIC["ttft_p99_ms"], _METRIC["ttft_p50_ms"],
            _METRIC["tpot_p99_ms"], ("p50 TPOT ms", "tpot_p50_ms", "{:.0f}"), _METRIC["idle_rank_step_share"],
-           ("extend steps", "extend_step_share", "{:.1%}"))
+           ("extend steps", "extend_step_share", "{:.1%}"), ("p99 held ms", "held_p99_ms", "{:.0f}"))
 # the rows the bar compares the lockstep method with: SGLang's methods and the peers, without and
 # with the prefill delayer (docs/DISPATCH-RESULTS.md, "Verdict in DP attention and PD")
 SEED_AND_PEERS = ("round_robin", "total_requests:cadence=sglang", "total_tokens:cadence=sglang", "vllm",
                   "cache_aware", "dynamo_kv")
 SHORT = {"total_requests:cadence=sglang": "total_requests", "total_tokens:cadence=sglang": "total_tokens",
          "inflight_ttft:cadence=step": "inflight_ttft", "inflight_cache:cadence=step": "inflight_cache",
-         "inflight_lockstep:cadence=step": "inflight_lockstep"}
+         "inflight_lockstep:cadence=step": "inflight_lockstep", "inflight_wave:cadence=step": "inflight_wave"}
 
 
 def _short(label: str) -> str:
@@ -224,7 +249,8 @@ def _short(label: str) -> str:
 
 
 def _means(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
-    return {label: {key: float(np.mean([r[key] for r in runs])) for _, key, _ in COLUMNS}
+    # a cell run before a column existed reads 0 there (held_p99_ms: nothing was held)
+    return {label: {key: float(np.mean([r.get(key, 0.0) for r in runs])) for _, key, _ in COLUMNS}
             for label, runs in doc["runs"].items()}
 
 
@@ -237,7 +263,7 @@ def _cell_table(doc: dict[str, Any]) -> dict[str, Any]:
     for label, runs in doc["runs"].items():
         cells = []
         for _, key, fmt in COLUMNS:
-            text = seed_cell([r[key] for r in runs], fmt)
+            text = seed_cell([r.get(key, 0.0) for r in runs], fmt)
             if (key == "goodput_rps" and means[label][key] == best_g) or (key == "ttft_p99_ms" and means[label][key] == best_t):
                 text = f"**{text}**"
             cells.append(text)
@@ -274,7 +300,7 @@ def verdict(doc: dict[str, Any], ours: str = LOCKSTEP) -> dict[str, Any]:
     plain = {k: v for k, v in means.items() if k in SEED_AND_PEERS}
     sglang_delayed = {k: v for k, v in means.items() if k.endswith(" +delayer") and k.split(" ")[0] in SGLANG_METHODS}
     anyone = {k: v for k, v in means.items() if k.split(" ")[0] in SEED_AND_PEERS}
-    every = {k: v for k, v in means.items() if not k.startswith(ours)}
+    every = {k: v for k, v in means.items() if k.split(" ")[0] not in OURS}
     refs = {"plain": best(plain, "goodput_rps", True), "sglang_delayed": best(sglang_delayed, "goodput_rps", True),
             "any": best(anyone, "goodput_rps", True), "ttft": best(every, "ttft_p99_ms", False)}
     out: dict[str, Any] = {"refs": refs}
@@ -329,6 +355,50 @@ def verdict_table(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"columns": VERDICT_COLUMNS, "align": "l" + "r" * 6 + "lll", "rows": rows}
 
 
+# per lockstep method: its goodput / the best row's, its p99 TTFT / the best row's
+BAR_VARIANTS = (LOCKSTEP, LOCKSTEP + " +delayer", WAVE, WAVE + " +delayer")
+BAR_COLUMNS = ["cell", "tuned on", *(f"{_short(m)}: goodput, p99 TTFT / best" for m in BAR_VARIANTS),
+               "met both SLOs: lockstep, wave, best goodput row", "wave's p99 held ms", "bar met by", "best goodput",
+               "best p99 TTFT"]
+# the cells inflight_wave's defaults were chosen on
+TUNED = (("azure", 16), ("bursty", 16), ("longshort", 16))
+
+
+def bar(doc: dict[str, Any]) -> dict[str, Any]:
+    """The bar for each lockstep method without the delayer: goodput against the best row of the cell
+    (any method, with or without the delayer, either of ours included), p99 TTFT against the best
+    row; and every row that meets both against those bests."""
+    means = _means(doc)
+    best_g = max(means, key=lambda k: means[k]["goodput_rps"])
+    best_t = min(means, key=lambda k: means[k]["ttft_p99_ms"])
+    g, t = means[best_g]["goodput_rps"], means[best_t]["ttft_p99_ms"]
+    ratios = {label: (v["goodput_rps"] / g if g else float("nan"), v["ttft_p99_ms"] / t if t else float("nan"))
+              for label, v in means.items()}
+    met = [label for label, (rg, rt) in ratios.items() if rg >= GOODPUT_BAR and rt <= TTFT_BAR]
+    return {"means": means, "ratios": ratios, "met": met, "best_goodput": best_g, "best_ttft": best_t}
+
+
+def bar_table(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per cell: both lockstep methods against the best rows, and which rows meet the bar there."""
+    rows = []
+    for name in [c["name"] for c in cells() if c["name"] in docs]:
+        doc = docs[name]
+        if doc["cell"].get("pd") or not all(m in doc["runs"] for m in OURS):
+            continue
+        b = bar(doc)
+        cell = doc["cell"]
+        tuned = (cell["trace"], cell["ranks"]) in TUNED and not cell.get("held_out") and not cell.get("variant")
+        row = [name, "yes" if tuned else "no"]
+        for m in BAR_VARIANTS:
+            rg, rt = b["ratios"].get(m, (float("nan"), float("nan")))
+            row.append(f"{_mark(rg, GOODPUT_BAR, True)}, {_mark(rt, TTFT_BAR, False)}")
+        share = [b["means"][m]["goodput_share"] for m in OURS] + [b["means"][b["best_goodput"]]["goodput_share"]]
+        row += [" / ".join(f"{x:.1%}" for x in share), f"{b['means'][WAVE]['held_p99_ms']:.0f}",
+                ", ".join(_short(m) for m in b["met"]) or "no row", _short(b["best_goodput"]), _short(b["best_ttft"])]
+        rows.append(row)
+    return {"columns": BAR_COLUMNS, "align": "ll" + "r" * 6 + "lll", "rows": rows}
+
+
 def _sweep(out: Path) -> dict[str, dict[str, Any]]:
     docs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
     if not docs:
@@ -351,6 +421,8 @@ def print_sweep(args: argparse.Namespace) -> int:
             print("\n</details>")
     print()
     print("\n".join(render_table(verdict_table(docs))))
+    print()
+    print("\n".join(render_table(bar_table(docs))))
     return 0
 
 
@@ -359,10 +431,12 @@ def collect(args: argparse.Namespace) -> int:
     docs = _sweep(Path(args.out))
     table = {"id": "verdict", "caption": "inflight_lockstep against the best rows of each cell, without and with "
              "the delayer", **verdict_table(docs)}
-    results = {"section": "DP attention: the second pass, measured",
+    waves = {"id": "wave-bar", "caption": "inflight_lockstep and inflight_wave against the best row of each cell",
+             **bar_table(docs)}
+    results = {"section": args.section,
                "source": f"python tools/lockstep_sweep.py run --out {args.out}: {len(docs)} cells, "
                          f"{sum(d['wall_s'] for d in docs.values()):.0f} s of CPU",
-               "collected": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tables": [table]}
+               "collected": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tables": [table, waves]}
     write_results(Path(args.results), results)
     print(f"{args.results}: {len(table['rows'])} rows from {len(docs)} cells; "
           f"`lockstep_sweep.py table` renders them into {DOC.relative_to(ROOT)}")
@@ -448,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("collect", help="condense the cells of --out into the results data (lockstep-sweep.json)")
     c.add_argument("--out", default="out/lockstep")
     c.add_argument("--results", default=str(RESULTS / "lockstep-sweep.json"), help="the file it writes")
+    c.add_argument("--section", default="DP attention: the second pass, measured",
+                   help="the section of the results markdown its tables stand in")
     t = sub.add_parser("table", help="render the results markdown's tables from the data (with --out: print a "
                                      "sweep's verdict table, and with --cells every cell's table)")
     t.add_argument("--check", action="store_true", help="rewrite nothing: exit 1 where the markdown differs")

@@ -119,6 +119,15 @@ def _add_rank_model_arguments(p: argparse.ArgumentParser) -> None:
         "together; inflight_lockstep then takes the SGLang plugin's horizon there, 2 group steps",
     )
     p.add_argument(
+        "--prefill-delayer-queue-min-ratio",
+        type=float,
+        default=None,
+        metavar="RATIO",
+        help="with --prefill-delayer, SGLang's queue trigger (off by default): when every rank could "
+        "prefill, also hold prefill back while the longest waiting queue is below RATIO x the largest "
+        "running batch (at most the largest recent prefill batch), for up to 5000 ms or 30 passes",
+    )
+    p.add_argument(
         "--overlap-schedule",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -245,6 +254,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         slo_tpot_s=profile.slo_tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
         pd=pd,
         prefill_delayer=args.prefill_delayer,
+        prefill_delayer_queue_min_ratio=args.prefill_delayer_queue_min_ratio,
         overlap_schedule=args.overlap_schedule,
     ).validate()
     if args.trace_file:
@@ -337,6 +347,7 @@ def _command_line(args: argparse.Namespace) -> str:
         ("--slo-ttft-ms", args.slo_ttft_ms, None),
         ("--slo-tpot-ms", args.slo_tpot_ms, None),
         ("--new-token-ratio", args.new_token_ratio, 0.0),
+        ("--prefill-delayer-queue-min-ratio", args.prefill_delayer_queue_min_ratio, None),
     ):
         if value != default:
             parts.append(f"{flag} {value}")

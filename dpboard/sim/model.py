@@ -24,6 +24,15 @@ requests only between steps:
   (their private KV is freed; they are prefilled again later with what they had generated), as
   SGLang does. A request without block ids shares nothing.
 
+- With SGLang's overlap scheduler (``overlap``) the next batch is formed before the results of the
+  step under way are processed (``event_loop_overlap``, ``sglang/srt/managers/scheduler.py``
+  2084-2086 before 2117-2120 of 0.5.23). So a request that finishes in step k still holds its slot
+  and its KV when step k+1 is formed: it is freed only when step k's result is processed
+  (``release_kv_cache``, ``scheduler_components/batch_result_processor.py`` 1466), and what step
+  k+1 admits sees it in the running batch (``running_batch.filter_batch()`` at scheduler.py 3966
+  drops only requests already marked finished). Its slot and KV are usable from step k+2. It does
+  not decode again in step k+1 (``_reqs_finishing_inflight``, scheduler.py 4444-4456).
+
 A running request's finish is kept as the decode-step count at which it ends, so a decode step
 costs O(1) plus O(log n) per request that finishes, not O(batch).
 """
@@ -234,6 +243,10 @@ class RankModel:
         # current one, so a request received during step j is admitted from step j + 2 at the
         # earliest (j + 1 without it); one received while nothing runs is admitted at once.
         self.overlap = overlap
+        # The same loop processes step k's result after forming step k+1: requests that finished in
+        # step k keep their slot and KV through that formation (the running batch SGLang forms from)
+        self._late: list[SimRequest] = []
+        self._held_late = False  # the step just formed had such requests in its running batch
         self.step_index = 0  # steps begun (an idle batch in a lockstep group counts)
         self.rank = rank
         self.config = config.validate()
@@ -289,6 +302,26 @@ class RankModel:
         if self._chunked is not None and self.state != PREFILL:
             prefilling += 1
         return len(self.running) + prefilling
+
+    @property
+    def running_batch(self) -> int:
+        """SGLang's ``running_batch.batch_size()`` as the next prefill pass sees it (the count the
+        prefill delayer gathers and the request slots are counted from): the running requests, plus,
+        under the overlap scheduler, those that finished in the step just ended."""
+        return len(self.running) + len(self._late)
+
+    @property
+    def ingested_waiting(self) -> int:
+        """SGLang's ``len(waiting_queue)`` as the next step's formation sees it: the waiting queue
+        less the requests received while the step now ending ran, which the overlap scheduler takes
+        in a pass later. Their admit steps only grow towards the tail, so they are counted from it."""
+        step = self.step_index + 1
+        n = len(self.waiting)
+        for req in reversed(self.waiting):
+            if req.admit_step <= step:
+                break
+            n -= 1
+        return n
 
     @property
     def num_waiting(self) -> int:
@@ -472,8 +505,10 @@ class RankModel:
 
     @property
     def fenced(self) -> bool:
-        """The step just formed left waiting requests out because of the overlap scheduler's fence."""
-        return bool(self.waiting) and self.waiting[0].admit_step > self.step_index
+        """The step just formed may have left waiting requests out because of the overlap
+        scheduler: they were received while the previous step ran, or the requests that finished
+        in it still held their slots and KV."""
+        return bool(self.waiting) and (self.waiting[0].admit_step > self.step_index or self._held_late)
 
     def reform_unfenced(self, now_s: float, admit: bool = True) -> float | None:
         """Nothing runs after all: the scheduler's loop has no batch in flight to overlap with, so
@@ -491,7 +526,7 @@ class RankModel:
             return True
         cfg = self.config
         waiting = self.waiting
-        if not waiting or len(self.running) >= cfg.max_running or waiting[0].admit_step > self.step_index + 1:
+        if not waiting or self.running_batch >= cfg.max_running or waiting[0].admit_step > self.step_index + 1:
             return False
         req = waiting[0]
         ids = req.block_ids
@@ -528,13 +563,21 @@ class RankModel:
                 self._finish_sum += req.finish_step
                 heapq.heappush(self._finish_heap, (req.finish_step, req.rid, req.epoch))
             self._ready.clear()
-        if self._chunked is not None or (admit and self.waiting and len(self.running) < cfg.max_running):
+        tokens = 0
+        if self._chunked is not None or (admit and self.waiting and self.running_batch < cfg.max_running):
             tokens = self._form_prefill_batch(now_s, admit)
-            if tokens:
-                self.state = PREFILL
-                self.step_tokens = tokens
-                self.step_kv_tokens = 0
-                return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens
+        # This step is formed: the loop now processes the previous step's result, which frees what
+        # its finished requests held (batch_result_processor.py 1466)
+        self._held_late = bool(self._late)
+        if self._late:
+            for req in self._late:
+                self._drop_kv(req)
+            self._late.clear()
+        if tokens:
+            self.state = PREFILL
+            self.step_tokens = tokens
+            self.step_kv_tokens = 0
+            return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens
         if self.running:
             self._make_decode_room()
             self.state = DECODE
@@ -578,12 +621,15 @@ class RankModel:
             budget -= take
             self._chunked = None if take == req.prefill_left else req
         # Room for the prompts plus one decode token for everything already running, and, with a
-        # new_token_ratio, that share of the running requests' remaining outputs.
+        # new_token_ratio, that share of the running requests' remaining outputs. Requests that
+        # finished in the step just ended still hold their KV here (overlap) but decode no more.
         free = cfg.kv_capacity - self.private_tokens - self.cache.tokens - len(self.running)
         ratio = cfg.new_token_ratio
         if ratio:
             free -= int(ratio * (self._finish_sum - len(self.running) * self.decode_steps))
-        slots = cfg.max_running - len(self.running) - len(batch)
+        # Slots as SGLang counts them (get_num_allocatable_reqs, scheduler.py 4034): the running batch
+        # holds the requests that finished in the step just ended until its result is processed
+        slots = cfg.max_running - self.running_batch - len(batch)
         waiting = self.waiting
         step = self.step_index
         while admit and waiting and slots > 0 and self._chunked is None and (budget > 0 or not batch):
@@ -749,12 +795,17 @@ class RankModel:
 
     def _finish(self, req: SimRequest, now_s: float) -> None:
         req.finished_s = now_s
-        self._leave(req, self.finished)
+        # the overlap scheduler frees its slot and KV after forming the next step (a PD decode
+        # rank's pre-allocation has its own accounting, not modelled so)
+        self._leave(req, self.finished, late=self.overlap and self.role == BOTH)
 
-    def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False) -> None:
-        """``req`` leaves this rank: its KV freed, kept in ``into``, the hooks told (its first token
-        too, for a PD prefill rank's hand-off)."""
-        self._drop_kv(req)
+    def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False, late: bool = False) -> None:
+        """``req`` leaves this rank: its KV freed (``late``: when the next step has been formed),
+        kept in ``into``, the hooks told (its first token too, for a PD prefill rank's hand-off)."""
+        if late:
+            self._late.append(req)
+        else:
+            self._drop_kv(req)
         into.append(req)
         if first_token and self.on_first_token is not None:
             self.on_first_token(req)

@@ -39,6 +39,7 @@ from dpboard.sim.model import DECODE_ROLE, PREFILL_ROLE, RankModel, SimRequest
 from dpboard.sim.policy import SimBoard
 from dpboard.sim.prefill_delayer import PrefillDelayer
 from dpboard.sim.simulation import (
+    BASE_EVENT_KINDS,
     RunResult,
     SimConfig,
     Simulation,
@@ -50,11 +51,11 @@ from dpboard.sim.trace import Trace
 
 PD_AUTO = pd_auto()  # SGLang's auto: prefill follows the room, decode round-robins (the table's rows)
 
-# Event kinds after the base simulation's eight.
-_HOLD = 8
-_REMOTE = 9
-_RELEASE = 10
-_KV_ARRIVE = 11
+# Event kinds after the base simulation's (their handlers follow its list, in this order).
+_HOLD = BASE_EVENT_KINDS
+_REMOTE = BASE_EVENT_KINDS + 1
+_RELEASE = BASE_EVENT_KINDS + 2
+_KV_ARRIVE = BASE_EVENT_KINDS + 3
 
 
 def _as_prefill(hook: Callable[[SimRequest], None]) -> Callable[[SimRequest], None]:
@@ -120,7 +121,11 @@ class PdSimulation(Simulation):
             self.groups = [RankGroup(g, [rank]) for g, rank in enumerate(self.ranks)]
         else:
             # SGLang ignores --enable-prefill-delayer on a decode server (no prefill to hold)
-            delayer = PrefillDelayer(n_p) if config.prefill_delayer else None
+            delayer = (
+                PrefillDelayer(n_p, queue_min_ratio=config.prefill_delayer_queue_min_ratio)
+                if config.prefill_delayer
+                else None
+            )
             self.groups = [RankGroup(0, prefill, config.lockstep, delayer), RankGroup(1, decode, config.lockstep)]
         self._decode_group = [any(rank.role == DECODE_ROLE for rank in group.ranks) for group in self.groups]
         self.prefill_board = SimBoard(

@@ -38,9 +38,22 @@ class Policy:
     wants_rank_steps = False  # on_rank_step after every step a rank starts
     wants_request_events = False  # on_first_token and on_finish
     wants_kv_events = False  # on_kv_event for every block a rank's prefix cache stores or drops
+    holds = False  # the policy may hold arrivals back: offer and due instead of dispatch
 
     def dispatch(self, req: SimRequest) -> int:
         raise NotImplementedError
+
+    def offer(self, req: SimRequest) -> list[tuple[SimRequest, int]]:
+        """The requests placed now, with their ranks: this one, or none (held), or a whole wave."""
+        return [(req, self.dispatch(req))]
+
+    def due(self) -> list[tuple[SimRequest, int]]:
+        """Held requests placed now (a policy that holds nothing has none)."""
+        return []
+
+    def next_due_at(self) -> float | None:
+        """When ``due`` may place some, on the simulated clock (None: nothing held)."""
+        return None
 
     def on_tick(self, now_s: float, ranks: Sequence[RankModel]) -> None:
         """Called every ``tick_period_s`` simulated seconds."""
@@ -87,29 +100,33 @@ class SimBoard:
         self.mode = mode
         self._visible: list[LoadSnapshot | None] = [None] * n_ranks
         self._queued = np.full(n_ranks, -1, np.int64)  # the visible snapshots' queued prefill (-1: none)
-        self._pending: deque[tuple[float, int, LoadSnapshot, int]] = deque()
+        self._throughput = np.zeros(n_ranks, np.float64)  # ... and their decode throughput (gen_throughput)
+        self._pending: deque[tuple[float, int, LoadSnapshot, int, float]] = deque()
         self._clock = clock
         self.delay_s = delay_s
         self.publishes = 0
         self.reads = 0
         self._records = np.zeros(n_ranks, SNAPSHOT_DTYPE)
 
-    def publish(self, rank: int, snapshot: LoadSnapshot, now_s: float, queued_prefill: int = -1) -> None:
+    def publish(self, rank: int, snapshot: LoadSnapshot, now_s: float, queued_prefill: int = -1,
+                gen_throughput: float = 0.0) -> None:
         self.publishes += 1
         if self.delay_s == 0.0:
             self._visible[rank] = snapshot
             self._queued[rank] = queued_prefill
+            self._throughput[rank] = gen_throughput
         else:
-            self._pending.append((now_s + self.delay_s, rank, snapshot, queued_prefill))
+            self._pending.append((now_s + self.delay_s, rank, snapshot, queued_prefill, gen_throughput))
 
     def _catch_up(self) -> None:
         pending = self._pending
         if pending:
             now = self._clock()
             while pending and pending[0][0] <= now:
-                _, rank, snap, queued = pending.popleft()
+                _, rank, snap, queued, throughput = pending.popleft()
                 self._visible[rank] = snap
                 self._queued[rank] = queued
+                self._throughput[rank] = throughput
 
     def read_all(self) -> list[LoadSnapshot | None]:
         self.reads += 1
@@ -117,7 +134,8 @@ class SimBoard:
         return list(self._visible)
 
     def read_detailed_array(self, out: np.ndarray) -> np.ndarray:
-        """The visible snapshots as DETAILED_DTYPE records; a detail holds the queued prefill only."""
+        """The visible snapshots as DETAILED_DTYPE records; a detail holds the queued prefill and the
+        decode throughput only."""
         self.reads += 1
         self._catch_up()
         snapshots_to_array(self._visible, len(self._visible), self._records)
@@ -134,6 +152,7 @@ class SimBoard:
             detail["disaggregation_mode"] = self.mode.encode()
         detail["flags"] = flags
         detail["num_waiting_uncached_tokens"] = np.maximum(self._queued, 0)
+        detail["gen_throughput"] = np.where(published, self._throughput, 0.0)
         return out
 
 
@@ -143,9 +162,22 @@ class DispatcherPolicy(Policy):
     def __init__(self, name: str, dispatcher: Any):
         self.name = name
         self.dispatcher = dispatcher
+        self.holds = dispatcher.holds
 
     def dispatch(self, req: SimRequest) -> int:
         return self.dispatcher.dispatch(req)
+
+    def offer(self, req: SimRequest) -> list[tuple[SimRequest, int]]:
+        return self._place(self.dispatcher.offer((req,)))
+
+    def due(self) -> list[tuple[SimRequest, int]]:
+        return self._place(self.dispatcher.due())
+
+    def next_due_at(self) -> float | None:
+        return self.dispatcher.next_due_at()
+
+    def _place(self, reqs: list[SimRequest]) -> list[tuple[SimRequest, int]]:
+        return list(zip(reqs, self.dispatcher.dispatch_batch(reqs), strict=True)) if reqs else []
 
 
 class AutoPolicy(Policy):

@@ -176,6 +176,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         # per output token decoded: how many steps a running request went without a token, its
         # rank prefilling (SGLang runs a prefill batch alone)
         "stalled_decode_share": result.stalled_decodes / max(1, sum(r.output_len - 1 for r in result.requests)),
+        # how long the controller held requests before sending them (inflight_wave's waves)
+        "held_p99_ms": _pct(result.held_s, 99) * 1e3 if result.held_s is not None and len(reqs) else 0.0,
+        "held_share": float(np.mean(result.held_s > 0)) if result.held_s is not None and len(reqs) else 0.0,
         "evicted_tokens": result.evicted_tokens,
         "requests_per_rank_min": int(per_rank.min()),
         "requests_per_rank_max": int(per_rank.max()),
@@ -243,6 +246,8 @@ def header_text(
     stepping = "in lockstep (DP attention)" if config.lockstep is not None else "stepping independently"
     if config.prefill_delayer:
         stepping += ", SGLang's prefill delayer (30 passes)"
+        if config.prefill_delayer_queue_min_ratio is not None:
+            stepping += f" with its queue trigger (ratio {config.prefill_delayer_queue_min_ratio:g}, 5000 ms)"
     if config.overlap:
         stepping += ", overlap scheduler"
     pd = config.pd

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +65,11 @@ _IDLE_BEAT = 4
 _SAMPLE = 5
 _POLICY_TICK = 6
 _KV_EVENT = 7
+_WAVE = 8
+BASE_EVENT_KINDS = 9  # a simulation that adds kinds (dpboard.sim.pd) numbers them from here
+# SGLang's decode log interval (--decode-log-interval): its gen_throughput is the tokens decoded over
+# the last this many decode steps, over their time
+DECODE_LOG_INTERVAL = 40
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,8 @@ class SimConfig:
     slo_tpot_s: float = 0.1
     pd: PdConfig | None = None  # PD disaggregation: prefill and decode pools (n_ranks is their sum)
     prefill_delayer: bool = False  # SGLang's --enable-prefill-delayer, its defaults (lockstep groups that prefill)
+    # SGLang's --prefill-delayer-queue-min-ratio: the delayer's queue trigger (None: off, SGLang's default)
+    prefill_delayer_queue_min_ratio: float | None = None
     # SGLang's overlap scheduler: a request received during a step is admitted a step later. None:
     # on under DP attention (SGLang's default), off for independent ranks (the earlier cells' model)
     overlap_schedule: bool | None = None
@@ -144,6 +152,16 @@ class SimConfig:
             raise InvalidInputError(
                 "--prefill-delayer holds prefill back so that ranks in lockstep prefill together: it needs --dp-attention"
             )
+        ratio = self.prefill_delayer_queue_min_ratio
+        if ratio is not None:
+            if not self.prefill_delayer:
+                raise InvalidInputError(
+                    "--prefill-delayer-queue-min-ratio is a trigger of the prefill delayer: add --prefill-delayer"
+                )
+            if not (math.isfinite(ratio) and ratio > 0):
+                raise InvalidInputError(
+                    f"--prefill-delayer-queue-min-ratio must be > 0 (SGLang's typical 0.1 to 0.5), got {ratio}"
+                )
         if self.pd is not None:
             self.pd.validate()
             if self.pd.n_ranks != self.n_ranks:
@@ -181,6 +199,7 @@ class RunResult:
     delayer_held_passes: int = 0  # passes in which the prefill delayer held prefill back
     delayer_timeouts: int = 0  # waits the delayer ended because max_delay_passes ran out
     stalled_decodes: int = 0  # request-steps without a token because the request's rank prefilled
+    held_s: np.ndarray | None = None  # per request, seconds the controller held it (a holding method)
 
 
 SIM_OPTIONS = ("cadence", "publish_every", "prefill_delayer")
@@ -203,7 +222,9 @@ def split_sim_options(spec: str, config: SimConfig) -> tuple[str, SimConfig]:
         value = sim_options.pop("prefill_delayer")
         if not isinstance(value, bool):
             raise InvalidInputError(f"prefill_delayer={value!r} in {spec!r}: use on or off")
-        config = dataclasses.replace(config, prefill_delayer=value)
+        # off for this method takes its queue trigger with it
+        ratio = config.prefill_delayer_queue_min_ratio if value else None
+        config = dataclasses.replace(config, prefill_delayer=value, prefill_delayer_queue_min_ratio=ratio)
     publish = config.publish
     if "cadence" in sim_options:
         publish = dataclasses.replace(publish, cadence=str(sim_options["cadence"]))
@@ -305,7 +326,12 @@ class Simulation:
             self._on_sample,
             self._on_policy_tick,
             self._on_kv_event,
+            self._on_wave,
         ]
+        assert len(self._handlers) == BASE_EVENT_KINDS
+        self._wave_at: float | None = None  # the pending _WAVE event's time (a holding policy's next look)
+        self._throughput = [0.0] * config.n_ranks  # each rank's gen_throughput as SGLang logs it
+        self._log_mark = [(0.0, 0, 0)] * config.n_ranks  # (time, decoded tokens, decode steps) at its last log
 
     def clock(self) -> float:
         return self.now
@@ -324,7 +350,11 @@ class Simulation:
         if config.lockstep is None:
             self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
         else:
-            delayer = PrefillDelayer(config.n_ranks) if config.prefill_delayer else None
+            delayer = (
+                PrefillDelayer(config.n_ranks, queue_min_ratio=config.prefill_delayer_queue_min_ratio)
+                if config.prefill_delayer
+                else None
+            )
             self.groups = [RankGroup(0, list(self.ranks), config.lockstep, delayer)]
         self.board = SimBoard(
             config.n_ranks, self.clock, config.publish.visibility_delay_s, lockstep=config.lockstep_section(config.n_ranks)
@@ -365,8 +395,13 @@ class Simulation:
         self._publish_seq[r] += 1
         self._decode_since_publish[r] = 0
         rank = self.ranks[r]
+        t0, tokens0, steps0 = self._log_mark[r]
+        if rank.decode_steps - steps0 >= DECODE_LOG_INTERVAL and self.now > t0:
+            self._throughput[r] = (rank.decoded_tokens - tokens0) / (self.now - t0)
+            self._log_mark[r] = (self.now, rank.decoded_tokens, rank.decode_steps)
         self._board_of[r].publish(
-            rank.rank, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens
+            rank.rank, rank.snapshot(self.now, self._publish_seq[r]), self.now, rank.queued_prefill_tokens,
+            self._throughput[r],
         )
 
     def _kv_event(self, r: int, kind: int, ids: list[int]) -> None:
@@ -414,10 +449,35 @@ class Simulation:
     # -- event handlers ------------------------------------------------------------------------
 
     def _on_arrive(self, t: float, rid: int, _: int) -> None:
-        rank = self.policy.dispatch(self.requests[rid])
+        policy = self.policy
+        if policy.holds:
+            self._send(t, policy.offer(self.requests[rid]))
+            self._look_again(policy)
+            return
+        rank = policy.dispatch(self.requests[rid])
         if not 0 <= rank < self.config.n_ranks:
             raise RuntimeError(f"method {self.method!r} picked rank {rank} of {self.config.n_ranks}")
         self._push(t + self.config.send_delay_s, _RECEIVE, rid, rank)
+
+    def _send(self, t: float, placed: list[tuple[SimRequest, int]]) -> None:
+        for req, rank in placed:
+            if not 0 <= rank < self.config.n_ranks:
+                raise RuntimeError(f"method {self.method!r} picked rank {rank} of {self.config.n_ranks}")
+            self._push(t + self.config.send_delay_s, _RECEIVE, req.rid, rank)
+
+    def _look_again(self, policy: Policy) -> None:
+        """A holding policy's timer: one pending look, at the earliest time it asks for."""
+        at = policy.next_due_at()
+        if at is not None and (self._wave_at is None or at < self._wave_at):
+            self._wave_at = at
+            self._push(at, _WAVE)
+
+    def _on_wave(self, t: float, _a: int, _b: int) -> None:
+        if self._wave_at != t:
+            return  # superseded by an earlier look
+        self._wave_at = None
+        self._send(t, self.policy.due())
+        self._look_again(self.policy)
 
     def _on_receive(self, t: float, rid: int, r: int) -> None:
         g = self._group_of[r]
@@ -528,7 +588,17 @@ class Simulation:
             delayer_held_passes=sum(g.delayer.held_passes for g in self.groups if g.delayer is not None),
             delayer_timeouts=sum(g.delayer.timeouts for g in self.groups if g.delayer is not None),
             stalled_decodes=sum(g.stalled_decodes for g in self.groups),
+            held_s=self._held_s(),
         )
+
+    def _held_s(self) -> np.ndarray:
+        """Per request, how long the controller held it before sending it (0 for a policy that holds
+        nothing): its receipt less the transit, less its arrival."""
+        if not self.policy.holds:
+            return np.zeros(len(self.requests))
+        received = np.array([req.received_s for req in self.requests])
+        arrival = np.array([req.arrival_s for req in self.requests])
+        return np.maximum(received - self.config.send_delay_s - arrival, 0.0)
 
 
 def simulate(trace: Trace, methods: list[str], config: SimConfig) -> list[RunResult]:

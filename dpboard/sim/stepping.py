@@ -140,7 +140,7 @@ class RankGroup:
                     self.stalled_decodes += len(rank.running)
             return duration
         delayer = self.delayer
-        allow = True if delayer is None else delayer.allow(self.ranks)
+        allow = True if delayer is None else delayer.allow(self.ranks, now_s)
         for rank in self.ranks:
             rank.begin_step(now_s, allow)
         duration = self._lockstep_s()

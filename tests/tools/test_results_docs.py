@@ -148,6 +148,9 @@ def cell_doc(name: str, lockstep_delayed_goodput: float) -> dict:
         runs[label] = [dict(summary)]
         runs[label + " +delayer"] = [dict(summary)]
     runs["inflight_lockstep:cadence=step +delayer"][0]["goodput_rps"] = lockstep_delayed_goodput
+    # the wave: twice the goodput at three times the p99 TTFT, its requests held up to 1.5 s
+    for label in ("inflight_wave:cadence=step", "inflight_wave:cadence=step +delayer"):
+        runs[label] = [dict(summary, goodput_rps=2.0, ttft_p99_ms=300.0, goodput_share=0.5, held_p99_ms=1500.0)]
     trace, ranks, load = name.split("-")
     return {"cell": {"name": name, "trace": trace, "ranks": int(ranks), "load": float(load)}, "chunk": 512,
             "trace_info": {"0": {"independent_load": 0.82}}, "runs": runs, "wall_s": 12.0}
@@ -161,8 +164,14 @@ def test_collect_condenses_a_sweeps_cells_into_the_results_data(tmp_path):
     done = sweep("collect", "--out", str(out), "--results", str(target))
     assert done.returncode == 0, done.stderr
     results = json.loads(target.read_text())
-    (table,) = results["tables"]
+    table, waves = results["tables"]
     assert table["id"] == "verdict" and table["columns"][0] == "cell"
+    # the bar against the best rows (the wave's goodput, everyone else's p99): neither method has both
+    assert waves["id"] == "wave-bar"
+    (wave_row,) = waves["rows"]
+    assert wave_row[:6] == ["azure-16-0.9", "yes", "**0.50**, 1.00", "**0.25**, 1.00", "1.00, **3.00**",
+                            "1.00, **3.00**"]
+    assert wave_row[6:] == ["0.0% / 50.0% / 50.0%", "1500", "no row", "inflight_wave", "round_robin"]
     (row,) = table["rows"]
     # equal to every reference without the delayer; half the goodput with it, in bold (below 0.99)
     assert row[:8] == ["azure-16-0.9", "1.00", "1.00", "1.00", "1.00", "**0.50**", "1.00", "without the delayer"]
