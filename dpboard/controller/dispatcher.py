@@ -94,7 +94,7 @@ class Dispatcher:
     and takes any rank whose first token comes within ``lockstep_horizon`` group steps.
     ``lockstep``: the ranks step in lockstep, so ``auto`` resolves to ``inflight_lockstep``.
 
-    ``inflight_wave`` holds arrivals (``offer``) while every rank decodes and places them with
+    ``inflight_wave`` holds arrivals (``offer``) while the group decodes and places them with
     ``inflight_lockstep``'s pick when a wave is due (``due``, by ``next_due_at``; ``release_all`` at
     shutdown): at most ``wave_max_hold`` seconds less one group step, ``wave_per_rank`` requests per
     candidate rank a wave; ``dpboard.controller.wave`` has the rule. Every other method
@@ -409,15 +409,17 @@ class Dispatcher:
         """The requests to place now (with ``dispatch_batch``), of these and of those held before.
 
         A method that holds nothing returns ``reqs`` as given. ``inflight_wave`` places a request
-        with ``routed_dp_rank`` at once, and holds the others while every candidate rank decodes
-        and none is about to prefill; a wave leaves whole (``dpboard.controller.wave``)."""
+        with ``routed_dp_rank`` at once, and holds the others while the group can wait (some rank
+        decodes; ``WaveHold.can_wait``); a wave leaves whole (``dpboard.controller.wave``)."""
         wave = self.wave
         if wave is None:
             return list(reqs)
         self._refresh_if_due()
         now = self._clock()
-        routed = [req for req in reqs if getattr(req, "routed_dp_rank", None) is not None]
-        free = [req for req in reqs if getattr(req, "routed_dp_rank", None) is None] if routed else list(reqs)
+        routed: list[Any] = []
+        free: list[Any] = []
+        for req in reqs:
+            (free if getattr(req, "routed_dp_rank", None) is None else routed).append(req)
         if not self._group_can_wait():
             return routed + wave.take(now, "busy") + free
         for req in free:

@@ -31,8 +31,8 @@ class LoadBalanceMethod(str, enum.Enum):
     tokens that would not fit the rank's KV capacity; ``inflight_lockstep``, for ranks that step in
     lockstep (DP attention), among the ranks whose first token comes within a few group steps, on
     the running decodes its prefill would stall; ``inflight_wave``, ``inflight_lockstep``'s pick with
-    arrivals held while every rank decodes, released together so that the group prefills them in
-    one step (docs/DISPATCH.md says when to use which). Each
+    arrivals held while the group decodes, released together so that the group prefills them in
+    the same steps (docs/DISPATCH.md says when to use which). Each
     member's facts are its row in ``METHODS``; the properties below read it.
     """
 
@@ -138,9 +138,9 @@ class Delivery(enum.Enum):
     # hashing a Python list of input_ids costs more than the whole decision: only a request that
     # carries its block hashes (the ZMQ controller's frames, the simulator's trace) consults the index
     ARGMIN_CARRIED = "ARGMIN_PREFIX for a request that carries its block hashes, else ARGMIN"
-    # ranks in lockstep: an arrival waits while every rank decodes, and leaves with a wave
+    # ranks in lockstep: an arrival waits while the group decodes, and leaves with a wave
     # (dpboard.controller.wave); the caller offers requests and places what is due
-    WAVE = "ARGMIN_CARRIED for each wave of requests held while every rank decodes"
+    WAVE = "ARGMIN_CARRIED for each wave of requests held while the group decodes"
 
 
 class Deployment(enum.Enum):

@@ -1,18 +1,18 @@
 """``inflight_wave``'s hold: arrivals kept back while ranks in lockstep decode, released together.
 
 Under DP attention one rank's prefill makes the group's step an extend step for every rank, and
-its running decodes wait for it. Prompts that arrive one by one while every rank decodes stall the
-group once each; held and released together they are prefilled in the same step, one stall for
-the wave (docs/DISPATCH.md, "inflight_wave"). The rule, read from the budget after each refresh:
+its running decodes wait for it. Prompts that arrive one by one while the group decodes stall it
+once each; held and released together they are prefilled in the same steps, one stall for the
+wave (docs/DISPATCH.md, "inflight_wave"). The rule, read from the budget after each refresh:
 
-- **hold** an arrival only while every candidate rank is decoding (it runs requests) and none is
-  about to prefill (nothing queued for prefill or in flight to it): then the next extend step is
-  the one this arrival would start;
-- **release** every held request at once when the held fill a wave (one prompt per candidate
-  rank), when some rank is idle or about to prefill (the group steps an extend step anyway, or a
-  rank has nothing to do), or when the oldest has been held its bound: the hold budget less one
-  group step (a released prompt still waits for the step under way), the step read from the board
-  as the ranks' running requests over their decode throughput (SGLang's ``gen_throughput``).
+- **hold** an arrival while some candidate rank decodes (it runs requests: a prefill would stall
+  it), unless, with the idle clause, a rank is idle and no rank has prefill queued or in flight
+  (that rank would sit the wait out);
+- **release** every held request at once when the held fill a wave (``wave_per_rank`` per
+  candidate rank), when the group can no longer wait (the rule above), or when the oldest has been
+  held its bound: the hold budget less one group step (a released prompt still waits for the step
+  under way), the step read from the board as the ranks' running requests over their decode
+  throughput (SGLang's ``gen_throughput``).
 
 The class is pure: the Dispatcher gives it the budget's arrays and the clock's time, and places what
 it releases. Nothing here waits; ``next_due_at`` says when the caller's loop should look again.
@@ -65,11 +65,6 @@ class WaveHold:
     def __len__(self) -> int:
         return len(self._held)
 
-    @property
-    def oldest(self) -> float | None:
-        """When the longest-held request was held (None: nothing held)."""
-        return self._since[0] if self._since else None
-
     def bound(self) -> float:
         """How long the oldest may be held: the hold budget less one group step."""
         return max(0.0, self.max_hold - self.step)
@@ -85,13 +80,10 @@ class WaveHold:
         idle while none is about to prefill (the idle rank's share of the group is wasted)."""
         cand = candidate != 0
         busy = running[cand] > 0
-        if not bool(np.any(busy)):
+        if not busy.any():
             return False
-        if self.idle:
-            queued = backlog[cand] > 0
-            if not bool(np.any(queued)) and not bool(np.all(busy | queued)):
-                return False
-        return True
+        # an idle rank (nothing running, nothing queued) while nothing is queued anywhere
+        return not (self.idle and not busy.all() and not (backlog[cand] > 0).any())
 
     def hold(self, req: Any, now: float) -> None:
         self._held.append(req)

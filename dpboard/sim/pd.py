@@ -37,7 +37,6 @@ from dpboard.errors import InvalidInputError
 from dpboard.sim.methods import make_policy, maps_rooms, parse_method_spec, pd_auto
 from dpboard.sim.model import DECODE_ROLE, PREFILL_ROLE, RankModel, SimRequest
 from dpboard.sim.policy import SimBoard
-from dpboard.sim.prefill_delayer import PrefillDelayer
 from dpboard.sim.simulation import (
     BASE_EVENT_KINDS,
     RunResult,
@@ -121,12 +120,8 @@ class PdSimulation(Simulation):
             self.groups = [RankGroup(g, [rank]) for g, rank in enumerate(self.ranks)]
         else:
             # SGLang ignores --enable-prefill-delayer on a decode server (no prefill to hold)
-            delayer = (
-                PrefillDelayer(n_p, queue_min_ratio=config.prefill_delayer_queue_min_ratio)
-                if config.prefill_delayer
-                else None
-            )
-            self.groups = [RankGroup(0, prefill, config.lockstep, delayer), RankGroup(1, decode, config.lockstep)]
+            self.groups = [RankGroup(0, prefill, config.lockstep, config.delayer(n_p)),
+                           RankGroup(1, decode, config.lockstep)]
         self._decode_group = [any(rank.role == DECODE_ROLE for rank in group.ranks) for group in self.groups]
         self.prefill_board = SimBoard(
             n_p, self.clock, p_pub.visibility_delay_s, lockstep=config.lockstep_section(n_p), mode="prefill"

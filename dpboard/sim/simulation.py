@@ -123,6 +123,12 @@ class SimConfig:
             return None
         return group_size, self.rank.prefill_step_tokens
 
+    def delayer(self, n_ranks: int) -> PrefillDelayer | None:
+        """The prefill delayer of a lockstep group of ``n_ranks`` as this run configures it (None: off)."""
+        if not self.prefill_delayer:
+            return None
+        return PrefillDelayer(n_ranks, queue_min_ratio=self.prefill_delayer_queue_min_ratio)
+
     @property
     def overlap(self) -> bool:
         return self.lockstep is not None if self.overlap_schedule is None else self.overlap_schedule
@@ -350,12 +356,7 @@ class Simulation:
         if config.lockstep is None:
             self.groups = [RankGroup(r, [rank]) for r, rank in enumerate(self.ranks)]
         else:
-            delayer = (
-                PrefillDelayer(config.n_ranks, queue_min_ratio=config.prefill_delayer_queue_min_ratio)
-                if config.prefill_delayer
-                else None
-            )
-            self.groups = [RankGroup(0, list(self.ranks), config.lockstep, delayer)]
+            self.groups = [RankGroup(0, list(self.ranks), config.lockstep, config.delayer(config.n_ranks))]
         self.board = SimBoard(
             config.n_ranks, self.clock, config.publish.visibility_delay_s, lockstep=config.lockstep_section(config.n_ranks)
         )
@@ -454,16 +455,17 @@ class Simulation:
             self._send(t, policy.offer(self.requests[rid]))
             self._look_again(policy)
             return
-        rank = policy.dispatch(self.requests[rid])
+        self._send_one(t, rid, policy.dispatch(self.requests[rid]))
+
+    def _send_one(self, t: float, rid: int, rank: int) -> None:
+        """Request ``rid`` leaves the controller for ``rank`` at ``t``."""
         if not 0 <= rank < self.config.n_ranks:
             raise RuntimeError(f"method {self.method!r} picked rank {rank} of {self.config.n_ranks}")
         self._push(t + self.config.send_delay_s, _RECEIVE, rid, rank)
 
     def _send(self, t: float, placed: list[tuple[SimRequest, int]]) -> None:
         for req, rank in placed:
-            if not 0 <= rank < self.config.n_ranks:
-                raise RuntimeError(f"method {self.method!r} picked rank {rank} of {self.config.n_ranks}")
-            self._push(t + self.config.send_delay_s, _RECEIVE, req.rid, rank)
+            self._send_one(t, req.rid, rank)
 
     def _look_again(self, policy: Policy) -> None:
         """A holding policy's timer: one pending look, at the earliest time it asks for."""

@@ -74,17 +74,23 @@ class Schedulers:
                         LoadDetail(num_waiting_uncached_tokens=self.queued[rank], lockstep=lockstep))
             time.sleep(0.02)
 
+    def _collect(self) -> list[tuple[str, int]]:
+        """(rid, rank) of every request waiting at the PULL sockets now, counted as taken."""
+        got = []
+        for rank, pull in enumerate(self.pulls):
+            while pull.poll(0):
+                rid = msgpack.unpackb(pull.recv(), raw=False)["rid"]
+                with self._lock:
+                    self.got[rank].append(rid)
+                got.append((rid, rank))
+        return got
+
     def drain(self, seconds: float) -> list[int]:
         """The ranks of what the schedulers take within ``seconds`` (possibly nothing)."""
         ranks = []
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            for rank, pull in enumerate(self.pulls):
-                while pull.poll(0):
-                    rid = msgpack.unpackb(pull.recv(), raw=False)["rid"]
-                    with self._lock:
-                        self.got[rank].append(rid)
-                    ranks.append(rank)
+            ranks += [rank for _, rank in self._collect()]
             time.sleep(0.005)
         return ranks
 
@@ -93,12 +99,7 @@ class Schedulers:
         picks: dict[str, int] = {}
         deadline = time.monotonic() + timeout
         while len(picks) < count and time.monotonic() < deadline:
-            for rank, pull in enumerate(self.pulls):
-                while pull.poll(0):
-                    rid = msgpack.unpackb(pull.recv(), raw=False)["rid"]
-                    with self._lock:
-                        self.got[rank].append(rid)
-                    picks[rid] = rank
+            picks.update(self._collect())
             time.sleep(0.005)
         assert len(picks) == count, f"the schedulers took {len(picks)} of {count} requests"
         return [picks[rid] for rid in sorted(picks)]
@@ -109,6 +110,23 @@ class Schedulers:
             self._thread.join(5)
 
 
+def start_controller(board_name: str, endpoints: list[str], in_ep: str, *options: str
+                     ) -> tuple[subprocess.Popen, Lines]:
+    """A real ``dpboard controller`` over the board, once it has said its method (killed if it never does)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpboard.cli", "controller", "--input", in_ep, "--workers", *endpoints,
+         "--board", board_name, "--stale-after", "60", "--log-every", "60", *options],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    lines = Lines(proc)
+    try:
+        wait_for(lambda: lines.count("controller: method") or proc.poll() is not None, 60, "the controller's start")
+        assert proc.poll() is None, lines.text()
+    except BaseException:
+        kill(proc)
+        raise
+    return proc, lines
+
+
 @pytest.mark.timeout(120)
 def test_auto_follows_the_lockstep_sections_as_they_appear_and_go(board_name, tmp_path):
     endpoints = [f"ipc://{tmp_path}/w{r}" for r in range(N)]
@@ -116,16 +134,10 @@ def test_auto_follows_the_lockstep_sections_as_they_appear_and_go(board_name, tm
     ctx = zmq.Context()
     with Board.create(board_name, n_slots=N) as board:
         schedulers = Schedulers(board, ctx, endpoints)
-        # the usual order: the controller first, over a board nobody has published to yet
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dpboard.cli", "controller", "--input", in_ep, "--workers", *endpoints,
-             "--method", "auto", "--board", board_name, "--stale-after", "60", "--log-every", "60"],
-            cwd=ROOT, stderr=subprocess.PIPE, text=True)
-        lines = Lines(proc)
+        proc = None
         try:
-            wait_for(lambda: lines.count("controller: method") or proc.poll() is not None, 60,
-                     "the controller's start")
-            assert proc.poll() is None, lines.text()
+            # the usual order: the controller first, over a board nobody has published to yet
+            proc, lines = start_controller(board_name, endpoints, in_ep, "--method", "auto")
             assert lines.count("controller: method round_robin") == 1, lines.text()
             push = connected_push(ctx, in_ep)
 
@@ -154,6 +166,7 @@ def test_auto_follows_the_lockstep_sections_as_they_appear_and_go(board_name, tm
             assert lines.count("auto: method inflight_lockstep") == 1, lines.text()
             assert lines.count("auto: method round_robin, was") == 1, lines.text()
         finally:
-            kill(proc)
+            if proc is not None:
+                kill(proc)
             schedulers.close()
             ctx.destroy(linger=0)

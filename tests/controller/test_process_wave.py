@@ -4,8 +4,6 @@ it holds when it is stopped. Real board writers, real PULL sockets."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,24 +11,11 @@ import zmq
 
 from dpboard import Board
 from dpboard.controller.codec import encode_request
-from tests.controller.test_process_auto import Lines, N, Schedulers
-from tests.support.names import ROOT
-from tests.support.procutil import kill, stop, wait_for
+from tests.controller.test_process_auto import N, Schedulers, start_controller
+from tests.support.procutil import kill, stop
 from tests.support.sockets import connected_push
 
 HOLD = 1.5  # --wave-max-hold: the board reports no decode throughput, so the bound is all of it
-
-
-def controller(board_name: str, endpoints: list[str], in_ep: str) -> tuple[subprocess.Popen, Lines]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpboard.cli", "controller", "--input", in_ep, "--workers", *endpoints,
-         "--method", "inflight_wave", "--wave-max-hold", str(HOLD), "--wave-per-rank", "2",
-         "--board", board_name, "--stale-after", "60", "--log-every", "60"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    lines = Lines(proc)
-    wait_for(lambda: lines.count("controller: method") or proc.poll() is not None, 60, "the controller's start")
-    assert proc.poll() is None, lines.text()
-    return proc, lines
 
 
 @pytest.mark.timeout(120)
@@ -42,8 +27,10 @@ def test_a_real_controller_holds_waves_and_sends_what_it_holds_when_stopped(boar
         # both ranks decode 4 requests, nothing queued: every arrival can wait for its wave
         schedulers = Schedulers(board, ctx, endpoints, queued=[0] * N)
         schedulers.start()
-        proc, lines = controller(board_name, endpoints, in_ep)
+        proc = None
         try:
+            proc, lines = start_controller(board_name, endpoints, in_ep, "--method", "inflight_wave",
+                                           "--wave-max-hold", str(HOLD), "--wave-per-rank", "2")
             push = connected_push(ctx, in_ep)
             push.send(encode_request("a0", num_tokens=100))
             assert schedulers.drain(0.5) == [], "a request went out while every rank decodes"
@@ -65,6 +52,7 @@ def test_a_real_controller_holds_waves_and_sends_what_it_holds_when_stopped(boar
             assert len(schedulers.drain(1.0)) == 1, "the request held at stop was not sent"
             assert lines.count("controller: held 6 for waves, 0 holding now, 1 placed at stop") == 1, lines.text()
         finally:
-            kill(proc)
+            if proc is not None:
+                kill(proc)
             schedulers.close()
             ctx.destroy(linger=0)

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from dpboard.sim.model import DECODE, PREFILL, RankModel, SimRequest
+from dpboard.sim.model import DECODE, PREFILL, RankConfig, RankModel, SimRequest
 from dpboard.sim.prefill_delayer import PrefillDelayer
 from dpboard.sim.stepping import RankGroup
 from tests.sim.test_lockstep import COST, RANK
@@ -33,6 +33,16 @@ def _run(rank: RankModel, steps: int, now: float = 0.0) -> tuple[list[int], list
     return states, durations, now
 
 
+def _three_waiting(config: RankConfig, prompt: int, outputs: tuple[int, int, int], overlap: bool
+                   ) -> tuple[RankModel, list[SimRequest]]:
+    """A rank of ``config`` with A, B and C (``prompt`` tokens each, ``outputs`` out) waiting at t=0."""
+    rank = RankModel(0, config, overlap=overlap)
+    reqs = [SimRequest(i, 0.0, prompt, out) for i, out in enumerate(outputs)]
+    for req in reqs:
+        rank.receive(req, 0.0)
+    return rank, reqs
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_slot_freed_in_step_k_is_taken_in_step_k_plus_2_under_the_overlap_scheduler(overlap):
     # max_running 2. A (10 tokens, 2 out), B (10, 5 out), C (10, 2 out) wait at t=0.
@@ -42,10 +52,7 @@ def test_a_slot_freed_in_step_k_is_taken_in_step_k_plus_2_under_the_overlap_sche
     #           step 2's result is processed: A still holds its slot, B decodes alone (11 ms, A is
     #           not decoded again)
     #   step 4: with overlap C prefills now, at 35 ms
-    rank = RankModel(0, dataclasses.replace(RANK, max_running=2), overlap=overlap)
-    a, b, c = SimRequest(0, 0.0, 10, 2), SimRequest(1, 0.0, 10, 5), SimRequest(2, 0.0, 10, 2)
-    for req in (a, b, c):
-        rank.receive(req, 0.0)
+    rank, (a, b, c) = _three_waiting(dataclasses.replace(RANK, max_running=2), 10, (2, 5, 2), overlap)
     states, durations, _ = _run(rank, 4)
     assert a.finished_s == pytest.approx(0.024)
     if overlap:
@@ -66,10 +73,7 @@ def test_kv_freed_in_step_k_is_usable_in_step_k_plus_2_under_the_overlap_schedul
     #   step 3: without overlap 250 - 102 - 1 = 147 free, C (101) prefills; with it A's 102 are
     #           still held (45 free): B decodes alone
     #   step 4: with overlap A's KV is back: 250 - 103 - 1 = 146 free, C prefills
-    rank = RankModel(0, dataclasses.replace(RANK, kv_capacity=250), overlap=overlap)
-    a, b, c = SimRequest(0, 0.0, 100, 2), SimRequest(1, 0.0, 100, 5), SimRequest(2, 0.0, 100, 2)
-    for req in (a, b, c):
-        rank.receive(req, 0.0)
+    rank, _ = _three_waiting(dataclasses.replace(RANK, kv_capacity=250), 100, (2, 5, 2), overlap)
     states, _, _ = _run(rank, 4)
     if overlap:
         assert states == [PREFILL, DECODE, DECODE, PREFILL]
