@@ -52,7 +52,7 @@ from dpboard.controller.process import (
     DataParallelController,
 )
 from dpboard.controller.session import DispatchSession
-from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK
+from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, MAX_WAVE_HOLD, MAX_WAVE_PER_RANK
 from dpboard.errors import InvalidInputError
 from dpboard.multinode.peers import DEFAULT_MAX_PEERS
 from dpboard.options import count, seconds
@@ -103,10 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inflight_lockstep: group steps to the first token within which any rank is as good as "
                         f"the earliest (default {DEFAULT_LOCKSTEP_HORIZON}, {DELAYER_LOCKSTEP_HORIZON} with "
                         "--prefill-delayer)")
-    p.add_argument("--wave-max-hold", type=seconds(60, zero=True), default=DEFAULT_WAVE_HOLD, metavar="SECONDS",
+    p.add_argument("--wave-max-hold", type=seconds(MAX_WAVE_HOLD, zero=True), default=DEFAULT_WAVE_HOLD, metavar="SECONDS",
                    help="inflight_wave: the longest a request is held for its wave, less one group step "
                         f"(default {DEFAULT_WAVE_HOLD:g}: 0.4 of a 5 s TTFT objective)")
-    p.add_argument("--wave-per-rank", type=count(1, 10_000), default=DEFAULT_WAVE_PER_RANK, metavar="N",
+    p.add_argument("--wave-per-rank", type=count(1, MAX_WAVE_PER_RANK), default=DEFAULT_WAVE_PER_RANK, metavar="N",
                    help=f"inflight_wave: a wave is full with N held requests per rank (default {DEFAULT_WAVE_PER_RANK})")
     p.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES,
                    help="PD role of this server (null: no PD)")

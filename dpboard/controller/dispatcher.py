@@ -445,9 +445,10 @@ class Dispatcher:
         core = self.budget.core
         return wave.next_due_at(max(core.last_refresh + self._refresh_interval, self._clock() + WAVE_LOOK_MIN))
 
-    def release_all(self) -> list[Any]:
-        """Every held request, to place now or refuse: the caller is stopping (nothing stays held)."""
-        return [] if self.wave is None else self.wave.take(self._clock(), "shutdown")
+    def release_all(self, reason: str = "shutdown") -> list[Any]:
+        """Every held request, to place now or refuse: the caller is stopping (nothing stays held),
+        or, with ``reason`` "order", a control message must not overtake them."""
+        return [] if self.wave is None else self.wave.take(self._clock(), reason)
 
     @property
     def held(self) -> int:

@@ -12,7 +12,7 @@ wave (docs/DISPATCH.md, "inflight_wave"). The rule, read from the budget after e
   candidate rank), when the group can no longer wait (the rule above), or when the oldest has been
   held its bound: the hold budget less one group step (a released prompt still waits for the step
   under way), the step read from the board as the ranks' running requests over their decode
-  throughput (SGLang's ``gen_throughput``).
+  throughput (SGLang's ``gen_throughput``), no more than half the budget taken off.
 
 The class is pure: the Dispatcher gives it the budget's arrays and the clock's time, and places what
 it releases. Nothing here waits; ``next_due_at`` says when the caller's loop should look again.
@@ -31,10 +31,13 @@ from dpboard.errors import InvalidInputError
 # objective of DeepSeek-V3's DP-attention deployment (the simulator's deepseek-v3-dp-attention-h100
 # profile), chosen among 1-3 s on the DP-attention cells (docs/DISPATCH.md, "inflight_wave")
 DEFAULT_WAVE_HOLD = 2.0
+MAX_WAVE_HOLD = 60.0  # seconds: past this a hold is an outage, not a wave
 # a wave is full with this many held requests per candidate rank (1, 2, 4 and 8 measured: 4 and 8
 # alike, 1 and 2 leave before the group has enough to share)
 DEFAULT_WAVE_PER_RANK = 4
-REASONS = ("full", "busy", "bound", "shutdown")  # why a wave left: what the record counts
+MAX_WAVE_PER_RANK = 10_000
+# why a wave left: what the record counts ("order": a control message must not overtake them)
+REASONS = ("full", "busy", "bound", "shutdown", "order")
 
 
 class WaveHold:
@@ -44,8 +47,8 @@ class WaveHold:
                  "hold_sum", "hold_max", "step")
 
     def __init__(self, max_hold: float = DEFAULT_WAVE_HOLD, wave_per_rank: int = DEFAULT_WAVE_PER_RANK, idle: bool = True):
-        if not isinstance(max_hold, (int, float)) or isinstance(max_hold, bool) or not 0 <= max_hold <= 60:
-            raise InvalidInputError(f"wave_max_hold must be seconds in [0, 60] (a share of the TTFT objective), "
+        if not isinstance(max_hold, (int, float)) or isinstance(max_hold, bool) or not 0 <= max_hold <= MAX_WAVE_HOLD:
+            raise InvalidInputError(f"wave_max_hold must be seconds in [0, {MAX_WAVE_HOLD:g}] (a share of the TTFT objective), "
                                     f"got {max_hold!r}")
         if not isinstance(wave_per_rank, int) or isinstance(wave_per_rank, bool) or wave_per_rank < 1:
             raise InvalidInputError(f"wave_per_rank must be an int >= 1 (a wave is full with this many requests "
@@ -66,8 +69,11 @@ class WaveHold:
         return len(self._held)
 
     def bound(self) -> float:
-        """How long the oldest may be held: the hold budget less one group step."""
-        return max(0.0, self.max_hold - self.step)
+        """How long the oldest may be held: the hold budget less one group step, and at least half the
+        budget. SGLang's gen_throughput is the tokens of its last 40 decode steps over the time since
+        its previous decode log, idle time included: the first read after an idle gap gives a step of
+        seconds that no group takes (a step that long would leave nothing worth holding for)."""
+        return max(0.0, self.max_hold - min(self.step, self.max_hold / 2))
 
     def read_step(self, running: np.ndarray, throughput: np.ndarray, candidate: np.ndarray) -> None:
         """The group's decode step from the board: the candidate ranks' running requests over their

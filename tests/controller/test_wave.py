@@ -119,22 +119,30 @@ def test_the_oldest_leaves_at_its_bound_and_next_due_at_says_when():
     assert d.next_due_at() is None
 
 
-def test_the_bound_is_the_hold_less_the_group_step_the_board_reports():
+@pytest.mark.parametrize(("slowest", "others", "max_hold", "step", "bound"), [
     # gen_throughput 200 tok/s over 40 running requests: a decode step of 0.2 s on that rank, the
     # group's slowest; a hold of 0.5 s leaves 0.3 s
+    (200.0, 800.0, 0.5, 0.2, 0.3),
+    # SGLang's gen_throughput after an idle gap (its last 40 decode steps' tokens over the time since
+    # its previous decode log, the gap included): 4 tok/s reads a step of 10 s, and the oldest is
+    # still held half of the hold, not released at once
+    (4.0, 4.0, 2.0, 10.0, 1.0),
+])
+def test_the_bound_is_the_hold_less_the_group_step_the_board_reports_at_most_half(slowest, others, max_hold,
+                                                                                 step, bound):
     clock = FakeClock()
     board = SimBoard(N, clock)
     for r in range(N):
         snap = LoadSnapshot(dp_rank=r, num_running_reqs=40, num_used_tokens=4000, num_total_tokens=4000,
                             max_total_num_tokens=100_000, publish_seq=1, timestamp_ns=1)
-        board.publish(r, snap, clock.now, queued_prefill=0, gen_throughput=200.0 if r == 1 else 800.0)
-    d = Dispatcher("inflight_wave", N, reader=board, clock=clock, wave_max_hold=0.5, wave_per_rank=4)
+        board.publish(r, snap, clock.now, queued_prefill=0, gen_throughput=slowest if r == 1 else others)
+    d = Dispatcher("inflight_wave", N, reader=board, clock=clock, wave_max_hold=max_hold, wave_per_rank=4)
     start = clock.now
     assert d.offer([TokReq(100)]) == []
-    assert d.wave.step == pytest.approx(0.2) and d.wave.bound() == pytest.approx(0.3)
-    clock.now = start + 0.29
+    assert d.wave.step == pytest.approx(step) and d.wave.bound() == pytest.approx(bound)
+    clock.now = start + bound - 0.01
     assert d.due() == []
-    clock.now = start + 0.3
+    clock.now = start + bound
     assert len(d.due()) == 1 and d.wave.released["bound"] == 1
 
 

@@ -137,7 +137,8 @@ STAND_INS: dict[str, str] = {
     "sglang.srt.layers.dp_attention": "compute_dp_attention_world_info (DP-attention launch only)",
     "sglang.srt.managers.io_struct": "request classes (attribute holders; the batch ones lists of requests), "
                                      "sock_send/sock_recv (SGLang's "
-                                     "pickle transport on a real zmq socket), wrap_as_pickle/unwrap_from_pickle",
+                                     "pickle transport on a real zmq socket), wrap_as_pickle/unwrap_from_pickle "
+                                     "and PickleWrapper (that transport's: no wrapping)",
     "sglang.srt.managers.schedule_batch": "Req (a type annotation)",
     "sglang.srt.managers.scheduler": "run_scheduler_process (a default argument); Scheduler: SGLang's own "
                                      "publish_load_snapshot and batch handlers, handle_generate_request and "
@@ -221,7 +222,8 @@ def install(dp_controller: bool = True) -> None:
     for name in ("BatchTokenizedGenerateReqInput", "BatchTokenizedEmbeddingReqInput"):  # iterate their requests
         requests[name] = type(name, (list,), {"__module__": io_name})
     io_struct = _module(io_name, **requests,
-            sock_send=sock_send, sock_recv=sock_recv, unwrap_from_pickle=lambda x: x, wrap_as_pickle=lambda x: x)
+            sock_send=sock_send, sock_recv=sock_recv, unwrap_from_pickle=lambda x: x, wrap_as_pickle=lambda x: x,
+            PickleWrapper=_plain("PickleWrapper", io_name))
     _module("sglang.srt.managers.schedule_batch", Req=_plain("Req"))
     import sglang.srt.constants as constants  # real: no imports of its own
 

@@ -23,16 +23,28 @@ opens anything) rather than ignore DPBOARD_METHOD.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, default_lockstep_horizon
-from dpboard.controller.methods import METHODS, LoadBalanceMethod, resolve_load_balance_method
+from dpboard.controller.methods import (
+    METHODS,
+    LoadBalanceMethod,
+    parse_load_balance_method,
+    resolve_load_balance_method,
+)
 from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
-from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
+from dpboard.integrations.sglang.holding import WaveTimer
+from dpboard.integrations.sglang.settings import (
+    ENV_METHOD,
+    ENV_WAVE_MAX_HOLD,
+    ENV_WAVE_PER_RANK,
+    read_settings,
+)
 from dpboard.integrations.sglang.transport import instance_board
 
 logger = logging.getLogger("dpboard.sglang")
@@ -42,6 +54,8 @@ logger = logging.getLogger("dpboard.sglang")
 STATE = "_dpboard_dispatch"
 LOAD_AWARE = ("TOTAL_TOKENS", "TOTAL_REQUESTS")
 _module_name = "sglang.srt.managers.data_parallel_controller"
+_ticks = False  # the loop's receive is hooked (a holding DPBOARD_METHOD at the plugin's load)
+_timer: WaveTimer | None = None  # the holding controller of this process (SGLang runs one)
 
 
 def register(registry: Any, hook_type: Any, module_name: str) -> None:
@@ -55,6 +69,22 @@ def register(registry: Any, hook_type: Any, module_name: str) -> None:
     registry.register(f"{cls}.refresh_load_budget", refresh_load_budget, hook_type.AROUND)
     registry.register(f"{cls}.update_active_ranks", sync_active, hook_type.AFTER)
     registry.register(f"{cls}._refresh_active_workers", sync_active, hook_type.AFTER)
+    global _ticks
+    if _holds(os.environ.get(ENV_METHOD, "")):  # only then: every receive of the process pays for it
+        registry.register(f"{module_name}.sock_recv", look_again, hook_type.AROUND)
+        registry.register(f"{cls}.send_to_all_workers", flush_held, hook_type.BEFORE)
+        registry.register(f"{cls}.send_control_message", flush_held, hook_type.BEFORE)
+        _ticks = True
+
+
+def _holds(raw_method: str) -> bool:
+    """Whether DPBOARD_METHOD names a method that holds requests (a bad name holds nothing here: the
+    controller refuses it at its start)."""
+    try:
+        method = parse_load_balance_method(raw_method.strip())
+    except InvalidInputError:
+        return False
+    return isinstance(method, LoadBalanceMethod) and METHODS[method].holds
 
 
 def check_settings(controller: Any, *args: Any, **kwargs: Any) -> None:
@@ -71,11 +101,12 @@ def check_settings(controller: Any, *args: Any, **kwargs: Any) -> None:
             f"total_requests (SGLang calls its load-aware dispatch only then), got {sglang_method}: "
             f"add --load-balance-method total_tokens, or unset {ENV_METHOD}")
     mode = module.get_disagg().disaggregation_mode
-    if METHODS[resolve_load_balance_method(settings.method, mode)].holds:
+    if METHODS[resolve_load_balance_method(settings.method, mode)].holds and not _ticks:
+        # the loop's receive is hooked at the plugin's load, from DPBOARD_METHOD as it was then
         raise InvalidInputError(
-            f"{ENV_METHOD}={settings.method} holds requests for waves, which needs a loop that looks again on a "
-            f"timer, and SGLang's DP controller calls dpboard only as requests come: use inflight_lockstep "
-            f"(docs/DISPATCH.md, inflight_wave)")
+            f"{ENV_METHOD}={settings.method} holds requests for waves, but the plugin was loaded in this process "
+            f"without a holding {ENV_METHOD}, so nothing would look at them again: set {ENV_METHOD} before "
+            f"SGLang starts")
     if resolve_load_balance_method(settings.method, mode) is LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and mode != "prefill":
         # Only a PD prefill server's requests carry the room this method maps to a rank.
         raise InvalidInputError(
@@ -105,12 +136,19 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
                             num_workers=num_workers)
     dispatcher = Dispatcher(settings.method, num_workers, reader=reader, active=controller._active_workers,
                             disaggregation_mode=mode, lockstep=lockstep,
-                            lockstep_horizon=default_lockstep_horizon(_prefill_delayer(mode)))
+                            lockstep_horizon=default_lockstep_horizon(_prefill_delayer(mode)),
+                            wave_max_hold=settings.wave_max_hold, wave_per_rank=settings.wave_per_rank)
     session.use(dispatcher)
     setattr(controller, STATE, session)
+    global _timer
+    _timer = WaveTimer(controller, session, _module_name, _fallback_pick) if dispatcher.holds else None
     _sync(controller, dispatcher)
     logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.described, board.name,
                 num_workers)
+    if dispatcher.holds:
+        logger.info("dpboard: arrivals held while the group decodes, %d per rank fill a wave, none longer than "
+                    "%g s less a group step (%s, %s)", settings.wave_per_rank, settings.wave_max_hold,
+                    ENV_WAVE_PER_RANK, ENV_WAVE_MAX_HOLD)
     return None
 
 
@@ -150,6 +188,10 @@ def dispatch_request(original: Any, controller: Any, req: Any) -> None:
             session.routed(req.routed_dp_rank, request_tokens(req))
         except Exception as e:  # SGLang sent it already: the count is dpboard's, the request is fine
             session.fault(e, getattr(req, "rid", "?"), placed=False)
+        return None
+    timer = _timer
+    if timer is not None and timer.controller is controller:
+        timer.offer(req, original)
         return None
     dispatcher = session.dispatcher
     try:
@@ -196,6 +238,23 @@ def _fallback_pick(controller: Any, session: DispatchSession, req: Any, why: Dpb
     except DpboardError:
         budget.charge(rank, 0)  # a request whose size is not known: counted, not weighed
     return rank
+
+
+def look_again(original: Any, socket: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND the DP controller module's ``sock_recv``: at each turn of the controller's loop, the held
+    wave that is due goes out before the next receive (holding.py)."""
+    timer = _timer
+    if timer is not None and socket is timer.socket:
+        timer.tick()
+    return original(socket, *args, **kwargs)
+
+
+def flush_held(controller: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``send_to_all_workers`` / ``send_control_message``: what is held goes first."""
+    timer = _timer
+    if timer is not None and timer.controller is controller:
+        timer.flush()
+    return None
 
 
 def refresh_load_budget(original: Any, controller: Any) -> None:

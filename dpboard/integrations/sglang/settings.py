@@ -7,17 +7,23 @@ has published its own configuration).
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dpboard.board import validate_name
 from dpboard.board.stale import stale_after_from
 from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
+from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, MAX_WAVE_HOLD, MAX_WAVE_PER_RANK
 from dpboard.errors import InvalidInputError
+from dpboard.options import count, seconds
 
 ENV_METHOD = "DPBOARD_METHOD"
 ENV_STALE_AFTER = "DPBOARD_STALE_AFTER"
 ENV_BOARD = "DPBOARD_BOARD"
+ENV_WAVE_MAX_HOLD = "DPBOARD_WAVE_MAX_HOLD"  # inflight_wave: as the ZMQ controller's --wave-max-hold
+ENV_WAVE_PER_RANK = "DPBOARD_WAVE_PER_RANK"  # inflight_wave: as --wave-per-rank
 
 # SGLang publishes after every prefill batch, every 15th decode batch (load_snapshot_publish_interval)
 # and about once a second while idle with --sleep-on-idle: a live rank can be silent for more than a
@@ -33,6 +39,8 @@ class PluginSettings:
     method: LoadBalanceMethod | str | None  # DPBOARD_METHOD: None = SGLang's own DPBudget dispatches
     stale_after: float  # seconds without a publish before a rank is handed to SGLang as unpublished
     board: str | None  # DPBOARD_BOARD: a fixed board name instead of one derived from the instance
+    wave_max_hold: float = DEFAULT_WAVE_HOLD  # inflight_wave: the longest a request is held, less a group step
+    wave_per_rank: int = DEFAULT_WAVE_PER_RANK  # inflight_wave: held requests per rank that fill a wave
 
 
 def read_settings(environ: dict[str, str] | None = None) -> PluginSettings:
@@ -53,4 +61,21 @@ def read_settings(environ: dict[str, str] | None = None) -> PluginSettings:
             validate_name(raw_board)
         except InvalidInputError as e:
             raise InvalidInputError(f"{ENV_BOARD}: {e}") from None
-    return PluginSettings(method=method, stale_after=stale_after, board=raw_board)
+    return PluginSettings(method=method, stale_after=stale_after, board=raw_board,
+                          wave_max_hold=_from_env(env, ENV_WAVE_MAX_HOLD, seconds(MAX_WAVE_HOLD, zero=True),
+                                                  DEFAULT_WAVE_HOLD, "inflight_wave's longest hold, a share of the "
+                                                                     "TTFT objective"),
+                          wave_per_rank=_from_env(env, ENV_WAVE_PER_RANK, count(1, MAX_WAVE_PER_RANK), DEFAULT_WAVE_PER_RANK,
+                                                  "inflight_wave's held requests per rank that fill a wave"))
+
+
+def _from_env(env: Mapping[str, str], name: str, parse: Callable[[str], float], default: float, what: str) -> float:
+    """``name``'s value read by ``parse`` (dpboard.options: the command line's own ranges), ``default``
+    when unset or empty; else an InvalidInputError naming it."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return parse(raw)
+    except argparse.ArgumentTypeError as e:
+        raise InvalidInputError(f"{name}={raw!r}: {e} ({what}); unset it for the default, {default:g}") from None

@@ -24,10 +24,11 @@ from tests.support.names import new_board_name  # noqa: E402
 @pytest.fixture(scope="session")
 def loaded_plugins() -> set[str]:
     """SGLang's ``load_plugins()`` with SGLANG_PLUGINS=dpboard, as every SGLang process runs it;
-    DPBOARD_METHOD is set while it runs so that the DP controller hooks are registered too (they
-    read it again when a controller is made). Returns the targets HookRegistry patched."""
+    DPBOARD_METHOD is set while it runs, to a method that holds, so that every DP controller hook is
+    registered (they read it again when a controller is made). Returns the targets HookRegistry
+    patched."""
     saved = {key: os.environ.get(key) for key in ("SGLANG_PLUGINS", "DPBOARD_METHOD")}
-    os.environ.update(SGLANG_PLUGINS="dpboard", DPBOARD_METHOD="inflight_tokens")
+    os.environ.update(SGLANG_PLUGINS="dpboard", DPBOARD_METHOD="inflight_wave")
     try:
         plugins.load_plugins()
     finally:

@@ -241,10 +241,28 @@ def test_follow_bootstrap_room_without_pd_is_refused_at_start(instance, tmp_path
         make_cluster(instance, tmp_path)
 
 
-def test_inflight_wave_is_refused_at_start_with_why(instance, tmp_path, monkeypatch):
-    """SGLang's DP controller calls dpboard only as requests come: a held request would wait for the next."""
+def test_inflight_wave_is_refused_when_the_plugin_was_loaded_without_it(instance, tmp_path, monkeypatch):
+    """The loop's receive is hooked at the plugin's load only for a holding DPBOARD_METHOD (every
+    receive pays for it): set later, in a process that loaded the plugin without it, nothing would look
+    at a held request again, so the controller refuses to start."""
+    from dpboard.integrations.sglang import dispatch
+
+    monkeypatch.setattr(dispatch, "_ticks", False)  # what register() leaves for a method that holds nothing
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_wave")
-    with pytest.raises(InvalidInputError, match="inflight_wave holds requests for waves.*use inflight_lockstep"):
+    with pytest.raises(InvalidInputError, match="inflight_wave holds requests for waves, but the plugin was "
+                                                "loaded .* set DPBOARD_METHOD before SGLang starts"):
+        make_cluster(instance, tmp_path)
+
+
+@pytest.mark.parametrize(("name", "value", "why"), [("DPBOARD_WAVE_MAX_HOLD", "61", "seconds"),
+                                                    ("DPBOARD_WAVE_MAX_HOLD", "soon", "not a number"),
+                                                    ("DPBOARD_WAVE_PER_RANK", "0", "per rank"),
+                                                    ("DPBOARD_WAVE_PER_RANK", "2.5", "per rank")])
+def test_a_wave_setting_outside_its_bounds_is_refused_at_start_naming_the_variable(instance, tmp_path,
+                                                                                   monkeypatch, name, value, why):
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_wave")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidInputError, match=rf"{name}='{value}': .*{why}.*; unset it for the default"):
         make_cluster(instance, tmp_path)
 
 

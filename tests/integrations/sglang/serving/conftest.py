@@ -5,6 +5,9 @@ for the session. Its tests run in file order; the last one stops it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 
 from dpboard.board import SHM_DIR
@@ -32,15 +35,25 @@ def start(env: dict[str, str], **kwargs) -> Server:
     return srv
 
 
-@pytest.fixture(scope="session")
-def server(fault_file):
+@contextmanager
+def serving(method: str = METHOD, env: dict[str, str] | None = None, **kwargs) -> Iterator[Server]:
+    """A server with the plugin dispatching by ``method`` on a board of its own (``srv.board``), with
+    SGLang's load-aware ``--load-balance-method total_tokens``; ``env`` beside the plugin's; stopped
+    at the end."""
     board = new_board_name()
-    srv = start(plugin_env(board), extra=("--load-balance-method", "total_tokens"), fault_file=fault_file)
+    srv = start({**plugin_env(board, method), **(env or {})}, extra=("--load-balance-method", "total_tokens"),
+                **kwargs)
     srv.board = board
     try:
         yield srv
     finally:
         stop(srv)
+
+
+@pytest.fixture(scope="session")
+def server(fault_file):
+    with serving(fault_file=fault_file) as srv:
+        yield srv
 
 
 def stop(srv: Server) -> None:

@@ -23,8 +23,7 @@ import pytest
 from dpboard.board import SHM_DIR, Board
 from dpboard.board.dispatch_record import read_dispatch_record
 from dpboard.snapshot import LockstepDetail, SlotStatus
-from tests.integrations.sglang.serving.conftest import plugin_env, start, stop
-from tests.support.names import new_board_name
+from tests.integrations.sglang.serving.conftest import serving
 from tests.support.procutil import wait_until
 from tests.support.sglang_serving import stream_generate
 
@@ -40,14 +39,8 @@ _CHUNK_LINE = re.compile(r"\] max_total_num_tokens=\d+, chunked_prefill_size=(\d
 
 @pytest.fixture(scope="module")
 def server():
-    board = new_board_name()
-    srv = start({**plugin_env(board, "auto"), "DPBOARD_STALE_AFTER": str(STALE_AFTER)},
-                extra=("--load-balance-method", "total_tokens"), dp_attention=True)
-    srv.board = board
-    try:
+    with serving("auto", {"DPBOARD_STALE_AFTER": str(STALE_AFTER)}, dp_attention=True) as srv:
         yield srv
-    finally:
-        stop(srv)
 
 
 def records(server, stale_after: float = STALE_AFTER) -> np.ndarray:

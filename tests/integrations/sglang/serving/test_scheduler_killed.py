@@ -23,8 +23,7 @@ import pytest
 
 from dpboard.board import SHM_DIR, Board
 from dpboard.snapshot import SlotStatus
-from tests.integrations.sglang.serving.conftest import plugin_env, start, stop
-from tests.support.names import new_board_name
+from tests.integrations.sglang.serving.conftest import serving
 from tests.support.procutil import wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.timeout(900)]
@@ -34,13 +33,8 @@ LIVE, STALE = int(SlotStatus.LIVE), int(SlotStatus.STALE)
 
 @pytest.fixture(scope="module")
 def server():
-    board = new_board_name()
-    srv = start(plugin_env(board), extra=("--load-balance-method", "total_tokens"))
-    srv.board = board
-    try:
+    with serving() as srv:
         yield srv
-    finally:
-        stop(srv)
 
 
 def statuses(server) -> list[int]:
