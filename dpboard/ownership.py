@@ -301,9 +301,10 @@ def remove_abandoned_locks(min_age: float = 10.0, *, keys: tuple[str, ...] | Non
 # -- open-file-description locks on byte ranges ----------------------------------------------------
 #
 # A process that holds a board's slot, a side record's row, or a board it created, holds an OFD
-# lock on those bytes: the kernel drops it when the process dies, and any process (another user's,
-# another PID or time namespace's) can ask whether it is held. It is the second proof of life beside
-# an owner word's pid and start ticks, which a time namespace shows differently to others.
+# write lock on those bytes: the kernel drops it when the process dies, and any process (another
+# user's, another PID or time namespace's) can ask whether it is held. It is the second proof of life
+# beside an owner word's pid and start ticks, which a time namespace shows differently to others.
+# Only a write lock is a proof: anybody who may read the file can take a read lock.
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on x86-64 / aarch64 Linux
 
@@ -325,8 +326,20 @@ def unlock_range(fd: int, start: int, length: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, length, 0))
 
 
-def range_held(fd: int, start: int = 0, length: int = 0) -> bool:
-    """Whether another open file description holds any lock on those bytes (a read-only ``fd`` asks too)."""
+def write_lock_held(fd: int, start: int = 0, length: int = 0) -> bool:
+    """Whether another open file description holds a *write* lock on any of those bytes (a read-only
+    ``fd`` asks too): the question "does a writer, a creator or a row's holder live" for a file that
+    others may read. Anybody who may read a file can take a read lock on any of its bytes, so a read
+    lock proves nothing; a write lock needs a descriptor open for writing, which only the file's
+    owner has (docs/SECURITY.md). Asked with F_RDLCK, F_OFD_GETLK reports only write locks."""
+    found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, start, length, 0))
+    return _FLOCK.unpack(found)[0] != fcntl.F_UNLCK
+
+
+def any_lock_held(fd: int, start: int = 0, length: int = 0) -> bool:
+    """Whether another open file description holds any lock, read or write, on those bytes. Only for
+    a file nobody but its owner may open (a side record, mode 0600, whose attachers share read
+    locks): on a file others may read, their read locks would count (``write_lock_held`` there)."""
     found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
     return _FLOCK.unpack(found)[0] != fcntl.F_UNLCK
 

@@ -964,9 +964,13 @@ static PyObject *seqrow_add(SeqRow *self, PyObject *const *args, Py_ssize_t narg
     if (a == -1 && PyErr_Occurred()) return NULL;
     long long b = PyLong_AsLongLong(args[2]);
     if (b == -1 && PyErr_Occurred()) return NULL;
-    if (word < 1 || word + 1 >= self->words) {
-        PyErr_Format(PyExc_IndexError, "words %zd and %zd are not data words of this %zd-word row", word, word + 1,
-                     self->words);
+    /* word + 1 would overflow for word = PY_SSIZE_T_MAX and pass: compare against words - 2 instead
+       (words >= 1, row_span holds it). */
+    if (word < 1 || word > self->words - 2) {
+        PyErr_Format(PyExc_IndexError,
+                     "word %zd and the next are not data words of this %zd-word row: add(word, a, b) takes word "
+                     "in 1..%zd",
+                     word, self->words, self->words - 2);
         return NULL;
     }
     uint64_t *w = self->row + word;

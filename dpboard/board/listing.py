@@ -32,7 +32,7 @@ from dpboard.board.segment import (
 from dpboard.board.sent import SENT_PREFIX, record_state, remove_record
 from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, DpboardError, NotFoundError
-from dpboard.ownership import range_held
+from dpboard.ownership import write_lock_held
 from dpboard.snapshot import (
     FIELD_INDEX,
     FIELDS_OFFSET,
@@ -60,7 +60,8 @@ class BoardListing:
     last_publish_age: float | None = None  # seconds since the latest publish into any slot (None: never;
     #                                         negative: stamped ahead of this node's clock)
     stale_after: float = DEFAULT_STALE_AFTER
-    held: bool = False  # a process holds a lock on the segment: its creator, or a slot's writer
+    held: bool = False  # a process holds a write lock on the segment: its creator, or a slot's writer (a
+    #                     read lock, which any user who may read it can take, is nobody's proof of life)
 
     @property
     def creator_alive(self) -> bool | None:
@@ -162,7 +163,7 @@ def _read_listing(name: str, stale_after: float) -> BoardListing:
             magic, header = unpack_header(mm)
         if magic != MAGIC:
             return BoardListing(name, size, None, "no dpboard header", owner, mode)
-        held = range_held(fd)
+        held = write_lock_held(fd)
         if (header.layout_version, header.header_size, header.slot_size) != (LAYOUT_VERSION, HEADER_SIZE, SLOT_SIZE):
             # Another dpboard version's board: listed with its header, its slots left unread.
             return BoardListing(name, size, header, None, owner, mode, None, stale_after, held)
@@ -259,11 +260,20 @@ def clean_sent_records(name: str | None = None, *, force: bool = False) -> list[
                 continue
         else:
             header = read_segment_header("/" + SEGMENT_PREFIX + board)
-            if header is not None and header.generation == generation and not force:
+            if header is not None and header.generation == generation and _ours(board) and not force:
                 continue  # its board is there: the next API server of that deployment takes its rows
         if remove_record(str(path), force=force):
             removed.append(board)
     return removed
+
+
+def _ours(name: str) -> bool:
+    """Whether ``/dev/shm/dpboard.<name>`` is a file of this process's user: only such a board is the
+    one this user's records were made for (any user may leave a file of that name, with any header)."""
+    try:
+        return os.stat(SHM_DIR / (SEGMENT_PREFIX + name), follow_symlinks=False).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def remove_if_gone(name: str, *, started_after: int = 0, leaving: bool = False) -> list[str]:
@@ -274,17 +284,19 @@ def remove_if_gone(name: str, *, started_after: int = 0, leaving: bool = False) 
     ``started_after``: only a board whose creator started at or after that many clock ticks since
     boot (a board of this launcher's deployment, not an older one of that name). ``leaving``: this
     process, on its way out, does not count as the board's creator and gives its creator lock up
-    (it has given up its slot or its rows already). What was removed."""
+    (it has given up its slot or its rows already). A board of another user under that name (any
+    user may leave one) is not this deployment's: it is left alone, and its records are judged
+    without it. What was removed."""
     removed = []
     me = os.getpid()
     try:
         entry = read_listing(name)
     except DpboardError:
         entry = None  # gone already (or not a name of ours): the records may still be there
-    header = None if entry is None else entry.header
-    if header is not None:
-        if header.creator_start_ticks < started_after:
-            return removed
+    header = None if entry is None or entry.owner_uid != os.geteuid() else entry.header
+    # An older deployment's board (its creator started before started_after) stays; its records are
+    # judged on their own all the same, as `dpboard clean` judges them.
+    if header is not None and header.creator_start_ticks >= started_after:
         if leaving:
             drop_creator_lock(header.generation)  # done with it: its own lock is no proof of anybody's life
             entry = read_listing(name)

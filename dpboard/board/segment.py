@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import mmap
 import numbers
 import os
@@ -25,7 +26,7 @@ import posix_ipc
 from dpboard.board.dispatch_record import remove_if_abandoned
 from dpboard.board.errors import BoardError, BoardLayoutError
 from dpboard.board.header import NO_MAGIC, BoardHeader, check_layout, pack_header, unpack_header
-from dpboard.board.liveness import process_alive, process_start_ticks
+from dpboard.board.liveness import process_alive, process_exited, process_start_ticks
 from dpboard.board.names import MAX_SLOTS, SHM_DIR, segment_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.board.seqlock import (
@@ -39,12 +40,13 @@ from dpboard.board.seqlock import (
 )
 from dpboard.board.stale import check_stale_after
 from dpboard.errors import AccessDeniedError, AlreadyExistsError, InvalidInputError, NotFoundError
-from dpboard.ownership import check_owned, describe_owner, lock_range, range_held
+from dpboard.ownership import check_owned, describe_owner, lock_range, write_lock_held
 from dpboard.snapshot import (
     COLLECTOR_STATS_FIELDS,
     COLLECTOR_STATS_OFFSET,
     HEADER_SIZE,
     MAGIC,
+    OWNER_OFFSET,
     SLOT_SIZE,
     LoadSnapshot,
     SlotStatus,
@@ -57,6 +59,7 @@ from dpboard.snapshot import (
 if TYPE_CHECKING:
     import numpy as np
 
+log = logging.getLogger("dpboard.board")
 DEFAULT_STALE_AFTER = 1.0
 MAX_NODE_ID = 2**63 - 1  # the header's node_id is a signed 64-bit word
 DEFAULT_MAX_RETRIES = 256
@@ -118,12 +121,15 @@ def drop_creator_lock(generation: int) -> None:
 
 
 def _slot_lock(name: str, identity: tuple[int, int], offset: int) -> int | None:
-    """A descriptor of the board's segment holding the OFD lock on the slot at ``offset`` (a writer's
-    proof of life), or None when another process holds it. A segment that is not the board any more
-    (removed, or recreated under its name) has nobody else to lock out: a descriptor without a lock
-    is given (-1)."""
+    """A descriptor of the board's segment holding the OFD write lock on the slot at ``offset`` (a
+    writer's proof of life), or None when another process holds a write lock there (a writer). A
+    segment that is not the board any more (removed, or recreated under its name) has nobody else to
+    lock out: no descriptor is given (-1). Neither is one when only read locks stand in the way:
+    another user who may read the board took them (docs/SECURITY.md, "Read locks are no writer's");
+    the writer goes on without its lock, and the owner word decides who writes."""
+    path = SHM_DIR / segment_name(name)[1:]
     try:
-        fd = os.open(SHM_DIR / segment_name(name)[1:], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return -1
     st = os.fstat(fd)
@@ -132,18 +138,26 @@ def _slot_lock(name: str, identity: tuple[int, int], offset: int) -> int | None:
         return -1
     if lock_range(fd, offset, SLOT_SIZE):
         return fd
+    writer = write_lock_held(fd, offset, SLOT_SIZE)
     os.close(fd)
-    return None
+    if writer:
+        return None
+    log.warning("board %r: another process holds a read lock on the bytes of the slot at offset %d (another user "
+                "who may read %s), so its writer holds no lock of its own; the slot's owner word (pid and start "
+                "time) stands for it", name, offset, path)
+    return -1
 
 
 LOCK_CHECK_INTERVAL = 0.05  # seconds: how often a dispatcher looks at the slots' writer locks, at most
 
 
 class SlotLocks:
-    """The slots whose writer is gone, by the writer's lock on its slot: a writer holds an OFD lock on
-    its slot's bytes for as long as it writes it, and the kernel drops it when the writer dies
+    """The slots whose writer is gone, by the writer's lock on its slot: a writer holds an OFD write
+    lock on its slot's bytes for as long as it writes it, and the kernel drops it when the writer dies
     (SIGKILL included) or gives the slot up. A dispatcher skips such a slot at once rather than
-    after the stale threshold, whatever its last stamp says.
+    after the stale threshold, whatever its last stamp says. A read lock is nobody's proof (any user
+    who may read the board can take one), and a slot without a write lock whose owner word names a
+    process that runs (a writer that another user's read lock kept from taking its lock) is not gone.
 
     ``refresh()`` looks at the locks (one ``F_OFD_GETLK`` per slot) at most every ``interval``
     seconds, and costs one clock read otherwise; ``gone`` holds the ranks found without a writer,
@@ -181,7 +195,7 @@ class SlotLocks:
         self._next = now + self.interval
         fd = self._fd
         self._looked_ns = time.monotonic_ns()  # before the look: a publish stamped later came after it
-        gone = tuple(rank for rank in range(self.n_slots) if not range_held(fd, slot_offset(rank), SLOT_SIZE))
+        gone = tuple(rank for rank in range(self.n_slots) if not _slot_held(fd, slot_offset(rank)))
         if gone != self.gone:
             self.gone = gone
         return self.gone
@@ -202,6 +216,21 @@ class SlotLocks:
 
 
 _LIVE_CODE, _STALE_CODE = int(SlotStatus.LIVE), int(SlotStatus.STALE)
+
+
+def _slot_held(fd: int, offset: int) -> bool:
+    """Whether the slot at ``offset`` of the board open at ``fd`` has a writer: one holds its write
+    lock, or its owner word names a process that runs (with that start time, and not a zombie). The
+    second look is what a writer without its lock leaves (``_slot_lock``), and costs one ``pread``
+    for a slot that nobody holds; a writer that closes its slot clears the word."""
+    if write_lock_held(fd, offset, SLOT_SIZE):
+        return True
+    try:
+        word = struct.unpack("<Q", os.pread(fd, 8, offset + OWNER_OFFSET))[0]
+    except (OSError, struct.error):
+        return False
+    pid, ticks = unpack_owner(word)
+    return pid != 0 and process_alive(pid, ticks) and not process_exited(pid)
 
 
 def read_segment_header(seg: str) -> BoardHeader | None:
@@ -279,7 +308,9 @@ class Board:
                                     f"64 bits), got {node_id!r}")
         size = segment_size(n_slots)
         try:
-            shm = posix_ipc.SharedMemory(seg, posix_ipc.O_CREX, mode=mode, size=size)
+            # 0600 until the creator's lock is held (below): nobody else can open the segment before,
+            # so no other user's read lock stands in the way of that write lock
+            shm = posix_ipc.SharedMemory(seg, posix_ipc.O_CREX, mode=0o600, size=size)
         except posix_ipc.ExistentialError:
             if exist_ok:
                 return cls.attach(name, n_slots=n_slots, trust_uids=trust_uids)
@@ -292,17 +323,19 @@ class Board:
         header = BoardHeader.new(name, n_slots, node_id)
         mapping = None
         try:
-            os.fchmod(shm.fd, mode)  # exact mode, whatever the umask
+            # The creator's proof of life beside its pid and start ticks, held until it removes the
+            # board or dies: `dpboard clean` never takes a board whose lock is held. A write lock:
+            # nobody but the owner can take one, while any user who may read the board can take a
+            # read lock (docs/SECURITY.md).
+            creator_lock = os.dup(shm.fd)
+            _creator_locks[header.generation] = creator_lock
+            lock_range(creator_lock, 0, HEADER_SIZE)
+            os.fchmod(shm.fd, mode)  # exact mode, whatever the umask: others may open it from here on
             st = os.fstat(shm.fd)
             reserve_pages(shm.fd, size, f"board {name!r}")
             mapping = mmap.mmap(shm.fd, size)
             # Every field but the magic first: an attacher that sees the magic sees a whole header.
             pack_header(mapping, header, magic=NO_MAGIC)
-            # The creator's proof of life beside its pid and start ticks, held until it removes the
-            # board or dies: `dpboard clean` never takes a board whose lock is held.
-            creator_lock = os.dup(shm.fd)
-            lock_range(creator_lock, 0, HEADER_SIZE, shared=True)
-            _creator_locks[header.generation] = creator_lock
             mapping[0:8] = MAGIC
         except BaseException:
             if mapping is not None:

@@ -48,12 +48,22 @@ from dpboard.board.liveness import process_alive, process_start_ticks
 from dpboard.board.names import SHM_DIR, validate_name
 from dpboard.board.reserve import reserve_pages
 from dpboard.errors import AccessDeniedError, DpboardError, NotFoundError, UnavailableError
-from dpboard.ownership import check_owned, lock_range, open_refusal, range_held, same_file, unlock_range
+from dpboard.ownership import (
+    any_lock_held,
+    check_owned,
+    lock_range,
+    open_refusal,
+    same_file,
+    unlock_range,
+    write_lock_held,
+)
 from dpboard.snapshot import RecordLayout, pack_owner, unpack_owner
 
 HEADER_SIZE = 64
 SEQ_WORD, HOLDER_WORD = 0, 1  # the first two words of every row
 ATTACH_LOCK = (56, 8)  # (offset, length) in the header: the bytes every process that has it open locks
+# (a read lock, shared, so asked for with any_lock_held: the record is mode 0600, and nobody but its owner
+# can open it to take one; a row's holder takes a write lock, asked for with write_lock_held)
 OPEN_ATTEMPTS = 50  # a record replaced or removed while we open it: open again, this many times at most
 FLOCK_TRIES = 1000  # 1 ms apart: a replacer or an attacher holds the flock a moment at most
 HEADER_WAIT = 5.0  # seconds an attacher waits for the magic of a file an older dpboard is creating
@@ -237,7 +247,7 @@ def row_alive(fmt: SideFormat, fd: int, index: int, slots: int, word: int) -> bo
     if not word:
         return False
     pid, ticks = unpack_owner(int(word))
-    return process_alive(pid, ticks) or range_held(fd, fmt.row_offset(index, slots), fmt.row_size(slots))
+    return process_alive(pid, ticks) or write_lock_held(fd, fmt.row_offset(index, slots), fmt.row_size(slots))
 
 
 def live_holders(fmt: SideFormat, fd: int, rows: int, slots: int, *, besides: int = 0) -> list[int]:
@@ -256,7 +266,7 @@ def held(fmt: SideFormat, fd: int, header: Any, *, besides: int = 0) -> list[int
     """Who holds the record open at ``fd``: its rows' live holders, then -1 for each other process
     that has it open (its attach lock) without a row; [] when nobody does."""
     live = live_holders(fmt, fd, int(header["rows"]), int(header["slots"]), besides=besides)
-    if not live and range_held(fd, *ATTACH_LOCK):
+    if not live and any_lock_held(fd, *ATTACH_LOCK):
         live.append(-1)
     return live
 
@@ -299,7 +309,7 @@ def remove_if_unheld(fmt: SideFormat, path: str, *, inode: int | None = None, fo
                 return True
             found = read_header(fmt, fd, path)
             if isinstance(found, str):
-                return time.time() - os.fstat(fd).st_mtime >= young and not range_held(fd, *ATTACH_LOCK)
+                return time.time() - os.fstat(fd).st_mtime >= young and not any_lock_held(fd, *ATTACH_LOCK)
             return not held(fmt, fd, found[0], besides=besides)
 
         return _unlink_locked(fd, path, fmt, unheld)
@@ -465,7 +475,7 @@ def _attach(fmt: SideFormat, fd: int, path: str, board: str, rows: int, slots: i
                 f"needs {rows} and {slots}")
             raise BoardLayoutError(f"{fmt.what} {path} of board {board!r} {why}; it belongs to another user: "
                                    f"have them remove it")
-        if isinstance(found, str) and range_held(fd, *ATTACH_LOCK):
+        if isinstance(found, str) and any_lock_held(fd, *ATTACH_LOCK):
             # a creator makes a record whole before naming it: one without a whole header that a live
             # process has open is another dpboard's, never a dead creator's, and is not replaced
             raise BoardLayoutError(f"{fmt.what} {path} of board {board!r} {found}, and a live process has it "

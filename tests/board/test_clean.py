@@ -8,6 +8,7 @@ other runs on the machine."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -15,9 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from dpboard.board.listing import clean_sent_records, remove_if_gone
+from dpboard.board.liveness import process_start_ticks
+from dpboard.board.segment import read_segment_header
 from dpboard.board.sent import SENT_PREFIX
 from dpboard.ownership import lock_path
 from tests.support.names import ROOT
+from tests.support.other_user import as_nobody, need_root
 from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import kill, read_line
 
@@ -204,3 +209,55 @@ def test_clean_on_a_machine_without_boards_says_there_are_none():
     assert out["first"].strip() == "nothing to remove: there are no boards on this machine", out
     assert "every board is alive" in out["second"], out  # a live board: the other message
 
+
+
+def _plant_board_as_nobody(name: str, generation: int) -> None:
+    """What another user may leave under the name of a board that went: a readable (0644)
+    ``dpboard.<name>`` with a whole header, the generation the board had (anybody who could read it
+    knows it), pid 1 for its creator and no start time (0)."""
+    from dpboard.board.header import BoardHeader, pack_header
+    from dpboard.snapshot import HEADER_SIZE, LAYOUT_VERSION, SLOT_SIZE, segment_size
+
+    header = BoardHeader(name=name, layout_version=LAYOUT_VERSION, header_size=HEADER_SIZE, n_slots=4,
+                         slot_size=SLOT_SIZE, creator_pid=1, creation_time_ns=1, generation=generation,
+                         node_id=0, creator_start_ticks=0)
+
+    def plant() -> None:
+        fd = os.open(f"/dev/shm/dpboard.{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            os.ftruncate(fd, segment_size(4))
+            with mmap.mmap(fd, HEADER_SIZE) as mm:
+                pack_header(mm, header)
+        finally:
+            os.close(fd)
+
+    as_nobody(plant)
+
+
+def test_a_board_another_user_plants_after_the_exit_keeps_no_record(board_name, paths):
+    """The deployment's API servers are SIGKILLed (vLLM's way) and its board removed; another user
+    then leaves a readable board of that name, its creator's start time 0. The launcher's way out,
+    remove_if_gone(started_after=its own start), took it for an older deployment's board and
+    returned at once, and the sent record stayed; with the generation copied, `clean` kept the
+    record for the board "still there"."""
+    need_root()
+    board, record = paths
+    kill(deployment(board_name))
+    generation = read_segment_header("/dpboard." + board_name).generation
+    board.unlink()  # its engine core removed it on its way out
+    _plant_board_as_nobody(board_name, generation)
+    assert board.stat().st_uid == 65534 and record.exists()
+    removed = remove_if_gone(board_name, started_after=process_start_ticks(os.getpid()))
+    assert removed == [SENT_PREFIX + board_name] and not record.exists()
+    assert board.exists()  # another user's file: never removed from here
+    # The same record and board, and `dpboard clean` (no deployment's start time) instead.
+    kill(deployment(board_name + "b"))
+    try:
+        generation = read_segment_header("/dpboard." + board_name + "b").generation
+        Path("/dev/shm", f"dpboard.{board_name}b").unlink()
+        _plant_board_as_nobody(board_name + "b", generation)
+        assert clean_sent_records(board_name + "b") == [board_name + "b"]
+    finally:
+        for prefix in ("dpboard.", SENT_PREFIX):
+            Path("/dev/shm", prefix + board_name + "b").unlink(missing_ok=True)

@@ -78,6 +78,52 @@ class Req:
 reqs = [Req() for _ in range(3)] + [object() for _ in range(1000)]
 print(raised(lambda: core.pick_batch(reqs)))
 """, "input_ids"),
+    # SeqRow and read_rows, the side records' seqlock (dpb_seqlock.h): words, offsets, sizes and row
+    # counts near +-2**63, where a sum in a bounds check would wrap. add(2**63 - 1, ...) wrote 8 bytes
+    # before the row: SIGSEGV.
+    "SeqRow.add at word 2**63 - 1": ("""
+import ctypes
+# a row at the start of a page whose page before is PROT_NONE: a store before the row faults there
+pages = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+guard = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+assert ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(guard), mmap.PAGESIZE, 0) == 0  # PROT_NONE
+row = _seqlock.SeqRow(memoryview(pages)[mmap.PAGESIZE:], 0, 64)
+print(raised(lambda: row.add(2**63 - 1, 1, 1)))
+print(raised(lambda: row.add(2**63 - 2, 1, 1)))
+""", "IndexError: word 9223372036854775807 and the next are not data words of this 8-word row: "
+    "add(word, a, b) takes word in 1..6"),
+    "SeqRow.add at words near -2**63 and past 2**63": ("""
+row = _seqlock.SeqRow(mapping, 64, 64)
+for word in (-2**63, -2**63 + 1, -1, 0, 7, 8):
+    print(raised(lambda: row.add(word, 1, 1)))
+print(raised(lambda: row.add(2**63, 1, 1)))
+print(raised(lambda: row.add(-2**63 - 1, 1, 1)))
+print(raised(lambda: row.add(1, 2**63, 0)))
+row.add(1, 2**63 - 1, -2**63)  # the counters wrap as unsigned words: the row's own bytes only
+print("added", row.sequence)
+""", "OverflowError"),
+    "SeqRow at offsets and sizes near 2**63": ("""
+for offset, size in ((2**63 - 8, 64), (2**63 - 64, 64), (64, 2**63 - 8), (2**62, 2**62), (-2**63, 64),
+                     (64, -2**63), (8, 8 * (2**60 - 1))):
+    print(raised(lambda: _seqlock.SeqRow(mapping, offset, size)))
+row = _seqlock.SeqRow(mapping, 64, 64)
+print(raised(lambda: row.__init__(mapping, 2**63 - 8, 64)))  # a failed __init__ leaves no row
+mapping.close()
+print(raised(lambda: row.add(1, 1, 1)))
+""", "ValueError: this row was released with its record"),
+    "read_rows of offsets, sizes and counts near 2**63": ("""
+rows_out = np.zeros(64, np.uint64)
+whole = np.zeros(8, np.uint8)
+for offset, size, rows in ((2**63 - 8, 64, 1), (64, 2**63 - 8, 1), (0, 2**62, 2), (0, 8, 2**63 - 1),
+                           (0, 2**32, 2**31), (-2**63, 64, 1), (0, -2**63, 1), (0, 64, -2**63),
+                           (8 * (2**59), 64, 2**59)):
+    print(raised(lambda: _seqlock.read_rows(mapping, offset, size, rows, rows_out, whole, 4)))
+print(raised(lambda: _seqlock.read_rows(mapping, 0, 64, 2**63, rows_out, whole, 4)))
+print(raised(lambda: _seqlock.read_rows(mapping, 0, 64, 9, rows_out, whole, 4)))  # out holds 8 rows
+print(raised(lambda: _seqlock.read_rows(mapping, 0, 64, 4, rows_out, whole, 2**63 - 1)))
+print(raised(lambda: _seqlock.read_rows(mapping, 0, 64, 4, rows_out[:7], whole, 4)))
+print("torn", _seqlock.read_rows(mapping, 0, 64, 4, rows_out, whole, 4))
+""", "torn 0"),
     "ArgminCore given float64 arrays": ("""
 print(raised(lambda: _dispatch.ArgminCore(core_arrays(np.float64))))
 """, "total_tokens must be an array of int64, got format d"),
