@@ -8,6 +8,9 @@ DEMO_ARGS ?= --duration 20
 # `pip check` do not report the engine's own (uninstalled) dependencies. tests/conftest.py puts
 # the folder on sys.path and PYTHONPATH. Another engine is one more entry of ENGINE_WHEELS.
 SGLANG_VERSION ?= 0.5.23
+# The SGLang release before it, which the SGLang plugin supports too (dpboard/integrations/sglang/versions.py):
+# its wheel alone in a folder of its own, as vLLM's previous one; the SGLang tests import each.
+SGLANG_PREVIOUS ?= 0.5.22
 # The vLLM releases the vLLM plugin supports; its tests import each (the wheel alone, --no-deps:
 # docs/INTEGRATIONS.md): the newest beside SGLang in ENGINE_DIR, the previous one in a folder of its own.
 VLLM_VERSION ?= 0.33.0
@@ -15,6 +18,7 @@ VLLM_PREVIOUS ?= 0.32.0
 ENGINE_WHEELS ?= sglang==$(SGLANG_VERSION) vllm==$(VLLM_VERSION)
 ENGINE_DIR := $(VENV)/engines
 VLLM_PREVIOUS_DIR := $(VENV)/engines-vllm-$(VLLM_PREVIOUS)
+SGLANG_PREVIOUS_DIR := $(VENV)/engines-sglang-$(SGLANG_PREVIOUS)
 # `make test-serving`: a real `vllm serve` on vLLM's CPU build (vllm-cpu, a republish of vLLM with CPU
 # kernels, not by the vLLM project) and a tiny model built here, in an environment of its own
 # (tools/vllm_cpu_env.py; docs/INTEGRATIONS.md, "A real vllm serve on the CPU"). Built once per machine.
@@ -31,6 +35,10 @@ SERVING_STAMP := $(SERVING_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION).built
 SGLANG_SERVING_VENV ?= .venv-sglang
 SGLANG_SERVING_PY := $(SGLANG_SERVING_VENV)/bin/python
 SGLANG_SERVING_STAMP := $(SGLANG_SERVING_VENV)/.sglang-$(SGLANG_VERSION)-cpu.built
+# SGLang's previous release in that environment: its wheel alone (--no-deps) in a folder of it, put first on
+# the PYTHONPATH of one server (tests/integrations/sglang/serving/test_previous_release.py); every other
+# package is the one SGLANG_VERSION runs on (docs/INTEGRATIONS.md says which requirements differ).
+SGLANG_PREVIOUS_SERVING := $(SGLANG_SERVING_VENV)/sglang-$(SGLANG_PREVIOUS)
 SGLANG_KERNEL_VERSION ?= 0.4.10
 # the SGLang model gateway the suite puts in front of the server
 SMG_VERSION ?= 1.13.0
@@ -45,7 +53,7 @@ SOURCES := pyproject.toml setup.py $(wildcard dpboard/*/*.c) $(wildcard dpboard/
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test test-all test-under-load test-serving test-sglang-serving lint bench clean-boards layout wheel
+.PHONY: demo test test-all test-under-load test-serving test-sglang-serving replay-study lint bench clean-boards layout wheel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,9 +70,10 @@ $(VENV)/.installed: $(SOURCES) $(VENV)/.engines | $(VENV)/bin/python
 	touch $(VENV)/.demo $@
 
 $(VENV)/.engines: Makefile | $(VENV)/bin/python
-	rm -rf $(ENGINE_DIR) $(VLLM_PREVIOUS_DIR)
+	rm -rf $(ENGINE_DIR) $(VLLM_PREVIOUS_DIR) $(SGLANG_PREVIOUS_DIR)
 	$(PY) -m pip install -q --no-deps --target $(ENGINE_DIR) $(ENGINE_WHEELS)
 	$(PY) -m pip install -q --no-deps --target $(VLLM_PREVIOUS_DIR) vllm==$(VLLM_PREVIOUS)
+	$(PY) -m pip install -q --no-deps --target $(SGLANG_PREVIOUS_DIR) sglang==$(SGLANG_PREVIOUS)
 	touch $@
 
 # torch first (the CPU build: `pip install torch==2.13.0` takes it from this machine's disk, docs/
@@ -139,6 +148,12 @@ $(SGLANG_SERVING_STAMP):
 	@cat $(SGLANG_PIP_LOG)
 	touch $@
 
+$(SGLANG_PREVIOUS_SERVING)/.installed: $(SGLANG_SERVING_STAMP)
+	rm -rf $(SGLANG_PREVIOUS_SERVING)
+	$(SGLANG_PIP) --no-deps --target $(SGLANG_PREVIOUS_SERVING) sglang==$(SGLANG_PREVIOUS) 2>> $(SGLANG_PIP_LOG) \
+		|| { cat $(SGLANG_PIP_LOG); exit 1; }
+	touch $@
+
 $(SGLANG_SERVING_VENV)/model/config.json: tools/sglang_cpu_env.py tools/vllm_cpu_env.py $(SGLANG_SERVING_STAMP)
 	rm -rf $(SGLANG_SERVING_VENV)/model
 	$(SGLANG_SERVING_PY) tools/sglang_cpu_env.py model $(SGLANG_SERVING_VENV)/model
@@ -167,10 +182,22 @@ test-serving: $(SERVING_VENV)/.installed
 
 # The SGLang serving suite (tests/integrations/sglang/serving, marked `serving`): one
 # `sglang.launch_server --dp-size 2` with the plugin for the session, HTTP requests, the board read in-process;
-# test_dp_attention.py's own server adds `--enable-dp-attention --tp 2` (the Qwen3 model, a test shim).
-test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed
+# test_dp_attention.py's own server adds `--enable-dp-attention --tp 2` (the Qwen3 model, a test shim);
+# test_previous_release.py's runs SGLANG_PREVIOUS.
+test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed $(SGLANG_PREVIOUS_SERVING)/.installed
 	DPBOARD_SGLANG_MODEL=$(SGLANG_SERVING_VENV)/model DPBOARD_SGLANG_DP_MODEL=$(SGLANG_SERVING_VENV)/model-qwen3 \
 		$(SGLANG_SERVING_PY) -m pytest -q -m serving tests/integrations/sglang/serving
+
+# The replay study (docs/REPLAY.md): a window of a real trace through a real SGLang server per dispatch
+# method, 3 repeats at two loads, then through `dpboard sim` with a profile fitted from the server's
+# steps. About a minute a cell on an idle 2-core machine, 40-50 minutes in all; a rerun skips the
+# cells docs/results/replay-study.json holds. Too long for CI.
+replay-study: $(SGLANG_SERVING_VENV)/.installed
+	$(SGLANG_SERVING_PY) tools/replay_study.py capacity
+	$(SGLANG_SERVING_PY) tools/replay_study.py run
+	$(SGLANG_SERVING_PY) tools/replay_study.py record
+	$(SGLANG_SERVING_PY) tools/replay_study.py sim
+	$(SGLANG_SERVING_PY) tools/replay_study.py report
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

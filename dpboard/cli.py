@@ -45,7 +45,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "collect": ("dpboard.multinode.collector", "own node0's load PULL socket and write relayed snapshots"),
     "demo": ("dpboard.demo.run", "run a simulated DP cluster on this machine with the live board"),
     "sim": ("dpboard.sim.cli", "trace-driven simulation comparing dispatch methods"),
+    "calibrate": ("dpboard.sim.calibrate", "fit the simulator's rank model to step logs (DPBOARD_STEP_LOG) and "
+                  "write it as a profile for `dpboard sim --profile-file`"),
     "bench": ("dpboard.bench.cli", "performance figures beside their baselines"),
+    "steps": ("dpboard.steplog.summary", "summarize step logs (DPBOARD_STEP_LOG): steps by mode, step time by mode "
+              "and batch size, time per prefill token and per decode request"),
 }
 
 

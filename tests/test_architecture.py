@@ -20,7 +20,8 @@ PACKAGE = ROOT / "dpboard"
 
 LAYERS: list[set[str]] = [
     {"errors", "snapshot", "stopping", "options", "processes", "lazy"},  # the leaf contract and shared plumbing
-    {"ownership", "guard"},  # files in shared directories, single-owner locks, endpoints | connection bounds
+    {"ownership", "guard", "steplog"},  # files in shared directories, single-owner locks, endpoints | connection
+    # bounds | the step log (format, writer, reader, summary) the engines' step recorders write
     {"board", "loads"},  # the segment and its seqlock | tables -> counters
     {"publish"},  # counters -> the rank's slot
     {"multinode"},  # other nodes' boards -> node0's board (a side path into the board)

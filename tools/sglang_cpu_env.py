@@ -1,6 +1,8 @@
 """The environment `make test-sglang-serving` builds for a real ``sglang.launch_server`` on the CPU
 (docs/INTEGRATIONS.md, "A real SGLang server on the CPU"). SGLang 0.5.23 itself is installed unchanged
-(``--no-deps``); the steps the Makefile runs in that environment's interpreter:
+(``--no-deps``), and its previous release, 0.5.22, alone in a folder of the environment that one
+server puts first on its PYTHONPATH (the Makefile's ``SGLANG_PREVIOUS_SERVING``: no step here, 0.5.22
+runs on 0.5.23's requirements); the steps the Makefile runs in that environment's interpreter:
 
 - ``requirements``: SGLang's own requirements (its metadata, markers evaluated) less the CUDA-only
   packages and torch's media packages, with torch held to the CPU build installed before

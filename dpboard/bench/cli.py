@@ -23,6 +23,7 @@ TOPICS = {
     "engine": "vLLM engine step: dpboard's publish beside vLLM's own step, at 0 to 10,000 waiting",
     "sglang_loads": "SGLang's own get_loads by waiting requests, beside the board write",
     "startup": "start-up of ls, info, clean and doctor --json beside python -c pass",
+    "steps": "the step recorder (DPBOARD_STEP_LOG): its hooks' cost per step, beside vLLM's step and bare hooks",
 }
 
 

@@ -1,7 +1,10 @@
-"""SGLang 0.5.23's real modules in a process without torch: the import fixture of the SGLang tests.
+"""SGLang's real modules in a process without torch: the import fixture of the SGLang tests.
 
-The tests import the installed ``sglang==0.5.23`` wheel (``pip install --no-deps``, which
-``make test`` does). SGLang's package ``__init__`` files import torch, transformers and the frontend,
+The tests import each release the plugin supports (``SGLANG_WHEELS``: 0.5.23 in ``.venv/engines``,
+0.5.22 in ``.venv/engines-sglang-0.5.22``; the Makefile's ``SGLANG_VERSION`` and ``SGLANG_PREVIOUS``),
+the wheel alone (``pip install --no-deps``, which ``make test`` does). A session runs one of them:
+``run_session`` puts its folder first on PYTHONPATH and names it in ``DPBOARD_SGLANG_WHEEL``, and
+``install()`` refuses any other. SGLang's package ``__init__`` files import torch, transformers and the frontend,
 so ``install()`` puts two package *shells* in ``sys.modules`` (``sglang`` and ``sglang.srt.utils``:
 modules whose ``__path__`` is the real folder, so their submodules load from the wheel while the
 ``__init__`` files never run). That is all ``load_snapshot``, ``plugins``, ``hook_registry``,
@@ -16,7 +19,7 @@ from the wheel (``real_defs``), never re-typed: ``TypeBasedDispatcher``, ``is_he
 and the scheduler's ``publish_load_snapshot`` and batch handlers.
 
 The stand-ins are process-global: the SGLang tests run in a pytest session of their own
-(tests/integrations/sglang/test_sglang.py starts it; run_dir is tests/integrations/sglang/real).
+(tests/integrations/sglang/test_sglang.py starts one per release; run_dir is tests/integrations/sglang/real).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import ast
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import sys
 import types
 from collections.abc import Iterable
@@ -33,14 +37,74 @@ from typing import Any
 
 from tests.support.wheels import wheel_missing
 
-SGLANG_VERSION = "0.5.23"
-HOW_TO_GET = (f"install SGLang's wheel alone: `.venv/bin/pip install --no-deps --target .venv/engines sglang=={SGLANG_VERSION}` "
-              f"(`make test` does it)")
+SGLANG_VERSION = "0.5.23"  # the newest release the plugin supports, beside vLLM's wheel in .venv/engines
+SGLANG_PREVIOUS = "0.5.22"  # the one before, in a folder of its own (wheel_dir)
+SGLANG_WHEELS = (SGLANG_VERSION, SGLANG_PREVIOUS)
+WHEEL_VARIABLE = "DPBOARD_SGLANG_WHEEL"  # the release a session runs (run_session sets it)
 
 
-def sglang_missing() -> str | None:
-    """Why the SGLang tests cannot run here (None when they can)."""
-    return wheel_missing("sglang", SGLANG_VERSION, "SGLang", HOW_TO_GET)
+def wheel_dir(version: str) -> Path:
+    """Where the wheel of ``version`` is installed, alone (``.venv/engines`` for the newest)."""
+    return Path(sys.prefix) / ("engines" if version == SGLANG_VERSION else f"engines-sglang-{version}")
+
+
+def how_to_get(version: str) -> str:
+    return (f"install SGLang's wheel alone: `.venv/bin/pip install --no-deps --target {wheel_dir(version)} "
+            f"sglang=={version}` (`make test` does it)")
+
+
+HOW_TO_GET = how_to_get(SGLANG_VERSION)
+
+
+def session_version() -> str:
+    """The release this process's session runs: DPBOARD_SGLANG_WHEEL, else the newest."""
+    return os.environ.get(WHEEL_VARIABLE) or SGLANG_VERSION
+
+
+def sglang_missing(version: str | None = None) -> str | None:
+    """Why SGLang ``version`` (default: this session's) cannot be imported in this process: the sglang
+    found first on the path must be that release (None when it is)."""
+    version = version or session_version()
+    return wheel_missing("sglang", version, "SGLang", how_to_get(version))
+
+
+def wheel_absent(version: str) -> str | None:
+    """Why a process started with ``wheel_env(version)`` could not import SGLang ``version`` (None
+    when it can): the newest must be importable here (tests/conftest.py puts .venv/engines on the
+    path), an earlier one must be alone in its folder."""
+    if version == SGLANG_VERSION:
+        return sglang_missing(version)
+    folder = wheel_dir(version)
+    found = sorted(d.name for d in folder.glob("sglang-*.dist-info")) if folder.is_dir() else []
+    if found != [f"sglang-{version}.dist-info"]:
+        return f"SGLang {version}'s wheel is not in {folder}: {how_to_get(version)}"
+    return None
+
+
+def wheel_env(version: str) -> dict[str, str]:
+    """The environment of a session on ``version``: its folder first on PYTHONPATH (ahead of
+    ``.venv/engines``, which tests/conftest.py puts last) and its name in DPBOARD_SGLANG_WHEEL."""
+    env = {WHEEL_VARIABLE: version}
+    if version != SGLANG_VERSION:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(wheel_dir(version)), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def wheel_params() -> list[str]:
+    """The supported wheels as pytest parameters, the newest first. None is marked ``slow`` (as vLLM's
+    earlier one is): a session takes under a minute, so `make test` runs both."""
+    return list(SGLANG_WHEELS)
+
+
+def run_session(version: str, timeout: float = 560) -> None:
+    """tests/integrations/sglang/real in a pytest session of its own on the wheel of ``version``
+    (tests/support/wheels.py ``run_own_session``: without the wheel skip, in CI fail)."""
+    from tests.support.names import ROOT
+    from tests.support.wheels import run_own_session
+
+    run_own_session(ROOT / "tests" / "integrations" / "sglang" / "real", "DPBOARD_SGLANG_SESSION",
+                    wheel_absent(version), ("DPBOARD_METHOD", "DPBOARD_BOARD", "SGLANG_PLUGINS"),
+                    ROOT, wheel_env(version), timeout=timeout)
 
 
 def sglang_root() -> Path:

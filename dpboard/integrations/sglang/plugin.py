@@ -6,7 +6,8 @@ them in (resolving a target imports its module). SGLang calls ``load_plugins()``
 module that runs the process, so a process's hooks target modules it has already imported: the
 plugin registers a hook only when its module is loaded, so that no process imports what it does not
 use (the scheduler module in the detokenizer, say). Nothing here reads SGLang's configuration at
-registration: SGLang publishes it after ``load_plugins()``; the hooks read it when they run.
+registration: SGLang publishes it after ``load_plugins()``; the hooks read it when they run. On an
+SGLang release the plugin does not know (versions.py), it registers none and says so in one line.
 
 - ``load_snapshot.create_load_snapshot_writer`` / ``create_load_snapshot_reader`` (REPLACE): the
   board's writer and reader (transport.py) instead of SGLang's file or zmq ones.
@@ -16,6 +17,8 @@ registration: SGLang publishes it after ``load_plugins()``; the hooks read it wh
 - ``scheduler.Scheduler.handle_generate_request`` / ``handle_embedding_request`` (AFTER): count the
   requests each DP rank takes in, published as ``num_received_reqs``.
 - With ``DPBOARD_METHOD``: the DataParallelController hooks of dispatch.py.
+- With ``DPBOARD_STEP_LOG``: the scheduler's step recorder of steps.py (``__init__``, ``run_batch``,
+  ``process_batch_result``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import zmq
 
 from dpboard.board import Board
-from dpboard.integrations.sglang import dispatch, leaving
+from dpboard.integrations.sglang import dispatch, leaving, steps, versions
 from dpboard.integrations.sglang.convert import sglang_module
 from dpboard.integrations.sglang.settings import ENV_METHOD, read_settings
 from dpboard.integrations.sglang.transport import BoardLoadReader, BoardLoadWriter, instance_board
@@ -44,9 +47,12 @@ INTAKE_METHODS = ("handle_generate_request", "handle_embedding_request")
 
 
 def register_hooks() -> None:
-    """Register the plugin's hooks with SGLang's HookRegistry (SGLang applies them right after)."""
+    """Register the plugin's hooks with SGLang's HookRegistry (SGLang applies them right after). On
+    an SGLang release the plugin does not know, or one that lacks a name it uses, none (versions.py)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if versions.check() is None:
+        return  # SGLang runs as without dpboard; the server's main process said why, in one line
     HookRegistry.register(f"{LOAD_SNAPSHOT}.create_load_snapshot_writer", create_load_snapshot_writer,
                           HookType.REPLACE)
     HookRegistry.register(f"{LOAD_SNAPSHOT}.create_load_snapshot_reader", create_load_snapshot_reader,
@@ -56,6 +62,8 @@ def register_hooks() -> None:
     if SCHEDULER in sys.modules:
         for method in INTAKE_METHODS:
             HookRegistry.register(f"{SCHEDULER}.Scheduler.{method}", count_received_request, HookType.AFTER)
+        if steps.wanted():  # DPBOARD_STEP_LOG: the step recorder (steps.py); its value is checked at __init__
+            steps.register(HookRegistry, HookType, SCHEDULER)
     # Only whether DPBOARD_METHOD is set: its value is checked when a controller starts, where a
     # bad one stops the server with a message (an error here would only be logged by SGLang).
     if DP_CONTROLLER in sys.modules and os.environ.get(ENV_METHOD, "").strip():
@@ -124,12 +132,13 @@ def node0_ranks() -> range:
 def _collector(board: Board, endpoint: str) -> Collector:
     """The collector on SGLang's endpoint, with SGLang's TCP peer allowlist (SGLANG_ZMQ_ALLOWED_PEERS)
     applied as SGLang applies it to its own PULL socket: the allowlist's authenticator on the
-    context, and its ZAP domain on the sockets the context makes."""
-    from sglang.srt.utils.network import restrict_zmq_peers
-
+    context, and its ZAP domain on the sockets the context makes. SGLang 0.5.22 has no allowlist."""
     context = zmq.Context()
     domain = b""
-    if endpoint.startswith("tcp://"):
+    support = versions.current()[1]
+    if endpoint.startswith("tcp://") and support is not None and support.peer_allowlist:  # not in 0.5.22
+        from sglang.srt.utils.network import restrict_zmq_peers
+
         probe = context.socket(zmq.PULL)
         try:
             restrict_zmq_peers(context, probe)

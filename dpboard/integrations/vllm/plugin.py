@@ -6,6 +6,8 @@ Two vLLM modules get dpboard's hooks, each when it is loaded and in whichever pr
   its scheduler's load into its rank's slot, with the requests it took in.
 - ``vllm.v1.engine.core_client`` (the API servers; dispatch.py), only while ``DPBOARD_METHOD`` is set:
   ``DPLBAsyncMPClient`` picks its engines through dpboard's Dispatcher.
+- with ``DPBOARD_STEP_LOG``, ``vllm.v1.engine.core`` again (steps.py): each engine core records its
+  scheduler's steps.
 
 Each patch first looks up every name of vLLM's it uses, for the vLLM release that runs
 (versions.py): an unsupported release, or a missing name, is said in one line and leaves vLLM's code
@@ -34,7 +36,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from dpboard.integrations.vllm import versions
+from dpboard.integrations.vllm import steps, versions
 from dpboard.integrations.vllm.settings import ENV_PREFIX, carry_to_ray, dispatch_method
 from dpboard.integrations.vllm.versions import Support
 
@@ -55,6 +57,8 @@ def patch_core(module: ModuleType, version: str, support: Support) -> None:
         versions.step_aside(version, f"lacks {', '.join(lacking)}")
         return
     engine_core.patch(cls, request_types.ADD, support)
+    if steps.wanted():  # DPBOARD_STEP_LOG: each engine core records its steps (steps.py)
+        steps.patch(cls)
 
 
 def patch_core_client(module: ModuleType, version: str, support: Support) -> None:
@@ -76,6 +80,7 @@ def register(environ: Mapping[str, str] = os.environ) -> None:
     """Patch now what is loaded, and the rest when it loads (see the module's docstring). On a vLLM
     release the plugin does not support, say so once and patch nothing (versions.py)."""
     dispatch_method(environ)  # a bad DPBOARD_METHOD stops vLLM here, with its message, in every process
+    steps.check(environ)  # so does a bad DPBOARD_STEP_LOG (steps.py)
     if not any(name.startswith(ENV_PREFIX) for name in environ):
         return  # the plugin is off: nothing to patch, nothing to say
     carry_to_ray()  # the settings reach engine cores started as Ray actors (settings.py)

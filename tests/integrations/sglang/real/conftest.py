@@ -1,5 +1,6 @@
-"""The SGLang session: SGLang 0.5.23's real modules behind the stand-ins of tests/support/sglang.py,
-and the dpboard plugin loaded by SGLang's own plugin loader, once, as a server process loads it."""
+"""The SGLang session: the real modules of one SGLang release the plugin supports (DPBOARD_SGLANG_WHEEL:
+0.5.23 or 0.5.22) behind the stand-ins of tests/support/sglang.py, and the dpboard plugin loaded by
+SGLang's own plugin loader, once, as a server process loads it."""
 
 from __future__ import annotations
 

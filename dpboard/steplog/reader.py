@@ -1,0 +1,96 @@
+"""Reading step logs back: a file's header, its counts and its records as a NumPy array.
+
+Imports NumPy and nothing of Numba or CuPy: ``dpboard steps`` runs anywhere the logs are copied to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpboard.errors import InvalidInputError, NotFoundError
+from dpboard.steplog import format as fmt
+
+
+@dataclass
+class StepLogFile:
+    """One step log as read: ``records`` holds its whole rows (``format.record_dtype()``)."""
+
+    path: Path
+    header: dict[str, Any]
+    counts: dict[str, int]  # the prelude's counters (format.COUNTERS)
+    closed: bool  # the writer closed it: its counts are final
+    records: np.ndarray
+    partial_bytes: int = 0  # bytes after the last whole record (a write cut short)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return dict(self.header.get("settings") or {})
+
+
+def read_step_log(path: str | os.PathLike[str]) -> StepLogFile:
+    """The step log at ``path``; an InvalidInputError when it is not one this dpboard reads."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise NotFoundError(f"no step log {path}") from None
+    except IsADirectoryError:
+        raise InvalidInputError(f"{path} is a directory: read it with step_log_paths") from None
+    if len(raw) < fmt.PRELUDE.size or raw[:len(fmt.MAGIC)] != fmt.MAGIC:
+        raise InvalidInputError(f"{path} is not a dpboard step log (it does not start with {fmt.MAGIC.decode()})")
+    prelude = fmt.unpack_prelude(raw[:fmt.PRELUDE.size])
+    if prelude["version"] > fmt.VERSION or prelude["record_size"] != fmt.RECORD_SIZE:
+        raise InvalidInputError(f"{path} is a step log of format version {prelude['version']} with "
+                                f"{prelude['record_size']}-byte records; this dpboard reads version {fmt.VERSION} "
+                                f"({fmt.RECORD_SIZE}-byte records): read it with the dpboard that wrote it")
+    start = fmt.PRELUDE.size + prelude["header_len"]
+    if len(raw) < start:
+        raise InvalidInputError(f"{path}: a step log cut short inside its header ({len(raw)} of {start} bytes)")
+    try:
+        header = json.loads(raw[fmt.PRELUDE.size:start].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"{path}: the step log's header line is not JSON ({e})") from None
+    body = len(raw) - start
+    n = body // fmt.RECORD_SIZE
+    # the file's size is what was written: the prelude's count may lag it by one flush
+    records = np.frombuffer(raw, dtype=fmt.record_dtype(), count=n, offset=start).copy()
+    counts = {k: prelude[k] for k in fmt.COUNTERS if k != "reserved"}
+    counts["written"] = n
+    return StepLogFile(path=path, header=header, counts=counts, closed=bool(prelude["flags"] & fmt.CLOSED),
+                       records=records, partial_bytes=body - n * fmt.RECORD_SIZE)
+
+
+def step_log_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """``path`` itself, or every step log (``steps-*.bin``) in the directory ``path``, sorted."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(p for p in path.iterdir()
+                       if p.name.startswith(fmt.FILE_PREFIX) and p.name.endswith(fmt.FILE_SUFFIX) and p.is_file())
+        if not found:
+            raise NotFoundError(f"no step log ({fmt.FILE_PREFIX}*{fmt.FILE_SUFFIX}) in {path}")
+        return found
+    if not path.exists():
+        raise NotFoundError(f"no step log or directory {path}")
+    return [path]
+
+
+def step_times(records: np.ndarray) -> np.ndarray:
+    """Each step's time, ns: from the later of its start and the previous step's end, to its own end.
+    For a step that began after the previous one ended, its duration. Where steps overlap (SGLang's
+    overlap scheduler, vLLM's batch queue: a step is launched before the previous one's result is
+    processed, ``OVERLAPPED`` on the earlier one), durations overlap too; this counts each stretch of
+    time for one step only, the one whose result it was spent waiting for."""
+    start = records["t_start_ns"].astype(np.int64)
+    end = start + records["duration_ns"]
+    prev_end = np.empty_like(end)
+    if len(end):
+        prev_end[0] = start[0]
+        prev_end[1:] = end[:-1]
+    return np.maximum(end - np.maximum(start, prev_end), 0)

@@ -1,0 +1,189 @@
+"""``fit_profile``: the rank model's terms fitted back from steps, and a log it cannot fit refused.
+
+The steps come from the simulator's own ``RankModel`` run with known terms (chunked prefill, a
+growing decode batch, KV that grows as sequences do), then spoiled as a shared CPU spoils a real
+server's: every step a few % off, and one in ten stalled by 0.2-0.8 s. The fit must find the known
+terms through that, and the profile it writes must run in ``dpboard sim`` as the original does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dpboard.errors import InvalidInputError
+from dpboard.sim.calibrate import StepTable, fit_profile
+from dpboard.sim.model import DECODE, PREFILL, RankConfig, RankModel, SimRequest
+from dpboard.sim.profile import load_profile_file
+
+TRUE = RankConfig(kv_capacity=200_000, max_running=64, chunked_prefill_size=1024, prefill_base_s=0.004,
+                  prefill_s_per_token=30e-6, decode_base_s=0.005, decode_s_per_request=0.002,
+                  decode_s_per_kv_token=50e-9).validate()
+HEADER = {"chunked_prefill_size": 1024, "max_running_requests": 64, "max_total_tokens": 200_000}
+
+
+def simulated_steps(config: RankConfig = TRUE, n_steps: int = 3000, seed: int = 0) -> StepTable:
+    """A rank's steps under random arrivals: what a step log of that rank holds."""
+    rank = RankModel(0, config)
+    rng = np.random.default_rng(seed)
+    now, rid, rows = 0.0, 0, []
+    for _ in range(n_steps):
+        while rng.random() < 0.15:
+            rank.receive(SimRequest(rid, now, int(rng.integers(20, 3000)), int(rng.integers(5, 200))), now)
+            rid += 1
+        took = rank.begin_step(now)
+        if took is None:
+            now += 0.01
+            continue
+        if rank.state == PREFILL:
+            rows.append(("extend", rank.step_tokens, 0, 0, took))
+        else:
+            assert rank.state == DECODE
+            rows.append(("decode", 0, rank.step_tokens, rank.step_kv_tokens, took))
+        now += took
+        rank.end_step(now)
+    mode, tokens, reqs, ctx, took = (np.array(col) for col in zip(*rows, strict=True))
+    return StepTable(mode, tokens, reqs, ctx, np.zeros(len(mode), bool), took.astype(float))
+
+
+def spoiled(table: StepTable, seed: int = 1) -> StepTable:
+    rng = np.random.default_rng(seed)
+    n = len(table.mode)
+    took = table.duration_s * (1 + 0.05 * rng.standard_normal(n)) + (rng.random(n) < 0.1) * rng.uniform(0.2, 0.8, n)
+    return dataclasses.replace(table, duration_s=took)
+
+
+def test_the_terms_come_back_from_clean_steps():
+    fit = fit_profile(simulated_steps(), HEADER)
+    assert fit.value("prefill_step_ms") == pytest.approx(4.0, rel=1e-3)
+    assert fit.value("prefill_token_us") == pytest.approx(30.0, rel=1e-3)
+    assert fit.value("decode_step_ms") == pytest.approx(5.0, rel=1e-3)
+    assert fit.value("decode_request_us") == pytest.approx(2000.0, rel=1e-3)
+    assert fit.value("decode_kv_token_ns") == pytest.approx(50.0, rel=1e-2)
+    assert fit.error["prefill"][1] < 0.1 and fit.error["decode"][1] < 0.1  # p90 % error
+
+
+def test_stalls_do_not_pull_the_fit():
+    """One step in ten 0.2-0.8 s late: a least-squares fit would add tens of ms to every step."""
+    fit = fit_profile(spoiled(simulated_steps()), HEADER)
+    assert fit.value("prefill_token_us") == pytest.approx(30.0, rel=0.1)
+    assert fit.value("decode_request_us") == pytest.approx(2000.0, rel=0.1)
+    assert fit.value("decode_step_ms") == pytest.approx(5.0, abs=1.5)
+    med, p90 = fit.error["decode"]
+    assert med < 10 < p90  # the typical step fitted; the stalls are what the p90 shows
+    table = spoiled(simulated_steps())
+    dec = table.mode == "decode"
+    x = np.column_stack([np.ones(dec.sum()), table.decode_reqs[dec], table.decode_ctx_tokens[dec]])
+    least_squares, *_ = np.linalg.lstsq(x, table.duration_s[dec], rcond=None)
+    assert least_squares[0] * 1e3 > 5.0 + 10  # what the robust fit is for
+
+
+def test_the_profile_written_runs_in_the_simulator_as_the_original(tmp_path):
+    fit = fit_profile(simulated_steps(), HEADER)
+    path = tmp_path / "fitted.profile"
+    path.write_text(fit.profile_text("fitted", "a simulated rank"))
+    profile = load_profile_file(path)
+    assert profile.rank.kv_capacity == 200_000 and profile.rank.max_running == 64
+    assert profile.rank.chunked_prefill_size == 1024
+    assert profile.rank.prefill_s_per_token == pytest.approx(TRUE.prefill_s_per_token, rel=1e-3)
+    assert profile.rank.decode_step_s(16, 10_000) == pytest.approx(TRUE.decode_step_s(16, 10_000), rel=1e-3)
+
+
+def test_a_term_the_log_cannot_pin_is_named():
+    """Every decode request's context grows alike: with KV always 400 x batch, the KV term and the
+    per-request term cannot be told apart."""
+    table = simulated_steps()
+    ctx = np.where(table.mode == "decode", table.decode_reqs * 400, 0)
+    fit = fit_profile(dataclasses.replace(table, decode_ctx_tokens=ctx), HEADER)
+    assert "decode_kv_token_ns" in fit.loose
+    assert "decode_kv_token_ns" in fit.report().splitlines()[-1]
+
+
+def test_too_few_steps_are_refused_with_what_is_missing():
+    table = simulated_steps(n_steps=40)
+    with pytest.raises(InvalidInputError, match=r"the fit needs at least 30: record longer"):
+        fit_profile(table, HEADER)
+
+
+def test_one_prompt_length_is_refused():
+    table = simulated_steps()
+    tokens = np.where(table.mode == "extend", 512, 0)
+    with pytest.raises(InvalidInputError, match=r"prefill steps have 1 distinct prompt-token counts.*several lengths"):
+        fit_profile(dataclasses.replace(table, prefill_tokens=tokens), HEADER)
+
+
+def test_a_header_without_the_capacities_is_refused():
+    with pytest.raises(InvalidInputError, match=r"header has no usable max_total_tokens"):
+        fit_profile(simulated_steps(), {"chunked_prefill_size": 1024, "max_running_requests": 64})
+
+
+def test_dp_attention_decodes_in_an_extend_step_give_eager_decode():
+    """Under DP attention a rank's decode in a step where another rank extends costs 3 ms more."""
+    table = simulated_steps()
+    rng = np.random.default_rng(2)
+    group_extend = (table.mode == "decode") & (rng.random(len(table.mode)) < 0.3)
+    took = table.duration_s + group_extend * 0.003
+    fit = fit_profile(dataclasses.replace(table, group_extend=group_extend, duration_s=took),
+                      {**HEADER, "dp_attention": True})
+    assert fit.value("eager_decode_ms") == pytest.approx(3.0, rel=0.02)
+    assert fit.value("decode_step_ms") == pytest.approx(5.0, rel=1e-2)
+    assert "dp_attention = 1" in fit.profile_text("x", "y")
+
+
+def write_step_log(directory, table: StepTable, rank: int, settings: dict) -> None:
+    """``table`` as a scheduler's step log, through the recorder's own writer (back to back steps)."""
+    from dpboard.steplog import format as fmt
+    from dpboard.steplog.writer import StepLog
+
+    log = StepLog(directory, engine="sglang", rank=rank, header={"settings": settings}, max_bytes=1 << 24,
+                  at_exit=False)
+    codes = {"extend": fmt.EXTEND, "decode": fmt.DECODE}
+    t = 0
+    for i in range(len(table.mode)):
+        took = int(table.duration_s[i] * 1e9)
+        log.record(t, took, i, 0, int(table.decode_ctx_tokens[i]), int(table.prefill_tokens[i]),
+                   int(table.mode[i] == "extend"), int(table.decode_reqs[i]), int(table.decode_reqs[i]),
+                   max(1, int(table.decode_reqs[i])), codes[table.mode[i]])
+        t += took
+    log.close()
+
+
+def test_dpboard_calibrate_reads_step_logs_and_writes_a_profile_sim_runs(tmp_path):
+    """Two ranks' logs in a directory -> `dpboard calibrate` -> a profile `dpboard sim` runs a trace on."""
+    import subprocess
+    import sys
+
+    from tests.support.names import ROOT
+
+    settings = {**HEADER, "overlap": False, "dp_attention": False, "method": "total_tokens"}
+    for rank in range(2):
+        write_step_log(tmp_path, simulated_steps(seed=rank), rank, settings)
+    out = tmp_path / "fitted.profile"
+    done = subprocess.run([sys.executable, "-m", "dpboard", "calibrate", str(tmp_path), "-o", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "not pinned down by this log: none" in done.stdout
+    profile = load_profile_file(out)
+    assert profile.rank.decode_s_per_request == pytest.approx(TRUE.decode_s_per_request, rel=1e-2)
+    sim = subprocess.run([sys.executable, "-m", "dpboard", "sim", "--profile-file", str(out), "--ranks", "2",
+                          "--quick", "--methods", "round_robin,total_tokens"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert sim.returncode == 0, sim.stderr
+    assert "total_tokens" in sim.stdout
+
+
+def test_dpboard_calibrate_refuses_logs_of_two_setups(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.names import ROOT
+
+    write_step_log(tmp_path, simulated_steps(), 0, {**HEADER, "overlap": False, "dp_attention": False})
+    write_step_log(tmp_path, simulated_steps(), 1, {**HEADER, "overlap": True, "dp_attention": False})
+    done = subprocess.run([sys.executable, "-m", "dpboard", "calibrate", str(tmp_path), "-o", str(tmp_path / "p")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "set up otherwise than the first (overlap False vs True): fit each setup on its own" in done.stderr
+    assert done.stderr.count("\n") == 1  # one line, no traceback
