@@ -2,9 +2,13 @@
 // GPU-direct publish of the finished snapshot into a board slot (docs/KERNELS.md).
 //
 // Compiled at run time by CuPy (NVRTC, RawModule with name_expressions) and, in the test suite, by
-// nvcc with -DDPBOARD_INSTANTIATE for sm_90. The one header is dpboard_layout.h beside this file,
-// generated from dpboard/snapshot.py (slot layout, state codes, raw counter and status indices):
-// only #define lines, since NVRTC has no standard library.
+// nvcc with -DDPBOARD_INSTANTIATE for sm_90. The headers beside this file, none of which needs a
+// standard library (NVRTC has none): dpboard_layout.h, generated from dpboard/snapshot.py (slot
+// layout, state codes, raw counter and status indices: #define lines); dpboard_loads.h, generated
+// from dpboard/loads/formula.py (the load formula and what the publish's last block writes: the
+// slot under the seqlock and the status words, the same source the CPU and numba-cuda paths run);
+// dpb_seqlock_gpu.h, the GPU writer's seqlock primitives, dpboard/board/dpb_seqlock.h's order with
+// system-scope fences.
 //
 // One pass at memory speed: every thread walks both tables with a grid-stride loop over 16-byte
 // chunks (one vector load each: sixteen int8 pages, four int32 seqlens), keeps seven 32-bit counts
@@ -20,6 +24,7 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 
 #include "dpboard_layout.h"
+#include "dpboard_loads.h"
 
 #define DPB_MAX_WARPS 32     // up to 1024 threads per block
 #define DPB_VEC_BYTES 16     // one 16-byte load (uint4) per table chunk
@@ -226,53 +231,9 @@ __global__ void dpb_publish(const S *state, const L *seqlen, i64 num_requests, c
     dpb_accumulate(state, seqlen, num_requests, pages, num_pages, a);
     if (!dpb_reduce(a, accum, ticket, acc)) return;
 
-    volatile i64 *st = (volatile i64 *)status;
-    st[DPB_DIRECT_BAD_REQ_STATES] = acc[DPB_RAW_BAD_REQ_STATES];
-    st[DPB_DIRECT_BAD_PAGE_STATES] = acc[DPB_RAW_BAD_PAGE_STATES];
-    st[DPB_DIRECT_BAD_SEQLENS] = acc[DPB_RAW_BAD_SEQLENS];
-    const bool bad = acc[DPB_RAW_BAD_REQ_STATES] || acc[DPB_RAW_BAD_PAGE_STATES] || acc[DPB_RAW_BAD_SEQLENS];
-    if (bad) {  // never publish numbers made from a broken table
-        st[DPB_DIRECT_PUBLISHED] = 0;
-        __threadfence_system();
-        st[DPB_DIRECT_LAUNCH_ID] = launch_id;
-        return;
-    }
-
-    // The formulas of docs/KERNELS.md, int64.
-    const i64 used = (num_pages - acc[DPB_RAW_FREE_PAGES] - acc[DPB_RAW_EVICTABLE_PAGES]) * page_size;
-    const i64 total = used + acc[DPB_RAW_SEQLEN_WITHOUT_KV];
-    const i64 active_raw = total - acc[DPB_RAW_SEQLEN_AWAITING_TRANSFER];
-
-    volatile u64 *seq = slot + DPB_SEQ_OFFSET / 8;
-    volatile i64 *fields = (volatile i64 *)(slot + DPB_FIELDS_OFFSET / 8);
-    u64 s = *seq;
-    if (s & 1ull) s += 1ull;  // left odd by a writer that died mid-write: step past it
-    i64 publish_seq = fields[DPB_F_PUBLISH_SEQ];
-    publish_seq = (publish_seq < 0 ? 0 : publish_seq) + 1;
-
-    *seq = s + 1ull;          // odd: a write is in progress
-    __threadfence_system();   // the odd store is visible to the host before any field store
-    fields[DPB_F_DP_RANK] = dp_rank;
-    fields[DPB_F_NUM_RUNNING_REQS] = acc[DPB_RAW_RUNNING];
-    fields[DPB_F_NUM_WAITING_REQS] = acc[DPB_RAW_WAITING];
-    fields[DPB_F_NUM_USED_TOKENS] = used;
-    fields[DPB_F_NUM_TOTAL_TOKENS] = total;
-    fields[DPB_F_NUM_ACTIVE_TOKENS] = active_raw > 0 ? active_raw : 0;
-    fields[DPB_F_MAX_TOTAL_NUM_TOKENS] = num_pages * page_size;
-    fields[DPB_F_NUM_RECEIVED_REQS] = num_received_reqs;
-    fields[DPB_F_TIMESTAMP_NS] = timestamp_ns;
-    fields[DPB_F_MONOTONIC_NS] = monotonic_ns;
-    fields[DPB_F_PUBLISH_SEQ] = publish_seq;
-    fields[DPB_F_WRITER_PID] = writer_pid;
-    fields[DPB_F_NODE_ID] = node_id;
-    ((volatile u64 *)slot)[DPB_DETAIL_OFFSET / 8] = 0ull;  // the detail flags: a kernel publishes no detail
-    __threadfence_system();   // every field store is visible before the even store
-    *seq = s + 2ull;          // even: the snapshot is whole
-
-    st[DPB_DIRECT_PUBLISH_SEQ] = publish_seq;
-    st[DPB_DIRECT_PUBLISHED] = 1;
-    __threadfence_system();
-    st[DPB_DIRECT_LAUNCH_ID] = launch_id;
+    // The formula, the seqlocked slot write and the status words: dpb_publish_raw (dpboard_loads.h).
+    dpb_publish_raw(acc, num_pages, page_size, (volatile i64 *)slot, (volatile i64 *)status, dp_rank,
+                    num_received_reqs, timestamp_ns, monotonic_ns, writer_pid, node_id, launch_id);
 }
 
 #ifdef DPBOARD_INSTANTIATE

@@ -1,5 +1,9 @@
 """Generate ``kernels/dpboard_layout.h``, the layout of ``dpboard/snapshot.py`` as a C header.
 
+It also writes ``kernels/dpboard_loads.h``: the load formula and the GPU-direct publish of
+``dpboard/loads/formula.py`` in CUDA C (translated by ``dpboard/loads/formula_c.py``), so that the
+CPU, the numba-cuda and the CUDA C paths share one source; ``--check`` covers both headers.
+
 The header is committed, so that building the extension needs no Python step:
 ``python tools/gen_layout.py`` rewrites it after a layout change (``make layout`` does the same and
 rebuilds), and ``python tools/gen_layout.py --check`` (run by the test suite) fails when the
@@ -20,14 +24,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER_PATH = ROOT / "kernels" / "dpboard_layout.h"
+LOADS_HEADER_PATH = ROOT / "kernels" / "dpboard_loads.h"
+FORMULA_PATH = ROOT / "dpboard" / "loads" / "formula.py"
 
 
-def _load_snapshot():
-    spec = importlib.util.spec_from_file_location("_dpboard_snapshot", ROOT / "dpboard" / "snapshot.py")
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclass-like machinery (NamedTuple) looks the module up
     spec.loader.exec_module(module)
     return module
+
+
+def _load_snapshot():
+    return _load("_dpboard_snapshot", ROOT / "dpboard" / "snapshot.py")
 
 
 s = _load_snapshot()
@@ -93,23 +103,31 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_loads(formula_source: str | None = None) -> str:
+    """The text of ``dpboard_loads.h``: formula.py in CUDA C, naming only the layout header's macros."""
+    formula_c = _load("_dpboard_formula_c", ROOT / "dpboard" / "loads" / "formula_c.py")
+    source = FORMULA_PATH.read_text() if formula_source is None else formula_source
+    return formula_c.render(source, formula_c.defined_macros(render()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tools/gen_layout.py", description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="fail when the committed header is stale")
+    p.add_argument("--check", action="store_true", help="fail when a committed header is stale")
     p.add_argument("--path", type=Path, default=HEADER_PATH, help=f"default {HEADER_PATH}")
+    p.add_argument("--loads-path", type=Path, default=LOADS_HEADER_PATH, help=f"default {LOADS_HEADER_PATH}")
     args = p.parse_args(argv)
-    text = render()
-    current = args.path.read_text() if args.path.exists() else ""
-    if args.check:
-        if current != text:
-            print(f"{args.path} is stale: run `make layout` (regenerates it and "
-                  f"rebuilds the extension)", file=sys.stderr)
-            return 1
-        return 0
-    if current != text:
-        args.path.write_text(text)
-        print(f"wrote {args.path}")
-    return 0
+    stale = 0
+    for path, text in ((args.path, render()), (args.loads_path, render_loads())):
+        current = path.read_text() if path.exists() else ""
+        if args.check:
+            if current != text:
+                print(f"{path} is stale: run `make layout` (regenerates it and "
+                      f"rebuilds the extension)", file=sys.stderr)
+                stale = 1
+        elif current != text:
+            path.write_text(text)
+            print(f"wrote {path}")
+    return stale
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every backend reduces the tables to the same raw counters (``dpboard.snapshot.RAW_FIELDS``) and
 ``finish_raw`` turns them into a ``KVLoads`` with the formulas of docs/KERNELS.md, so the backends cannot disagree
-about the formulas::
+about the formulas. They are written once, in ``formula.load_figures``, which the GPU-direct kernels run as
+well (numba-cuda compiles it, ``kernels/dpboard_loads.h`` is its CUDA C)::
 
     max_total_num_tokens = num_pages * page_size
     num_used_tokens      = (num_pages - #FREE pages - #EVICTABLE pages) * page_size
@@ -18,17 +19,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dpboard.snapshot import MAX_SEQLEN, RAW_INDEX, PageState, ReqState
-
-RUNNING = RAW_INDEX["running"]
-WAITING = RAW_INDEX["waiting"]
-SEQLEN_WITHOUT_KV = RAW_INDEX["seqlen_without_kv"]
-SEQLEN_AWAITING_TRANSFER = RAW_INDEX["seqlen_awaiting_transfer"]
-FREE_PAGES = RAW_INDEX["free_pages"]
-EVICTABLE_PAGES = RAW_INDEX["evictable_pages"]
-BAD_REQ_STATES = RAW_INDEX["bad_req_states"]
-BAD_PAGE_STATES = RAW_INDEX["bad_page_states"]
-BAD_SEQLENS = RAW_INDEX["bad_seqlens"]
+from dpboard.loads.formula import (  # noqa: F401  (the raw counters' indices, as this module always named them)
+    BAD_PAGE_STATES,
+    BAD_REQ_STATES,
+    BAD_SEQLENS,
+    EVICTABLE_PAGES,
+    FREE_PAGES,
+    RUNNING,
+    SEQLEN_AWAITING_TRANSFER,
+    SEQLEN_WITHOUT_KV,
+    WAITING,
+    has_errors,
+    load_figures,
+)
+from dpboard.snapshot import MAX_SEQLEN, PageState, ReqState
 
 _STATE_NAMES = ", ".join(f"{s.value}={s.name}" for s in ReqState)
 _PAGE_NAMES = ", ".join(f"{s.value}={s.name}" for s in PageState)
@@ -46,21 +50,14 @@ class KVLoads(NamedTuple):
 
 
 def finish_raw(raw: Any, num_pages: int, page_size: int) -> KVLoads:
-    """The formulas of docs/KERNELS.md on the raw counters (Python ints: no overflow)."""
-    used = (num_pages - int(raw[FREE_PAGES]) - int(raw[EVICTABLE_PAGES])) * page_size
-    total = used + int(raw[SEQLEN_WITHOUT_KV])
-    return KVLoads(
-        num_running_reqs=int(raw[RUNNING]),
-        num_waiting_reqs=int(raw[WAITING]),
-        num_used_tokens=used,
-        num_total_tokens=total,
-        num_active_tokens=max(0, total - int(raw[SEQLEN_AWAITING_TRANSFER])),
-        max_total_num_tokens=num_pages * page_size,
-    )
+    """The formulas of docs/KERNELS.md (``formula.load_figures``) on the raw counters, as Python
+    ints: no overflow."""
+    counters = raw.tolist() if isinstance(raw, np.ndarray) else [int(x) for x in raw]
+    return KVLoads._make(load_figures(counters, int(num_pages), int(page_size)))
 
 
 def raw_has_errors(raw: Any) -> bool:
-    return bool(raw[BAD_REQ_STATES] or raw[BAD_PAGE_STATES] or raw[BAD_SEQLENS])
+    return bool(has_errors(raw))
 
 
 def _first_bad(values: np.ndarray, bad: np.ndarray, name: str) -> str:

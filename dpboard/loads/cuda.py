@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 import threading
+import types
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -35,16 +36,8 @@ import numpy as np
 
 from dpboard.errors import DpboardError, InvalidInputError, UnavailableError
 from dpboard.loads import counters as c
-from dpboard.snapshot import (
-    DETAIL_OFFSET,
-    DIRECT_STATUS_INDEX,
-    FIELD_INDEX,
-    FIELDS_OFFSET,
-    MAX_SEQLEN,
-    NUM_RAW,
-    PageState,
-    ReqState,
-)
+from dpboard.loads import formula
+from dpboard.snapshot import MAX_SEQLEN, NUM_RAW, PageState, ReqState
 
 BLOCK = 256  # threads per block on a GPU (a multiple of 32, a power of two); the grid comes from the SM count
 SIM_BLOCK = 32  # in the simulator every thread is a Python thread: keep blocks small
@@ -57,18 +50,7 @@ _R_FIRST_QUEUED, _R_LAST_QUEUED, _R_MAX = int(ReqState.WAITING), int(ReqState.RE
 _P_FREE, _P_USED, _P_EVICTABLE = int(PageState.FREE), int(PageState.USED), int(PageState.EVICTABLE)
 _MAX_SEQLEN = MAX_SEQLEN
 assert [int(s) for s in ReqState] == list(range(_R_MAX + 1)) and _R_LAST_QUEUED == _R_MAX
-# Word k of a slot viewed as int64: the sequence is word 0, field i is word _W0 + i.
-_W0 = FIELDS_OFFSET // 8
-_W_DP_RANK, _W_RUNNING, _W_WAITING, _W_USED, _W_TOTAL, _W_ACTIVE, _W_CAPACITY, _W_RECEIVED = (
-    _W0 + FIELD_INDEX[name] for name in (
-        "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
-        "num_active_tokens", "max_total_num_tokens", "num_received_reqs"))
-_W_DETAIL_FLAGS = DETAIL_OFFSET // 8  # a kernel publishes no detail: its flags word is 0
-_W_TIMESTAMP, _W_MONOTONIC, _W_PUBLISH_SEQ, _W_PID, _W_NODE = (
-    _W0 + FIELD_INDEX[name] for name in ("timestamp_ns", "monotonic_ns", "publish_seq", "writer_pid", "node_id"))
-_S_LAUNCH_ID, _S_PUBLISHED, _S_BAD_REQ, _S_BAD_PAGE, _S_BAD_SEQLEN, _S_PUBLISH_SEQ = (
-    DIRECT_STATUS_INDEX[name] for name in (
-        "launch_id", "published", "bad_req_states", "bad_page_states", "bad_seqlens", "publish_seq"))
+_SEQ_WORD = formula.SEQ_WORD
 
 _NO_CUPY = (
     "backend 'cupy' needs CuPy and an NVIDIA GPU: install the CUDA extra for the machine's CUDA "
@@ -150,19 +132,64 @@ cuda: Any = None  # numba.cuda, bound on first use (the simulator swaps this glo
 
 def _build_numba_kernels(block: int) -> tuple[Any, Any]:
     """Compile the raw-counts and GPU-direct publish kernels for blocks of ``block`` threads."""
-    global cuda
-    import numba.cuda
-
     if block < 1 or block & (block - 1):
         raise InvalidInputError(f"block must be a power of two, got {block}")
-    cuda = numba.cuda
+    _bind_cuda()
     accumulate = _accumulate_device()
     reduce_block = _reduce_block_device(block)
-    return _raw_counts_kernel(accumulate, reduce_block), _publish_kernel(accumulate, reduce_block)
+    publish_raw = formula_devices()["publish_raw"]
+    return _raw_counts_kernel(accumulate, reduce_block), _publish_kernel(accumulate, reduce_block, publish_raw)
 
 
 # The builders below refer to ``cuda`` as this module's global, not as a closure: the simulator runs
 # a kernel by swapping that global for its fake module.
+
+
+def _bind_cuda() -> None:
+    global cuda
+    import numba.cuda
+
+    cuda = numba.cuda
+
+
+def _seqlock_primitives() -> dict[str, Any]:
+    """formula.PRIMITIVES on the GPU: dpboard/board/dpb_seqlock.h's writer order with system-scope
+    fences, as kernels/dpb_seqlock_gpu.h has them in CUDA C."""
+
+    @cuda.jit(device=True)
+    def fence_system():
+        cuda.threadfence_system()
+
+    @cuda.jit(device=True)
+    def seq_open(slot, odd):
+        cuda.atomic.exch(slot, _SEQ_WORD, odd)  # [W0] odd: a write is in progress
+        cuda.threadfence_system()  # [W1]
+
+    @cuda.jit(device=True)
+    def seq_close(slot, odd):
+        cuda.threadfence_system()  # [W2] its fence
+        cuda.atomic.exch(slot, _SEQ_WORD, odd + 1)  # [W2] its store: even, the write is whole
+
+    return {"fence_system": fence_system, "seq_open": seq_open, "seq_close": seq_close}
+
+
+def formula_devices() -> dict[str, Any]:
+    """The functions of ``dpboard.loads.formula`` as numba-cuda device functions: the very
+    functions the CPU runs, with the GPU's seqlock primitives."""
+    _bind_cuda()
+    return bind_formula(cuda.jit(device=True), _seqlock_primitives())
+
+
+def bind_formula(jit: Any, primitives: dict[str, Any]) -> dict[str, Any]:
+    """``formula.FUNCTIONS`` compiled by ``jit``, callees first, each with the names it calls (the
+    other functions and ``primitives``) bound to their compiled versions; with the primitives."""
+    compiled = dict(primitives)
+    for name in formula.FUNCTIONS:
+        fn = getattr(formula, name)
+        bound = types.FunctionType(fn.__code__, {**fn.__globals__, **compiled}, fn.__name__, fn.__defaults__,
+                                   fn.__closure__)
+        compiled[name] = jit(bound)
+    return compiled
 
 
 def _accumulate_device() -> Any:
@@ -262,7 +289,7 @@ def _raw_counts_kernel(accumulate: Any, reduce_block: Any) -> Any:
     return raw_counts_kernel
 
 
-def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
+def _publish_kernel(accumulate: Any, reduce_block: Any, publish_raw: Any) -> Any:
     from numba import int64
 
     @cuda.jit
@@ -274,44 +301,9 @@ def _publish_kernel(accumulate: Any, reduce_block: Any) -> Any:
         accumulate(state, seqlen, pages, acc)
         if not reduce_block(acc, accum, ticket):
             return
-        status[_S_BAD_REQ] = acc[c.BAD_REQ_STATES]
-        status[_S_BAD_PAGE] = acc[c.BAD_PAGE_STATES]
-        status[_S_BAD_SEQLEN] = acc[c.BAD_SEQLENS]
-        if acc[c.BAD_REQ_STATES] != 0 or acc[c.BAD_PAGE_STATES] != 0 or acc[c.BAD_SEQLENS] != 0:
-            status[_S_PUBLISHED] = 0
-            cuda.threadfence_system()
-            status[_S_LAUNCH_ID] = launch_id
-            return
-        num_pages = int64(pages.shape[0])
-        used = (num_pages - acc[c.FREE_PAGES] - acc[c.EVICTABLE_PAGES]) * page_size
-        total = used + acc[c.SEQLEN_WITHOUT_KV]
-        active = max(int64(0), total - acc[c.SEQLEN_AWAITING_TRANSFER])
-        s = slot[0]
-        if s & 1:
-            s += 1  # left odd by a writer that died mid-write: step past it
-        publish_seq = max(int64(0), slot[_W_PUBLISH_SEQ]) + 1
-        cuda.atomic.exch(slot, 0, s + 1)  # odd: a write is in progress
-        cuda.threadfence_system()
-        slot[_W_DP_RANK] = dp_rank
-        slot[_W_RUNNING] = acc[c.RUNNING]
-        slot[_W_WAITING] = acc[c.WAITING]
-        slot[_W_USED] = used
-        slot[_W_TOTAL] = total
-        slot[_W_ACTIVE] = active
-        slot[_W_CAPACITY] = num_pages * page_size
-        slot[_W_RECEIVED] = num_received_reqs
-        slot[_W_TIMESTAMP] = timestamp_ns
-        slot[_W_MONOTONIC] = monotonic_ns
-        slot[_W_PUBLISH_SEQ] = publish_seq
-        slot[_W_PID] = writer_pid
-        slot[_W_NODE] = node_id
-        slot[_W_DETAIL_FLAGS] = 0
-        cuda.threadfence_system()
-        cuda.atomic.exch(slot, 0, s + 2)  # even: the snapshot is whole
-        status[_S_PUBLISH_SEQ] = publish_seq
-        status[_S_PUBLISHED] = 1
-        cuda.threadfence_system()
-        status[_S_LAUNCH_ID] = launch_id
+        # The formula, the seqlocked slot write and the status words: formula.publish_raw.
+        publish_raw(acc, int64(pages.shape[0]), page_size, slot, status, dp_rank, num_received_reqs,
+                    timestamp_ns, monotonic_ns, writer_pid, node_id, launch_id)
 
     return publish_kernel
 

@@ -5,7 +5,8 @@ exactly the names of that CuPy release (tests/support/cupy_names.py, read from C
 touching a name the release lacks raises AttributeError as the real module would. "Device"
 memory is host memory (the address a kernel gets is a host address, as with mapped memory), and
 ``driver.launchKernel`` runs the launched kernel's rules in Python on that memory: the NumPy
-reference for the counters and the seqlock publish of kernels/loads.cu. So the packed arguments,
+reference for the counters and, for the publish of kernels/loads.cu, its source
+(dpboard/loads/formula.py). So the packed arguments,
 pointers, registration, pinned buffers and streams of dpboard's CuPy path are exercised for real;
 the kernel's CUDA C is tested by nvcc (tests/loads/test_cuda_sources.py) and on a GPU.
 """
@@ -21,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.loads.counters import finish_raw, raw_has_errors
+from dpboard.loads import formula
 from dpboard.loads.launch import PUBLISH_ARGS, RAW_ARGS
 from dpboard.loads.reference import raw_counts_numpy
-from dpboard.snapshot import DIRECT_STATUS_INDEX, FIELD_INDEX, FIELDS_OFFSET, NUM_RAW
+from dpboard.snapshot import DIRECT_SLOT_WORDS, DIRECT_STATUS_WORDS, NUM_RAW
 from tests.support.cupy_names import DRIVER_NAMES, RUNTIME_NAMES
 
 _C_DTYPES = {"signed char": np.int8, "unsigned char": np.uint8, "short": np.int16, "unsigned short": np.uint16,
@@ -203,31 +204,11 @@ class FakeGpu:
 
 
 def _publish(a: dict[str, int], raw: np.ndarray) -> None:
-    """dpb_publish's host-visible effect: the status words, and the seqlock write of the slot."""
-    status = _view(a["status"], 8, np.int64)
-    status[DIRECT_STATUS_INDEX["bad_req_states"]] = raw[6]
-    status[DIRECT_STATUS_INDEX["bad_page_states"]] = raw[7]
-    status[DIRECT_STATUS_INDEX["bad_seqlens"]] = raw[8]
-    if raw_has_errors(raw):
-        status[DIRECT_STATUS_INDEX["published"]] = 0
-        status[DIRECT_STATUS_INDEX["launch_id"]] = a["launch_id"]
-        return
-    loads = finish_raw(raw, a["num_pages"], a["page_size"])
-    slot = _view(a["slot"], 17, np.int64)
-    w0 = FIELDS_OFFSET // 8
-    seq = int(slot[0]) + (int(slot[0]) & 1)
-    publish_seq = max(0, int(slot[w0 + FIELD_INDEX["publish_seq"]])) + 1
-    slot[0] = seq + 1
-    values = dict(loads._asdict(), dp_rank=a["dp_rank"], num_received_reqs=a["num_received_reqs"],
-                  timestamp_ns=a["timestamp_ns"], monotonic_ns=a["monotonic_ns"], publish_seq=publish_seq,
-                  writer_pid=a["writer_pid"], node_id=a["node_id"])
-    for name, value in values.items():
-        slot[w0 + FIELD_INDEX[name]] = value
-    slot[16] = 0  # the detail flags word
-    slot[0] = seq + 2
-    status[DIRECT_STATUS_INDEX["publish_seq"]] = publish_seq
-    status[DIRECT_STATUS_INDEX["published"]] = 1
-    status[DIRECT_STATUS_INDEX["launch_id"]] = a["launch_id"]
+    """dpb_publish's host-visible effect: what its last block runs, ``formula.publish_raw`` (the source
+    of kernels/dpboard_loads.h), here with the host's primitives, on the status words and the slot."""
+    formula.publish_raw(raw.tolist(), a["num_pages"], a["page_size"], _view(a["slot"], DIRECT_SLOT_WORDS, np.int64),
+                        _view(a["status"], DIRECT_STATUS_WORDS, np.int64), a["dp_rank"], a["num_received_reqs"],
+                        a["timestamp_ns"], a["monotonic_ns"], a["writer_pid"], a["node_id"], a["launch_id"])
 
 
 def _restricted(name: str, names: frozenset[str], impl: Any) -> types.ModuleType:
