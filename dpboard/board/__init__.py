@@ -1,7 +1,7 @@
 """The board: a POSIX shared-memory segment with a header and one seqlocked slot per DP rank.
 
 ``Board`` (segment.py) creates, attaches and removes boards; ``BoardWriter`` and ``BoardReader``
-(seqlock.py) are the two sides of the seqlock in ``_seqlock.c``; header.py packs and checks the
+(seqlock.py) are the two sides of the seqlock in the ``_seqlock`` extension; header.py packs and checks the
 header; listing.py finds the boards on this machine; liveness.py tells whether a recorded process
 still runs; follow.py re-attaches a board that was replaced under a long-running process.
 

@@ -1,5 +1,5 @@
-# Types of the C extension dpboard/board/_seqlock.c (the seqlocked slot writer and board reader, and
-# the seqlocked rows of the side records).
+# Types of the C extension dpboard.board._seqlock (board_module.c and the files it lists: the seqlocked
+# slot writer and board reader, the seqlocked rows of the side records, the owner claim).
 from collections.abc import Sequence
 from mmap import mmap
 

@@ -1,19 +1,20 @@
 /*
  * dpb_seqlock.h: dpboard's one seqlock. A row is a 64-bit sequence word, then the words it guards;
  * one writer per row, any number of readers in any process that maps it. A board slot
- * (_seqlock.c's SlotWriter and BoardView) and every row of a side record (the sent record, the
- * dispatch record, a side file's claim: SeqRow and read_rows) are written and read with these.
+ * (slot_writer.c's SlotWriter, board_reader.c's BoardView) and every row of a side record (the sent
+ * record, the dispatch record, a side file's claim: side_rows.c's SeqRow and read_rows) are written
+ * and read with these.
  *
  * Writer (never waits; never reads what a reader writes):
- *     seq.store(odd, relaxed)          -- dpb_seq_open: a write is in progress
+ *     seq.store(odd, relaxed)          -- [W0] dpb_seq_open: a write is in progress
  *     fence(release)                   -- [W1]
- *     data stores                      -- relaxed atomics here; a side record's NumPy stores
+ *     data stores                      -- [WD] relaxed atomics here; a side record's NumPy stores
  *     seq.store(odd + 1, release)      -- [W2] dpb_seq_close: the write is whole
  * Reader (bounded: max_retries attempts, then the row is torn):
  *     s1 = seq.load(acquire)           -- [R1] dpb_seq_read_begin; odd: retry
- *     data loads (relaxed)
+ *     data loads (relaxed)             -- [RD]
  *     fence(acquire)                   -- [R2] dpb_seq_read_end
- *     s2 = seq.load(relaxed); s1 == s2: the copy is one whole write, else retry
+ *     s2 = seq.load(relaxed)           -- [R3] s1 == s2: the copy is one whole write, else retry
  *
  * Why a reader never accepts a mix of two writes:
  *   - [W2] is a release store, [R1] an acquire load: a reader that reads s1 = odd + 1 sees every
@@ -28,9 +29,15 @@
  * What it costs: x86-64 (TSO) keeps stores with stores and loads with loads: the release and
  * acquire are plain MOVs and the fences compiler barriers. aarch64 (Grace) does not: [W1] is
  * `dmb ish`, [W2] `stlr`, [R1] `ldar`, [R2] `dmb ishld`; without them a reader may see the new
- * sequence before the data it guards. tests/board/test_seqlock_aarch64.py compiles this for
- * aarch64 and checks each is there.
- * A writer killed between [W1] and [W2] leaves the row odd: readers report it torn, and the next
+ * sequence before the data it guards.
+ * Each access above is made on a line of this file that carries its mark in a comment, and a writer
+ * or reader makes its data accesses with dpb_store_word(s) [WD] and dpb_load_words [RD]. So
+ * tests/board/test_seqlock_aarch64.py, which compiles the module for aarch64 with line information,
+ * finds every function that makes a marked access (in no list) and checks, on every path through it,
+ * that each barrier lies between the right two accesses: [W1] after [W0] and before every [WD];
+ * every [WD] before [W2], whose store releases; [R1] acquiring before every [RD]; [R2] after every
+ * [RD] and before [R3]. A stronger barrier (seq_cst, `dmb sy`) passes.
+ * A writer killed between [W0] and [W2] leaves the row odd: readers report it torn, and the next
  * writer keeps it odd (dpb_seq_begin) and closes it even, which makes the row whole again.
  */
 #ifndef DPB_SEQLOCK_H
@@ -49,8 +56,8 @@ static inline void dpb_cpu_relax(void) {
 
 /* The writer's odd store and [W1]. */
 static inline void dpb_seq_open(uint64_t *seq, uint64_t odd) {
-    __atomic_store_n(seq, odd, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE); /* [W1] */
+    __atomic_store_n(seq, odd, __ATOMIC_RELAXED); /* [W0] */
+    __atomic_thread_fence(__ATOMIC_RELEASE);      /* [W1] */
 }
 
 /* [W2]: the write that opened with `odd` is whole. */
@@ -67,24 +74,29 @@ static inline uint64_t dpb_seq_begin(uint64_t *seq) {
     return odd;
 }
 
-/* [R1] */
+/* The first read of a row: [R1]. */
 static inline uint64_t dpb_seq_read_begin(const uint64_t *seq) {
-    return __atomic_load_n(seq, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(seq, __ATOMIC_ACQUIRE); /* [R1] */
 }
 
 /* [R2], then the second read: whether the data loaded since dpb_seq_read_begin returned s1 are one
    whole write. */
 static inline int dpb_seq_read_end(const uint64_t *seq, uint64_t s1) {
-    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* [R2] */
-    return __atomic_load_n(seq, __ATOMIC_RELAXED) == s1;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);              /* [R2] */
+    return __atomic_load_n(seq, __ATOMIC_RELAXED) == s1; /* [R3] */
+}
+
+/* The data accesses between them: every writer stores and every reader loads a guarded word here. */
+static inline void dpb_store_word(uint64_t *dst, uint64_t v) {
+    __atomic_store_n(dst, v, __ATOMIC_RELAXED); /* [WD] */
 }
 
 static inline void dpb_store_words(uint64_t *dst, const uint64_t *src, size_t n) {
-    for (size_t k = 0; k < n; k++) __atomic_store_n(&dst[k], src[k], __ATOMIC_RELAXED);
+    for (size_t k = 0; k < n; k++) dpb_store_word(&dst[k], src[k]);
 }
 
 static inline void dpb_load_words(uint64_t *dst, const uint64_t *src, size_t n) {
-    for (size_t k = 0; k < n; k++) dst[k] = __atomic_load_n(&src[k], __ATOMIC_RELAXED);
+    for (size_t k = 0; k < n; k++) dst[k] = __atomic_load_n(&src[k], __ATOMIC_RELAXED); /* [RD] */
 }
 
 /* Copy the `words` words of the row at `row` (its sequence first) into `out`, from one whole

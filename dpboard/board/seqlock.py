@@ -1,6 +1,7 @@
 """The two sides of the seqlock, ``BoardWriter`` and ``BoardReader``, over the C extension.
 
-The C extension (``_seqlock.c``, with the memory-ordering argument at its top) is compiled against
+The C extension ``_seqlock`` (slot_writer.c, board_reader.c, side_rows.c, claim.c; the seqlock and its
+memory-ordering argument in dpb_seqlock.h) is compiled against
 ``kernels/dpboard_layout.h``, generated from ``dpboard.snapshot``. It exports the layout it was
 compiled with, and importing this module compares that with ``dpboard.snapshot``: an extension
 built from another layout is an ImportError naming both values, never a silent misread.
