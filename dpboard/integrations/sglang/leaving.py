@@ -12,8 +12,17 @@ record by dpboard's one rule for "gone" (``BoardListing.in_use``, the rule ``dpb
 applies): never while any process of the deployment still holds a slot, publishes, or runs.
 
 The watcher holds no descriptor of SGLang's (no port, no pipe beyond stderr) and ends once its job
-is done, or when another board takes the name. A board its creator removed at its exit does not end
-it: SGLang's DP controller, SIGKILLed meanwhile, leaves its dispatch record behind.
+is done, or when another board of this user takes the name (a new server's: another generation),
+whenever that happens; from then on the name's board and records are that server's, and this watcher
+touches none of them (a new server's start removes what of ours it finds abandoned, or its processes
+take it over). A board its creator removed at its exit does not end it: SGLang's DP controller,
+SIGKILLed meanwhile, leaves its dispatch record behind. Nor does a file of another user under the
+name (anybody may leave one): it is never this server's, never removed, and never waited for.
+
+"Gone" never rests on a pid: the main process is watched through a pidfd, taken while it runs and
+checked against its start time (a pid that names another process by then means it has ended), and
+the board's creator counts as running only with its recorded start time; a recycled pid is another
+process.
 """
 
 from __future__ import annotations
@@ -22,14 +31,16 @@ import argparse
 import logging
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
 
-from dpboard.board.dispatch_record import DISPATCH_PREFIX
-from dpboard.board.listing import read_listing, remove_if_gone
+from dpboard.board.dispatch_record import DISPATCH_PREFIX, remove_abandoned_records
+from dpboard.board.listing import BoardListing, clean_sent_records, read_listing
 from dpboard.board.liveness import process_start_ticks
 from dpboard.board.names import SEGMENT_PREFIX, SHM_DIR
+from dpboard.board.segment import unlink_if_generation
 from dpboard.board.sent import SENT_PREFIX
 from dpboard.errors import DpboardError, NotFoundError
 
@@ -71,15 +82,35 @@ def watch(board_name: str, generation: int) -> int | None:
         return None
 
 
-def _replaced(name: str, generation: int) -> bool:
-    """Whether another board now has the name (a new server of that name): then this watcher's job
-    is done. A board that is merely gone is not: its creator removes it at its exit, before it ends,
-    and the records its other processes leave are still this watcher's to remove."""
+def _own_board(name: str) -> BoardListing | None:
+    """The listing of ``/dev/shm/dpboard.<name>`` when it is a file of this user; None when there is
+    none, or it is another user's (anybody may leave a file under any name: never this server's)."""
     try:
-        header = read_listing(name).header
+        entry = read_listing(name)
+    except NotFoundError:
+        return None
+    if entry.owner_uid is None:  # not even its owner could be read: gone meanwhile, or not a file
+        try:
+            owner = os.lstat(SHM_DIR / (SEGMENT_PREFIX + name)).st_uid
+        except OSError:
+            return None
+        if owner != os.geteuid():
+            return None
+    elif entry.owner_uid != os.geteuid():
+        return None
+    return entry
+
+
+def _replaced(name: str, generation: int) -> bool:
+    """Whether another board of this user now has the name (a new server of that name): then this
+    watcher's job is done. A board that is merely gone is not: its creator removes it at its exit,
+    before it ends, and the records its other processes leave are still this watcher's to remove.
+    Nor is another user's file under the name."""
+    try:
+        entry = _own_board(name)
     except DpboardError:
-        return False  # gone, or unreadable for a moment
-    return header is not None and header.generation != generation
+        return False  # unreadable for a moment
+    return entry is not None and (entry.header is None or entry.header.generation != generation)
 
 
 def wait_for_end(pid: int, start_ticks: int, name: str, generation: int) -> bool:
@@ -103,36 +134,61 @@ def wait_for_end(pid: int, start_ticks: int, name: str, generation: int) -> bool
 
 
 def _left(name: str) -> list[str]:
-    """What of board ``name`` is in /dev/shm: the board, its sent record, its dispatch record."""
-    return [prefix + name for prefix in (SEGMENT_PREFIX, SENT_PREFIX, DISPATCH_PREFIX)
-            if os.path.lexists(SHM_DIR / (prefix + name))]
+    """What of board ``name`` is in /dev/shm that this user made: the board, its sent record, its
+    dispatch record (another user's file under such a name is not this server's: never waited for)."""
+    left = []
+    for prefix in (SEGMENT_PREFIX, SENT_PREFIX, DISPATCH_PREFIX):
+        try:
+            st = os.lstat(SHM_DIR / (prefix + name))
+        except OSError:
+            continue
+        if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):  # a link is never removed from here
+            left.append(prefix + name)
+    return left
 
 
-def remove_when_gone(name: str, start_ticks: int, *, wait: float = EXIT_WAIT) -> list[str]:
-    """Remove what is left of board ``name`` (a board of this deployment: its creator started at
-    ``start_ticks`` or later) once nothing of it lives, waiting at most ``wait`` seconds. The board
+def _remove_board(entry: BoardListing, generation: int) -> bool:
+    """Unlink this server's board (``generation``) when nothing of it lives, by the rule ``dpboard
+    clean`` applies (``BoardListing.in_use``); a board of another generation is never touched."""
+    if entry.header is None or entry.header.generation != generation or entry.in_use() is not None:
+        return False
+    return unlink_if_generation("/" + SEGMENT_PREFIX + entry.name, generation)
+
+
+def remove_when_gone(name: str, start_ticks: int, generation: int, *, wait: float = EXIT_WAIT) -> list[str]:
+    """Remove what is left of board ``name`` (this server's: ``generation``, made by a process that
+    started at ``start_ticks``) once nothing of it lives, waiting at most ``wait`` seconds. The board
     and its records each go when their own processes are gone (a dispatcher exits a moment after
-    the schedulers whose slots it reads, say), so it waits for all of them."""
+    the schedulers whose slots it reads, say), so it waits for all of them. It stops at once, removing
+    nothing more, when another board of this user has the name (a new server's, or an older one's):
+    the name's records are then that server's. Another user's file under the name is left alone and
+    not waited for."""
     deadline = time.monotonic() + wait
     removed: list[str] = []
     while True:
-        removed += remove_if_gone(name, started_after=start_ticks)
-        left = _left(name)
-        if not left:
-            return removed
         try:
-            entry = read_listing(name)
-        except NotFoundError:
-            entry = None
+            entry = _own_board(name)
         except DpboardError as e:
             log.warning("dpboard: board %r left in /dev/shm: %s", name, e)
             return removed
-        if entry is not None and (entry.header is None or entry.header.creator_start_ticks < start_ticks):
-            return removed  # another deployment's board by that name now
+        if entry is not None and (entry.header is None or entry.header.generation != generation
+                                  or entry.header.creator_start_ticks < start_ticks):
+            return removed  # another server's board by that name now: its records are its own
+        if entry is not None and _remove_board(entry, generation):
+            removed.append(SEGMENT_PREFIX + name)
+            entry = None
+        if _replaced(name, generation):
+            return removed  # a new server's board made meanwhile: the records are its own from now on
+        removed += [SENT_PREFIX + n for n in clean_sent_records(name)]
+        removed += [DISPATCH_PREFIX + n for n in remove_abandoned_records(name)]
+        left = _left(name)
+        if not left:
+            return removed
         if time.monotonic() >= deadline:
-            why = entry.in_use() if entry is not None else "a process that holds its record still runs"
+            why = entry.in_use() if entry is not None else None
             log.warning("dpboard: %s left in /dev/shm %.0f s after its SGLang server ended: %s; "
-                        "`dpboard clean %s` removes it once nothing of it runs", ", ".join(left), wait, why, name)
+                        "`dpboard clean %s` removes it once nothing of it runs", ", ".join(left), wait,
+                        why or "a process that holds its record still runs", name)
             return removed
         time.sleep(0.2)
 
@@ -153,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(null, 1)  # the starter's pipe: closed here so that it reads its end
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if wait_for_end(args.pid, args.start_ticks, args.board, args.generation):
-        removed = remove_when_gone(args.board, args.start_ticks)
+        removed = remove_when_gone(args.board, args.start_ticks, args.generation)
         if removed:
             log.info("dpboard: removed %s after SGLang server %d ended", ", ".join(removed), args.pid)
     return 0

@@ -18,6 +18,10 @@ outlive the processes that would remove them. The plugin therefore removes them 
 on which no process holds a lock (its creator's, a slot writer's) and whose creator does not run; a
 sent record none of whose rows is held, a dispatch record none of whose dispatchers runs. A board
 one of whose processes runs, in this PID namespace or another, is never touched.
+
+The launcher waits only for what it may remove: this user's files, and a board this deployment made
+(its creator started after the launcher). Another user's file under the name (anybody may leave
+one) and an older deployment's board of that name are left alone at once, never waited for.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ import atexit
 import logging
 import multiprocessing
 import os
+import stat
 import time
 from collections.abc import Mapping
 
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.listing import remove_if_gone
+from dpboard.board.dispatch_record import DISPATCH_PREFIX
+from dpboard.board.listing import read_listing, remove_if_gone
 from dpboard.board.liveness import process_start_ticks
+from dpboard.board.sent import SENT_PREFIX
 from dpboard.errors import DpboardError
 from dpboard.integrations.vllm.settings import DERIVED_PREFIX, ENV_BOARD, ENV_ENABLE
 
@@ -81,7 +88,7 @@ def at_launcher_exit(pid: int, started: int, environ: Mapping[str, str]) -> None
                 # zombie still counts as running), through multiprocessing's own bookkeeping
                 multiprocessing.active_children()
                 removed += remove_if_gone(name, started_after=started)
-                left = files_of(name)
+                left = files_of(name, started)
                 if not left or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)  # killed a moment ago: a process of several GB takes a while to exit
@@ -95,7 +102,26 @@ def at_launcher_exit(pid: int, started: int, environ: Mapping[str, str]) -> None
                         "once those are gone", ", ".join(left))
 
 
-def files_of(name: str) -> list[str]:
-    """What of board ``name`` is in /dev/shm: the board, its sent record, its dispatch record."""
-    return [f for f in (f"{SEGMENT_PREFIX}{name}", f"dpboard-sent.{name}", f"dpboard-dispatch.{name}")
-            if (SHM_DIR / f).exists()]
+def files_of(name: str, started: int = 0) -> list[str]:
+    """What of board ``name`` in /dev/shm the launcher waits for: the board, its sent record, its
+    dispatch record, of this user only (another user's file under such a name is never removed from
+    here), and the board only when this deployment made it (a readable header whose creator started
+    at ``started`` clock ticks since boot or later: an older deployment's board stays, so does a
+    file with no board header)."""
+    left = []
+    for prefix in (SEGMENT_PREFIX, SENT_PREFIX, DISPATCH_PREFIX):
+        try:
+            st = os.lstat(SHM_DIR / (prefix + name))
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            continue  # another user's, or a link: never removed from here
+        if prefix == SEGMENT_PREFIX:
+            try:
+                header = read_listing(name).header
+            except DpboardError:
+                continue  # gone meanwhile
+            if header is None or header.creator_start_ticks < started:
+                continue
+        left.append(prefix + name)
+    return left

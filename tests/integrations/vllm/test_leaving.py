@@ -1,19 +1,25 @@
 """The vLLM plugin's ways out (leaving.py) judge a board gone by the rule `dpboard clean` applies:
 a board whose writer runs in another PID namespace (a container sharing /dev/shm, ``docker
---ipc=host``) and publishes is left in place by every exit path; an abandoned one is removed."""
+--ipc=host``) and publishes is left in place by every exit path; an abandoned one is removed. What
+the launcher may not remove (another user's file under the name, an older deployment's board) it
+leaves at once, without waiting for it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from dpboard.board import SEGMENT_PREFIX, SHM_DIR
+from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board
+from dpboard.board.dispatch_record import DISPATCH_PREFIX
+from dpboard.board.liveness import process_start_ticks
 from dpboard.integrations.vllm import leaving
 from tests.support.names import ROOT
+from tests.support.other_user import NOBODY, as_nobody, need_root
 from tests.support.pid_namespace import pid_namespace_prefix
-from tests.support.procutil import read_line, wait_until
+from tests.support.procutil import kill, read_line, wait_until
 
 WRITER = """
 import os, sys, time
@@ -72,3 +78,78 @@ def test_the_launcher_removes_an_abandoned_board_at_its_exit(board_name, monkeyp
     monkeypatch.setattr(leaving, "EXIT_WAIT", 30.0)  # until its last publish is older than the threshold
     leaving.at_launcher_exit(os.getpid(), 0, {"DPBOARD_VLLM_BOARD": board_name})
     assert not path.exists()
+
+
+ABANDONED_RECORD = """
+import os, sys
+from dpboard.board.dispatch_record import open_tally
+open_tally(sys.argv[1], 1, 0, 2, method="inflight_requests").tick()
+os._exit(0)  # an API server killed outright: its row's holder gone, the record left
+"""
+CREATOR = """
+import os, sys, time
+from dpboard import Board
+board = Board.create(sys.argv[1], n_slots=2)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+class Waited(BaseException):
+    """Raised by the launcher's sleep: it waited for something it will never remove."""
+
+
+class NoWait:
+    """The launcher's clock, whose sleep is an error (BaseException: its exit path catches the others)."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        raise Waited(seconds)
+
+
+def test_another_users_board_under_the_name_is_left_at_once(board_name, monkeypatch, caplog):
+    """Another user (uid 65534) leaves a readable board (0644) under the deployment's name, its creator
+    started after the launcher; this user's dispatch record beside it is abandoned. The launcher's
+    exit removes the record and returns without a wait, the other user's board untouched. Before, the
+    board stayed on the list of what was left, and the exit waited the full EXIT_WAIT (15 s) for it."""
+    need_root()
+    started = process_start_ticks(os.getpid())
+    subprocess.run([sys.executable, "-c", ABANDONED_RECORD, board_name], cwd=ROOT, check=True, timeout=60)
+    record = SHM_DIR / f"{DISPATCH_PREFIX}{board_name}"
+    path = SHM_DIR / f"{SEGMENT_PREFIX}{board_name}"
+    assert record.exists()
+
+    def plant() -> None:
+        plant.keep = Board.create(board_name, 2, mode=0o644)  # type: ignore[attr-defined]  # never removed
+
+    as_nobody(plant)
+    monkeypatch.setattr(leaving, "time", NoWait)
+    try:
+        assert path.stat().st_uid == NOBODY
+        with caplog.at_level("WARNING", logger="dpboard.vllm"):
+            leaving.at_launcher_exit(os.getpid(), started, {"DPBOARD_VLLM_BOARD": board_name})
+        assert not record.exists()
+        assert path.stat().st_uid == NOBODY  # another user's: never removed from here
+        assert not [r for r in caplog.records if r.levelno >= 30], caplog.text
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_an_older_deployments_board_of_the_name_is_left_at_once(board_name, monkeypatch, caplog):
+    """A board of this user under the name whose creator (alive) started before the launcher: an
+    older deployment's, which the launcher never removes. Its exit returns without waiting for it."""
+    creator = subprocess.Popen([sys.executable, "-c", CREATOR, board_name], stdout=subprocess.PIPE, text=True,
+                               cwd=ROOT)
+    path = SHM_DIR / f"{SEGMENT_PREFIX}{board_name}"
+    try:
+        pid = int(read_line(creator, 60))
+        started = process_start_ticks(pid) + 1  # the launcher started after it
+        monkeypatch.setattr(leaving, "time", NoWait)
+        with caplog.at_level("WARNING", logger="dpboard.vllm"):
+            leaving.at_launcher_exit(os.getpid(), started, {"DPBOARD_VLLM_BOARD": board_name})
+        assert path.exists() and not caplog.records, caplog.text
+    finally:
+        kill(creator)
+        Path(path).unlink(missing_ok=True)
