@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.errors import InvalidInputError
+from dpboard.options import count
 
 # the fewest steps of each kind a fit stands on, and the fewest distinct shapes among them
 MIN_STEPS = 30
@@ -319,7 +320,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="FILE_OR_DIR", help="step logs, or directories of them")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE", help="the profile file to write")
     p.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
-    p.add_argument("--min-steps", type=int, default=MIN_STEPS,
+    p.add_argument("--min-steps", type=count(MIN_SHAPES, 1_000_000), default=MIN_STEPS,
                    help=f"the fewest prefill and decode steps a fit stands on (default {MIN_STEPS})")
 
 

@@ -30,12 +30,6 @@ from typing import Any
 from dpboard.controller import Dispatcher
 from dpboard.controller.budget import request_tokens
 from dpboard.controller.dispatcher import DEFAULT_REFRESH_INTERVAL, default_lockstep_horizon
-from dpboard.controller.methods import (
-    METHODS,
-    LoadBalanceMethod,
-    parse_load_balance_method,
-    resolve_load_balance_method,
-)
 from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.integrations.sglang.holding import WaveTimer
@@ -46,6 +40,12 @@ from dpboard.integrations.sglang.settings import (
     read_settings,
 )
 from dpboard.integrations.sglang.transport import instance_board
+from dpboard.methods import (
+    METHODS,
+    LoadBalanceMethod,
+    parse_load_balance_method,
+    resolve_load_balance_method,
+)
 
 logger = logging.getLogger("dpboard.sglang")
 
@@ -54,8 +54,10 @@ logger = logging.getLogger("dpboard.sglang")
 STATE = "_dpboard_dispatch"
 LOAD_AWARE = ("TOTAL_TOKENS", "TOTAL_REQUESTS")
 _module_name = "sglang.srt.managers.data_parallel_controller"
-_ticks = False  # the loop's receive is hooked (a holding DPBOARD_METHOD at the plugin's load)
+_ticks = False  # the loop's receive is hooked for a hold (a holding DPBOARD_METHOD at the plugin's load)
 _timer: WaveTimer | None = None  # the holding controller of this process (SGLang runs one)
+# the loop's receive socket and its session: each turn of the loop is the session's turn (SGLang runs one)
+_turns: tuple[Any, DispatchSession] | None = None
 
 
 def register(registry: Any, hook_type: Any, module_name: str) -> None:
@@ -70,8 +72,10 @@ def register(registry: Any, hook_type: Any, module_name: str) -> None:
     registry.register(f"{cls}.update_active_ranks", sync_active, hook_type.AFTER)
     registry.register(f"{cls}._refresh_active_workers", sync_active, hook_type.AFTER)
     global _ticks
-    if _holds(os.environ.get(ENV_METHOD, "")):  # only then: every receive of the process pays for it
+    raw_method = os.environ.get(ENV_METHOD, "")
+    if raw_method.strip():  # dpboard dispatches: each turn of the loop brings the record up to date
         registry.register(f"{module_name}.sock_recv", look_again, hook_type.AROUND)
+    if _holds(raw_method):  # only then: what is held goes before a control message
         registry.register(f"{cls}.send_to_all_workers", flush_held, hook_type.BEFORE)
         registry.register(f"{cls}.send_control_message", flush_held, hook_type.BEFORE)
         _ticks = True
@@ -140,8 +144,9 @@ def attach_dispatcher(result: Any, controller: Any, *args: Any, **kwargs: Any) -
                             wave_max_hold=settings.wave_max_hold, wave_per_rank=settings.wave_per_rank)
     session.use(dispatcher)
     setattr(controller, STATE, session)
-    global _timer
+    global _timer, _turns
     _timer = WaveTimer(controller, session, _module_name, _fallback_pick) if dispatcher.holds else None
+    _turns = (getattr(controller, "recv_from_tokenizer", None), session)
     _sync(controller, dispatcher)
     logger.info("dpboard: DP dispatch by %s over board %r (%d worker slots)", dispatcher.described, board.name,
                 num_workers)
@@ -242,10 +247,15 @@ def _fallback_pick(controller: Any, session: DispatchSession, req: Any, why: Dpb
 
 def look_again(original: Any, socket: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND the DP controller module's ``sock_recv``: at each turn of the controller's loop, the held
-    wave that is due goes out before the next receive (holding.py)."""
+    wave that is due goes out before the next receive (holding.py), and the counts that changed since
+    the dispatch record's last publish go into it once it is due (an idle controller's last picks
+    reach ``dpboard doctor`` within 0.1 s; one comparison on most turns)."""
     timer = _timer
     if timer is not None and socket is timer.socket:
         timer.tick()
+    turns = _turns
+    if turns is not None and socket is turns[0]:
+        turns[1].turn()
     return original(socket, *args, **kwargs)
 
 

@@ -47,6 +47,7 @@ exact global count.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -79,6 +80,9 @@ log = logging.getLogger("dpboard.vllm")
 
 _LIVE = int(SlotStatus.LIVE)
 STATE = "_dpboard_dispatch"  # the client's attribute holding its ClientDispatch
+# seconds after a pick for the trailing turn: past the dispatch record's publish interval (0.1 s),
+# so the row is due then whatever was published before the pick
+TRAIL_S = 0.11
 _open_here: Counter[str] = Counter()  # this process's open ClientDispatch objects, per board
 CORE_CLIENT = "vllm.v1.engine.core_client"
 
@@ -203,6 +207,7 @@ class ClientDispatch:
         self.session.use(self.dispatcher)
         self.request = _Request()
         self.closed = False
+        self._trailing = False  # a trailing turn is on the event loop's timer
         _open_here[board.name] += 1
 
     def pick(self, request: Any) -> int:
@@ -226,6 +231,25 @@ class ClientDispatch:
 
     def sent_to(self, index: int, request: Any) -> None:
         self.row.add(self.ranks[index], len(request.prompt_token_ids or ()))
+
+    def trail(self) -> None:
+        """After a pick: one turn of the session on the API server's event loop once the record's row
+        is due, so that an idle server's last picks reach the record (vLLM calls dpboard only as
+        requests come). One timer at a time, whatever the request rate; outside a running loop
+        (a synchronous caller) nothing is scheduled."""
+        if self._trailing or self.closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._trailing = True
+        loop.call_later(TRAIL_S, self._turn)
+
+    def _turn(self) -> None:
+        self._trailing = False
+        if not self.closed:
+            self.session.turn()
 
     def close(self) -> None:
         """Give up this server's rows; the last process of the deployment to leave removes the board
@@ -260,6 +284,13 @@ class _Request:
     def __init__(self) -> None:
         self.input_ids: Sequence[int] = ()
         self.routed_dp_rank = None
+
+
+def _trail(state: ClientDispatch) -> None:
+    try:
+        state.trail()
+    except Exception as e:  # the record only: the request is placed
+        state.session.fault(e, "a trailing publish", placed=False)
 
 
 def opened_dispatch(client: Any) -> ClientDispatch | None:
@@ -398,7 +429,9 @@ def patch(cls: type, late_interaction_index: Any, support: Support = SUPPORTED["
                 state.sent_to(self.core_engines.index(engine), request)
             except Exception as e:
                 state.session.fault(e, getattr(request, "request_id", "?"), placed=False)
+            _trail(state)
             return engine
+        _trail(state)
         engine, _, new = choice
         if new:  # as vLLM records its own picks: abort routing and finish bookkeeping stay vLLM's
             self.reqs_in_flight[request.request_id] = engine

@@ -38,6 +38,21 @@ def test_the_plugins_dispatcher_publishes_its_counts(instance, tmp_path, monkeyp
         assert row.counts["refreshes"] >= 1
 
 
+def test_an_idle_controllers_last_picks_reach_the_record(instance, tmp_path, monkeypatch):
+    """SGLang's own event loop turns (its receive finds nothing): the last picks of a burst reach the
+    record within the tally's 0.1 s though no later pick or refresh comes to publish them."""
+    from tests.integrations.sglang.real.test_wave import looping
+    from tests.support.procutil import wait_until
+
+    with dispatching(instance, tmp_path, monkeypatch, "inflight_tokens") as cluster:
+        publish(cluster, {0: 5000, 1: 900, 2: 3000})
+        with looping(cluster) as push:
+            for i in range(7):
+                push.send_pyobj(req(f"r{i}", 10))
+            assert sum(len(v) for v in cluster.received(7).values()) == 7
+            assert wait_until(lambda: _record(cluster)[0].counts["requests"] == 7, timeout=5), _record(cluster)
+
+
 def test_doctor_names_routed_dp_rank_behind_the_plugins_dispatch(instance, tmp_path, monkeypatch):
     from dpboard import Board
 

@@ -32,6 +32,26 @@ def test_each_api_server_publishes_its_row(board_name, monkeypatch):
         assert row.per_rank == sent_before  # the same requests the sent record counts
 
 
+def test_an_idle_api_servers_last_picks_reach_the_record(board_name, monkeypatch):
+    """Picks made on a running event loop, as vLLM's API server makes them, then nothing: the loop's
+    trailing turn puts them in the record within the tally's 0.1 s, with no later pick."""
+    import asyncio
+
+    monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
+    with engines_on_board(board_name, [5, 1, 3, 2]) as (client, _):
+        async def burst_then_idle() -> int:
+            for i in range(7):
+                client.get_core_engine_for_request(engine_request(f"r{i}", 8))
+            for _ in range(50):  # bounded: 5 s
+                (row,) = read_dispatch_record(board_name)
+                if row.counts["requests"] == 7:
+                    break
+                await asyncio.sleep(0.1)
+            return row.counts["requests"]
+
+        assert asyncio.run(burst_then_idle()) == 7
+
+
 def test_vllms_own_picks_while_no_engine_is_live_count_as_fallbacks(board_name, monkeypatch):
     monkeypatch.setenv("DPBOARD_METHOD", "inflight_requests")
     Board.create(board_name, 3).close()  # nobody publishes: every slot EMPTY
