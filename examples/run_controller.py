@@ -23,7 +23,7 @@ import zmq
 from dpboard import Board
 from dpboard.controller import DataParallelController, Dispatcher
 from dpboard.controller.codec import encode_request
-from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
+from dpboard.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.options import count, seconds
 
 

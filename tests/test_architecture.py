@@ -20,6 +20,7 @@ PACKAGE = ROOT / "dpboard"
 
 LAYERS: list[set[str]] = [
     {"errors", "snapshot", "stopping", "options", "processes", "lazy"},  # the leaf contract and shared plumbing
+    {"methods"},  # the method table, which the controller and the views read
     {"ownership", "guard", "steplog"},  # files in shared directories, single-owner locks, endpoints | connection
     # bounds | the step log (format, writer, reader, summary) the engines' step recorders write
     {"board", "loads"},  # the segment and its seqlock | tables -> counters

@@ -1,14 +1,14 @@
 """The README's table of which method for which deployment is the one the other docs point to, and
 every method name the docs give (in the table, after ``DPBOARD_METHOD=``, ``--method`` or
 ``--load-balance-method``) is one the method registry knows. Names are read from the registry (the
-rows of ``dpboard.controller.methods.METHODS``), so a method added there needs its row here, and a
+rows of ``dpboard.methods.METHODS``), so a method added there needs its row here, and a
 method renamed or gone fails wherever a doc still names it."""
 
 from __future__ import annotations
 
 import re
 
-from dpboard.controller.methods import METHOD_CHOICES, METHODS
+from dpboard.methods import METHOD_CHOICES, METHODS
 from dpboard.sim.methods import VLLM_BOARD
 from dpboard.sim.peers import PEERS
 from tests.support.names import ROOT

@@ -1,7 +1,8 @@
 """Dispatch: which DP rank gets each request (docs/DISPATCH.md), and the ZMQ controller process around it.
 
-The pure parts (methods, budget, dispatcher) import NumPy and a small C extension only; the ZMQ
-process (``DataParallelController``) is imported on first use.
+The pure parts (budget, dispatcher) import NumPy and a small C extension only; the ZMQ process
+(``DataParallelController``) is imported on first use. The method table they read is the leaf
+``dpboard.methods`` (re-exported here: ``LoadBalanceMethod``, ``resolve_load_balance_method``, ...).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from dpboard.controller.budget import DPBudget
 from dpboard.controller.dispatcher import Dispatcher
-from dpboard.controller.methods import (
+from dpboard.methods import (
     LoadBalanceMethod,
     ReaderOwner,
     resolve_load_balance_method,

@@ -13,7 +13,7 @@
  *   - routed_dp_rank set: that rank, if it is an int in range and routable (active), else
  *     ValueError("DP rank {rank} is not active."). It is charged like any pick.
  *   - otherwise argmin over candidate ranks of the core's key (enum key below; each method's key is
- *     its row in dpboard/controller/methods.py, ArgminKey, whose values these are: the module exports
+ *     its row in dpboard/methods.py, ArgminKey, whose values these are: the module exports
  *     them as KEY_<NAME> and budget.py compares them at import): KEY_REQUESTS requests alone;
  *     KEY_TOKENS (tokens, requests); KEY_BACKLOG (backlog, tokens): queued prefill tokens first, or
  *     with pick_saving (inflight_cache) (backlog + the tokens the rank's prefix cache does not hold,
@@ -47,7 +47,7 @@
 /* The largest request, in tokens (dpboard.controller.budget.MAX_REQUEST_TOKENS, compared at import). */
 #define MAX_REQUEST_TOKENS (INT64_C(1) << 32)
 
-/* The argmin keys: the values of dpboard.controller.methods.ArgminKey (exported as KEY_<NAME>, compared
+/* The argmin keys: the values of dpboard.methods.ArgminKey (exported as KEY_<NAME>, compared
    at import), and the arrays each reads beyond the tokens and requests every core has. */
 enum { KEY_REQUESTS, KEY_TOKENS, KEY_BACKLOG, KEY_HEADROOM, KEY_LOCKSTEP, NUM_KEYS };
 enum { NEEDS_BACKLOG = 1, NEEDS_CAPACITY = 2, NEEDS_RUNNING_CHUNK = 4 };
@@ -793,7 +793,7 @@ static PyGetSetDef core_getset[] = {
     {"next_start", (getter)core_get_next_start, (setter)core_set_next_start, "where the next tie scan starts", NULL},
     {"n", (getter)core_get_n, NULL, "number of ranks", NULL},
     {"key", (getter)core_get_key, (setter)core_set_key,
-     "the argmin key, one of the KEY_* constants (dpboard.controller.methods.ArgminKey)", NULL},
+     "the argmin key, one of the KEY_* constants (dpboard.methods.ArgminKey)", NULL},
     {"last_refresh", (getter)core_get_double, (setter)core_set_double,
      "the clock's reading at the last refresh (-inf: none yet)", (void *)offsetof(Core, last_refresh)},
     {"interval", (getter)core_get_double, (setter)core_set_double, "seconds between two refreshes at least",

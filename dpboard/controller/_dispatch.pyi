@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 MAX_REQUEST_TOKENS: int
-# and KEY_<NAME> per argmin key: dpboard.controller.methods.ArgminKey's values (budget.py compares them
+# and KEY_<NAME> per argmin key: dpboard.methods.ArgminKey's values (budget.py compares them
 # at import)
 
 class ArgminCore:

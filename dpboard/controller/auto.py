@@ -2,7 +2,7 @@
 
 ``auto`` is round_robin, or inflight_lockstep where the ranks step in lockstep (DP attention, vLLM's
 MoE DP); a PD prefill server's is follow_bootstrap_room, a PD decode server's round_robin: the rows of
-``dpboard.controller.methods.METHODS`` that list those deployments (``auto_pick``). Whether the ranks step in lockstep is on the board: each rank's
+``dpboard.methods.METHODS`` that list those deployments (``auto_pick``). Whether the ranks step in lockstep is on the board: each rank's
 lockstep section. A controller is usually started before its schedulers publish, so a decision
 taken once, at start, would be round_robin for the controller's whole life: ``AutoMethod`` looks
 again, at most every ``AUTO_CHECK_INTERVAL`` seconds (at every check while no slot is live yet),
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.controller.methods import LoadBalanceMethod, auto_pick
+from dpboard.methods import LoadBalanceMethod, auto_pick
 from dpboard.snapshot import DETAIL_FLAG, DETAILED_DTYPE, SlotStatus
 
 AUTO_CHECK_INTERVAL = 1.0  # seconds between two looks at the board's lockstep sections, once a slot is live

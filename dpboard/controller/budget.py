@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dpboard.controller.methods import METHODS, ArgminKey, LoadBalanceMethod
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.methods import METHODS, ArgminKey, LoadBalanceMethod
 from dpboard.snapshot import SNAPSHOT_DTYPE, LoadSnapshot, SlotStatus
 
 DEFAULT_LEDGER_CAPACITY = 4096  # in-flight requests per rank tracked exactly (32 KiB per rank)

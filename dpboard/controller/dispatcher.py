@@ -10,7 +10,8 @@ drive this class.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType, MethodType
 from typing import Any
 
 import numpy as np
@@ -22,13 +23,6 @@ from dpboard.controller.budget import (
     request_tokens,
     snapshots_to_array,
 )
-from dpboard.controller.methods import (
-    METHODS,
-    ArgminKey,
-    Delivery,
-    LoadBalanceMethod,
-    resolve_load_balance_method,
-)
 from dpboard.controller.prefix_index import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CAPACITY_BLOCKS,
@@ -37,6 +31,13 @@ from dpboard.controller.prefix_index import (
 )
 from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, WaveHold
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.methods import (
+    METHODS,
+    ArgminKey,
+    Delivery,
+    LoadBalanceMethod,
+    resolve_load_balance_method,
+)
 from dpboard.snapshot import DETAIL_FLAG, DETAIL_PRESENT, DETAILED_DTYPE, SNAPSHOT_DTYPE, SlotStatus
 
 DEFAULT_REFRESH_INTERVAL = 0.02  # SGLang's throttle: refresh the budget at most once per 20 ms
@@ -64,10 +65,6 @@ def default_lockstep_chunk(num_workers: int) -> int:
 
 _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
-# The deliveries as module globals: the hot path compares with these (an enum's attribute costs
-# ~150 ns to look up, a global ~5 ns).
-_ROUND_ROBIN, _ROOM, _ARGMIN, _ARGMIN_PREFIX, _ARGMIN_CARRIED = (
-    Delivery.ROUND_ROBIN, Delivery.ROOM, Delivery.ARGMIN, Delivery.ARGMIN_PREFIX, Delivery.ARGMIN_CARRIED)
 # while requests are held, the caller looks again at least this often (a refresh interval of 0
 # would otherwise ask it to look again at once, for ever)
 WAVE_LOOK_MIN = 0.001
@@ -97,7 +94,9 @@ class Dispatcher:
     ``inflight_wave`` holds arrivals (``offer``) while the group decodes and places them with
     ``inflight_lockstep``'s pick when a wave is due (``due``, by ``next_due_at``; ``release_all`` at
     shutdown): at most ``wave_max_hold`` seconds less one group step, ``wave_per_rank`` requests per
-    candidate rank a wave; ``dpboard.controller.wave`` has the rule. Every other method
+    candidate rank a wave, and, with ``wave_max_bytes`` (or ``bound_held_bytes``), frames (a
+    request's ``raw``) of fewer bytes than that, the one that reaches it leaving with them;
+    ``dpboard.controller.wave`` has the rule. Every other method
     holds nothing: ``offer`` returns what it is given.
     """
 
@@ -124,12 +123,15 @@ class Dispatcher:
         wave_max_hold: float = DEFAULT_WAVE_HOLD,
         wave_per_rank: int = DEFAULT_WAVE_PER_RANK,
         wave_idle: bool = True,
+        wave_max_bytes: int | None = None,
     ):
         self.method = resolve_load_balance_method(method, disaggregation_mode, lockstep=lockstep)
         self.spec = spec = METHODS[self.method]
-        # read on every dispatch: one attribute, not two; a wave is placed as ARGMIN_CARRIED places a batch
-        self._delivery = _ARGMIN_CARRIED if spec.holds else spec.delivery
-        self.wave = WaveHold(wave_max_hold, wave_per_rank, wave_idle) if spec.holds else None
+        # how a request is placed, chosen once: dispatch and dispatch_batch are the delivery's pair
+        one, batch = _PLACEMENTS[spec.delivery]
+        self.dispatch = MethodType(one, self)
+        self.dispatch_batch = MethodType(batch, self)
+        self.wave = WaveHold(wave_max_hold, wave_per_rank, wave_idle, wave_max_bytes) if spec.holds else None
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise InvalidInputError(f"num_workers must be an int >= 1 (the worker slots, reserved ones included), "
                              f"got {num_workers!r}")
@@ -335,63 +337,122 @@ class Dispatcher:
         self.refresh_count += 1
 
     # -- dispatch -------------------------------------------------------------------------------------
+    #
+    # How a request is placed is the row's delivery, chosen once: __init__ binds ``dispatch`` and
+    # ``dispatch_batch`` to the delivery's pair in _PLACEMENTS (below the class), so that a call runs
+    # its placement with no switch on the way (on the plain argmin each Python step is ~5-15 ns of a
+    # ~150 ns decision, docs/BENCHMARKS.md). The two methods here say what every placement does.
 
     def dispatch(self, req: Any) -> int:
         """The rank for ``req``, as the method's row (``self.spec``) says: ``routed_dp_rank`` first
         (every delivery takes it), then its delivery, and for an argmin its key, which the C core
-        compares (``DPBudget.core``).
+        compares (``DPBudget.core``). Each dispatcher's own ``dispatch`` is its delivery's placement
+        (``_PLACEMENTS``); called on the class, this runs that one."""
+        return self.dispatch(req)
 
-        The plain argmin falls through to the end: on that path each Python step is ~5-15 ns of a
-        ~150 ns decision (docs/BENCHMARKS.md), so it makes one comparison and one call, the C core's
-        (its throttle included). The deliveries are compared with module globals: an enum member's
-        attribute lookup costs ~150 ns."""
-        if self._delivery is not _ARGMIN:
-            delivery = self._delivery
-            if delivery is not _ARGMIN_CARRIED:
-                if delivery is _ROOM:
-                    return self._dispatch_room(req)
-                if delivery is _ROUND_ROBIN:
-                    return self._dispatch_round_robin(req)
-                return self._dispatch_cache(req)  # _ARGMIN_PREFIX
-            # the prefix index only for a request that carries its prompt's block hashes (the ZMQ
-            # controller reads them from the frame in C, the simulator from the trace); any other saves
-            # nothing anywhere: the plain argmin below applies the same cost with no saving and skips
-            # the index (hashing a Python list of input_ids would cost more than the whole decision)
-            kind = self._hashless.get(type(req))  # as in _none_carry_hashes, for one request
-            if kind is None:
-                kind = self._hashless[type(req)] = _never_has_block_hashes(req)
-            if not kind and getattr(req, "block_hashes", None) is not None:
-                return self._dispatch_cache(req)
-            if self._charged_any:
-                self._forget_charges()
+    def dispatch_batch(self, reqs: Sequence[Any]) -> list[int]:
+        """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
+        nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept.
+        The same deliveries as ``dispatch``, per batch, bound the same way."""
+        return self.dispatch_batch(reqs)
+
+    # the placements, one request and a batch per delivery (the pairs of _PLACEMENTS)
+
+    def _one_argmin(self, req: Any) -> int:
         rank = self._pick_fresh(req)  # the C core: the 20 ms throttle, then the argmin of the key
         if rank is None:  # the budget is due a refresh first
             self._refresh()
             rank = self._pick(req)
         return rank
 
-    def dispatch_batch(self, reqs: Sequence[Any]) -> list[int]:
-        """Ranks for a batch: one (throttled) refresh, then consecutive speculative charges. All or
-        nothing: when a request fails (an invalid routed rank, ...), no pick of the batch is kept.
-        The same deliveries as ``dispatch``, per batch."""
-        delivery = self._delivery
-        if delivery is _ARGMIN_CARRIED:
-            if not self._none_carry_hashes(reqs):
-                return self._dispatch_cache_batch(reqs)
-            self._forget_charges()
-        elif delivery is _ARGMIN_PREFIX:
-            return self._dispatch_cache_batch(reqs)
-        elif delivery is _ROOM:
-            return [self._dispatch_room(req) for req in reqs]
-        elif delivery is _ROUND_ROBIN:
-            saved = self._rr_counter
-            try:
-                return [self._dispatch_round_robin(req) for req in reqs]
-            except BaseException:
-                self._rr_counter = saved
-                raise
+    def _batch_argmin(self, reqs: Sequence[Any]) -> list[int]:
         self._refresh_if_due()
         return self._pick_batch(reqs)
+
+    def _one_carried(self, req: Any) -> int:
+        # the prefix index only for a request that carries its prompt's block hashes (the ZMQ
+        # controller reads them from the frame in C, the simulator from the trace); any other saves
+        # nothing anywhere: the plain argmin below applies the same cost with no saving and skips
+        # the index (hashing a Python list of input_ids would cost more than the whole decision)
+        kind = self._hashless.get(type(req))  # as in _none_carry_hashes, for one request
+        if kind is None:
+            kind = self._hashless[type(req)] = _never_has_block_hashes(req)
+        if not kind and getattr(req, "block_hashes", None) is not None:
+            return self._one_cached(req, True)
+        if self._charged_any:
+            self._forget_charges()
+        rank = self._pick_fresh(req)  # _one_argmin, written out: a call costs a good part of it
+        if rank is None:
+            self._refresh()
+            rank = self._pick(req)
+        return rank
+
+    def _batch_carried(self, reqs: Sequence[Any]) -> list[int]:
+        if not self._none_carry_hashes(reqs):
+            return self._cached_batch(reqs, True)
+        self._forget_charges()
+        return self._batch_argmin(reqs)
+
+    def _one_prefix(self, req: Any) -> int:
+        return self._one_cached(req, False)
+
+    def _batch_prefix(self, reqs: Sequence[Any]) -> list[int]:
+        return self._cached_batch(reqs, False)
+
+    def _one_round_robin(self, req: Any) -> int:
+        # the request's attributes read directly, an absent one None: ~25 ns less than getattr's default
+        try:
+            routed = req.routed_dp_rank
+        except AttributeError:
+            routed = None
+        if routed is not None:
+            return check_routed_rank(routed, self._active_mask)
+        active = self._active
+        n = len(active)
+        if n == 0:
+            raise UnavailableError("no active DP rank: the active set is empty (call set_active with the live ranks)")
+        available = self._available_list
+        for _ in range(n):
+            slot = active[self._rr_counter % n]
+            self._rr_counter = (self._rr_counter + 1) % n
+            if available[slot]:
+                return slot
+        raise UnavailableError(
+            f"all {n} active DP ranks are unavailable (set_status(rank, True) when a worker recovers)"
+        )
+
+    def _batch_round_robin(self, reqs: Sequence[Any]) -> list[int]:
+        saved = self._rr_counter
+        try:
+            return [self._one_round_robin(req) for req in reqs]
+        except BaseException:
+            self._rr_counter = saved
+            raise
+
+    def _one_room(self, req: Any) -> int:
+        try:  # as in _one_round_robin
+            routed = req.routed_dp_rank
+        except AttributeError:
+            routed = None
+        if routed is not None:
+            return check_routed_rank(routed, self._active_mask)
+        try:
+            room = req.bootstrap_room
+        except AttributeError:
+            room = None
+        if room is None:
+            raise InvalidInputError(
+                "request has no bootstrap_room: follow_bootstrap_room needs one; send PD requests "
+                "through the router, which sets it, not straight to the prefill server"
+            )
+        if type(room) is not int and (not isinstance(room, int) or isinstance(room, bool)):
+            raise InvalidInputError(f"bootstrap_room must be an int, got {room!r}")
+        # len(workers) counts reserved slots too, and status is not checked (as in SGLang): the room
+        # mapping must stay stable while ranks come and go
+        return room % self.num_workers
+
+    def _batch_room(self, reqs: Sequence[Any]) -> list[int]:
+        return [self._one_room(req) for req in reqs]
 
     # -- holding (inflight_wave) ----------------------------------------------------------------------
 
@@ -422,10 +483,13 @@ class Dispatcher:
             (free if getattr(req, "routed_dp_rank", None) is None else routed).append(req)
         if not self._group_can_wait():
             return routed + wave.take(now, "busy") + free
+        out = routed
         for req in free:
-            wave.hold(req, now)
+            wave.hold(req, now, _frame_bytes(req))
+            if wave.over_bytes():  # within one offer too: what is held stays within the bound and a frame
+                out += wave.take(now, "bytes")
         reason = wave.reason(now, True, self._candidates())
-        return routed + wave.take(now, reason) if reason else routed
+        return out + wave.take(now, reason) if reason else out
 
     def due(self) -> list[Any]:
         """The held requests whose wave leaves now (all of them, oldest first), or nothing."""
@@ -444,6 +508,13 @@ class Dispatcher:
             return None
         core = self.budget.core
         return wave.next_due_at(max(core.last_refresh + self._refresh_interval, self._clock() + WAVE_LOOK_MIN))
+
+    def bound_held_bytes(self, max_bytes: int | None) -> None:
+        """``inflight_wave``: a wave leaves once its requests' frames (their ``raw``) reach
+        ``max_bytes`` (the ZMQ controller's --max-queued-mib); None: by count alone. Nothing for a
+        method that holds nothing."""
+        if self.wave is not None:
+            self.wave.bound_bytes(max_bytes)
 
     def release_all(self, reason: str = "shutdown") -> list[Any]:
         """Every held request, to place now or refuse: the caller is stopping (nothing stays held),
@@ -491,13 +562,15 @@ class Dispatcher:
         if self.budget is not None and self.budget.core.refresh_due():
             self._refresh()
 
-    def _pick_cached(self, req: Any) -> int:
+    def _pick_cached(self, req: Any, carried: bool) -> int:
         """One inflight_cache pick: the prompt's cached tokens on every rank from the prefix index,
-        the pick charged its uncached part, and the prompt recorded on the rank that got it."""
+        the pick charged its uncached part, and the prompt recorded on the rank that got it. The
+        prompt's blocks: the hashes the request carries (``carried``, if any), else hashes of its
+        ``input_ids``."""
         assert self.prefix is not None
-        if self._delivery is _ARGMIN_CARRIED:  # the block hashes the request carries, if any
-            carried = getattr(req, "block_hashes", None)
-            hashes = [] if carried is None else list(carried)
+        if carried:
+            hashes_in = getattr(req, "block_hashes", None)
+            hashes = [] if hashes_in is None else list(hashes_in)
         else:
             hashes = request_block_hashes(req, self.prefix.block_size)
         self.prefix.match(hashes, self._savings)
@@ -530,12 +603,12 @@ class Dispatcher:
                 stack.clear()
             self._charged_any = False
 
-    def _dispatch_cache(self, req: Any) -> int:
+    def _one_cached(self, req: Any, carried: bool) -> int:
         self._forget_charges()
         self._refresh_if_due()
-        return self._pick_cached(req)
+        return self._pick_cached(req, carried)
 
-    def _dispatch_cache_batch(self, reqs: Sequence[Any]) -> list[int]:
+    def _cached_batch(self, reqs: Sequence[Any], carried: bool) -> list[int]:
         # One refresh, then one pick per request in order, each seeing the prompts recorded before it.
         # All or nothing for the budget; the index keeps what failed batches recorded (it is an estimate).
         self._forget_charges()
@@ -545,57 +618,13 @@ class Dispatcher:
         picks: list[int] = []
         try:
             for req in reqs:
-                picks.append(self._pick_cached(req))
+                picks.append(self._pick_cached(req, carried))
         except BaseException:
             for rank in reversed(picks):
                 core.retract(rank, self._charged[rank].pop())
             core.next_start = saved_start
             raise
         return picks
-
-    def _dispatch_round_robin(self, req: Any) -> int:
-        # the request's attributes read directly, an absent one None: ~25 ns less than getattr's default
-        try:
-            routed = req.routed_dp_rank
-        except AttributeError:
-            routed = None
-        if routed is not None:
-            return check_routed_rank(routed, self._active_mask)
-        active = self._active
-        n = len(active)
-        if n == 0:
-            raise UnavailableError("no active DP rank: the active set is empty (call set_active with the live ranks)")
-        available = self._available_list
-        for _ in range(n):
-            slot = active[self._rr_counter % n]
-            self._rr_counter = (self._rr_counter + 1) % n
-            if available[slot]:
-                return slot
-        raise UnavailableError(
-            f"all {n} active DP ranks are unavailable (set_status(rank, True) when a worker recovers)"
-        )
-
-    def _dispatch_room(self, req: Any) -> int:
-        try:  # as in _dispatch_round_robin
-            routed = req.routed_dp_rank
-        except AttributeError:
-            routed = None
-        if routed is not None:
-            return check_routed_rank(routed, self._active_mask)
-        try:
-            room = req.bootstrap_room
-        except AttributeError:
-            room = None
-        if room is None:
-            raise InvalidInputError(
-                "request has no bootstrap_room: follow_bootstrap_room needs one; send PD requests "
-                "through the router, which sets it, not straight to the prefill server"
-            )
-        if type(room) is not int and (not isinstance(room, int) or isinstance(room, bool)):
-            raise InvalidInputError(f"bootstrap_room must be an int, got {room!r}")
-        # len(workers) counts reserved slots too, and status is not checked (as in SGLang): the room
-        # mapping must stay stable while ranks come and go
-        return room % self.num_workers
 
     @property
     def described(self) -> str:
@@ -610,6 +639,29 @@ class Dispatcher:
             f"inflight_accounting={self.inflight_accounting}, health_aware={self.health_aware}, "
             f"rotate_ties={self.rotate_ties})"
         )
+
+
+# How each delivery places one request and a batch (``Delivery`` says what each does): the
+# Dispatcher's one switch on it, taken once per dispatcher (``__init__`` binds the pair as its
+# ``dispatch`` and ``dispatch_batch``). A held wave leaves as a batch, placed as ARGMIN_CARRIED places
+# one; holding it is ``offer`` and ``due``.
+_PLACEMENTS: Mapping[Delivery, tuple[Callable[[Dispatcher, Any], int],
+                                     Callable[[Dispatcher, Sequence[Any]], list[int]]]] = MappingProxyType({
+    Delivery.ROUND_ROBIN: (Dispatcher._one_round_robin, Dispatcher._batch_round_robin),
+    Delivery.ROOM: (Dispatcher._one_room, Dispatcher._batch_room),
+    Delivery.ARGMIN: (Dispatcher._one_argmin, Dispatcher._batch_argmin),
+    Delivery.ARGMIN_PREFIX: (Dispatcher._one_prefix, Dispatcher._batch_prefix),
+    Delivery.ARGMIN_CARRIED: (Dispatcher._one_carried, Dispatcher._batch_carried),
+    Delivery.WAVE: (Dispatcher._one_carried, Dispatcher._batch_carried),
+})
+if set(_PLACEMENTS) != set(Delivery):
+    raise AssertionError(f"_PLACEMENTS: one pair per Delivery, missing {set(Delivery) - set(_PLACEMENTS)}")
+
+
+def _frame_bytes(req: Any) -> int:
+    """The size of the frame a request came in (the ZMQ controller's ``Request.raw``), 0 without one."""
+    raw = getattr(req, "raw", None)
+    return 0 if raw is None else len(raw)
 
 
 def _never_has_block_hashes(req: Any) -> bool:

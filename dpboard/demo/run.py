@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from dpboard.board import Board
-from dpboard.controller.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.demo.reaper import remove_leftovers
 from dpboard.errors import InvalidInputError, UnavailableError
+from dpboard.methods import METHOD_CHOICES, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.options import count, fraction, milliseconds, positive, seconds
 from dpboard.processes import module_command
 from dpboard.stopping import StopFlag

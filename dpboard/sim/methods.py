@@ -1,6 +1,6 @@
 """Which policy a method spec names: ``NAME[:key=value,...]`` -> dpboard's ``Dispatcher`` with those
 options (policy.py) or one of the peers' routers (peers.py). What the simulator knows of dpboard's
-methods is their rows in ``dpboard.controller.methods.METHODS``: which it offers, which are SGLang's
+methods is their rows in ``dpboard.methods.METHODS``: which it offers, which are SGLang's
 seed methods and which dpboard's own, and ``auto``'s pair for PD."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from dpboard.controller.methods import AUTO, AUTO_PICKS, METHODS, Delivery, Deployment, LoadBalanceMethod
 from dpboard.errors import InvalidInputError
+from dpboard.methods import AUTO, AUTO_PICKS, METHODS, Delivery, Deployment, LoadBalanceMethod
 from dpboard.sim.peers import PEERS, make_peer
 from dpboard.sim.policy import AutoPolicy, DispatcherPolicy, Policy, SimBoard
 

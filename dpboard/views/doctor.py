@@ -36,6 +36,7 @@ from dpboard.board import DEFAULT_STALE_AFTER, Board, BoardReader, list_boards, 
 from dpboard.board.dispatch_record import DispatchRowSample, read_dispatch_record
 from dpboard.board.stale import stale_after
 from dpboard.errors import DpboardError, InvalidInputError, NotFoundError
+from dpboard.methods import AUTO_PICKS, METHODS, Delivery, Deployment, LoadBalanceMethod, MethodSpec
 from dpboard.options import count, seconds
 from dpboard.snapshot import DETAIL_FIELD_OFFSETS, DETAIL_FLAG, DETAIL_MODE_BYTES, DETAIL_PRESENT, SlotStatus
 from dpboard.views.rows import in_flight
@@ -45,7 +46,13 @@ PROGRESS_EVERY = 1.0  # seconds between two updates of doctor's progress count o
 HEALTHY_WINDOW = 1.0  # seconds of samples before top's header calls a board healthy
 SAMPLES = 7  # reads over a window: at its start, its end and five between
 SEVERITIES = ("critical", "warning", "info")
-LOAD_UNAWARE = ("round_robin", "follow_bootstrap_room")
+# The methods as the dispatch record names them, each with its row of the method table
+# (dpboard.methods): a rule asks a dispatcher's row what it reads and how it places a request, and
+# a finding names the methods it suggests from the table
+_ROWS: dict[str, MethodSpec] = {m.value: spec for m, spec in METHODS.items()}
+LOAD_UNAWARE = tuple(name for name, spec in _ROWS.items() if not spec.is_load_aware)
+_PREFILL_PICK = AUTO_PICKS[Deployment.PD_PREFILL].value  # the stable room mapping PD prefill needs
+_M = LoadBalanceMethod
 SGLANG_THROTTLE = 0.02  # seconds: SGLang refreshes its budget at most every 20 ms
 ROUTED_SHARE = 0.8  # above this share of requests pinned to one rank by routed_dp_rank: a finding
 SKEWED = 1.5  # max / mean at or above this: one-sided
@@ -101,6 +108,13 @@ def shown(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _places(method: str, delivery: Delivery) -> bool:
+    """The record's ``method`` (a name) places a request by ``delivery``, as its row says; a name the
+    table does not know (another dpboard's) places by none."""
+    spec = _ROWS.get(method)
+    return spec is not None and spec.delivery is delivery
 
 
 def take_sample(board: Board, reader: BoardReader, *, trust_uids: tuple[int, ...] = ()) -> Sample:
@@ -390,13 +404,14 @@ def check_record(w: Window) -> list[Finding]:
 
 def check_prefill_round_robin(w: Window) -> list[Finding]:
     """A PD prefill server switched to round robin: decode then waits for its KV forever."""
-    return [Finding("critical", "a PD prefill server dispatches by round_robin",
-                    f"dispatcher pid {row.pid}: method round_robin, disaggregation mode prefill",
+    return [Finding("critical", f"a PD prefill server dispatches by {row.method}",
+                    f"dispatcher pid {row.pid}: method {row.method}, disaggregation mode prefill",
                     "a prefill rank must be the one its bootstrap_room maps to, the rank the decode side "
                     "waits on; round robin sends it elsewhere and the rendezvous fails",
-                    "use --load-balance-method follow_bootstrap_room on the prefill server (auto "
+                    f"use --load-balance-method {_PREFILL_PICK} on the prefill server (auto "
                     "picks it)", "prefill_round_robin")
-            for row in (w.disp.rows if w.disp else []) if row.mode == "prefill" and row.method == "round_robin"]
+            for row in (w.disp.rows if w.disp else [])
+            if row.mode == "prefill" and _places(row.method, Delivery.ROUND_ROBIN)]
 
 
 def check_pd_rendezvous(w: Window) -> list[Finding]:
@@ -427,7 +442,7 @@ def check_pd_rendezvous(w: Window) -> list[Finding]:
                     "decode preallocated KV for requests whose prefill never sends it: the prefill server "
                     "dispatches to another rank than the request's bootstrap_room (switched to round robin), "
                     "or the rooms are missing or differ between the two sides",
-                    "prefill: --load-balance-method follow_bootstrap_room (or auto); the router must give "
+                    f"prefill: --load-balance-method {_PREFILL_PICK} (or auto); the router must give "
                     "both sides the same bootstrap_room", "pd_rendezvous")]
 
 
@@ -447,9 +462,10 @@ def check_kv_saturation(w: Window) -> list[Finding]:
     return [Finding("warning", f"KV cache full on {_ranks(full)} only",
                     f"mean KV use {w.over}: " + ", ".join(f"rank {k} {usage[k]:.0%}" for k in sorted(usage)),
                     "requests that hold much KV pile up on some ranks: the method does not weigh tokens "
-                    "(round_robin, total_requests), or routed_dp_rank / bootstrap_room pin work there",
-                    "a token-aware method (total_tokens, or dpboard's inflight_tokens); check the routed and "
-                    "room findings", "kv_saturation")]
+                    f"({_M.ROUND_ROBIN.value}, {_M.TOTAL_REQUESTS.value}), or routed_dp_rank / bootstrap_room "
+                    "pin work there",
+                    f"a token-aware method ({_M.TOTAL_TOKENS.value}, or dpboard's {_M.INFLIGHT_TOKENS.value}); "
+                    "check the routed and room findings", "kv_saturation")]
 
 
 def _pinned(w: Window) -> tuple[int, int] | None:
@@ -510,7 +526,8 @@ def check_refresh_rate(w: Window) -> list[Finding]:
 def check_rooms_uneven(w: Window) -> list[Finding]:
     """follow_bootstrap_room with rooms that do not spread uniformly modulo dp_size."""
     n = w.last.n_slots
-    if w.disp is None or "follow_bootstrap_room" not in w.methods or n <= 1:
+    by_room = sorted(m for m in w.methods if _places(m, Delivery.ROOM))
+    if w.disp is None or not by_room or n <= 1:
         return []
     unrouted = [w.disp.per_rank[k] - w.disp.routed_per_rank[k] for k in range(n)]
     if sum(unrouted) < 5 * n:
@@ -522,11 +539,11 @@ def check_rooms_uneven(w: Window) -> list[Finding]:
                     f"requests per rank by room {w.over}: " + ", ".join(f"rank {k} {v}" for k, v in enumerate(unrouted))
                     + f" (max/mean {room_ratio:.2f}); "
                     f"{_pct(w.disp.counts['with_room'], w.disp.counts['requests'])} carried a room",
-                    "follow_bootstrap_room sends a request to bootstrap_room % dp_size: the router's rooms "
+                    f"{by_room[0]} sends a request to bootstrap_room % dp_size: the router's rooms "
                     "are not uniform modulo dp_size (even rooms only, a constant, a counter stepping by "
                     "dp_size)",
                     "have the router draw rooms uniformly (random 63-bit, as SGLang's router does); keep "
-                    "follow_bootstrap_room on the prefill server", "rooms_uneven")]
+                    f"{by_room[0]} on the prefill server", "rooms_uneven")]
 
 
 def check_rejected(w: Window) -> list[Finding]:
@@ -534,8 +551,9 @@ def check_rejected(w: Window) -> list[Finding]:
     rejected = w.disp.counts["rejected"] if w.disp else 0
     if not rejected or w.disp is None:
         return []
-    if "follow_bootstrap_room" in w.methods:
-        cause = ("follow_bootstrap_room refuses a request without a bootstrap_room: it was sent straight "
+    by_room = sorted(m for m in w.methods if _places(m, Delivery.ROOM))
+    if by_room:
+        cause = (f"{by_room[0]} refuses a request without a bootstrap_room: it was sent straight "
                  "to the prefill server, not through the router")
         fix = "send PD requests through the router, which sets bootstrap_room"
     else:
@@ -562,18 +580,19 @@ def check_fallbacks(w: Window) -> list[Finding]:
 
 
 def check_load_unaware_skew(w: Window) -> list[Finding]:
-    """A method that reads no loads (round_robin, follow_bootstrap_room) while the loads are one-sided."""
+    """A method that reads no loads (``LOAD_UNAWARE``: round_robin, follow_bootstrap_room) while the
+    loads are one-sided."""
     unaware = w.methods & set(LOAD_UNAWARE)
     if not (w.skewed and unaware):
         return []
     method = sorted(unaware)[0]
-    if method == "round_robin":
-        cause = ("round_robin does not look at load: with prompts of very different lengths it piles the long "
+    if _places(method, Delivery.ROUND_ROBIN):
+        cause = (f"{method} does not look at load: with prompts of very different lengths it piles the long "
                  "ones on some ranks")
-        fix = ("--load-balance-method total_tokens (or dpboard's inflight_tokens); but keep "
-               "follow_bootstrap_room on a PD prefill server")
+        fix = (f"--load-balance-method {_M.TOTAL_TOKENS.value} (or dpboard's {_M.INFLIGHT_TOKENS.value}); but keep "
+               f"{_PREFILL_PICK} on a PD prefill server")
     else:
-        cause = "follow_bootstrap_room maps rooms to ranks and never looks at load"
+        cause = f"{method} maps rooms to ranks and never looks at load"
         fix = ("keep the method on a PD prefill (the rendezvous needs it) and have the router spread its "
                "rooms; elsewhere use a load-aware method")
     return [Finding("warning", f"load-unaware {method} under skewed load",
@@ -607,8 +626,10 @@ def check_dispatch_vs_load(w: Window) -> list[Finding]:
                         + ", ".join(f"rank {k} {v:.0f}" for k, v in w.loads.items())
                         + f" (max/mean {load_ratio:.2f})",
                         "requests go out evenly but the work does not: the method counts requests, not tokens "
-                        "(round_robin, total_requests), or it does not read the loads (a stale board read)",
-                        "a token-aware method (total_tokens, inflight_tokens) reading this board",
+                        f"({_M.ROUND_ROBIN.value}, {_M.TOTAL_REQUESTS.value}), or it does not read the loads "
+                        "(a stale board read)",
+                        f"a token-aware method ({_M.TOTAL_TOKENS.value}, {_M.INFLIGHT_TOKENS.value}) reading "
+                        "this board",
                         "dispatch_vs_load")]
     return []
 

@@ -11,7 +11,7 @@ import pytest
 
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod
-from dpboard.controller.methods import ArgminKey
+from dpboard.methods import ArgminKey
 from dpboard.snapshot import SEQ_OFFSET, LoadSnapshot, slot_offset
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 from tests.support.procutil import wait_until

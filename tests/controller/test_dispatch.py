@@ -22,7 +22,7 @@ from dpboard.controller import (
     zmq_reader_owner,
 )
 from dpboard.controller.budget import ArgminCore, PyArgminCore
-from dpboard.controller.methods import ArgminKey
+from dpboard.methods import ArgminKey
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 
 M = LoadBalanceMethod
@@ -253,7 +253,7 @@ def test_inflight_backlog_is_health_aware(board_name):
 
 
 def test_inflight_backlog_on_the_command_line_and_in_the_sglang_signature():
-    from dpboard.controller.methods import METHOD_CHOICES
+    from dpboard.methods import METHOD_CHOICES
 
     assert "inflight_backlog" in METHOD_CHOICES
     assert resolve_load_balance_method("inflight-backlog") is M.INFLIGHT_BACKLOG

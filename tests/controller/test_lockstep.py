@@ -18,8 +18,8 @@ import pytest
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller.dispatcher import DEFAULT_LOCKSTEP_HORIZON, default_lockstep_chunk
-from dpboard.controller.methods import ArgminKey
 from dpboard.errors import InvalidInputError
+from dpboard.methods import ArgminKey
 from dpboard.snapshot import LoadDetail, LoadSnapshot, LockstepDetail, pack_detail, unpack_detail
 from tests.support.dispatch import TokReq
 

@@ -1,4 +1,4 @@
-"""The method table (``METHODS``, dpboard/controller/methods.py): every row is what the Dispatcher does
+"""The method table (``METHODS``, dpboard/methods.py): every row is what the Dispatcher does
 with a request, the C core's key ids are the table's keys, and ``auto`` reads its picks from the rows.
 
 One cluster of five ranks is built so that each argmin key picks a different rank; a row's pick is
@@ -16,7 +16,8 @@ import pytest
 from dpboard import LoadSnapshot
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod, resolve_load_balance_method
 from dpboard.controller import budget as budget_module
-from dpboard.controller.methods import AUTO_PICKS, METHOD_CHOICES, METHODS, ArgminKey, Delivery, Deployment
+from dpboard.controller.dispatcher import _PLACEMENTS
+from dpboard.methods import AUTO_PICKS, METHOD_CHOICES, METHODS, ArgminKey, Delivery, Deployment
 from tests.support.dispatch import FakeClock, ListReader, TokReq
 
 BOTH = pytest.mark.parametrize("use_extension", [True, False], ids=["c", "python"])
@@ -103,6 +104,19 @@ def test_every_row_is_what_the_dispatcher_does(method, use_extension):
     d.refresh()
     running, waiting = CLUSTER[rank][:2]
     assert int(d.budget.total_requests[rank]) == running + waiting + spec.inflight_accounting
+
+
+def test_each_delivery_is_placed_by_its_one_pair():
+    # the Dispatcher's one switch on how a request is placed: a dispatcher is made with its delivery's
+    # pair as its dispatch and dispatch_batch (no switch per call); on the class, they run that pair
+    assert set(_PLACEMENTS) == set(Delivery)
+    req = TokReq(100, bootstrap_room=ROOM)
+    for method, spec in METHODS.items():
+        one, batch = _PLACEMENTS[spec.delivery]
+        d = dispatcher(method, True)[0]
+        assert d.dispatch.__func__ is one and d.dispatch_batch.__func__ is batch
+        assert Dispatcher.dispatch(d, req) == expected_pick(method)
+        assert Dispatcher.dispatch_batch(dispatcher(method, True)[0], [req]) == [expected_pick(method)]
 
 
 def test_auto_is_the_row_that_lists_the_deployment():

@@ -4,11 +4,14 @@ boards, controllers and processes is tests/views/test_doctor.py."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 
 from dpboard.errors import InvalidInputError
+from dpboard.methods import METHODS
 from dpboard.views import doctor
 from dpboard.views.doctor import (
     RULES,
@@ -73,6 +76,19 @@ def test_diagnose_lists_the_most_serious_first_then_in_the_tables_order():
     grown = [rank_row(0, pd=pd_queues("decode", transfer=4)), *decode[1:]]
     found = diagnose([sample(0.0, decode), sample(1.0, grown)])
     assert [f.id for f in found] == ["pd_rendezvous", "stale_or_torn", "no_record"]
+
+
+def test_the_rules_read_the_methods_from_the_method_table():
+    """Doctor (which may not import the controller) takes the methods' names and traits from the leaf
+    table: no method name is a literal of its own, and what reads no load is what the rows say."""
+    names = {m.value for m in METHODS}
+    tree = ast.parse(Path(doctor.__file__).read_text())
+    literals = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)}
+    assert not literals & names
+    assert doctor.LOAD_UNAWARE == tuple(m.value for m, spec in METHODS.items() if not spec.is_load_aware)
+    # a name the table does not know (another dpboard's method) is judged by none of its traits
+    rows = [dispatch_row(2, method="round_robin_v2", mode="prefill")]
+    assert check_prefill_round_robin(window(sample(0.0, live(2), dispatch=rows))) == []
 
 
 def test_diagnose_needs_a_sample():

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from dpboard.board import validate_name
 from dpboard.board.stale import stale_after_from
-from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, MAX_WAVE_HOLD, MAX_WAVE_PER_RANK
 from dpboard.errors import InvalidInputError
+from dpboard.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.options import count, seconds
 
 ENV_METHOD = "DPBOARD_METHOD"

@@ -37,8 +37,8 @@ from typing import Any
 
 from dpboard.board import validate_name
 from dpboard.board.stale import stale_after_from
-from dpboard.controller.methods import LoadBalanceMethod, parse_load_balance_method
 from dpboard.errors import InvalidInputError
+from dpboard.methods import LoadBalanceMethod, parse_load_balance_method
 
 ENV_BOARD = "DPBOARD_VLLM_BOARD"
 ENV_ENABLE = "DPBOARD_VLLM"

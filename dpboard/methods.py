@@ -1,6 +1,10 @@
 """Dispatch methods, one row each in ``METHODS``; the ``auto`` rules (docs/DISPATCH.md, rule 1), read
 from the rows; and who owns node0's load PULL socket (docs/MULTINODE.md, "One owner").
 
+A leaf (it imports ``dpboard.errors`` only), so that every stage reads the one table: the controller
+(the ``Dispatcher``, ``DPBudget``, ``auto``), ``dpboard doctor`` (which may not import the
+controller), the engine integrations, the simulator and the command lines.
+
 A method is its row: how a request is placed (``Delivery``), which argmin key the C core compares
 ranks by (``ArgminKey``: ``_dispatch.c`` switches on its values and exports them, checked at import
 by ``dpboard.controller.budget``), the defaults of dpboard's own rules, and where ``auto`` picks it.
