@@ -5,14 +5,19 @@ and the SGLang and vLLM plugins' dispatchers publish that here, in a segment of 
 ``/dpboard-dispatch.<board>`` (/dev/shm/dpboard-dispatch.<board>), so that ``dpboard doctor`` can
 answer the seed's checklist: which method is in effect, how often the budget is refreshed against
 its throttle, how many requests went to each rank, how many came with ``routed_dp_rank`` or a
-``bootstrap_room``, how many were placed by a fallback or rejected. The board's layout is unchanged.
-docs/FORMAT.md ("The dispatch record") has it byte by byte.
+``bootstrap_room``, how many were placed by a fallback or rejected; and, for ``inflight_wave``, what
+its hold did (``WaveCounts``: requests held, waves, releases by reason, the longest hold against
+its bound, bytes held), which ``dpboard top`` and ``dpboard serve``'s ``/metrics`` show. The board's
+layout is unchanged. docs/FORMAT.md ("The dispatch record") has it byte by byte.
 
 Layout (little-endian): a 64-byte header (``DISPATCH_HEADER``: magic ``DPBDISP\\0``, version,
-rows, slots, row size, creator pid), then ``rows`` rows of ``row_size(slots)`` bytes: a 128-byte row
+rows, slots, row size, creator pid), then ``rows`` rows of ``row_size(slots)`` bytes: a 256-byte row
 head (``ROW_HEAD``: ``seq``, ``pid``, method, disaggregation mode, the publish's wall and monotonic
-stamps, the refresh interval, then the cumulative counters) and per slot ``dispatched`` and
-``routed`` (i64 each). One row per dispatching process (the vLLM API servers each have one).
+stamps, the refresh interval, the cumulative counters, then the wave's counters) and per slot
+``dispatched`` and ``routed`` (i64 each). One row per dispatching process (the vLLM API servers
+each have one). Version 1 had a 128-byte row head, without the wave's counters: a reader reads it
+still (``read_dispatch_record``: its rows' ``wave`` is None); a writer replaces one that nobody
+holds, as a side record of another version.
 
 Counters are cumulative: a reader computes rates by reading twice. A dispatcher counts in its own
 per-request path as it already does and copies its counts here at most every ``PUBLISH_INTERVAL``
@@ -33,8 +38,10 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dpboard.board._seqlock import SeqRow, read_rows
 from dpboard.board.names import MAX_SLOTS, SEGMENT_PREFIX, SHM_DIR, validate_name
@@ -55,7 +62,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 DISPATCH_MAGIC = b"DPBDISP\x00"
-DISPATCH_VERSION = 1
+DISPATCH_VERSION = 2
 DISPATCH_PREFIX = "dpboard-dispatch."
 DISPATCH_HEADER_SIZE = HEADER_SIZE
 DISPATCH_HEADER = base_header_layout([], [], [])
@@ -69,17 +76,43 @@ COUNTERS: tuple[str, ...] = (
     "fallbacks",  # placed by a fallback pick: the method had no rank (every rank stale, ...)
     "rejected",  # answered with an error instead of dispatched
 )
-ROW_HEAD_SIZE = 128
-ROW_HEAD = RecordLayout({
+# why an inflight_wave hold released its requests (``dpboard.controller.wave`` decides): the wave
+# was full; what it held reached the byte bound; the group could no longer wait; the oldest reached
+# its bound; the dispatcher stopped; a control message must not overtake them (the SGLang plugin)
+WAVE_REASONS = ("full", "bytes", "busy", "bound", "shutdown", "order")
+WAVE_COUNTERS: tuple[str, ...] = (
+    "wave",  # 1: the row's dispatcher holds arrivals for waves (inflight_wave); 0: the rest are 0
+    "wave_held",  # requests held for a wave, cumulative
+    "wave_holding",  # requests held now
+    "waves",  # waves released
+    "wave_hold_sum_ns",  # time held, summed over the released requests
+    "wave_hold_max_ns",  # the longest one request was held
+    "wave_max_hold_ns",  # the hold's budget (--wave-max-hold): what wave_hold_max_ns is checked against
+    "wave_held_bytes",  # bytes of the frames held now
+    "wave_held_bytes_max",  # the most held at once
+    *(f"wave_released_{reason}" for reason in WAVE_REASONS),  # requests released, by why their wave left
+)
+ROW_HEAD_SIZE = 256
+ROW_HEAD_V1_SIZE = 128
+_HEAD = {
     # holder: the owner word of a board's slot (pid and start time, snapshot.pack_owner): pids are recycled
     "names": ["seq", "holder", "method", "mode", "wall_ns", "monotonic_ns", "refresh_interval_ns", *COUNTERS],
     "formats": ["<u8", "<u8", f"S{METHOD_BYTES}", f"S{MODE_BYTES}", "<i8", "<i8", "<i8"] + ["<i8"] * len(COUNTERS),
     "offsets": [0, 8, 16, 48, 56, 64, 72] + [80 + 8 * i for i in range(len(COUNTERS))],
+}
+ROW_HEAD = RecordLayout({  # version 2: version 1's head, then the wave's counters, then 8 bytes reserved
+    "names": _HEAD["names"] + list(WAVE_COUNTERS),
+    "formats": _HEAD["formats"] + ["<i8"] * len(WAVE_COUNTERS),
+    "offsets": _HEAD["offsets"] + [ROW_HEAD_V1_SIZE + 8 * i for i in range(len(WAVE_COUNTERS))],
     "itemsize": ROW_HEAD_SIZE,
 })
+ROW_HEAD_V1 = RecordLayout({**_HEAD, "itemsize": ROW_HEAD_V1_SIZE})
 MAX_ROWS = 4096
 READ_RETRIES = 4096  # attempts per row (a pause between two, none asleep): a publish is a few microseconds
 PUBLISH_INTERVAL = 0.1  # seconds between two publishes of a row, at most
+# seconds between two looks of ``DispatchTally.trail`` at counts that have not changed: a change is
+# in the row within PUBLISH_INTERVAL, and an idle loop compares them 20 times a second
+TRAIL_LOOK = PUBLISH_INTERVAL / 2
 ABANDONED_RECORD_AGE = 10.0  # seconds: a record without a whole header younger than this may be being created
 
 
@@ -88,9 +121,96 @@ def row_size(slots: int) -> int:
     return (raw + 63) // 64 * 64
 
 
+def row_size_v1(slots: int) -> int:
+    """A version 1 row: the 128-byte head, then the slots'."""
+    return (ROW_HEAD_V1_SIZE + 16 * slots + 63) // 64 * 64
+
+
 DISPATCH_FORMAT = SideFormat("dispatch record", DISPATCH_PREFIX, DISPATCH_MAGIC, DISPATCH_VERSION,
                              DISPATCH_HEADER, row_size, MAX_ROWS, MAX_SLOTS, rows_are="rows (dispatchers)",
                              one_shape="one dispatcher count per board; stop the other dispatchers first")
+DISPATCH_FORMAT_V1 = replace(DISPATCH_FORMAT, version=1, row_size=row_size_v1)
+
+
+@dataclass(frozen=True)
+class _ReadFormat(SideFormat):
+    """The dispatch record as a reader takes it: of this version, or of version 1 (what a dispatcher
+    of an earlier dpboard still writes), each checked against its own row size."""
+
+    def damage(self, header: Any, file_size: int) -> str | None:
+        fmt = DISPATCH_FORMAT_V1 if int(header["version"]) == 1 else DISPATCH_FORMAT
+        return SideFormat.damage(fmt, header, file_size)
+
+
+_READ_FORMAT = _ReadFormat(**{f.name: getattr(DISPATCH_FORMAT, f.name) for f in fields(SideFormat)})
+
+
+@dataclass(frozen=True)
+class WaveCounts:
+    """An ``inflight_wave`` hold's counters (``dpboard.controller.wave.WaveHold.counts``), as a row
+    carries them: cumulative but for ``holding`` and ``held_bytes`` (now)."""
+
+    held: int = 0  # requests held for a wave
+    holding: int = 0  # requests held now
+    waves: int = 0  # waves released
+    hold_sum_s: float = 0.0  # seconds held, summed over the released requests
+    hold_max_s: float = 0.0  # the longest one request was held
+    max_hold_s: float = 0.0  # the hold's budget (--wave-max-hold)
+    held_bytes: int = 0  # frames held now
+    held_bytes_max: int = 0  # the most held at once
+    released: tuple[int, ...] = (0,) * len(WAVE_REASONS)  # requests released, by WAVE_REASONS
+
+    def after(self, earlier: WaveCounts | None) -> WaveCounts:
+        """These counts following ``earlier``'s (a dispatcher's before this one's): the totals summed,
+        the maxima the larger, what is held now and the budget this one's."""
+        if earlier is None:
+            return self
+        return replace(self, held=self.held + earlier.held, waves=self.waves + earlier.waves,
+                       hold_sum_s=self.hold_sum_s + earlier.hold_sum_s,
+                       hold_max_s=max(self.hold_max_s, earlier.hold_max_s),
+                       held_bytes_max=max(self.held_bytes_max, earlier.held_bytes_max),
+                       released=tuple(a + b for a, b in zip(self.released, earlier.released, strict=True)))
+
+    def released_by(self, reason: str) -> int:
+        return self.released[WAVE_REASONS.index(reason)]
+
+    def row_fields(self) -> tuple[int, ...]:
+        """The row's ``WAVE_COUNTERS``, in order."""
+        return (1, self.held, self.holding, self.waves, _ns(self.hold_sum_s), _ns(self.hold_max_s),
+                _ns(self.max_hold_s), self.held_bytes, self.held_bytes_max, *self.released)
+
+    def as_dict(self) -> dict[str, Any]:
+        """What a reader shows (``DispatchRowSample.wave``, ``dpboard top --json``)."""
+        return {"held": self.held, "holding": self.holding, "waves": self.waves, "hold_sum_s": self.hold_sum_s,
+                "hold_max_s": self.hold_max_s, "max_hold_s": self.max_hold_s, "held_bytes": self.held_bytes,
+                "held_bytes_max": self.held_bytes_max, "released": dict(zip(WAVE_REASONS, self.released, strict=True))}
+
+    @classmethod
+    def of_row(cls, head: dict[str, Any]) -> WaveCounts | None:
+        """The counts a version 2 row head holds (``ROW_HEAD.unpack``), or None where it holds none."""
+        if not head["wave"]:
+            return None
+        return cls(held=int(head["wave_held"]), holding=int(head["wave_holding"]), waves=int(head["waves"]),
+                   hold_sum_s=int(head["wave_hold_sum_ns"]) / 1e9, hold_max_s=int(head["wave_hold_max_ns"]) / 1e9,
+                   max_hold_s=int(head["wave_max_hold_ns"]) / 1e9, held_bytes=int(head["wave_held_bytes"]),
+                   held_bytes_max=int(head["wave_held_bytes_max"]),
+                   released=tuple(int(head[f"wave_released_{r}"]) for r in WAVE_REASONS))
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1e9))
+
+
+class RowCounts(NamedTuple):
+    """A dispatcher's counts as its row carries them, but for the refreshes (which the row's reader
+    counts): from a dispatcher that counts every request itself (the ZMQ controller)."""
+
+    per_rank: Sequence[int]  # requests handed to each rank (a redelivered one counts again)
+    routed_per_rank: Sequence[int]  # of them, with routed_dp_rank
+    routed: int
+    with_room: int
+    fallbacks: int
+    rejected: int
 
 
 def dispatch_segment_name(board: str) -> str:
@@ -156,7 +276,7 @@ class DispatchRecord:
         def reset(_: int) -> None:
             head["method"], head["mode"] = method_raw, mode_raw
             head["refresh_interval_ns"] = int(round(refresh_interval * 1e9))
-            for name in COUNTERS:
+            for name in (*COUNTERS, *WAVE_COUNTERS):
                 head[name] = 0
             per_slot[:] = 0
             head["wall_ns"], head["monotonic_ns"] = time.time_ns(), time.monotonic_ns()
@@ -196,6 +316,11 @@ class DispatchRow:
     def due(self, now: float) -> bool:
         return now >= self._next
 
+    @property
+    def next_at(self) -> float:
+        """When the row is due again (``time.monotonic()`` seconds)."""
+        return self._next
+
     def set_method(self, method: str) -> None:
         """Stamp the row with another method (a dispatcher whose ``auto`` changed), under its seqlock."""
         if self.closed:
@@ -206,15 +331,19 @@ class DispatchRow:
         self._end()
 
     def publish(self, refreshes: int, requests: int, routed: int, with_room: int, fallbacks: int, rejected: int,
-                per_rank: Any, routed_per_rank: Any = None) -> None:
+                per_rank: Any, routed_per_rank: Any = None, *, wave: WaveCounts | None = None) -> None:
         """Copy the dispatcher's cumulative counts into the row (``per_rank[k]``: requests sent to
-        rank k; ``routed_per_rank[k]``: of them with routed_dp_rank; sequences of the row's slots)."""
+        rank k; ``routed_per_rank[k]``: of them with routed_dp_rank; sequences of the row's slots;
+        ``wave``: its wave's counters, None for a dispatcher that holds nothing)."""
         if self.closed:
             return
         head = self._head
         self._begin()
         head["refreshes"], head["requests"], head["routed"] = refreshes, requests, routed
         head["with_room"], head["fallbacks"], head["rejected"] = with_room, fallbacks, rejected
+        if wave is not None:
+            for name, value in zip(WAVE_COUNTERS, wave.row_fields(), strict=True):
+                head[name] = value
         n = min(len(per_rank), len(self._per_slot))
         self._per_slot[:n, 0] = per_rank[:n]
         if routed_per_rank is not None:
@@ -234,10 +363,16 @@ class DispatchTally:
     ones (which refresh nothing, so they ``tick`` every ``PER_TICK``), fallbacks, rejections; and a
     dispatcher that reads no loads (follow_bootstrap_room) counts ``per_rank`` and ``with_room``
     itself and ticks every ``PER_TICK`` requests. The row is at most ``PUBLISH_INTERVAL`` behind
-    while requests come; the last ones before a pause wait for the next refresh or tick."""
+    while requests come; the last ones before a pause wait for ``trail``, which a loop of the
+    engine's that turns anyway calls: it publishes what changed since the row's last publish once
+    the row is due, and costs one comparison on most turns.
+
+    A dispatcher that counts every request itself (the ZMQ controller) gives ``counted`` instead:
+    the row reads every count but the refreshes from it. ``wave``, where given, says what the
+    dispatcher's inflight_wave hold did (None while it holds nothing), read at each publish."""
 
     __slots__ = ("row", "record", "per_rank", "routed", "routed_per_rank", "with_room", "fallbacks",
-                 "rejected", "refreshes", "countdown", "source")
+                 "rejected", "refreshes", "countdown", "source", "counted", "wave", "_published", "_next_trail")
     PER_TICK = 32
 
     def __init__(self, record: DispatchRecord, row: DispatchRow) -> None:
@@ -248,6 +383,10 @@ class DispatchTally:
         self.per_rank = [0] * record.slots
         self.routed_per_rank = [0] * record.slots
         self.source: Any = None  # () -> requests per rank so far, when the dispatcher counts them
+        self.counted: Callable[[], RowCounts] | None = None  # every count but the refreshes, counted elsewhere
+        self.wave: Callable[[], WaveCounts | None] | None = None
+        self._published: tuple[Any, ...] | None = None  # the counts the row last got (``_counts``)
+        self._next_trail = 0.0  # time.monotonic() seconds: when ``trail`` looks at the counts again
 
     def requests_per_rank(self) -> Any:
         return self.per_rank if self.source is None else self.source()
@@ -257,10 +396,41 @@ class DispatchTally:
         if self.row.due(time.monotonic()):
             self.publish()
 
+    def _row_counts(self) -> tuple[RowCounts, WaveCounts | None]:
+        if self.counted is not None:
+            counts = self.counted()
+        else:
+            counts = RowCounts(self.requests_per_rank(), self.routed_per_rank, self.routed, self.with_room,
+                               self.fallbacks, self.rejected)
+        return counts, None if self.wave is None else self.wave()
+
     def publish(self) -> None:
-        per_rank = self.requests_per_rank()
-        self.row.publish(self.refreshes, int(sum(per_rank)), self.routed, self.with_room, self.fallbacks,
-                         self.rejected, per_rank, self.routed_per_rank)
+        counts, wave = self._row_counts()
+        self.row.publish(self.refreshes, int(sum(counts.per_rank)), counts.routed, counts.with_room,
+                         counts.fallbacks, counts.rejected, counts.per_rank, counts.routed_per_rank, wave=wave)
+        self._published = self._counts(counts, wave)
+
+    def _counts(self, counts: RowCounts, wave: WaveCounts | None) -> tuple[Any, ...]:
+        """What the row says, as one value to compare (the requests per rank as bytes: a
+        retracted pick taken again elsewhere leaves their sum as it was)."""
+        return (self.refreshes, counts.routed, counts.with_room, counts.fallbacks, counts.rejected,
+                array("q", (int(n) for n in counts.per_rank)).tobytes(),
+                array("q", (int(n) for n in counts.routed_per_rank)).tobytes(), wave)
+
+    def trail(self, now: float) -> bool:
+        """A turn of a loop that runs anyway (``now``: ``time.monotonic()``): the counts go into the
+        row if they changed since its last publish and it is due, so that the last ones before a
+        pause are there within ``PUBLISH_INTERVAL``. True when it published."""
+        if now < self._next_trail:
+            return False
+        if not self.row.due(now):
+            self._next_trail = self.row.next_at  # no publish before then anyway
+            return False
+        self._next_trail = now + TRAIL_LOOK
+        if self._counts(*self._row_counts()) == self._published:
+            return False
+        self.publish()
+        return True
 
     def close(self) -> None:
         self.record.close()
@@ -336,25 +506,30 @@ class DispatchRowSample:
     per_rank: list[int] = field(default_factory=list)
     routed_per_rank: list[int] = field(default_factory=list)
     torn: bool = False
+    wave: WaveCounts | None = None  # an inflight_wave hold's counters; None: it holds nothing, or a version 1 row
 
     def as_dict(self) -> dict[str, Any]:
         return {"row": self.row, "pid": self.pid, "alive": self.alive, "method": self.method, "mode": self.mode,
                 "refresh_interval_s": self.refresh_interval, "age_s": self.age_s, "torn": self.torn,
-                **self.counts, "per_rank": self.per_rank, "routed_per_rank": self.routed_per_rank}
+                **self.counts, "per_rank": self.per_rank, "routed_per_rank": self.routed_per_rank,
+                **({"wave": self.wave.as_dict()} if self.wave is not None else {})}
 
 
 def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
                          timeout: float = 0.2) -> list[DispatchRowSample] | None:
     """Every claimed row of ``board``'s dispatch record, each read whole (or marked torn), or None
     when the board has no record. A record that is not one (another user's, the wrong size, a
-    link) is refused with one line, as a board would be."""
+    link) is refused with one line, as a board would be. A version 1 record (an earlier dpboard's
+    dispatcher) is read too: its rows have no wave's counters."""
     try:
-        fd, mapping, header = read_mapped(DISPATCH_FORMAT, board, trust_uids=trust_uids, timeout=timeout)
+        fd, mapping, header = read_mapped(_READ_FORMAT, board, trust_uids=trust_uids, timeout=timeout)
     except NotFoundError:
         return None
     try:
         rows, slots = int(header["rows"]), int(header["slots"])
-        size = row_size(slots)
+        v1 = int(header["version"]) == 1
+        fmt, layout = (DISPATCH_FORMAT_V1, ROW_HEAD_V1) if v1 else (DISPATCH_FORMAT, ROW_HEAD)
+        size = fmt.row_size(slots)
         now = time.monotonic_ns()
         out = []
         for index in range(rows):
@@ -363,24 +538,36 @@ def read_dispatch_record(board: str, *, trust_uids: tuple[int, ...] = (),
             torn = raw is None
             if torn:
                 raw = bytes(mapping[off: off + size])  # the pid and method only, for the report
-            head = ROW_HEAD.unpack(raw)
+            head = layout.unpack(raw)
             word = int(head["holder"])
             pid = unpack_owner(word)[0]
             if pid == 0:
                 continue
-            per = struct.unpack_from(f"<{2 * slots}q", raw, ROW_HEAD_SIZE)
+            per = struct.unpack_from(f"<{2 * slots}q", raw, layout.struct.size)
             out.append(DispatchRowSample(
-                row=index, pid=pid, alive=row_alive(DISPATCH_FORMAT, fd, index, slots, word),
+                row=index, pid=pid, alive=row_alive(fmt, fd, index, slots, word),
                 method=head["method"].rstrip(b"\0").decode(errors="replace"),
                 mode=head["mode"].rstrip(b"\0").decode(errors="replace"),
                 refresh_interval=int(head["refresh_interval_ns"]) / 1e9,
                 age_s=(now - int(head["monotonic_ns"])) / 1e9, wall_ns=int(head["wall_ns"]),
                 counts={name: int(head[name]) for name in COUNTERS},
-                per_rank=list(per[0::2]), routed_per_rank=list(per[1::2]), torn=torn))
+                per_rank=list(per[0::2]), routed_per_rank=list(per[1::2]), torn=torn,
+                wave=None if v1 or torn else WaveCounts.of_row(head)))
         return out
     finally:
         mapping.close()
         os.close(fd)
+
+
+def read_wave_rows(board: str, *, trust_uids: tuple[int, ...] = ()) -> list[DispatchRowSample]:
+    """The rows of ``board``'s dispatch record whose dispatcher runs and holds arrivals for waves
+    (``inflight_wave``), each with its ``wave``: what ``dpboard top`` and ``/metrics`` show. None
+    where the board has no record, or one that cannot be read (``dpboard doctor`` says why)."""
+    try:
+        rows = read_dispatch_record(board, trust_uids=trust_uids)
+    except DpboardError:
+        return []
+    return [r for r in rows or [] if r.alive and not r.torn and r.wave is not None]
 
 
 def _read_row(mapping: mmap.mmap, off: int, size: int) -> bytes | None:

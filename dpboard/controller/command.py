@@ -33,7 +33,20 @@ from dpboard.controller.dispatcher import (
     Dispatcher,
     default_lockstep_horizon,
 )
-from dpboard.controller.methods import (
+from dpboard.controller.process import (
+    DEFAULT_MAX_REDELIVERIES,
+    DEFAULT_SEND_HWM,
+    MAX_REDELIVERIES,
+    MAX_SEND_HWM,
+    RESERVED,
+    ControllerBusyError,
+    ControllerSettings,
+    DataParallelController,
+)
+from dpboard.controller.session import DispatchSession
+from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, MAX_WAVE_HOLD, MAX_WAVE_PER_RANK
+from dpboard.errors import InvalidInputError
+from dpboard.methods import (
     AUTO,
     DISAGGREGATION_MODES,
     METHOD_CHOICES,
@@ -42,18 +55,6 @@ from dpboard.controller.methods import (
     resolve_load_balance_method,
     zmq_reader_owner,
 )
-from dpboard.controller.process import (
-    DEFAULT_MAX_REDELIVERIES,
-    DEFAULT_SEND_HWM,
-    MAX_REDELIVERIES,
-    MAX_SEND_HWM,
-    RESERVED,
-    ControllerBusyError,
-    DataParallelController,
-)
-from dpboard.controller.session import DispatchSession
-from dpboard.controller.wave import DEFAULT_WAVE_HOLD, DEFAULT_WAVE_PER_RANK, MAX_WAVE_HOLD, MAX_WAVE_PER_RANK
-from dpboard.errors import InvalidInputError
 from dpboard.multinode.peers import DEFAULT_MAX_PEERS
 from dpboard.options import count, seconds
 from dpboard.ownership import OwnerLock, check_endpoint, lock_path
@@ -240,15 +241,15 @@ def _attach_and_serve(args: argparse.Namespace, method: Any, endpoints: list[str
 
 def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], reader: Any, collector: Any,
            stop: threading.Event) -> int:
-    # The board's dispatch record, for dpboard doctor: the controller counts every request it hands
-    # to a rank (a redelivered one again), whatever its budget counts.
+    # The board's dispatch record, for dpboard doctor, top and /metrics: the controller counts every
+    # request it hands to a rank (a redelivered one again), whatever its budget counts, and the row
+    # reads its counts (DataParallelController.counts).
     if args.board:
         session = DispatchSession.with_record(
             args.board, len(endpoints), method=method.value, mode=args.disaggregation_mode,
-            refresh_interval=args.refresh_interval, trust_uids=tuple(args.trust_uid), logger=log,
-            count_every_pick=True)
+            refresh_interval=args.refresh_interval, trust_uids=tuple(args.trust_uid), logger=log)
     else:
-        session = DispatchSession(logger=log, count_every_pick=True)
+        session = DispatchSession(logger=log)
     try:
         ticking = None if reader is None else session.reader(reader)
 
@@ -283,11 +284,11 @@ def _serve(args: argparse.Namespace, method: Any, endpoints: list[str | None], r
         else:
             dispatcher = build(method)
         session.use(dispatcher)
-        controller = DataParallelController(
-            dispatcher, endpoints, args.input, args.errors, send_hwm=args.send_hwm,
-            max_queued_mib=args.max_queued_mib, max_input_mib=args.max_input_mib, max_peers=args.max_peers,
-            log_every=args.log_every, collector=collector, acks=reader, max_redeliveries=args.max_redeliveries,
-            session=session, auto=auto)
+        settings = ControllerSettings(
+            send_hwm=args.send_hwm, max_queued_mib=args.max_queued_mib, max_input_mib=args.max_input_mib,
+            max_peers=args.max_peers, log_every=args.log_every, max_redeliveries=args.max_redeliveries)
+        controller = DataParallelController(dispatcher, endpoints, args.input, args.errors, settings=settings,
+                                            acks=reader, collector=collector, session=session, auto=auto)
         try:
             stats = controller.run(duration=args.duration, stop=stop)
         finally:

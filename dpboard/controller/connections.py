@@ -16,10 +16,14 @@ and the error channel it connects (docs/SECURITY.md, "The controller's connectio
   broken connection) until it has taken all but half of that, and an error answer is dropped
   (counted). What the kernel tells: for TCP the bytes the socket has taken from libzmq (the peer's
   acknowledgements plus the kernel's own send queue), exact; for a Unix socket whether its kernel
-  buffer has room, which means libzmq holds nothing (what was sent since room was last seen counts).
+  buffer has room, which means libzmq has written what it had time to (what was sent less than
+  ``ROOM_GRACE`` before still counts). The pipe keeps each frame's item (a request's rid) until the
+  frame is shown to have left the process: ``unsent`` names those a stop would drop.
 - ``BoundedLog``: malformed frames and refused requests are logged with at most ``TEXT_MAX``
   characters of their rid and reason, and at most ``LOG_BURST`` lines per ``LOG_WINDOW`` seconds;
   the rest is counted and summed up in one line.
+- ``Connections``: the controller's input, its schedulers' pipes and its error channel, opened
+  together (the endpoints checked first, the input's single-owner lock taken) and closed together.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -39,6 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dpboard.errors import UnavailableError
 from dpboard.multinode.peers import PeerGuard, Proof, peer_address, set_deadlines
+from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, take_endpoint
 
 # The largest request frame taken in: a prompt of 4M tokens at their widest msgpack size (5 bytes),
 # with room for the other keys. A frame is read without an object per token, so this bounds memory,
@@ -64,6 +70,14 @@ LOG_BURST = 10  # lines per window about frames, before the rest is only counted
 LOG_WINDOW = 10.0  # seconds
 _TCP_INFO_LEN = 256
 _BYTES_ACKED_OFFSET = 120  # struct tcp_info's tcpi_bytes_acked (Linux >= 4.1)
+# Over a Unix socket a frame handed to ZMQ this long ago counts as written once the kernel's buffer
+# has room: libzmq's I/O thread takes microseconds to write what a send queued; a loaded machine
+# may take milliseconds.
+ROOM_GRACE = 0.01
+LOOK_EVERY = 256  # sends on a pipe between two looks at its kernel queue, at most
+# ZMQ reconnects a broken pipe after this long, more than the loop's longest poll: the controller
+# always sees a disconnect before the same rank can take requests again (docs/DISPATCH.md, Delivery).
+RECONNECT_IVL_MS = 250
 
 log = logging.getLogger("dpboard.controller")
 
@@ -217,6 +231,11 @@ class RequestInput:
 # -- the pipes out ------------------------------------------------------------------------------------
 
 
+def framed_size(nbytes: int) -> int:
+    """A frame's bytes on the wire: its ZMTP header is 2 bytes, 9 beyond 255."""
+    return nbytes + (2 if nbytes < 256 else 9)
+
+
 def _outq(fd: int) -> int:
     """Bytes the kernel still holds in the socket's send queue (SIOCOUTQ)."""
     return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))[0]
@@ -226,9 +245,13 @@ class SendQueue:
     """What this process still holds of the bytes sent on one connection (``fd``, libzmq's).
 
     ``sent`` counts every frame handed to ZMQ with its ZMTP header (2 bytes, 9 beyond 255) from the
-    moment the connection's handshake completed. ``look()`` asks the kernel what it has taken."""
+    moment the connection's handshake completed. ``look()`` asks the kernel what it has taken: over
+    TCP exactly (the peer's acknowledgements plus the kernel's send queue); over a Unix socket, whose
+    kernel counts nothing cumulative, a frame counts as taken once the kernel's buffer has room and
+    the frame was handed over at least ``ROOM_GRACE`` before (libzmq's I/O thread writes a frame some
+    time after the send: a look right after a burst sees an empty buffer and nothing written yet)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.fd = fd
         self.peer = peer_address(fd)
         s = socket.socket(fileno=fd)
@@ -237,16 +260,49 @@ class SendQueue:
             self._sndbuf = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         finally:
             s.detach()
+        self._clock = clock
         self.sent = 0
         self._taken = 0
         self._since_look = 0
         self.queued = 0  # as of the last look
+        self.gone = False  # the connection closed under the last look: libzmq dropped what it held
+        # Unix sockets: (when, sent by then), at most one a quarter of ROOM_GRACE apart; the oldest
+        # kept is the latest at least ROOM_GRACE old
+        self._marks: deque[tuple[float, int]] = deque()
+        self._mark_opened = float("-inf")
         self._base = self._written() if self.tcp else 0
 
+    def carry(self, nbytes: int) -> None:
+        """``nbytes`` (framed) queued before this connection came: they leave first, on it."""
+        self.sent = nbytes
+        self._mark()
+
     def add(self, nbytes: int) -> None:
-        framed = nbytes + (2 if nbytes < 256 else 9)
+        framed = framed_size(nbytes)
         self.sent += framed
         self._since_look += framed
+        if not self.tcp:
+            self._mark()
+
+    def _mark(self) -> None:
+        now = self._clock()
+        marks = self._marks
+        if now - self._mark_opened < ROOM_GRACE / 4:
+            marks[-1] = (now, self.sent)  # later, so never older than what it covers
+        else:
+            marks.append((now, self.sent))
+            self._mark_opened = now
+        cutoff = now - ROOM_GRACE
+        while len(marks) > 1 and marks[1][0] <= cutoff:
+            marks.popleft()
+
+    def _aged(self) -> int:
+        """Bytes handed to ZMQ at least ``ROOM_GRACE`` ago."""
+        cutoff = self._clock() - ROOM_GRACE
+        marks = self._marks
+        while len(marks) > 1 and marks[1][0] <= cutoff:
+            marks.popleft()
+        return marks[0][1] if marks and marks[0][0] <= cutoff else 0
 
     @property
     def estimate(self) -> int:
@@ -270,8 +326,10 @@ class SendQueue:
             if self.tcp:
                 self._taken = self._written() - self._base
             elif _outq(self.fd) < self._sndbuf // 2:
-                self._taken = self.sent  # the kernel has room: libzmq would have written what it held
+                # the kernel has room: what libzmq had time to write, it wrote
+                self._taken = max(self._taken, self._aged())
         except OSError:
+            self.gone = True
             self._taken = self.sent
         self.queued = max(0, self.sent - self._taken)
         return self.queued
@@ -290,6 +348,11 @@ class Pipe:
         # What was queued while no connection was there (a pipe without IMMEDIATE queues from the
         # start): all of it is this process's until a connection takes it.
         self._unconnected = 0
+        # What was handed to ZMQ and not yet shown to have left this process, oldest first: (where
+        # the frame ends in ``_total``, the caller's item), so that a stop can say which they were.
+        self._pending: deque[tuple[int, Any]] = deque()
+        self._total = 0  # framed bytes ever handed to ZMQ on this pipe
+        self._unlooked = 0  # sends since the kernel was last asked
         self.socket = context.socket(zmq.PUSH)
         self.monitor: zmq.Socket | None = None
         try:
@@ -326,15 +389,17 @@ class Pipe:
                 self.backlogged = False
                 self.queue = self._queue()
                 if self.queue is not None:
-                    self.queue.sent = self._unconnected  # it leaves first, on this connection
-                self._unconnected = 0
+                    self.queue.carry(self._unconnected)  # it leaves first, on this connection
+                    self._unconnected = 0
                 out.append(kind)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 if not self.immediate and self.queue is not None:
                     self._unconnected = self.queue.look()  # kept for the next connection
+                else:
+                    self._pending.clear()  # with IMMEDIATE, libzmq drops what the pipe held
                 self.backlogged = self._unconnected >= self.max_queued_bytes
-                self.queue = None  # with IMMEDIATE, libzmq drops what the pipe held
+                self.queue = None
                 out.append(kind)
         return out
 
@@ -346,17 +411,20 @@ class Pipe:
         except OSError:
             return None  # gone already: its disconnect follows
 
-    def send(self, data: bytes) -> bool:
-        """True when ZMQ took ``data``; False when the pipe is backlogged or its queue is full."""
+    def send(self, data: bytes, item: Any = None) -> bool:
+        """True when ZMQ took ``data``; False when the pipe is backlogged or its queue is full.
+        ``item`` (a request, a rid) is kept until the frame has left this process (``unsent``)."""
         if self.backlogged:
             return False
         try:
             self.socket.send(data, zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self._total += framed_size(len(data))
+        self._pending.append((self._total, item))
         q = self.queue
         if q is None:
-            self._unconnected += len(data)
+            self._unconnected += framed_size(len(data))
             if self._unconnected >= self.max_queued_bytes:
                 self.backlogged = True
                 log.warning("%s (%s) holds %.1f MiB with no connection to take it, the bound (--max-queued-mib): "
@@ -364,7 +432,10 @@ class Pipe:
                             self._unconnected / 2**20)
         else:
             q.add(len(data))
-            if q.estimate >= self.max_queued_bytes and q.look() >= self.max_queued_bytes:
+            self._unlooked += 1
+            # a look every LOOK_EVERY sends lets go of what has left: small frames stay few
+            if ((q.estimate >= self.max_queued_bytes or self._unlooked >= LOOK_EVERY)
+                    and self._look() >= self.max_queued_bytes):
                 self.backlogged = True
                 log.warning("%s (%s) holds %.1f MiB not yet taken, the bound (--max-queued-mib): nothing more "
                             "goes there until it takes all but half of it", self.what, self.endpoint,
@@ -378,11 +449,37 @@ class Pipe:
         q = self.queue
         if q is None and not self.connected:
             return False  # nothing takes what waits until a connection does
-        if q is None or q.look() < self.max_queued_bytes // 2:
+        if q is None or self._look() < self.max_queued_bytes // 2:
             self.backlogged = False
             log.info("%s (%s) takes requests again", self.what, self.endpoint)
             return True
         return False
+
+    def _look(self) -> int:
+        """What this process holds for the pipe now (asking the kernel); what has left is let go."""
+        q = self.queue
+        self._unlooked = 0
+        held = self._unconnected if q is None else q.look()
+        if q is not None and q.gone:
+            return held  # closed under it: what was pending went with the connection, not out of it
+        left = self._total - held
+        pending = self._pending
+        while pending and pending[0][0] <= left:
+            pending.popleft()
+        return held
+
+    def leaving(self) -> bool:
+        """Whether frames not yet shown to have left this process may still leave (asking the kernel
+        now): some are pending, and the connection they wait on is not gone."""
+        self._look()
+        q = self.queue
+        return bool(self._pending) and not (q is not None and q.gone) and (q is not None or not self.immediate)
+
+    def unsent(self) -> list[Any]:
+        """The items of the frames not shown to have left this process (asking the kernel now):
+        what ZMQ still holds, or dropped with a connection that closed under it."""
+        self._look()
+        return [item for _, item in self._pending]
 
     def set_linger(self, ms: int) -> None:
         if not self.socket.closed:
@@ -397,3 +494,77 @@ class Pipe:
             monitor.close(linger=0)
         if not self.socket.closed:
             self.socket.close(linger)
+
+
+# -- all of them ----------------------------------------------------------------------------------------
+
+
+class ControllerBusyError(OwnerBusyError):
+    """Another process already binds the controller's input endpoint, or already controls its board."""
+
+
+class Connections:
+    """The controller's sockets, opened together and closed together (``close``): the input it binds
+    (``input``; one process per endpoint, a lock under /dev/shm: a second controller fails at start
+    naming the first), a ``Pipe`` to each worker slot's scheduler (``workers``; None for a reserved
+    slot, ``ranks`` are the others) and, with an error endpoint, the error channel (``errors``).
+    The bounds: ``max_peers`` connections on the input and ``max_input_bytes`` received and not yet
+    read per connection; ``send_hwm`` requests and ``max_queued_bytes`` queued per scheduler, the
+    same bytes for the answers. Every endpoint is checked before anything opens; what a failure
+    leaves open is closed at once. ``context``: the caller's (None: one of its own, terminated
+    at the close)."""
+
+    def __init__(self, context: zmq.Context | None, worker_endpoints: Sequence[str | None], input_endpoint: str,
+                 error_endpoint: str | None, *, send_hwm: int, max_queued_bytes: int, max_input_bytes: int,
+                 max_peers: int | None) -> None:
+        check_endpoint(input_endpoint, "the input endpoint", bind=True)
+        for rank, endpoint in enumerate(worker_endpoints):
+            if endpoint is not None:
+                check_endpoint(endpoint, f"the endpoint of worker {rank}", bind=False)
+        if error_endpoint is not None:
+            check_endpoint(error_endpoint, "the error endpoint", bind=False)
+        self.worker_endpoints = list(worker_endpoints)
+        self.error_endpoint = error_endpoint
+        self.ranks = [r for r, e in enumerate(self.worker_endpoints) if e is not None]
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self.input: RequestInput | None = None
+        self.workers: list[Pipe | None] = [None] * len(self.worker_endpoints)
+        self.errors: Pipe | None = None
+        self._lock: OwnerLock | None = None
+        try:
+            self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
+            self.input = RequestInput(self.context, input_endpoint, max_peers=max_peers,
+                                      max_input_bytes=max_input_bytes)
+            for rank in self.ranks:
+                self.workers[rank] = Pipe(self.context, self.worker_endpoints[rank], f"worker {rank}",
+                                          send_hwm=send_hwm, max_queued_bytes=max_queued_bytes, immediate=True,
+                                          reconnect_ivl_ms=RECONNECT_IVL_MS)
+            if error_endpoint is not None:
+                self.errors = Pipe(self.context, error_endpoint, "the error channel", send_hwm=None,
+                                   max_queued_bytes=max_queued_bytes, immediate=False)
+        except BaseException:
+            self.close(linger=0)
+            raise
+        for pipe in self.pipes():  # a clean close gives queued requests and answers a second to leave
+            pipe.set_linger(1000)
+
+    def pipes(self) -> list[Pipe]:
+        """The open pipes: the workers', then the error channel."""
+        return [p for p in [*self.workers, self.errors] if p is not None]
+
+    def close(self, linger: int | None = None) -> None:
+        """Everything opened so far (the pipes with their linger; ``linger=0``, an error path, waits
+        for nothing), the context where it is this object's, then the input's lock."""
+        for pipe in self.pipes():
+            pipe.close(linger)
+        self.workers[:] = [None] * len(self.workers)
+        self.errors = None
+        if self.input is not None:
+            self.input.close()
+            self.input = None
+        if self._own_context and not self.context.closed:
+            self.context.term()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

@@ -13,10 +13,12 @@ than ``max_redeliveries`` allows, is answered ``{"rid", "error"}`` on the error 
 Neither ever stops the loop. A request whose send fails is taken back out of the rank's load
 (``Dispatcher.retract``): the rank never got it.
 
-The sockets and their bounds (the input's connections, the bytes queued per scheduler, the log of
-malformed frames) live in ``dpboard.controller.connections``; the Dispatcher, its dispatch-record
-row and its counts in a ``dpboard.controller.session.DispatchSession``; this module is the loop
-that uses them.
+The controller's state is in a few named parts: its ``ControllerSettings`` (bounds and pace,
+checked when made), its ``Connections`` (the sockets and their bounds: the input's connections, the
+bytes queued per scheduler; ``dpboard.controller.connections``), its ``ControllerCounts`` (each
+event counted once, there; the stats, the count lines and the dispatch record's row are read from
+them), and the ``dpboard.controller.session.DispatchSession`` that holds the Dispatcher, its
+dispatch-record row and its wave's counters. This module is the loop that uses them.
 
 With a load-aware method the controller is node0's single owner of the relays' load PULL socket
 (docs/MULTINODE.md, "One owner"): ``--collect-bind`` hosts a ``dpboard.multinode.collector.Collector`` in this process, polled in the
@@ -30,11 +32,13 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import zmq
 
+from dpboard.board.dispatch_record import WAVE_REASONS, RowCounts, WaveCounts
 from dpboard.controller.codec import MalformedFrame, Request, RequestRefused, decode_request
 from dpboard.controller.connections import (
     DEFAULT_MAX_INPUT_MIB,
@@ -43,18 +47,23 @@ from dpboard.controller.connections import (
     MAX_QUEUED_MIB,
     MIN_INPUT_MIB,
     BoundedLog,
+    Connections,
     Pipe,
-    RequestInput,
     shown,
 )
+from dpboard.controller.connections import ControllerBusyError as ControllerBusyError
 from dpboard.controller.delivery import DeliveryLedger, RankAvailability
 from dpboard.controller.dispatcher import Dispatcher
 from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.multinode.peers import Proof
-from dpboard.ownership import OwnerBusyError, OwnerLock, check_endpoint, take_endpoint
 from dpboard.snapshot import SlotStatus
 from dpboard.stopping import StopFlag
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dpboard.controller.auto import AutoMethod
 
 log = logging.getLogger("dpboard.controller")
 
@@ -63,10 +72,7 @@ DEFAULT_SEND_HWM = 100_000
 MAX_SEND_HWM = 100_000_000
 DEFAULT_MAX_BATCH = 1024
 CONNECT_WAIT = 2.0  # seconds the controller gives its schedulers to connect before it serves
-# ZMQ reconnects a broken pipe after this long, more than the loop's longest poll: the controller
-# always sees a disconnect before the same rank can take requests again (docs/DISPATCH.md, Delivery).
-RECONNECT_IVL_MS = 250
-MAX_POLL_INTERVAL = 0.1
+MAX_POLL_INTERVAL = 0.1  # the loop's longest poll is shorter than RECONNECT_IVL_MS (connections.py)
 ACK_INTERVAL = 0.01  # seconds between two reads of the board's received counts
 # How many times a request whose receiver's connection broke before it acknowledged the request is
 # sent again. A request that keeps killing its receivers (one a scheduler cannot survive) would
@@ -74,43 +80,179 @@ ACK_INTERVAL = 0.01  # seconds between two reads of the board's received counts
 # else. Beyond it the request is answered on the error channel.
 DEFAULT_MAX_REDELIVERIES = 1
 MAX_REDELIVERIES = 100
+# A stop gives what ZMQ holds for the schedulers this long to leave (the linger the close had), then
+# as long to the answers it sends for what did not; the close then drops nothing unaccounted.
+STOP_WAIT = 1.0
+STOP_LOOK = 0.01  # seconds between two looks at the kernel's queues meanwhile
 _LIVE, _STALE, _TORN = int(SlotStatus.LIVE), int(SlotStatus.STALE), int(SlotStatus.TORN)
-
-
-class ControllerBusyError(OwnerBusyError):
-    """Another process already binds the controller's input endpoint, or already controls its board."""
-
-
-def new_counts(n: int) -> dict[str, Any]:
-    """The controller's counts for ``n`` worker slots, all zero (``DataParallelController.stats``)."""
-    return {
-        "received": 0,
-        "dispatched": 0,  # taken by ZMQ for a connected scheduler (a redelivered request counts again)
-        "delivered": 0,  # acknowledged by the scheduler's num_received_reqs (with a board)
-        "redelivered": 0,  # sent again after their rank's connection broke before acknowledging them
-        # lost by max_redeliveries + 1 ranks: answered with an error instead of being sent again
-        "redelivery_exhausted": 0,
-        "malformed": 0,  # dropped (and answered, when their rid could be read)
-        "rejected": 0,  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
-        "send_dropped": 0,  # a send refused (no connection, a full queue): tried elsewhere or answered
-        "errors_unsent": 0,  # an error answer that could not be sent (no error channel, or full)
-        "retracted": 0,  # picks taken back out of a rank's load because their send failed
-        "disconnects": 0,
-        "backlogged": 0,  # times a scheduler held max_queued_mib not yet taken (then unavailable)
-        "unacknowledged": 0,  # sent, not yet acknowledged (with a board), when the stats were taken
-        "untracked": 0,  # sent, then let go unacknowledged: the ledger's bounds, or a rank that counts nothing
-        # inflight_wave: requests held for a wave, and those of them placed when the controller stopped
-        # (sent, or answered with an error where no rank took them)
-        "held": 0,
-        "released_at_stop": 0,
-        "per_rank": [0] * n,
-    }
 
 
 def _int_option(name: str, value: Any, low: int, high: int | None, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         span = f"{low}..{high}" if high is not None else f">= {low}"
         raise InvalidInputError(f"{name} must be an int in {span} ({what}), got {value!r}")
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """The controller's bounds and pace (``dpboard controller``'s options), checked when made.
+
+    The connections' bounds (``dpboard.controller.connections``): ``max_peers`` connections on the
+    input at most, and ``max_input_mib`` MiB of frames received and not yet read per connection (the
+    sender waits beyond it); ``send_hwm`` requests and ``max_queued_mib`` MiB queued per scheduler (a
+    scheduler over the latter counts as unavailable until it takes all but half of it), the same
+    bytes for the answers, and for what an ``inflight_wave`` hold keeps. ``max_batch`` requests at
+    most are taken per read of the input; the loop polls at most ``poll_interval`` seconds and logs
+    its counts every ``log_every``. With a board (``acks``): ``redeliver_after`` is how long a rank
+    whose connection broke has to count what it received before the rest is sent elsewhere
+    (default: the reader's ``stale_after``, else 1 s); ``max_redeliveries`` bounds how many times
+    one request is sent elsewhere so: a request lost by ``max_redeliveries + 1`` ranks is answered
+    on the error channel instead (counted in ``redelivery_exhausted``)."""
+
+    send_hwm: int = DEFAULT_SEND_HWM
+    max_queued_mib: int = DEFAULT_MAX_QUEUED_MIB
+    max_input_mib: int = DEFAULT_MAX_INPUT_MIB
+    max_peers: int | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    poll_interval: float = 0.05
+    log_every: float = 10.0
+    redeliver_after: float | None = None
+    max_redeliveries: int = DEFAULT_MAX_REDELIVERIES
+
+    def __post_init__(self) -> None:
+        _int_option("send_hwm", self.send_hwm, 1, MAX_SEND_HWM, "requests queued per scheduler")
+        _int_option("max_queued_mib", self.max_queued_mib, 1, MAX_QUEUED_MIB, "MiB queued per scheduler")
+        _int_option("max_input_mib", self.max_input_mib, MIN_INPUT_MIB, MAX_INPUT_MIB,
+                    "MiB received and not yet read per input connection, at least one largest frame")
+        _int_option("max_batch", self.max_batch, 1, None, "requests taken per batch")
+        _int_option("max_redeliveries", self.max_redeliveries, 0, MAX_REDELIVERIES,
+                    "times a request lost by a dead receiver is sent again")
+        if self.max_peers is not None:
+            _int_option("max_peers", self.max_peers, 1, 2**20, "connections on the input")
+        if not 0 < self.poll_interval <= MAX_POLL_INTERVAL:
+            raise InvalidInputError(f"poll_interval must be in (0, {MAX_POLL_INTERVAL}] seconds, "
+                                    f"got {self.poll_interval!r}")
+
+    @property
+    def queued_bytes(self) -> int:
+        """One scheduler's share of what the process may hold: ``max_queued_mib`` in bytes."""
+        return self.max_queued_mib * 2**20
+
+    @property
+    def poll_ms(self) -> int:
+        return max(1, int(self.poll_interval * 1000))
+
+
+@dataclass
+class ControllerCounts:
+    """What the controller counts, each event once, where it happens; ``DataParallelController.stats``
+    (``--stats-json``, the count lines) and the dispatch record's row (``row``) are read from here.
+    The ledger counts the deliveries, and the session the wave's holds."""
+
+    per_rank: list[int]  # handed to ZMQ for each rank's connected scheduler (a redelivered request again)
+    routed_per_rank: list[int]  # of them, with routed_dp_rank
+    with_room: int = 0  # of them, with a bootstrap_room
+    received: int = 0  # frames taken from the input
+    malformed: int = 0  # dropped (and answered, when their rid could be read)
+    rejected: int = 0  # answered with an error (invalid routed rank, no rank takes it, too large, ...)
+    refused: int = 0  # sends refused (no connection, a full queue): retracted, then tried elsewhere or answered
+    redelivered: int = 0  # sent again after their rank's connection broke before acknowledging them
+    redelivery_exhausted: int = 0  # lost by max_redeliveries + 1 ranks: answered (and rejected) instead
+    errors_unsent: int = 0  # error answers that could not be sent (no error channel, or full)
+    disconnects: int = 0
+    backlogged: int = 0  # times a scheduler held max_queued_mib not yet taken (then unavailable)
+    # handed to ZMQ for a scheduler that had not taken them STOP_WAIT after the stop: dropped by the
+    # close, answered on the error channel
+    lost_at_stop: int = 0
+
+    @classmethod
+    def of(cls, n: int) -> ControllerCounts:
+        """All zero, for ``n`` worker slots."""
+        return cls(per_rank=[0] * n, routed_per_rank=[0] * n)
+
+    def row(self) -> RowCounts:
+        """The dispatch record's counts: the fallbacks are the refused sends (dispatched again), the
+        rejections every request answered instead of dispatched (malformed frames and those lost at
+        the stop included)."""
+        return RowCounts(self.per_rank, self.routed_per_rank, sum(self.routed_per_rank), self.with_room,
+                         self.refused, self.rejected + self.malformed + self.lost_at_stop)
+
+    def stats(self, ledger: DeliveryLedger | None, wave: WaveCounts | None) -> dict[str, Any]:
+        """``--stats-json``'s counts (the keys and their order of every earlier version), with the
+        ledger's and the wave's."""
+        return {
+            "received": self.received,
+            "dispatched": sum(self.per_rank),
+            "delivered": 0 if ledger is None else ledger.delivered,  # acknowledged by num_received_reqs
+            "redelivered": self.redelivered,
+            "redelivery_exhausted": self.redelivery_exhausted,
+            "malformed": self.malformed,
+            "rejected": self.rejected,
+            "send_dropped": self.refused,
+            "errors_unsent": self.errors_unsent,
+            "retracted": self.refused,  # the refused picks, taken back out of their rank's load
+            "disconnects": self.disconnects,
+            "backlogged": self.backlogged,
+            # sent and not yet acknowledged (with a board); sent, then let go unacknowledged (the
+            # ledger's bounds, or a rank that counts nothing)
+            "unacknowledged": 0 if ledger is None else ledger.unacknowledged(),
+            "untracked": 0 if ledger is None else ledger.untracked,
+            **wave_stats(wave),
+            "lost_at_stop": self.lost_at_stop,
+            "per_rank": list(self.per_rank),
+        }
+
+
+def wave_stats(wave: WaveCounts | None) -> dict[str, Any]:
+    """inflight_wave's counts in ``--stats-json``: requests held for waves, and those of them placed
+    when the controller stopped (sent, or answered where no rank took them); bytes held now and the
+    most held at once; releases by why their wave left (``WAVE_REASONS``); the waves; the longest
+    any request was held, and the seconds held summed over the released requests."""
+    w = wave or WaveCounts()
+    return {"held": w.held, "released_at_stop": w.released_by("shutdown"), "held_bytes": w.held_bytes,
+            "held_bytes_max": w.held_bytes_max,
+            "wave_released": {} if wave is None else dict(zip(WAVE_REASONS, w.released, strict=True)),
+            "waves": w.waves, "wave_hold_max_s": w.hold_max_s, "wave_hold_sum_s": w.hold_sum_s}
+
+
+def wave_line(wave: WaveCounts) -> str:
+    """The wave's counters in the controller's count line: the waves, the releases by reason, the
+    longest hold against its budget and the mean."""
+    released = sum(wave.released)
+    mean = wave.hold_sum_s / released if released else 0.0
+    reasons = ", ".join(f"{reason} {n}" for reason, n in zip(WAVE_REASONS, wave.released, strict=True))
+    return (f"{wave.waves} waves (released: {reasons}); each held at most {wave.hold_max_s:.3f} s (the bound: "
+            f"--wave-max-hold {wave.max_hold_s:g}), {mean:.3f} s on average")
+
+
+def _check_ranks(dispatcher: Dispatcher, workers: Sequence[str | None]) -> None:
+    n = dispatcher.num_workers
+    if len(workers) != n:
+        raise InvalidInputError(
+            f"{len(workers)} worker endpoints for a dispatcher of {n} "
+            f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
+        )
+    absent = [r for r in dispatcher.active if workers[r] is None]
+    if absent:
+        raise InvalidInputError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
+                                "out of the active set")
+
+
+class BoardCounts(Protocol):
+    """What the controller reads of its schedulers' board (a ``dpboard.board.FollowingReader``): one
+    SNAPSHOT_DTYPE record per worker slot; its ``stale_after``, where it has one, is the default
+    ``ControllerSettings.redeliver_after``."""
+
+    def read_array(self) -> np.ndarray: ...
+
+
+class LoadFanIn(Protocol):
+    """The load fan-in the loop polls beside the input (``dpboard.multinode.collector.Collector``);
+    its ``endpoint`` and ``stats()``, where it has them, go into the log and the stats."""
+
+    socket: zmq.Socket
+
+    def drain(self) -> Any: ...
 
 
 class DataParallelController:
@@ -120,27 +262,19 @@ class DataParallelController:
     slot); the controller connects a PUSH to each. ``input_endpoint`` is bound (PULL), and only one
     process may bind it (a lock under /dev/shm; a second controller fails at start naming the
     first). ``error_endpoint``, when given, is where the tokenizer side's PULL is bound: the
-    controller connects a PUSH there for ``{rid, error}`` answers. The connections' bounds
-    (``dpboard.controller.connections``): ``max_peers`` connections on the input at most, and
-    ``max_input_mib`` MiB of frames received and not yet read per connection (the sender waits
-    beyond it); ``send_hwm`` requests and ``max_queued_mib`` MiB queued per scheduler (a scheduler
-    over the latter counts as unavailable until it takes all but half of it), the same bytes for the
-    answers.
+    controller connects a PUSH there for ``{rid, error}`` answers. ``settings``: the bounds and the
+    pace (``ControllerSettings``; default, its defaults); ``context``: a ZMQ context of the caller's.
 
     ``acks``, when given, reads the schedulers' board (``read_array()``: SNAPSHOT_DTYPE records, one
     per worker slot, e.g. a ``dpboard.board.FollowingReader``): its ``num_received_reqs`` acknowledge
     deliveries and its staleness marks ranks that stopped taking requests (docs/DISPATCH.md,
-    "Delivery"). ``redeliver_after`` is how long a rank whose connection broke has to count what it
-    received before the rest is sent elsewhere (default: the reader's ``stale_after``, else 1 s).
-    ``max_redeliveries`` bounds how many times one request is sent elsewhere so: a request lost by
-    ``max_redeliveries + 1`` ranks is answered on the error channel instead (counted in
-    ``stats["redelivery_exhausted"]``).
+    "Delivery").
 
     ``session``, when given, is the ``dpboard.controller.session.DispatchSession`` holding
-    ``dispatcher`` (with ``count_every_pick``) and this controller's row of the board's dispatch
-    record, for ``dpboard doctor``: each request handed to a rank, each pick whose rank refused it
-    (a fallback in the record) and each rejection is counted there, and the loop publishes the row
-    at most every 0.1 s. Without one the controller holds a session of its own, with no record.
+    ``dispatcher`` and this controller's row of the board's dispatch record, for ``dpboard doctor``,
+    ``dpboard top`` and ``/metrics``: the row reads this controller's ``counts`` (``count_from``)
+    and its wave's counters, and the loop publishes it within 0.1 s of a change. Without one the
+    controller holds a session of its own, with no record.
 
     ``collector``, when given, is a ``dpboard.multinode.collector.Collector`` (anything with ``socket`` and
     ``drain()``) whose socket this loop polls beside the input; its owner creates and closes it.
@@ -151,133 +285,56 @@ class DataParallelController:
     between two batches (the ranks' availability carried over; the record's method stamped again).
     """
 
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        worker_endpoints: Sequence[str | None],
-        input_endpoint: str,
-        error_endpoint: str | None = None,
-        *,
-        context: zmq.Context | None = None,
-        send_hwm: int = DEFAULT_SEND_HWM,
-        max_queued_mib: int = DEFAULT_MAX_QUEUED_MIB,
-        max_input_mib: int = DEFAULT_MAX_INPUT_MIB,
-        max_peers: int | None = None,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        poll_interval: float = 0.05,
-        log_every: float = 10.0,
-        collector: Any = None,
-        acks: Any = None,
-        redeliver_after: float | None = None,
-        max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
-        session: DispatchSession | None = None,
-        auto: Any = None,
-    ):
+    def __init__(self, dispatcher: Dispatcher, worker_endpoints: Sequence[str | None], input_endpoint: str,
+                 error_endpoint: str | None = None, *, settings: ControllerSettings | None = None,
+                 context: zmq.Context | None = None, acks: BoardCounts | None = None,
+                 collector: LoadFanIn | None = None, session: DispatchSession | None = None,
+                 auto: AutoMethod | None = None) -> None:
+        self.settings = settings = settings or ControllerSettings()
+        _check_ranks(dispatcher, worker_endpoints)
         n = dispatcher.num_workers
-        self._check_endpoints(dispatcher, worker_endpoints, input_endpoint, error_endpoint)
-        _int_option("send_hwm", send_hwm, 1, MAX_SEND_HWM, "requests queued per scheduler")
-        _int_option("max_queued_mib", max_queued_mib, 1, MAX_QUEUED_MIB, "MiB queued per scheduler")
-        _int_option("max_input_mib", max_input_mib, MIN_INPUT_MIB, MAX_INPUT_MIB,
-                    "MiB received and not yet read per input connection, at least one largest frame")
-        _int_option("max_batch", max_batch, 1, None, "requests taken per batch")
-        _int_option("max_redeliveries", max_redeliveries, 0, MAX_REDELIVERIES,
-                    "times a request lost by a dead receiver is sent again")
-        if max_peers is not None:
-            _int_option("max_peers", max_peers, 1, 2**20, "connections on the input")
-        if not 0 < poll_interval <= MAX_POLL_INTERVAL:
-            raise InvalidInputError(f"poll_interval must be in (0, {MAX_POLL_INTERVAL}] seconds, got {poll_interval!r}")
-        if acks is not None and redeliver_after is None:
-            redeliver_after = getattr(acks, "stale_after", 1.0)
-        if session is None:
-            session = DispatchSession(logger=log, count_every_pick=True)
-        if session.dispatcher is not dispatcher:
-            session.use(dispatcher)
-        self.session = session
-        self.worker_endpoints = list(worker_endpoints)
-        self.input_endpoint = input_endpoint
-        self.error_endpoint = error_endpoint
-        self.collector = collector
-        self.auto = auto
-        self.acks = acks
-        self.redeliver_after = float(redeliver_after or 1.0)
-        self.max_redeliveries = max_redeliveries
+        self.session = session or DispatchSession(logger=log)
+        if self.session.dispatcher is not dispatcher:
+            self.session.use(dispatcher)
+        dispatcher.bound_held_bytes(settings.queued_bytes)  # what a wave holds counts against one scheduler's share
+        self.counts = ControllerCounts.of(n)
+        self.session.count_from(self.counts.row)
+        self.acks, self.collector, self.auto = acks, collector, auto
         self.ledger = DeliveryLedger(n) if acks is not None else None
-        self._said_uncounted = False
-        self.max_batch = max_batch
-        self.poll_ms = max(1, int(poll_interval * 1000))
-        self._held_before = 0  # requests held by the dispatchers auto has replaced
-        self.log_every = log_every
-        self._frame_log = BoundedLog(log)
-        self._own_context = context is None
-        self.context = context or zmq.Context()
-        self._stop = threading.Event()
-        self._ranks = [r for r, e in enumerate(self.worker_endpoints) if e is not None]
+        after = settings.redeliver_after
+        if after is None and acks is not None:
+            after = getattr(acks, "stale_after", 1.0)
+        self.redeliver_after = float(after or 1.0)
         self.availability = RankAvailability(n)
+        self._frame_log = BoundedLog(log)
+        self._stop = threading.Event()
+        self._said_uncounted = False
         self._next_ack = 0.0
-        self.stats = new_counts(n)
-        self.input: RequestInput | None = None
-        self.workers: list[Pipe | None] = [None] * n
-        self.errors: Pipe | None = None
-        self._lock: OwnerLock | None = None
-        try:
-            self._lock = take_endpoint(input_endpoint, busy=ControllerBusyError)
-            self.input = RequestInput(self.context, input_endpoint, max_peers=max_peers,
-                                      max_input_bytes=max_input_mib * 2**20)
-            queued = max_queued_mib * 2**20
-            for rank in self._ranks:
-                self.workers[rank] = Pipe(self.context, self.worker_endpoints[rank], f"worker {rank}",
-                                          send_hwm=send_hwm, max_queued_bytes=queued, immediate=True,
-                                          reconnect_ivl_ms=RECONNECT_IVL_MS)
-            if error_endpoint is not None:
-                self.errors = Pipe(self.context, error_endpoint, "the error channel", send_hwm=None,
-                                   max_queued_bytes=queued, immediate=False)
-        except BaseException:
-            self._close(linger=0)
-            raise
-        for pipe in self._pipes():  # a clean close gives queued requests and answers a second to leave
-            pipe.set_linger(1000)
-        for rank in self._ranks:
+        self._at_stop: dict[str, Any] = {}  # what the stats add once the loop has stopped
+        self.connections = Connections(context, worker_endpoints, input_endpoint, error_endpoint,
+                                       send_hwm=settings.send_hwm, max_queued_bytes=settings.queued_bytes,
+                                       max_input_bytes=settings.max_input_mib * 2**20, max_peers=settings.max_peers)
+        for rank in self.connections.ranks:
             self._update_status(rank)
 
-    @staticmethod
-    def _check_endpoints(dispatcher: Dispatcher, workers: Sequence[str | None], input_endpoint: str,
-                         error_endpoint: str | None) -> None:
-        n = dispatcher.num_workers
-        if len(workers) != n:
-            raise InvalidInputError(
-                f"{len(workers)} worker endpoints for a dispatcher of {n} "
-                f"worker slots: give one endpoint per slot ({RESERVED!r} for a reserved slot)"
-            )
-        absent = [r for r in dispatcher.active if workers[r] is None]
-        if absent:
-            raise InvalidInputError(f"active ranks {absent} have no worker endpoint: give them one or leave them "
-                                    "out of the active set")
-        check_endpoint(input_endpoint, "the input endpoint", bind=True)
-        for rank, endpoint in enumerate(workers):
-            if endpoint is not None:
-                check_endpoint(endpoint, f"the endpoint of worker {rank}", bind=False)
-        if error_endpoint is not None:
-            check_endpoint(error_endpoint, "the error endpoint", bind=False)
-
-    def _pipes(self) -> list[Pipe]:
-        return [p for p in [*self.workers, self.errors] if p is not None]
-
     @property
-    def _connected(self) -> list[bool]:
-        return [w is not None and w.connected for w in self.workers]
+    def stats(self) -> dict[str, Any]:
+        """The counts (``ControllerCounts.stats``); once the loop has stopped, also its input's
+        connections (``input``), the log lines held back and the collector's frames."""
+        return {**self.counts.stats(self.ledger, self.session.wave_counts()), **self._at_stop}
 
     # -- availability: connections, staleness, full queues ------------------------------------------
 
     def _update_status(self, rank: int) -> None:
-        self.availability.update(rank, self.workers[rank], self.dispatcher)
+        self.availability.update(rank, self.connections.workers[rank], self.dispatcher)
 
     def _on_monitor(self, rank: int, now: float) -> None:
-        pipe = self.workers[rank]
+        pipe = self.connections.workers[rank]
         for event in pipe.events():
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 log.info("worker %d (%s) connected", rank, pipe.endpoint)
             elif event == zmq.EVENT_DISCONNECTED:
-                self.stats["disconnects"] += 1
+                self.counts.disconnects += 1
                 if self.ledger is not None:
                     self.availability.draining[rank] = now + self.redeliver_after
                     log.warning("worker %d (%s) disconnected: no more requests go there; the %d it has not "
@@ -291,25 +348,27 @@ class DataParallelController:
 
     def _recheck_backlogs(self) -> None:
         """A backlogged scheduler that has taken all but half its bound takes requests again."""
-        for rank in self._ranks:
-            pipe = self.workers[rank]
+        conn = self.connections
+        for rank in conn.ranks:
+            pipe = conn.workers[rank]
             if pipe.backlogged and pipe.recheck():
                 self._update_status(rank)
-        if self.errors is not None:
-            self.errors.events()  # its connection, for its byte bound
-            self.errors.recheck()
+        if conn.errors is not None:
+            conn.errors.events()  # its connection, for its byte bound
+            conn.errors.recheck()
 
     def _wait_connected(self, stop: StopFlag) -> None:
         """Give the schedulers up to CONNECT_WAIT seconds to connect before serving (bounded)."""
         deadline = time.monotonic() + CONNECT_WAIT
         poller = zmq.Poller()
-        monitors = {self.workers[rank].monitor: rank for rank in self._ranks}
+        ranks, workers = self.connections.ranks, self.connections.workers
+        monitors = {workers[rank].monitor: rank for rank in ranks}
         for mon in monitors:
             poller.register(mon, zmq.POLLIN)
-        while not all(self.workers[r].connected for r in self._ranks) and not stop.is_set():
+        while not all(workers[r].connected for r in ranks) and not stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [r for r in self._ranks if not self.workers[r].connected]
+                missing = [r for r in ranks if not workers[r].connected]
                 log.warning("workers %s are not connected after %.0f s: requests go to the others until they "
                             "are", missing, CONNECT_WAIT)
                 return
@@ -320,7 +379,7 @@ class DataParallelController:
 
     def _start_epochs(self) -> None:
         records = self.acks.read_array()
-        for rank in self._ranks:
+        for rank in self.connections.ranks:
             st = int(records["status"][rank])
             self.ledger.start(rank, int(records["num_received_reqs"][rank]) if st in (_LIVE, _STALE) else 0)
 
@@ -328,7 +387,7 @@ class DataParallelController:
         records = self.acks.read_array()
         status, received = records["status"], records["num_received_reqs"]
         ledger = self.ledger
-        for rank in self._ranks:
+        for rank in self.connections.ranks:
             st = int(status[rank])
             if st == _LIVE or st == _STALE:
                 if ledger.pending[rank] or ledger.uncounted[rank]:
@@ -346,7 +405,6 @@ class DataParallelController:
             if now >= when:
                 st = int(status[rank])
                 self._close_epoch(rank, int(received[rank]) if st in (_LIVE, _STALE) else 0)
-        self.stats["delivered"] = ledger.delivered
 
     def _close_epoch(self, rank: int, received_now: int) -> None:
         del self.availability.draining[rank]
@@ -358,13 +416,13 @@ class DataParallelController:
                         "to other ranks", rank, len(lost))
         for req in lost:
             req.lost += 1
-            if req.lost > self.max_redeliveries:
-                self.stats["redelivery_exhausted"] += 1
+            if req.lost > self.settings.max_redeliveries:
+                self.counts.redelivery_exhausted += 1
                 who = "a scheduler whose connection" if req.lost == 1 else f"{req.lost} schedulers whose connections"
                 self._reject(req.rid, f"the request was lost by {who} broke before acknowledging it; it is not sent "
-                                      f"again (max_redeliveries {self.max_redeliveries})")
+                                      f"again (max_redeliveries {self.settings.max_redeliveries})")
                 continue
-            self.stats["redelivered"] += 1
+            self.counts.redelivered += 1
             self._redeliver(req, tried={rank})
 
     # -- the loop ---------------------------------------------------------------------------------------
@@ -386,21 +444,22 @@ class DataParallelController:
         if stop is not None:
             self._stop = stop
         stop = StopFlag(duration, event=self._stop)
+        conn = self.connections
         log.info("controller: method %s, %d worker slots (active %s), input %s, errors %s, acknowledgements %s",
                  self.dispatcher.described, self.dispatcher.num_workers, list(self.dispatcher.active),
-                 self.input.endpoint, self.error_endpoint, "from the board" if self.acks is not None else "none")
+                 conn.input.endpoint, conn.error_endpoint, "from the board" if self.acks is not None else "none")
         poller = zmq.Poller()
-        poller.register(self.input.socket, zmq.POLLIN)
+        poller.register(conn.input.socket, zmq.POLLIN)
         monitor_rank = {}
-        for rank in self._ranks:
-            poller.register(self.workers[rank].monitor, zmq.POLLIN)
-            monitor_rank[self.workers[rank].monitor] = rank
+        for rank in conn.ranks:
+            poller.register(conn.workers[rank].monitor, zmq.POLLIN)
+            monitor_rank[conn.workers[rank].monitor] = rank
         loads = None
         if self.collector is not None:
             loads = self.collector.socket
             poller.register(loads, zmq.POLLIN)
             log.info("controller: owns the load fan-in PULL %s", getattr(self.collector, "endpoint", loads))
-        next_log = time.monotonic() + self.log_every
+        next_log = time.monotonic() + self.settings.log_every
         try:
             with stop:
                 self._wait_connected(stop)
@@ -423,29 +482,28 @@ class DataParallelController:
                         if self.auto is not None and self.auto.check():
                             self._use_dispatcher(self.auto.dispatcher)
                         self._recheck_backlogs()
-                        self.input.service()
-                    if self.input.socket in ready:
+                        conn.input.service()
+                    if conn.input.socket in ready:
                         self._serve_ready()
                     if self.dispatcher.held:
                         self._place(self.dispatcher.due())
-                    if self.session.due(now):
-                        self.session.publish()
+                    # the row at each publish interval, changed or not: its age is how doctor tells a
+                    # live controller from a dead one (the plugins' rows change only with their counts)
+                    self.session.beat(now)
                     if now >= next_log:
-                        next_log = now + self.log_every
+                        next_log = now + self.settings.log_every
                         self._log_counts()
         finally:
             self._release_held()
+            self._stop_sending()
             if self.ledger is not None:
                 self._read_acks(time.monotonic())
-                self.stats["unacknowledged"] = self.ledger.unacknowledged()
-                self.stats["untracked"] = self.ledger.untracked
-            self._log_counts()
+            self._log_counts(stopping=True)
             self._frame_log.flush()
-            self.stats["input"] = self.input.peer_stats
-            self.stats["log_held_back"] = self._frame_log.held_back_total
+            self._at_stop = {"input": conn.input.peer_stats, "log_held_back": self._frame_log.held_back_total}
             self.session.publish()
             if self.collector is not None and hasattr(self.collector, "stats"):
-                self.stats["collector"] = self.collector.stats()
+                self._at_stop["collector"] = self.collector.stats()
         return self.stats
 
     @property
@@ -455,53 +513,78 @@ class DataParallelController:
     def _poll_ms(self) -> int:
         """The poll's timeout: the loop's interval, or less when a held wave is due sooner."""
         due = self.dispatcher.next_due_at()
+        poll_ms = self.settings.poll_ms
         if due is None:
-            return self.poll_ms
-        return max(0, min(self.poll_ms, int(math.ceil((due - self.dispatcher.clock()) * 1000))))
+            return poll_ms
+        return max(0, min(poll_ms, int(math.ceil((due - self.dispatcher.clock()) * 1000))))
 
     def _release_held(self) -> None:
         """The requests a wave still holds go out now (or are answered, when no rank takes them):
-        the controller is stopping, and nothing it holds is lost."""
-        held = self.dispatcher.release_all()
-        self.stats["released_at_stop"] += len(held)
-        self._count_held()
-        self._place(held)
+        the controller is stopping, and nothing it holds is lost (counted by the wave: released at
+        shutdown)."""
+        self._place(self.dispatcher.release_all())
 
-    def _count_held(self) -> None:
-        wave = self.dispatcher.wave
-        if wave is not None:
-            self.stats["held"] = self._held_before + wave.held_total
+    def _stop_sending(self) -> None:
+        """Nothing the controller took goes silently at its close: what ZMQ still holds for the
+        schedulers has ``STOP_WAIT`` to leave; the rest is counted lost at stop and answered on the
+        error channel, whose answers then have as long (those left are counted unsent). The close
+        then lingers for nothing: a frame counted lost never arrives after all."""
+        errors = self.connections.errors
+        workers = [(rank, pipe) for rank, pipe in enumerate(self.connections.workers) if pipe is not None]
+        self._wait_out([pipe for _, pipe in workers])
+        for rank, pipe in workers:
+            lost = pipe.unsent()
+            pipe.set_linger(0)
+            if not lost:
+                continue
+            self.counts.lost_at_stop += len(lost)
+            log.warning("controller: worker %d had not taken %d requests %g s after the stop: ZMQ still held "
+                        "them in this process, and they are dropped with it; each is answered on the error "
+                        "channel", rank, len(lost), STOP_WAIT)
+            for rid in lost:
+                self._send_error(rid, f"not delivered: the controller stopped before DP rank {rank}'s scheduler "
+                                      "took the request")
+        if errors is not None:
+            self._wait_out([errors])
+            self.counts.errors_unsent += len(errors.unsent())
+            errors.set_linger(0)
+
+    @staticmethod
+    def _wait_out(pipes: list[Pipe]) -> None:
+        """Until every frame of ``pipes`` has left this process, or ``STOP_WAIT`` has passed."""
+        deadline = time.monotonic() + STOP_WAIT
+        while any(pipe.leaving() for pipe in pipes) and time.monotonic() < deadline:
+            time.sleep(STOP_LOOK)
 
     def _use_dispatcher(self, new: Dispatcher) -> None:
         """Dispatch with ``new`` from the next batch on: ``auto`` changed. The session hands it the
         ranks' availability and stamps the record; what was sent stays in the delivery ledger,
-        which is the controller's. What the old one held goes out with the new one's picks."""
+        which is the controller's. What the old one held goes out with the new one's picks (its
+        counters go on in the session's ``wave_counts``)."""
         held = self.dispatcher.release_all()
-        self._count_held()
-        if self.dispatcher.wave is not None:
-            self._held_before += self.dispatcher.wave.held_total
+        new.bound_held_bytes(self.settings.queued_bytes)
         self.session.use(new)
         self.availability.forget_told()
-        for rank in self._ranks:
+        for rank in self.connections.ranks:
             self._update_status(rank)
         self._place(held)
 
     def _serve_ready(self) -> None:
         reqs: list[Request] = []
-        for frame, fd in self.input.receive(self.max_batch):
-            self.stats["received"] += 1
+        source = self.connections.input
+        for frame, fd in source.receive(self.settings.max_batch):
+            self.counts.received += 1
             try:
                 if frame is None:
                     raise MalformedFrame("a message of several frames, expected 1")
                 reqs.append(decode_request(frame, self._block_size))
-                self.input.prove(fd, Proof.VALID)
+                source.prove(fd, Proof.VALID)
             except RequestRefused as e:
-                self.input.prove(fd, Proof.VALID)  # well-formed: a real client, with a request too large
+                source.prove(fd, Proof.VALID)  # well-formed: a real client, with a request too large
                 self._reject(e.rid, str(e))
             except MalformedFrame as e:
-                self.input.prove(fd, Proof.SPOKE)
-                self.stats["malformed"] += 1
-                self.session.rejected()
+                source.prove(fd, Proof.SPOKE)
+                self.counts.malformed += 1
                 if e.rid is None:
                     self._frame_log.warning("dropped a malformed request frame: %s", str(e))
                 else:
@@ -511,7 +594,6 @@ class DataParallelController:
         if not reqs:
             return
         self._place(self.dispatcher.offer(reqs))
-        self._count_held()
 
     def _place(self, reqs: list[Request]) -> None:
         """Pick a rank for each request and send it there (a method that holds gave them back)."""
@@ -554,7 +636,7 @@ class DataParallelController:
     def _redeliver(self, req: Request, tried: set[int]) -> None:
         """Dispatch ``req`` again and send it; a rank that refuses is left out (and retracted) and the
         next one is tried; a request pinned to a refusing rank (routed, or its room) is answered."""
-        for _ in range(len(self._ranks) + 1):
+        for _ in range(len(self.connections.ranks) + 1):
             try:
                 rank = self.dispatcher.dispatch(req)
             except DpboardError as e:
@@ -562,7 +644,7 @@ class DataParallelController:
                 return
             if rank in tried:  # pinned to a rank that does not take it now
                 self.dispatcher.retract(rank, req)
-                why = self.availability.why_not(rank, self.workers[rank])
+                why = self.availability.why_not(rank, self.connections.workers[rank])
                 self._reject(req.rid, f"DP rank {rank} is not taking requests ({why})")
                 return
             if self._try_send(rank, req):
@@ -574,17 +656,20 @@ class DataParallelController:
 
     def _try_send(self, rank: int, req: Request) -> bool:
         """True when ZMQ took the frame for ``rank``'s connected scheduler."""
-        pipe = self.workers[rank]
+        pipe = self.connections.workers[rank]
         if pipe is None or not pipe.connected or rank in self.availability.draining:
             return False
-        if not pipe.send(req.raw):
+        if not pipe.send(req.raw, req.rid):
             return False
+        counts = self.counts
         if pipe.backlogged:  # this send took it to its bound: no more until it takes its backlog
-            self.stats["backlogged"] += 1
+            counts.backlogged += 1
             self._update_status(rank)
-        self.stats["dispatched"] += 1
-        self.stats["per_rank"][rank] += 1
-        self.session.picked(rank, routed=req.routed_dp_rank is not None, with_room=req.bootstrap_room is not None)
+        counts.per_rank[rank] += 1
+        if req.routed_dp_rank is not None:
+            counts.routed_per_rank[rank] += 1
+        if req.bootstrap_room is not None:
+            counts.with_room += 1
         if self.ledger is not None and self.ledger.sent(rank, req) and not self._said_uncounted:
             self._said_uncounted = True
             log.warning("worker %d took %d requests without counting one in num_received_reqs on its board "
@@ -596,36 +681,35 @@ class DataParallelController:
     def _refused(self, rank: int, n: int) -> None:
         """``rank`` refused ``n`` sends, retracted: counted (fallbacks in the record: they are
         dispatched again), and requests kept away from it (for this batch, when its queue is full)."""
-        self.stats["retracted"] += n
-        self.stats["send_dropped"] += n
-        self.session.count_fallbacks(n)
-        pipe = self.workers[rank]
+        self.counts.refused += n
+        pipe = self.connections.workers[rank]
         if pipe is not None and pipe.connected and not pipe.backlogged and rank not in self.availability.draining:
             self.availability.full.add(rank)
         self._update_status(rank)
 
     def _reject(self, rid: Any, error: str) -> None:
-        self.stats["rejected"] += 1
-        self.session.rejected()
+        self.counts.rejected += 1
         self._frame_log.warning("request %s rejected: %s", shown(rid), error)
         self._send_error(rid, error)
 
     def _send_error(self, rid: Any, error: str) -> None:
-        if self.errors is None:
-            self.stats["errors_unsent"] += 1
-            return
-        if not self.errors.send(msgpack.packb({"rid": rid, "error": error}, use_bin_type=True)):
-            self.stats["errors_unsent"] += 1
+        errors = self.connections.errors
+        if errors is None or not errors.send(msgpack.packb({"rid": rid, "error": error}, use_bin_type=True), rid):
+            self.counts.errors_unsent += 1
 
-    def _log_counts(self) -> None:
+    def _log_counts(self, stopping: bool = False) -> None:
         s = self.stats
+        stop = f"; {s['lost_at_stop']} lost at stop, {s['errors_unsent']} answers unsent" if stopping else ""
         log.info("controller: received %d, dispatched %d, delivered %d, redelivered %d (%d lost too often), "
-                 "malformed %d, rejected %d, retracted %d, per rank %s", s["received"], s["dispatched"],
+                 "malformed %d, rejected %d, retracted %d, per rank %s%s", s["received"], s["dispatched"],
                  s["delivered"], s["redelivered"], s["redelivery_exhausted"], s["malformed"], s["rejected"],
-                 s["retracted"], s["per_rank"])
-        if self.dispatcher.wave is not None:
-            log.info("controller: held %d for waves, %d holding now, %d placed at stop", s["held"],
-                     self.dispatcher.held, s["released_at_stop"])
+                 s["retracted"], s["per_rank"], stop)
+        wave = self.session.wave_counts()
+        if self.dispatcher.wave is not None and wave is not None:
+            log.info("controller: held %d for waves, %d holding now, %d placed at stop; at most %.1f MiB held "
+                     "at once (the bound: --max-queued-mib %d); %s", s["held"], wave.holding,
+                     s["released_at_stop"], s["held_bytes_max"] / 2**20, self.settings.max_queued_mib,
+                     wave_line(wave))
         if self.collector is not None and hasattr(self.collector, "stats"):
             c = self.collector.stats()
             log.info("controller: load fan-in frames %d ok, %d bad; snapshots %d",
@@ -633,22 +717,7 @@ class DataParallelController:
 
     def close(self) -> None:
         """Close every socket (queued requests get at most a second to leave) and release the input."""
-        self._close(linger=None)
-
-    def _close(self, linger: int | None) -> None:
-        """Everything opened so far; ``linger=0`` (an error path) waits for nothing."""
-        for pipe in self._pipes():
-            pipe.close(linger)
-        self.workers = [None] * len(self.workers)
-        self.errors = None
-        if self.input is not None:
-            self.input.close()
-            self.input = None
-        if self._own_context and not self.context.closed:
-            self.context.term()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        self.connections.close()
 
     def __enter__(self) -> DataParallelController:
         return self

@@ -10,12 +10,17 @@ which keeps what they would otherwise each rebuild:
   used is logged and done without, as it is for diagnosis only), and the board reader the
   Dispatcher reads through (``reader``: slots whose writer's lock is gone read as STALE, EMPTY
   records for reserved slots the board lacks, and a ``TickingReader`` where there is a row, so that
-  the row is published from the refreshes, never per request on a load-aware path);
+  the row is published from the refreshes, never per request on a load-aware path, and from
+  ``turn``, which a loop of the engine's calls as it turns: an idle dispatcher's last counts);
 - the counts of what did not go through the Dispatcher's pick, each in one place: requests the
   engine placed itself (``routed``, ``pinned``), picks where the budget does not count them itself
   (``picked``), fallbacks (``fallback``, ``count_fallbacks``), faults (``fault``: an exception in
   dpboard) and rejections. Fallbacks and faults are logged at the 1st, 10th, 100th... time, a
   fault's first with its traceback: a stuck board or a bug shows without flooding the engine's log.
+  An engine that counts every request itself (the ZMQ controller) says so once (``count_from``):
+  the row then reads its counts, and nothing is counted twice;
+- the counters of the Dispatcher's ``inflight_wave`` hold (``wave_counts``, those of the
+  Dispatchers it replaced included), which the row carries for ``dpboard top`` and ``/metrics``.
 
 It is pure: no sockets, no engine import; an engine's names come in as strings, for the log's
 wording only. docs/ARCHITECTURE.md ("The engine contract") says what an engine calls and when.
@@ -25,12 +30,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from dpboard.board.dispatch_record import DispatchTally, TickingReader, open_tally
+from dpboard.board.dispatch_record import DispatchTally, RowCounts, TickingReader, WaveCounts, open_tally
 from dpboard.controller.dispatcher import Dispatcher
 from dpboard.snapshot import SNAPSHOT_DTYPE
 
@@ -94,25 +100,25 @@ class DispatchSession:
     the board slot of each of the Dispatcher's ranks (vLLM's API server dispatches over its own
     engines; default: rank k is slot k). ``requests``: the requests per slot so far, when something
     else counts them (vLLM's sent row); otherwise the row takes them from the Dispatcher's budget
-    where it has one, else from ``picked``. ``count_every_pick``: every request handed to a rank
-    goes through ``picked`` (the ZMQ controller: a redelivered one counts again), whatever the
-    budget counts.
+    where it has one, else from ``picked``; or everything from ``count_from``'s counts.
 
     Nothing here raises into the engine's request path: ``fault`` and the record's counts never raise.
     """
 
     def __init__(self, *, logger: logging.Logger, own_path: str = "the engine's own dispatch",
                  fallback_path: str | None = None, tally: DispatchTally | None = None,
-                 slot_of: Sequence[int] | None = None, requests: Callable[[], Any] | None = None,
-                 count_every_pick: bool = False) -> None:
+                 slot_of: Sequence[int] | None = None, requests: Callable[[], Any] | None = None) -> None:
         self.logger = logger
         self.own_path = own_path
         self.fallback_path = fallback_path or own_path
         self.tally = tally
         self._slot_of = None if slot_of is None else tuple(int(s) for s in slot_of)
         self._requests = requests
-        self._count_every_pick = count_every_pick
+        self._counted: Callable[[], RowCounts] | None = None  # ``count_from``
         self._counts_picks = False  # the row's requests per rank come from ``picked``
+        self._wave_before: WaveCounts | None = None  # the holds of the Dispatchers ``use`` replaced
+        if tally is not None:
+            tally.wave = self.wave_counts
         self._locks: list[Any] = []
         self.dispatcher: Dispatcher | None = None
         self.fallbacks = 0  # requests placed by a fallback: no rank from the Dispatcher, or a fault
@@ -143,21 +149,37 @@ class DispatchSession:
             reader = PaddedReader(reader, num_workers)
         return reader if self.tally is None else TickingReader(reader, self.tally)
 
+    def count_from(self, counts: Callable[[], RowCounts]) -> None:
+        """The engine counts every request itself (the ZMQ controller: each one handed to a rank, a
+        redelivered one again; fallbacks; rejections): the row reads them all from ``counts()`` when
+        it is published, only the refreshes are counted here, and the engine calls none of
+        ``picked``, ``rejected`` and ``count_fallbacks``."""
+        self._counted = counts
+        self._counts_picks = False
+        if self.tally is not None:
+            self.tally.counted, self.tally.source = counts, None
+
     def use(self, dispatcher: Dispatcher) -> None:
         """Dispatch with ``dispatcher`` from now on. A second one (``auto`` changed) takes the first's
-        active set and availability; the record's row is stamped with its method and keeps counting."""
+        active set and availability; the record's row is stamped with its method and keeps counting.
+        What the first one's wave held was placed by the caller (``release_all``); its counters go on
+        in ``wave_counts``."""
         old, self.dispatcher = self.dispatcher, dispatcher
         if old is not None:
             dispatcher.set_active(old.active)
             for rank, available in enumerate(old.available[: dispatcher.num_workers]):
                 dispatcher.set_status(rank, available)
+            if old.wave is not None:
+                self._wave_before = old.wave.counts().after(self._wave_before)
         tally = self.tally
         if tally is None:
             return
         tally.row.set_method(dispatcher.method.value)
+        if self._counted is not None:
+            return  # the engine's counts: nothing changes with the Dispatcher
         if self._requests is not None:
             tally.source = self._requests
-        elif dispatcher.budget is not None and old is None and not self._count_every_pick:
+        elif dispatcher.budget is not None and old is None:
             tally.source = dispatcher.budget.sent_reqs.copy  # the budget's own count of each rank's requests
         else:
             if tally.source is not None:  # from now on counted here, from what the old budget counted
@@ -210,6 +232,15 @@ class DispatchSession:
             tally.with_room += 1
         self._tick(tally)
 
+    def wave_counts(self) -> WaveCounts | None:
+        """What the Dispatchers' ``inflight_wave`` holds did (this one's and those ``use`` replaced),
+        None while none has held anything; read by the row at each publish, and by the ZMQ
+        controller's stats."""
+        wave = None if self.dispatcher is None else self.dispatcher.wave
+        if wave is None:
+            return self._wave_before
+        return wave.counts().after(self._wave_before)
+
     def rejected(self, n: int = 1) -> None:
         """``n`` requests answered with an error instead of dispatched."""
         if self.tally is not None:
@@ -258,12 +289,33 @@ class DispatchSession:
 
     # -- the record ------------------------------------------------------------------------------
 
-    def due(self, now: float) -> bool:
-        """Whether the row is due a publish (``now``: ``time.monotonic()``); False without a row."""
-        return self.tally is not None and self.tally.row.due(now)
+    def turn(self, now: float | None = None) -> None:
+        """A turn of a loop of the engine's that runs anyway (the ZMQ controller's poll, SGLang's DP
+        controller's receive, an API server's event loop; ``now``: ``time.monotonic()``): the counts
+        that changed since the row's last publish go into it once it is due, so that an idle
+        dispatcher's last counts are there within 0.1 s (``DispatchTally.trail``). Never raises."""
+        tally = self.tally
+        if tally is None:
+            return
+        try:
+            tally.trail(time.monotonic() if now is None else now)
+        except Exception:  # noqa: BLE001 - the record is for diagnosis; the engine's loop goes on
+            pass
+
+    def beat(self, now: float | None = None) -> None:
+        """A turn of the ZMQ controller's own loop: the row is written whenever it is due, changed or
+        not, so that its age tells ``dpboard doctor`` the controller lives. Never raises."""
+        tally = self.tally
+        if tally is None:
+            return
+        try:
+            if tally.row.due(time.monotonic() if now is None else now):
+                tally.publish()
+        except Exception:  # noqa: BLE001 - the record is for diagnosis; the controller's loop goes on
+            pass
 
     def publish(self) -> None:
-        """The counts into the row now (a loop of the owner's that runs anyway: the ZMQ controller's)."""
+        """The counts into the row now (the ZMQ controller's last, when it stops)."""
         if self.tally is not None:
             self.tally.publish()
 

@@ -9,6 +9,12 @@ them, three series carry the names SGLang's model gateway looks for when it fall
 so they are per rank like the others. Their colon breaks the naming convention (colons are meant
 for recording rules), and that is the point: it is the name the gateway reads.
 
+Where a dispatcher of the board holds arrivals for waves (``inflight_wave``: ``dpboard controller``,
+the SGLang plugin), its hold's counters follow, per row of the board's dispatch record (label
+``row``), read from the record as ``dpboard doctor`` reads it: requests held and held now, waves,
+releases by reason, how long requests were held (a summary, its ``_count`` the released requests)
+and the longest hold against its budget, bytes held now and the most held at once.
+
 ``/v1/loads?format=prometheus`` is another page with another purpose (SGLang's loads endpoint);
 docs/TOOLS.md has both.
 """
@@ -18,9 +24,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import generate_latest
 
+from dpboard.board.dispatch_record import WAVE_REASONS, DispatchRowSample, read_wave_rows
 from dpboard.snapshot import SlotStatus
 from dpboard.views.rows import status_of
 from dpboard.views.watch import Frame
@@ -55,14 +68,26 @@ _GATEWAY_RATIOS = (
     ("sglang:token_usage", "token_usage", "KV cache usage (0 to 1), as SGLang's model gateway reads it."),
 )
 _STATUSES = tuple(s.label for s in (SlotStatus.LIVE, SlotStatus.STALE, SlotStatus.TORN, SlotStatus.EMPTY))
+# An inflight_wave dispatcher's hold, per row of the dispatch record: (family, name, WaveCounts field, help).
+_WAVE_SERIES = (
+    (CounterMetricFamily, "dpboard_wave_held_requests", "held", "Requests the dispatcher held for a wave."),
+    (GaugeMetricFamily, "dpboard_wave_holding_requests", "holding", "Requests held for a wave now."),
+    (CounterMetricFamily, "dpboard_waves", "waves", "Waves the dispatcher released."),
+    (GaugeMetricFamily, "dpboard_wave_hold_max_seconds", "hold_max_s", "The longest one request was held."),
+    (GaugeMetricFamily, "dpboard_wave_hold_bound_seconds", "max_hold_s",
+     "The hold's budget (--wave-max-hold): a request is held at most this less one group step."),
+    (GaugeMetricFamily, "dpboard_wave_held_bytes", "held_bytes", "Bytes of the requests held now."),
+    (GaugeMetricFamily, "dpboard_wave_held_max_bytes", "held_bytes_max", "The most bytes held at once."),
+)
 
 
 class FrameCollector:
     """A prometheus-client collector for one frame (a fresh registry is built per scrape)."""
 
-    def __init__(self, frame: Frame, dp_rank: int | None = None) -> None:
+    def __init__(self, frame: Frame, dp_rank: int | None = None, waves: list[DispatchRowSample] | None = None) -> None:
         self.frame = frame
         self.dp_rank = dp_rank
+        self.waves = waves or []  # the dispatch record's rows that hold for waves (read_wave_rows)
 
     def collect(self) -> Iterator[Metric]:
         frame = self.frame
@@ -101,6 +126,8 @@ class FrameCollector:
         ):
             for name, field, help_text in table:
                 yield _per_rank(family, name, help_text, board, field, samples)
+        if self.waves:
+            yield from _wave_metrics(board, self.waves)
 
 
 def _per_rank(family: Any, name: str, help_text: str, board: str, field: str,
@@ -111,8 +138,29 @@ def _per_rank(family: Any, name: str, help_text: str, board: str, field: str,
     return metric
 
 
-def prometheus_text(frame: Frame, dp_rank: int | None = None) -> bytes:
-    """The page: every rank, or only ``dp_rank``."""
+def _wave_metrics(board: str, rows: list[DispatchRowSample]) -> Iterator[Metric]:
+    """Each wave row's counters, labelled with the board and the row."""
+    labels = ["board", "row"]
+    for family, name, field, help_text in _WAVE_SERIES:
+        metric = family(name, help_text, labels=labels)
+        for row in rows:
+            metric.add_metric([board, str(row.row)], float(getattr(row.wave, field)))
+        yield metric
+    released = CounterMetricFamily("dpboard_wave_released_requests",
+                                   "Held requests released, by why their wave left.", labels=[*labels, "reason"])
+    hold = SummaryMetricFamily("dpboard_wave_hold_seconds", "Seconds each released request was held.", labels=labels)
+    for row in rows:
+        for reason, count in zip(WAVE_REASONS, row.wave.released, strict=True):
+            released.add_metric([board, str(row.row), reason], float(count))
+        hold.add_metric([board, str(row.row)], count_value=sum(row.wave.released), sum_value=row.wave.hold_sum_s)
+    yield released
+    yield hold
+
+
+def prometheus_text(frame: Frame, dp_rank: int | None = None, *, trust_uids: tuple[int, ...] = ()) -> bytes:
+    """The page: every rank, or only ``dp_rank``; the wave's counters of the board's dispatch record
+    (``trust_uids``: also a record those users made, as for the board)."""
+    waves = read_wave_rows(frame.board, trust_uids=trust_uids) if frame.gone is None else []
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FrameCollector(frame, dp_rank))
+    registry.register(FrameCollector(frame, dp_rank, waves))
     return generate_latest(registry)

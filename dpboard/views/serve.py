@@ -539,7 +539,8 @@ class _Handler(BaseHTTPRequestHandler):
         if query:
             raise BadRequest(f"/metrics takes no query parameters (got {sorted(query)[0]!r}); "
                              f"use /v1/loads?dp_rank=N&format=prometheus for one rank")
-        self._send(200, prometheus_text(self.server.sample()), CONTENT_TYPE_LATEST)
+        page = prometheus_text(self.server.sample(), trust_uids=self.server.watch.trust_uids)
+        self._send(200, page, CONTENT_TYPE_LATEST)
 
     def _doctor(self, query: dict[str, list[str]]) -> None:
         """``dpboard doctor``'s findings over the last DOCTOR_WINDOW seconds of this server's samples

@@ -3,7 +3,9 @@
 One row per rank (requests, tokens, a KV-usage bar, snapshot age coloured by liveness, writer pid,
 publish rate and a sparkline of the rank's recent total tokens) under a header with the imbalance
 (max / mean of total tokens over live ranks), totals and rates. Where vLLM's API servers keep a
-sent record beside the board, each engine's requests in flight (sent, not yet received) too. ``--once`` prints one frame,
+sent record beside the board, each engine's requests in flight (sent, not yet received) too. Where
+a dispatcher of the board holds arrivals for waves (``inflight_wave``), a header line says what its
+hold did, read from the board's dispatch record (``wave_line``). ``--once`` prints one frame,
 ``--json`` one frame as JSON; without a terminal the live view prints plain-text frames instead.
 
 Imports the board and rich only: no Numba, no CuPy, so it starts in a fraction of a second.
@@ -28,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpboard.board import DEFAULT_STALE_AFTER, MAX_SLOTS
+from dpboard.board.dispatch_record import WAVE_REASONS, DispatchRowSample, read_wave_rows
 from dpboard.board.stale import stale_after
 from dpboard.errors import AccessDeniedError, InvalidInputError, UnavailableError
 from dpboard.options import count, seconds
@@ -134,7 +137,23 @@ def _flow(lines: list[list[Text]], width: int | None) -> Text:
     return text
 
 
-def render_header(frame: Frame, width: int | None = None) -> Text:
+def wave_line(row: DispatchRowSample, *, named: bool = False) -> list[Text]:
+    """What an inflight_wave dispatcher's hold did (its row of the dispatch record): requests held
+    (and held now), waves, releases by reason, the longest hold against its budget and the mean,
+    the most bytes held at once. ``named``: say which row (more than one holds)."""
+    w = row.wave
+    assert w is not None
+    released = sum(w.released)
+    mean = w.hold_sum_s / released if released else 0.0
+    reasons = ", ".join(f"{reason} {fmt_count(n)}" for reason, n in zip(WAVE_REASONS, w.released, strict=True) if n)
+    return [Text(f"wave (row {row.row})" if named else "wave", style="bold"),
+            Text(f"held {fmt_count(w.held)} ({fmt_count(w.holding)} now)"), Text(f"waves {fmt_count(w.waves)}"),
+            Text(f"released {reasons or 'none yet'}"),
+            Text(f"hold max {w.hold_max_s:.2f} s of {w.max_hold_s:g} s, mean {mean:.2f} s"),
+            Text(f"held max {w.held_bytes_max / 2**20:.1f} MiB")]
+
+
+def render_header(frame: Frame, width: int | None = None, waves: list[DispatchRowSample] | None = None) -> Text:
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(frame.wall_time_ns / 1e9))
     first = [Text("dpboard top", style="bold"), Text(f"board {frame.board}", style="bold cyan"),
              Text(f"{frame.n_slots} slot{'s' if frame.n_slots != 1 else ''}"), Text(f"node {frame.node_id}"),
@@ -160,6 +179,7 @@ def render_header(frame: Frame, width: int | None = None) -> Text:
     if "in_flight" in t:  # vLLM's API servers' sent record: sent and not yet received, every engine
         third.append(Text(f"in flight {fmt_count(t['in_flight'])}"))
     lines = [first, second, third]
+    lines.extend(wave_line(row, named=len(waves) > 1) for row in waves or [])
     if frame.doctor is not None:
         line = header_line(frame.doctor)
         faults = [f for f in frame.doctor["findings"] if f["severity"] != "info"]
@@ -249,12 +269,13 @@ def render_table(frame: Frame, rows: list[dict[str, Any]], history_width: int = 
 
 
 def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hint: str = "",
-           width: int | None = None) -> RenderableType:
+           width: int | None = None, waves: list[DispatchRowSample] | None = None) -> RenderableType:
     """The whole view of one frame; ``max_rows`` keeps it within a screen of the usual three header
-    lines (a narrow ``width`` wraps the header and takes the extra lines from the rows)."""
+    lines (a narrow ``width`` wraps the header and takes the extra lines from the rows). ``waves``:
+    the dispatch record's rows that hold for waves (``frame_waves``), a header line each."""
     if frame.gone is not None:
         return Text(f"dpboard top: {frame.gone}\n", style="bold yellow")
-    header = render_header(frame, width)
+    header = render_header(frame, width, waves)
     if max_rows is not None:
         max_rows -= max(header.plain.count("\n") + 1 - 3, 0)
     rows = frame.sorted_rows(sort)
@@ -274,14 +295,27 @@ def render(frame: Frame, *, sort: str = "rank", max_rows: int | None = None, hin
 
 
 def render_text(frame: Frame, *, sort: str = "rank", width: int = PLAIN_WIDTH, color: bool = False,
-                max_rows: int | None = None) -> str:
+                max_rows: int | None = None, waves: list[DispatchRowSample] | None = None) -> str:
     """One frame as text (no escape codes unless ``color``): for pipes, logs and tests. The cost is
     that of the rows shown: ``max_rows`` keeps a 65,536-rank board's frame to what is read."""
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
                       color_system="standard" if color else None, highlight=False, soft_wrap=False)
-    console.print(render(frame, sort=sort, max_rows=max_rows, width=width))
+    console.print(render(frame, sort=sort, max_rows=max_rows, width=width, waves=waves))
     return buf.getvalue()
+
+
+def frame_waves(watch: BoardWatch, frame: Frame) -> list[DispatchRowSample]:
+    """The rows of the frame's board's dispatch record that hold for waves (none while it is gone)."""
+    return [] if frame.gone is not None else read_wave_rows(frame.board, trust_uids=watch.trust_uids)
+
+
+def frame_document(frame: Frame, waves: list[DispatchRowSample]) -> dict[str, Any]:
+    """``--json``'s document: the frame's, and, where a dispatcher holds for waves, ``waves``."""
+    doc = frame.as_dict()
+    if waves:
+        doc["waves"] = [{"row": r.row, "pid": r.pid, "method": r.method, **r.wave.as_dict()} for r in waves]
+    return doc
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -370,13 +404,14 @@ def run_top(args: argparse.Namespace) -> int:
             wait_for_board(watch, args.wait_timeout)
         if args.json:
             frame = one_frame(watch, args.interval, doctor)
-            print(json.dumps(frame.as_dict(), indent=2))
+            print(json.dumps(frame_document(frame, frame_waves(watch, frame)), indent=2))
             return 0 if frame.gone is None else 1
         if args.once:
             frame = one_frame(watch, args.interval, doctor)
             tty = sys.stdout.isatty()
             sys.stdout.write(render_text(frame, sort=args.sort, color=tty, max_rows=text_rows(rows, sys.stdout),
-                                         width=shutil.get_terminal_size().columns if tty else PLAIN_WIDTH))
+                                         width=shutil.get_terminal_size().columns if tty else PLAIN_WIDTH,
+                                         waves=frame_waves(watch, frame)))
             return 0 if frame.gone is None else 1
         console = Console()
         if console.is_terminal:
@@ -402,8 +437,8 @@ def live_view(watch: BoardWatch, console: Console, *, interval: float, sort: str
         for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop,
                                   doctor=doctor):
             rows_fit = max(console.size.height - HEADER_LINES - 1, 1)
-            live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint, width=console.size.width),
-                        refresh=True)
+            live.update(render(frame, sort=sort, max_rows=rows_fit, hint=hint, width=console.size.width,
+                               waves=frame_waves(watch, frame)), refresh=True)
 
 
 def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iterations: int = 0,
@@ -413,7 +448,7 @@ def plain_frames(watch: BoardWatch, *, interval: float, sort: str = "rank", iter
     out = out or sys.stdout
     for frame in paced_frames(watch, interval=interval, iterations=iterations, should_stop=should_stop,
                               doctor=doctor):
-        out.write(render_text(frame, sort=sort, max_rows=max_rows) + "\n")
+        out.write(render_text(frame, sort=sort, max_rows=max_rows, waves=frame_waves(watch, frame)) + "\n")
         out.flush()
 
 

@@ -139,6 +139,64 @@ def test_a_row_of_a_live_process_is_refused_and_a_dead_ones_taken_over(board_nam
         Path(dispatch_record_path(board_name)).unlink(missing_ok=True)
 
 
+def test_an_inflight_wave_holds_counters_read_back_from_its_row(board_name):
+    """Version 2 carries an inflight_wave hold's counters in each row (``dpboard top`` and ``/metrics``
+    show them); a row whose dispatcher holds nothing says so."""
+    from dpboard.board.dispatch_record import WaveCounts, read_wave_rows
+
+    record = DispatchRecord.open(board_name, 1, SLOTS)
+    try:
+        row = record.row(0, method="inflight_wave")
+        row.publish(1, 0, 0, 0, 0, 0, [0, 0, 0])
+        (read,) = read_dispatch_record(board_name)
+        assert read.wave is None and read_wave_rows(board_name) == []
+        wave = WaveCounts(held=7, holding=2, waves=2, hold_sum_s=3.25, hold_max_s=1.5, max_hold_s=2.0, held_bytes=300,
+                          held_bytes_max=900, released=(3, 0, 1, 1, 0, 0))
+        row.publish(2, 5, 0, 0, 0, 0, [2, 3, 0], wave=wave)
+        (read,) = read_dispatch_record(board_name)
+        assert read.wave == wave and read.counts["requests"] == 5 and read.per_rank == [2, 3, 0]
+        assert [r.wave for r in read_wave_rows(board_name)] == [wave]
+        assert read.as_dict()["wave"]["released"] == {"full": 3, "bytes": 0, "busy": 1, "bound": 1, "shutdown": 0,
+                                                     "order": 0}
+    finally:
+        record.close()
+
+
+def test_a_version_1_record_of_an_earlier_dpboard_still_reads_and_is_replaced_once_unheld(board_name):
+    """A dispatcher of an earlier dpboard writes version 1 (a 128-byte row head, no wave's counters):
+    doctor, top and /metrics read it still; a dispatcher of this version replaces it once nobody has it
+    open, as a side record of another version."""
+    from dpboard.board.dispatch_record import ROW_HEAD_V1, ROW_HEAD_V1_SIZE, read_wave_rows, row_size_v1
+    from dpboard.board.liveness import process_start_ticks
+    from dpboard.snapshot import pack_owner
+
+    path = Path(dispatch_record_path(board_name))
+    header = bytearray(DISPATCH_HEADER_DTYPE.itemsize)
+    view = np.ndarray((), DISPATCH_HEADER_DTYPE, header)
+    view["magic"], view["version"], view["rows"], view["slots"] = DISPATCH_MAGIC, 1, 1, SLOTS
+    view["row_size"], view["creator_pid"] = row_size_v1(SLOTS), 1
+    row = bytearray(row_size_v1(SLOTS))
+    head = np.ndarray((), ROW_HEAD_V1.dtype, row)
+    head["seq"], head["holder"] = 2, pack_owner(os.getpid(), process_start_ticks(os.getpid()))
+    head["method"], head["mode"], head["requests"], head["rejected"] = b"round_robin", b"null", 9, 1
+    np.ndarray((SLOTS, 2), "<i8", row, ROW_HEAD_V1_SIZE)[:, 0] = [4, 5, 0]
+    PLANTED.add(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, bytes(header) + bytes(row))
+    os.close(fd)
+    assert row_size_v1(SLOTS) < row_size(SLOTS) and path.stat().st_size == 64 + row_size_v1(SLOTS)
+
+    (read,) = read_dispatch_record(board_name)
+    assert (read.method, read.alive, read.torn, read.wave) == ("round_robin", True, False, None)
+    assert read.counts == {"refreshes": 0, "requests": 9, "routed": 0, "with_room": 0, "fallbacks": 0, "rejected": 1}
+    assert read.per_rank == [4, 5, 0] and read_wave_rows(board_name) == []
+    record = DispatchRecord.open(board_name, 1, SLOTS)
+    try:
+        assert record.is_owner and path.stat().st_size == record_size(1, SLOTS)
+    finally:
+        record.close()
+
+
 def test_a_record_of_another_shape_is_refused_naming_both(board_name):
     record = DispatchRecord.open(board_name, 1, SLOTS)
     try:

@@ -116,7 +116,7 @@ def start_controller(board_name: str, endpoints: list[str], in_ep: str, *options
     proc = subprocess.Popen(
         [sys.executable, "-m", "dpboard.cli", "controller", "--input", in_ep, "--workers", *endpoints,
          "--board", board_name, "--stale-after", "60", "--log-every", "60", *options],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # stdout: --stats-json
     lines = Lines(proc)
     try:
         wait_for(lambda: lines.count("controller: method") or proc.poll() is not None, 60, "the controller's start")

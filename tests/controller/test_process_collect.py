@@ -17,6 +17,7 @@ import zmq
 from dpboard import Board, LoadSnapshot
 from dpboard.controller import DataParallelController, Dispatcher
 from dpboard.controller.codec import encode_request
+from dpboard.controller.process import ControllerSettings
 from dpboard.multinode.collector import Collector, CollectorBusyError, board_lock_path, endpoint_lock_path
 from tests.support.names import new_board_name
 from tests.support.procutil import kill, wait_for
@@ -175,8 +176,8 @@ def test_a_request_whose_send_fails_leaves_no_trace_in_the_ranks_load(board_name
         healthy = bound_pull(ctx, eps[1])
         errors = bound_pull(ctx, err_ep)
         dispatcher = Dispatcher(method, 2, reader=board.reader())
-        controller = DataParallelController(dispatcher, eps, in_ep, err_ep, send_hwm=1,
-                                            max_batch=count if batched else 1)
+        settings = ControllerSettings(send_hwm=1, max_batch=count if batched else 1)
+        controller = DataParallelController(dispatcher, eps, in_ep, err_ep, settings=settings)
         thread = threading.Thread(target=controller.run, kwargs={"duration": 30}, daemon=True)
         try:
             push = connected_push(ctx, in_ep)
@@ -185,7 +186,7 @@ def test_a_request_whose_send_fails_leaves_no_trace_in_the_ranks_load(board_name
             if batched:  # everything queued before the loop starts: it takes them as one batch
                 for frame in frames:
                     push.send(frame)
-                wait_for(lambda: controller.input.socket.poll(0), 10, "the requests to reach the controller")
+                wait_for(lambda: controller.connections.input.socket.poll(0), 10, "the requests to reach the controller")
                 thread.start()
             else:
                 thread.start()

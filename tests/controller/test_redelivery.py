@@ -189,9 +189,8 @@ def test_a_bad_max_redeliveries_is_refused_at_start(tmp_path, value, words):
 
 @pytest.mark.parametrize("value", [True, -1, 101, 1.0])
 def test_the_library_refuses_a_bad_max_redeliveries(tmp_path, value):
-    from dpboard.controller import DataParallelController, Dispatcher
+    from dpboard.controller.process import ControllerSettings
     from dpboard.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match=r"max_redeliveries must be an int in 0\.\.100"):
-        DataParallelController(Dispatcher("round_robin", 1), [f"ipc://{tmp_path}/w0"], f"ipc://{tmp_path}/in",
-                               max_redeliveries=value)
+        ControllerSettings(max_redeliveries=value)

@@ -9,10 +9,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dpboard import Board, LoadSnapshot
-from dpboard.board.dispatch_record import dispatch_record_path, read_dispatch_record
+from dpboard.board.dispatch_record import RowCounts, dispatch_record_path, read_dispatch_record
 from dpboard.controller import Dispatcher
 from dpboard.controller.session import DispatchSession, logged_now
 from dpboard.snapshot import SlotStatus
+from tests.support.procutil import wait_until
 
 log = logging.getLogger("dpboard.test_session")
 
@@ -84,6 +85,46 @@ def test_a_load_aware_budget_counts_its_picks_and_the_refreshes_publish_the_row(
             board.unlink()
 
 
+def test_an_idle_dispatchers_last_counts_reach_the_record_from_the_turns_of_its_loop(board_name):
+    """A row was published only from its dispatcher's own refreshes (and ticks): the picks after
+    its last publish stayed out of the record until the next pick, so `dpboard doctor` read an idle
+    API server's old counts. A loop of the engine's that turns anyway (here, turns with no request,
+    on the dispatcher's thread as in an engine) now brings them within 0.1 s of the last change, and
+    publishes nothing while nothing changes."""
+    with Board.create(board_name, n_slots=2) as board:
+        writers = [board.writer(r) for r in range(2)]
+        for rank in range(2):
+            writers[rank].publish(LoadSnapshot(dp_rank=rank, max_total_num_tokens=1000))
+        session = recorded(board_name, "inflight_requests", slots=2)
+        try:
+            # a refresh at most every 20 ms, the row at most every 0.1 s: vLLM's API server's throttle
+            dispatcher = Dispatcher("inflight_requests", 2, reader=session.reader(board.reader()))
+            session.use(dispatcher)
+            for _ in range(6):
+                dispatcher.dispatch(request())
+            session.routed(0, 10)
+            behind = only_row(board_name).counts["requests"]
+
+            def turned_in() -> bool:
+                session.turn()
+                return only_row(board_name).counts["requests"] == 7
+
+            # the engine serves nothing more; its loop turns
+            assert wait_until(turned_in, timeout=10, interval=0.01), f"the record stays at {behind} of 7 requests"
+            row = only_row(board_name)
+            assert row.per_rank == [4, 3] and row.counts["routed"] == 1
+            stamp = row.wall_ns
+            for _ in range(30):  # turns past several publish intervals, nothing changed
+                session.turn()
+                time.sleep(0.01)
+            assert only_row(board_name).wall_ns == stamp
+        finally:
+            session.close()
+            for w in writers:
+                w.close()
+            board.unlink()
+
+
 def test_faults_are_counted_and_logged_at_the_1st_10th_and_100th_time_the_first_with_its_traceback(board_name,
                                                                                                   caplog):
     session = recorded(board_name)
@@ -118,21 +159,29 @@ def test_fallbacks_are_logged_at_the_1st_and_10th_time(caplog):
 
 
 def test_a_second_dispatcher_takes_the_ranks_and_the_record_keeps_counting(board_name):
-    session = recorded(board_name, count_every_pick=True)
+    """An engine that counts every request itself (the ZMQ controller) gives its counts once; the
+    row reads them, whichever Dispatcher picks."""
+    session = recorded(board_name)
+    per_rank, routed = [0, 0, 0], [0, 0, 0]
     try:
         first = Dispatcher("round_robin", 3)
         session.use(first)
+        session.count_from(lambda: RowCounts(per_rank, routed, sum(routed), 0, 1, 2))
         first.set_active([0, 2])
         first.set_status(2, False)
-        session.picked(0)
+        per_rank[0] += 1
         second = Dispatcher("total_requests", 3, reader=SimpleNamespace(read_all=lambda: [None] * 3))
         session.use(second)  # auto changed its mind
         assert session.dispatcher is second
         assert second.active == (0, 2) and second.available == (True, True, False)
-        session.picked(0)
+        per_rank[0] += 1
+        routed[0] += 1
         session.publish()
         row = only_row(board_name)
-        assert row.method == "total_requests" and row.per_rank == [2, 0, 0]
+        assert row.method == "total_requests" and row.per_rank == [2, 0, 0] and row.routed_per_rank == [1, 0, 0]
+        assert (row.counts["requests"], row.counts["routed"], row.counts["fallbacks"], row.counts["rejected"]) == (
+            2, 1, 1, 2)
+        assert row.wave is None and session.wave_counts() is None  # neither holds
     finally:
         session.close()
 

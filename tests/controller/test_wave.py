@@ -3,13 +3,15 @@ wave leaves and why, its bound from the board's step, and that nothing stays hel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
 from dpboard.controller import Dispatcher, LoadBalanceMethod
-from dpboard.controller.methods import METHODS, Delivery
 from dpboard.controller.wave import WaveHold
 from dpboard.errors import InvalidInputError
+from dpboard.methods import METHODS, Delivery
 from dpboard.sim.policy import SimBoard
 from dpboard.snapshot import LoadSnapshot
 from tests.support.dispatch import FakeClock, ListReader, TokReq
@@ -185,10 +187,39 @@ def test_next_due_at_moves_forward_when_the_board_refreshes_at_every_read():
     assert d.next_due_at() > clock.now  # a look at once, for ever, would never let time pass
 
 
+@dataclass
+class FrameReq:
+    """A request with the frame it came in, as the ZMQ controller's ``Request`` has."""
+
+    num_tokens: int
+    raw: bytes
+    routed_dp_rank: int | None = None
+    bootstrap_room: int | None = None
+
+
+def test_a_wave_leaves_once_its_frames_reach_the_byte_bound_even_within_one_offer():
+    d, reader, clock = wave(wave_per_rank=100, wave_max_bytes=1000)
+    decoding(reader)
+    assert d.offer([FrameReq(100, b"x" * 400), FrameReq(100, b"x" * 400)]) == []
+    assert d.wave.held_bytes == 800
+    out = d.offer([FrameReq(100, b"x" * 300)])  # 1,100 bytes: the bound reached, far from a full wave
+    assert len(out) == 3 and d.held == 0 and d.wave.held_bytes == 0
+    assert d.wave.released["bytes"] == 3
+    # a batch of arrivals larger than the bound leaves as it fills it: never more held than the bound
+    # and the frame that reaches it
+    batch = [FrameReq(100, b"x" * 600) for _ in range(5)]
+    out = d.offer(batch)
+    assert out == batch[:4] and d.held == 1 and d.wave.held_bytes == 600
+    assert d.wave.held_bytes_max == 1200 and d.wave.released["bytes"] == 7
+    d.bound_held_bytes(None)  # by count alone again
+    assert d.offer([FrameReq(100, b"x" * 10**6)]) == [] and d.held == 2
+
+
 @pytest.mark.parametrize("options, message", [
     ({"wave_max_hold": -1}, "wave_max_hold must be seconds in"),
     ({"wave_max_hold": True}, "wave_max_hold must be seconds in"),
     ({"wave_per_rank": 0}, "wave_per_rank must be an int >= 1"),
+    ({"wave_max_bytes": 0}, "max_bytes must be an int >= 1"),
 ])
 def test_bad_options_name_themselves(options, message):
     with pytest.raises(InvalidInputError, match=message):
@@ -201,3 +232,18 @@ def test_the_step_reads_only_ranks_that_report_one():
     assert w.step == 0.0  # rank 0 reports no throughput, rank 1 runs nothing, rank 2 is no candidate
     w.read_step(np.array([10, 0, 5]), np.array([20.0, 100.0, 50.0]), np.array([1, 1, 1], np.uint8))
     assert w.step == pytest.approx(0.5)
+
+
+def test_counts_say_what_the_hold_did_as_the_dispatch_record_carries_it():
+    hold = WaveHold(max_hold=2.0, wave_per_rank=2)
+    for i, now in enumerate((10.0, 10.5, 11.0)):
+        hold.hold(f"r{i}", now, nbytes=100)
+    assert hold.take(11.5, "full") == ["r0", "r1", "r2"]
+    hold.hold("r3", 12.0, nbytes=50)
+    counts = hold.counts()
+    assert (counts.held, counts.holding, counts.waves, counts.held_bytes, counts.held_bytes_max) == (4, 1, 1, 50, 300)
+    assert counts.hold_max_s == 1.5 and counts.hold_sum_s == 1.5 + 1.0 + 0.5 and counts.max_hold_s == 2.0
+    assert counts.released_by("full") == 3 and sum(counts.released) == 3
+    # a Dispatcher's counts after those of one it replaced (auto changed): totals summed, maxima kept
+    later = WaveHold(max_hold=1.0).counts().after(counts)
+    assert (later.held, later.holding, later.waves, later.hold_max_s, later.max_hold_s) == (4, 0, 1, 1.5, 1.0)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from dpboard import Board, LoadSnapshot
+from dpboard.board.dispatch_record import WAVE_REASONS
+from tests.controller.test_process_wave import HOLD, two_waves
 from tests.support import mixed_board as mixed
 from tests.support.names import ROOT, new_board_name
 from tests.support.procutil import stop
@@ -127,6 +129,39 @@ def test_names_pass_prometheus_lint(served):
     lint = subprocess.run([_promtool(), "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
     findings = sorted(line for line in (lint.stdout + lint.stderr).splitlines() if line.strip())
     assert findings == sorted(f"{name} metric names should not contain ':'" for name in GATEWAY_SERIES), findings
+
+
+def test_the_wave_of_a_real_controller_is_on_the_page(board_name, tmp_path):
+    """An inflight_wave controller's hold was in no view: nothing showed an operator the hold's bound.
+    `dpboard serve` reads it from the controller's row of the board's dispatch record, as doctor
+    does, while the controller runs; the names pass Prometheus's linter."""
+    with two_waves(board_name, tmp_path):
+        proc, url = start_server(board_name, "--stale-after", "60")
+        try:
+            status, _, body = get(f"{url}/metrics")
+        finally:
+            stop(proc)
+    assert status == 200, body
+    m = samples(body)
+    row = (("board", board_name), ("row", "0"))
+    assert m[("dpboard_wave_held_requests_total", row)] == 5
+    assert m[("dpboard_wave_holding_requests", row)] == 0
+    assert m[("dpboard_waves_total", row)] == 2
+    released = {reason: m[("dpboard_wave_released_requests_total", tuple(sorted((*row, ("reason", reason)))))]
+                for reason in WAVE_REASONS}
+    assert released == {"full": 4, "bytes": 0, "busy": 0, "bound": 1, "shutdown": 0, "order": 0}
+    hold_max = m[("dpboard_wave_hold_max_seconds", row)]
+    assert HOLD - 0.05 <= hold_max < HOLD + 1.0 and m[("dpboard_wave_hold_bound_seconds", row)] == HOLD
+    assert m[("dpboard_wave_hold_seconds_count", row)] == 5
+    assert m[("dpboard_wave_hold_seconds_sum", row)] >= hold_max + 0.45  # the first request's half second too
+    assert m[("dpboard_wave_held_max_bytes", row)] > 0 and m[("dpboard_wave_held_bytes", row)] == 0
+    binary = prometheus_binary()
+    promtool = Path(binary).with_name("promtool") if binary else None
+    if promtool is not None and promtool.exists():
+        lint = subprocess.run([str(promtool), "check", "metrics"], input=body, capture_output=True, text=True,
+                              timeout=60)
+        findings = [line for line in (lint.stdout + lint.stderr).splitlines() if line.strip()]
+        assert all(line.startswith("sglang:") for line in findings), findings
 
 
 def documented_queries() -> list[str]:

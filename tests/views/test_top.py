@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from dpboard import Board, LoadSnapshot
 from dpboard.views.top import fmt_count, render, render_text, sparkline, usage_bar
 from dpboard.views.watch import BoardWatch, imbalance
+from tests.controller.test_process_wave import HOLD, two_waves
 from tests.support import mixed_board as mixed
 from tests.support.names import new_board_name
 from tests.support.procutil import kill, read_line
@@ -401,3 +403,53 @@ def test_wait_with_once_and_json_waits_for_the_board_then_prints_one_frame(board
 def test_wait_with_once_gives_up_after_its_timeout(board_name):
     proc = dpboard("top", board_name, "--wait", "--once", "--wait-timeout", "0.3")
     assert proc.returncode == 2 and "was not created within 0.3 s" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- an inflight_wave controller's hold ----------------------------------------------------------------
+
+WAVE_LINE = re.compile(r"^wave +held 5 \(0 now\) +waves 2 +released full 4, bound 1 +hold max ([0-9.]+) s of 1.5 s, "
+                       r"mean ([0-9.]+) s +held max 0.0 MiB", re.M)
+
+
+def test_top_shows_the_wave_of_a_real_controller(board_name, tmp_path):
+    """An inflight_wave controller's hold was in no view. top's header says it, from the controller's
+    row of the board's dispatch record: the frame printed (--once), --json, and the live view in a real
+    terminal (tmux)."""
+    with two_waves(board_name, tmp_path):
+        once = dpboard("top", board_name, "--once", "--stale-after", "60")
+        as_json = dpboard("top", board_name, "--json", "--stale-after", "60")
+        screen = _live_screen(board_name, until="waves 2") if shutil.which("tmux") else None
+    assert once.returncode == 0, once.stderr
+    found = WAVE_LINE.search(once.stdout)
+    assert found, once.stdout
+    assert HOLD - 0.05 <= float(found.group(1)) < HOLD + 1.0
+    assert sorted(rank_lines(once.stdout)) == [0, 1]  # the rows as before
+    (wave,) = json.loads(as_json.stdout)["waves"]
+    assert (wave["row"], wave["method"], wave["held"], wave["holding"], wave["waves"]) == (0, "inflight_wave", 5, 0, 2)
+    assert wave["released"] == {"full": 4, "bytes": 0, "busy": 0, "bound": 1, "shutdown": 0, "order": 0}
+    assert wave["max_hold_s"] == HOLD and wave["hold_max_s"] == pytest.approx(float(found.group(1)), abs=0.01)
+    if screen is not None:
+        assert WAVE_LINE.search(screen), screen
+        assert screen.count(f"board {board_name}") == 1 and sorted(rank_lines(screen)) == [0, 1]
+
+
+def _live_screen(name: str, until: str) -> str:
+    """What `dpboard top NAME` draws in a real terminal (tmux, 150 x 30) once ``until`` is on it."""
+    socket = f"dpboard-test-{os.getpid()}-wave"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    command = f"{sys.executable} -m dpboard.cli top {name} --interval 0.2 --stale-after 60; sleep 30"
+    env = {**os.environ, "TERM": "xterm-256color"}
+    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", "150", "-y", "30", command],
+                   check=True, timeout=30, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
+                                    timeout=30).stdout
+            if until in screen and "Ctrl-C to quit" in screen:
+                break
+            time.sleep(0.3)
+        return screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
