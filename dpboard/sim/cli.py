@@ -1,4 +1,6 @@
-"""``dpboard sim``: the command line over the simulator (simulation.py) and its report (report.py)."""
+"""``dpboard sim``: the command line over the simulator (simulation.py) and its report (report.py).
+While the methods run, one after another, a terminal on stderr shows a progress bar over them
+(``report.Progress``); without one nothing is added to the output."""
 
 from __future__ import annotations
 
@@ -300,7 +302,13 @@ def run(args: argparse.Namespace) -> int:
     methods = split_methods(args.methods) if args.methods else default_methods()
     if not methods:
         raise InvalidInputError("--methods is empty: name at least one method, e.g. --methods total_tokens,vllm")
-    results = simulate_any(trace, methods, config)
+    # one method after another (what simulate_any does), so that a terminal sees which one runs
+    results = []
+    with sim_report.Progress(len(methods), "methods") as progress:
+        for method in methods:
+            progress.start(method)
+            results += simulate_any(trace, [method], config)
+            progress.done()
     summaries = [sim_report.summarize(r) for r in results]
     # With --json - the JSON owns stdout; the table goes to stderr so a pipe gets pure JSON.
     human = sys.stderr if args.json == "-" else sys.stdout

@@ -20,6 +20,9 @@ Metrics per method:
 - idle rank-step share = rank-steps spent in an idle batch (DP attention: nothing to do while
   another rank of the group worked) over all rank-steps; 0 for independent ranks, which do not step
   when idle.
+
+``Progress`` is what a run of many steps shows while it goes (``dpboard sim``'s methods, the
+sweep's cells in tools/lockstep_sweep.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -397,3 +400,95 @@ def plot(results: list[RunResult], trace: Trace, config: SimConfig, path: str) -
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+class Progress:
+    """The progress of a command that runs for minutes, one step after another (``dpboard sim``'s
+    methods, a sweep's cells): a rich progress bar on stderr when stderr is a terminal, gone when
+    the command ends; otherwise nothing, so that a CI log and piped output (``--json -``) read as
+    they did. ``lines``: each finished step's line (``done``) goes to stdout as a plain line, with a
+    terminal or without, above the bar where there is one.
+
+        with Progress(len(methods), "methods") as progress:
+            for method in methods:
+                progress.start(method)
+                ...
+                progress.done()
+    """
+
+    def __init__(self, total: int, unit: str, *, lines: bool = False, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.unit = unit
+        self.lines = lines
+        self._stream = sys.stderr if stream is None else stream
+        self._bar: Any = None
+        self._task: Any = None
+        self._part: Any = None
+
+    @property
+    def shown(self) -> bool:
+        """Whether the bar is on the terminal."""
+        return self._bar is not None
+
+    def __enter__(self) -> Progress:
+        if not _is_terminal(self._stream):
+            return self
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(),
+            console=Console(file=self._stream),
+            transient=True,
+            # print() to a stdout that is the same terminal lands above the bar; a stdout that is
+            # a file or a pipe is left alone, so that it gets exactly what it got without a bar
+            redirect_stdout=_is_terminal(sys.stdout),
+            redirect_stderr=True,
+        )
+        self._bar.start()
+        self._task = self._bar.add_task("", total=self.total, unit=self.unit)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def start(self, name: str, parts: int = 0) -> None:
+        """A step begins: the bar names it, and counts its ``parts`` (``part``) where it has some."""
+        if self._bar is None:
+            return
+        if self._part is not None:
+            self._bar.remove_task(self._part)
+            self._part = None
+        self._bar.update(self._task, description=name, refresh=True)
+        if parts:
+            self._part = self._bar.add_task("", total=parts, unit="runs")
+
+    def part(self, name: str = "") -> None:
+        """One part of the step is done (``name``: which, shown beside its count)."""
+        if self._bar is not None and self._part is not None:
+            self._bar.update(self._part, advance=1, description=f"  {name}" if name else "", refresh=True)
+
+    def done(self, line: str = "") -> None:
+        """The step is done; with ``lines``, ``line`` is printed on stdout."""
+        if self.lines and line:
+            print(line, flush=True)  # sys.stdout as it is now: the bar's proxy where stdout is the terminal
+        if self._bar is not None:
+            if self._part is not None:
+                self._bar.remove_task(self._part)
+                self._part = None
+            self._bar.update(self._task, advance=1, refresh=True)

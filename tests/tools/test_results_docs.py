@@ -1,12 +1,15 @@
 """docs/DISPATCH-RESULTS.md's tables are what tools/lockstep_sweep.py renders from docs/results/*.json,
-the guide (docs/DISPATCH.md) quotes only figures that data holds, the two files' links resolve, and a
-sweep's cells condense into the same data. The tool runs as a user runs it, in a subprocess."""
+each study's picture is drawn from that data (the same file every time) and linked beside its
+tables, the guide (docs/DISPATCH.md) quotes only figures that data holds, the two files' links
+resolve, and a sweep's cells condense into the same data. The tool runs as a user runs it, in a
+subprocess."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +21,8 @@ GUIDE = ROOT / "docs" / "DISPATCH.md"
 RESULTS_DOC = ROOT / "docs" / "DISPATCH-RESULTS.md"
 DATA = ROOT / "docs" / "results"
 MARKER = re.compile(r"^<!-- results (\S+) (\S+) -->$", re.M)
+# the results files that compare methods cell by cell: one picture each, FILE.png beside FILE.json
+STUDIES = ("azure", "mooncake", "scenarios", "lockstep-cells", "lockstep-sweep", "wave-sweep")
 # a figure: digits not glued to a word ("p99" is a name, not a figure)
 NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*")
 # a citation of a section: docs/DISPATCH.md, "Title" or docs/DISPATCH.md ("Title")
@@ -62,6 +67,19 @@ def copy_docs(tmp_path: Path) -> tuple[Path, Path]:
     return doc, data
 
 
+def png_text(path: Path) -> dict[str, str]:
+    """A PNG's text chunks (the tool writes the digest of a picture's data into one)."""
+    data, out, at = path.read_bytes(), {}, 8
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    while at < len(data):
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + size
+    return out
+
+
 def test_the_results_markdown_is_what_the_tool_renders_from_the_data():
     done = sweep("table", "--check")
     assert done.returncode == 0, done.stderr
@@ -77,11 +95,16 @@ def test_a_figure_changed_in_the_data_is_caught_then_rendered(tmp_path):
     row[2] = "99999"
     (data / "azure.json").write_text(json.dumps(azure))
     paths = ("--doc", str(doc), "--results", str(data))
+    drawn_from = png_text(data / "azure.png")["Data"]
     stale = sweep("table", "--check", *paths)
+    # the table and the picture drawn from it are both stale, the other pictures not
     assert stale.returncode == 1 and "azure.json azure-0.6" in stale.stderr, stale.stderr
+    assert "azure.png" in stale.stderr and "mooncake.png" not in stale.stderr, stale.stderr
     assert "| round_robin | 46 | 99999 |" not in doc.read_text()
-    assert sweep("table", *paths).returncode == 0
+    done = sweep("table", *paths)
+    assert done.returncode == 0 and "pictures redrawn: azure.png" in done.stdout, done.stdout + done.stderr
     assert "| round_robin | 46 | 99999 |" in doc.read_text()
+    assert png_text(data / "azure.png")["Data"] != drawn_from
     assert sweep("table", "--check", *paths).returncode == 0
 
 
@@ -92,6 +115,50 @@ def test_a_table_the_markdown_leaves_out_is_an_error(tmp_path):
     doc.write_text(text.replace(region.group(0), ""))
     done = sweep("table", "--check", "--doc", str(doc), "--results", str(data))
     assert done.returncode != 0 and "calibration.json calibration" in done.stderr, done.stderr
+
+
+def test_every_study_has_its_picture_linked_in_the_section_of_its_tables():
+    sections: dict[str, set[str]] = {}  # results file -> the sections (##) its tables stand in
+    links: dict[str, str] = {}  # picture -> the section that links it
+    section = ""
+    for line in RESULTS_DOC.read_text().splitlines():
+        if re.match(r"#{1,2} ", line):
+            section = line
+        if m := MARKER.match(line):
+            sections.setdefault(m.group(1), set()).add(section)
+        for picture in re.findall(r"!\[[^\]]*\]\(results/([^)]+\.png)\)", line):
+            links[picture] = section
+    assert sorted(links) == sorted(f"{s}.png" for s in STUDIES)
+    for name in STUDIES:
+        assert links[f"{name}.png"] in sections[f"{name}.json"], f"{name}.png is linked away from its tables"
+        assert png_text(DATA / f"{name}.png")["Source"] == "tools/lockstep_sweep.py picture"
+
+
+def test_a_picture_is_drawn_the_same_every_time(tmp_path):
+    doc, data = copy_docs(tmp_path)
+    names = ("azure.png", "lockstep-cells.png", "wave-sweep.png")  # each kind of picture
+    for path in (data / n for n in names):
+        path.unlink()
+    done = sweep("picture", "--results", str(data), "--only", "azure,lockstep-cells,wave-sweep.json")
+    assert done.returncode == 0, done.stderr
+    first = {n: (data / n).read_bytes() for n in names}
+    assert sweep("table", "--check", "--doc", str(doc), "--results", str(data)).returncode == 0
+    assert sweep("picture", "--results", str(data), "--only", "azure,lockstep-cells,wave-sweep").returncode == 0
+    assert {n: (data / n).read_bytes() for n in names} == first
+    for n in names:
+        drawn, committed = png_text(data / n), png_text(DATA / n)
+        assert drawn["Data"] == committed["Data"] and "Software" not in drawn  # no version, no date
+        if drawn["Renderer"] == committed["Renderer"]:  # the same matplotlib: the same bytes as committed
+            assert first[n] == (DATA / n).read_bytes(), f"docs/results/{n} is not what the tool draws"
+
+
+def test_a_picture_linked_nowhere_is_an_error(tmp_path):
+    doc, data = copy_docs(tmp_path)
+    text = doc.read_text()
+    assert "](results/calibration.png)" not in text  # calibration compares no methods: no picture
+    doc.write_text(re.sub(r"!\[[^\]]*\]\(results/mooncake\.png\)\n", "", text))
+    done = sweep("table", "--check", "--doc", str(doc), "--results", str(data))
+    assert done.returncode == 1 and "linked nowhere: mooncake.png" in done.stderr, done.stderr
 
 
 def test_every_figure_the_guide_links_to_is_in_the_data():
