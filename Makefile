@@ -191,7 +191,7 @@ test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed $(SGLANG_PREVIOUS_SERVING
 # The replay study (docs/REPLAY.md): a window of a real trace through a real SGLang server per dispatch
 # method, 3 repeats at two loads, then through `dpboard sim` with a profile fitted from the server's
 # steps. About a minute a cell on an idle 2-core machine, 40-50 minutes in all; a rerun skips the
-# cells docs/results/replay-study.json holds. Too long for CI.
+# cells docs/replay/results.json holds. Too long for CI.
 replay-study: $(SGLANG_SERVING_VENV)/.installed
 	$(SGLANG_SERVING_PY) tools/replay_study.py capacity
 	$(SGLANG_SERVING_PY) tools/replay_study.py run

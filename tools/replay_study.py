@@ -54,9 +54,9 @@ sys.path.insert(0, str(ROOT))
 from dpboard.sim.tracefile import read_trace_file  # noqa: E402
 
 TRACE = Path(os.environ.get("DPBOARD_TRACES") or ROOT.parent / "shared" / "traces") / "azure2023_conv.csv"
-RESULTS = ROOT / "docs" / "results" / "replay-study.json"
+RESULTS = ROOT / "docs" / "replay" / "results.json"
 WINDOW_START = 600.0  # seconds into the trace: past its first minutes
-WINDOW = 120  # requests
+WINDOW = 360  # requests
 LENGTH_SCALE = 0.25
 MAX_OUTPUT = 128
 VOCAB = (3, 1000)  # the tiny model's token ids, specials left out
@@ -75,7 +75,7 @@ SERVER_FLAGS = ("--sleep-on-idle",)
 REQUEST_TIMEOUT = 600.0  # seconds a request may take; past it the cell fails (a bound, not a figure)
 STEP_LOGS = ROOT / ".replay-study" / "steps"
 RECORD_LOGS = STEP_LOGS / "record"
-PROFILE = ROOT / "docs" / "results" / "replay-study-cpu.profile"
+PROFILE = ROOT / "docs" / "replay" / "cpu.profile"
 
 
 def window() -> list[dict[str, Any]]:
@@ -334,7 +334,7 @@ METRICS = (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"), ("tpo
            ("tpot_p99_ms", "TPOT p99 ms"), ("output_tokens_per_s", "output tok/s"))
 WITHIN = 0.15  # the simulator's bar on p50s at light load: within 15 % of the real median, or its spread
 DOC = ROOT / "docs" / "REPLAY.md"
-PICTURE = ROOT / "docs" / "results" / "replay-study.png"
+PICTURE = ROOT / "docs" / "replay" / "sim-vs-real.png"
 
 
 def real_cells(doc: dict[str, Any], arm: str, load: str) -> list[dict[str, Any]]:

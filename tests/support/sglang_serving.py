@@ -47,9 +47,13 @@ START_TIMEOUT = 600.0  # seconds: 30-70 s on an idle 2-core machine, minutes whi
 STOP_TIMEOUT = 120.0
 KV_TOKENS = 8192  # per DP rank; without --max-total-tokens SGLang sizes the KV cache from free RAM
 # SGLang's CPU engine (SGLANG_USE_CPU_ENGINE), no model hub, one core per scheduler (required once
-# dp x tp > 1).
+# dp x tp > 1). SGLang binds each scheduler's OpenMP threads to its cores only on a CPU with AMX or
+# on arm64 (sglang/srt/distributed/bootstrap.py, _init_cpu_threads_env); elsewhere torch gives each
+# scheduler one OpenMP thread per core of the machine, so two schedulers run four spinning threads
+# on two cores, and once both ranks are busy together a step takes 10-20 times as long
+# (docs/REPLAY.md). OMP_NUM_THREADS=1: one thread per scheduler, as the binding would give.
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+           "SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
 # The torch-native attention and sampling (no sgl_kernel op is called on a CPU without AMX), no
 # CUDA graphs, no warm-up request (the tests send their own).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
