@@ -41,7 +41,8 @@ class WavingController:
 def two_waves(board_name: str, tmp_path: Path) -> Iterator[WavingController]:
     """A real ``dpboard controller --method inflight_wave`` (2 per rank, a hold of ``HOLD`` s) over a
     board whose two ranks decode, once it has released two waves: a full one (four requests, at
-    once) and one request alone at its bound. It runs until the caller stops it (killed at the end)."""
+    once) and one request alone at its bound. It runs until the caller stops it; at the end it gets
+    SIGTERM (a clean exit: its lock files go with it, as a killed controller's would not)."""
     endpoints = [f"ipc://{tmp_path}/w{r}" for r in range(N)]
     in_ep = f"ipc://{tmp_path}/in"
     ctx = zmq.Context()
@@ -72,7 +73,7 @@ def two_waves(board_name: str, tmp_path: Path) -> Iterator[WavingController]:
             yield WavingController(proc, lines, push, schedulers)
         finally:
             if proc is not None:
-                kill(proc)
+                stop(proc)
             schedulers.close()
             ctx.destroy(linger=0)
 
