@@ -101,6 +101,22 @@ class BoardListing:
         return self.in_use() or "it is not"
 
 
+
+def own_files(name: str) -> list[str]:
+    """The files of board ``name`` in /dev/shm that this user made: the board, its sent record, its
+    dispatch record, each a regular file of this user's (another user's file under such a name, or
+    a link, is never this user's to wait for or remove)."""
+    own = []
+    for prefix in (SEGMENT_PREFIX, SENT_PREFIX, DISPATCH_PREFIX):
+        try:
+            st = os.lstat(SHM_DIR / (prefix + name))
+        except OSError:
+            continue
+        if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
+            own.append(prefix + name)
+    return own
+
+
 def _damage(header: BoardHeader, size: int) -> str | None:
     """Why a header of this layout does not describe a board, or None.
     Every field is bounded before any slot is looked at: anybody may plant a header (and a sparse

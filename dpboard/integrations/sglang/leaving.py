@@ -31,13 +31,12 @@ import argparse
 import logging
 import os
 import select
-import stat
 import subprocess
 import sys
 import time
 
 from dpboard.board.dispatch_record import DISPATCH_PREFIX, remove_abandoned_records
-from dpboard.board.listing import BoardListing, clean_sent_records, read_listing
+from dpboard.board.listing import BoardListing, clean_sent_records, own_files, read_listing
 from dpboard.board.liveness import process_start_ticks
 from dpboard.board.names import SEGMENT_PREFIX, SHM_DIR
 from dpboard.board.segment import unlink_if_generation
@@ -133,20 +132,6 @@ def wait_for_end(pid: int, start_ticks: int, name: str, generation: int) -> bool
         os.close(pidfd)
 
 
-def _left(name: str) -> list[str]:
-    """What of board ``name`` is in /dev/shm that this user made: the board, its sent record, its
-    dispatch record (another user's file under such a name is not this server's: never waited for)."""
-    left = []
-    for prefix in (SEGMENT_PREFIX, SENT_PREFIX, DISPATCH_PREFIX):
-        try:
-            st = os.lstat(SHM_DIR / (prefix + name))
-        except OSError:
-            continue
-        if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):  # a link is never removed from here
-            left.append(prefix + name)
-    return left
-
-
 def _remove_board(entry: BoardListing, generation: int) -> bool:
     """Unlink this server's board (``generation``) when nothing of it lives, by the rule ``dpboard
     clean`` applies (``BoardListing.in_use``); a board of another generation is never touched."""
@@ -181,7 +166,7 @@ def remove_when_gone(name: str, start_ticks: int, generation: int, *, wait: floa
             return removed  # a new server's board made meanwhile: the records are its own from now on
         removed += [SENT_PREFIX + n for n in clean_sent_records(name)]
         removed += [DISPATCH_PREFIX + n for n in remove_abandoned_records(name)]
-        left = _left(name)
+        left = own_files(name)
         if not left:
             return removed
         if time.monotonic() >= deadline:

@@ -30,15 +30,12 @@ import atexit
 import logging
 import multiprocessing
 import os
-import stat
 import time
 from collections.abc import Mapping
 
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR, validate_name
-from dpboard.board.dispatch_record import DISPATCH_PREFIX
-from dpboard.board.listing import read_listing, remove_if_gone
+from dpboard.board.listing import own_files, read_listing, remove_if_gone
 from dpboard.board.liveness import process_start_ticks
-from dpboard.board.sent import SENT_PREFIX
 from dpboard.errors import DpboardError
 from dpboard.integrations.vllm.settings import DERIVED_PREFIX, ENV_BOARD, ENV_ENABLE
 
@@ -109,19 +106,13 @@ def files_of(name: str, started: int = 0) -> list[str]:
     at ``started`` clock ticks since boot or later: an older deployment's board stays, so does a
     file with no board header)."""
     left = []
-    for prefix in (SEGMENT_PREFIX, SENT_PREFIX, DISPATCH_PREFIX):
-        try:
-            st = os.lstat(SHM_DIR / (prefix + name))
-        except OSError:
-            continue
-        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-            continue  # another user's, or a link: never removed from here
-        if prefix == SEGMENT_PREFIX:
+    for file in own_files(name):
+        if file == SEGMENT_PREFIX + name:
             try:
                 header = read_listing(name).header
             except DpboardError:
                 continue  # gone meanwhile
             if header is None or header.creator_start_ticks < started:
                 continue
-        left.append(prefix + name)
+        left.append(file)
     return left
