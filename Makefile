@@ -193,11 +193,12 @@ test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed $(SGLANG_PREVIOUS_SERVING
 # steps. About a minute a cell on an idle 2-core machine, 40-50 minutes in all; a rerun skips the
 # cells docs/replay/results.json holds. Too long for CI.
 replay-study: $(SGLANG_SERVING_VENV)/.installed
-	$(SGLANG_SERVING_PY) tools/replay_study.py capacity
-	$(SGLANG_SERVING_PY) tools/replay_study.py run
-	$(SGLANG_SERVING_PY) tools/replay_study.py record
-	$(SGLANG_SERVING_PY) tools/replay_study.py sim
-	$(SGLANG_SERVING_PY) tools/replay_study.py report
+	$(SGLANG_SERVING_PY) -m pip install -q matplotlib
+	for setup in independent dp-attention; do \
+	  for step in capacity run record sim report; do \
+	    $(SGLANG_SERVING_PY) tools/replay_study.py --setup $$setup $$step || exit 1; \
+	  done; \
+	done
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

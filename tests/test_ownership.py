@@ -24,6 +24,7 @@ from dpboard.ownership import (
 )
 from tests.support.names import new_board_name
 from tests.support.other_user import as_nobody
+from tests.support.sweeps import sweeping
 
 
 @pytest.fixture
@@ -148,7 +149,9 @@ def test_clean_removes_the_lock_files_that_killed_owners_left_and_nothing_else(s
         old = dead.stat().st_mtime - 3600
         for path in (dead, live, theirs):
             os.utime(path, (old, old), follow_symlinks=False)
-        out = subprocess.run([sys.executable, "-m", "dpboard", "clean"], capture_output=True, text=True, timeout=60)
+        with sweeping():
+            out = subprocess.run([sys.executable, "-m", "dpboard", "clean"], capture_output=True, text=True,
+                                 timeout=60)
         assert out.returncode == 0, out.stderr
         assert f"removed {dead} (a lock no live process holds)" in out.stdout
         assert not dead.exists()

@@ -2,11 +2,14 @@
 one server per method, and the same window through ``dpboard sim`` with a profile fitted from that
 server's own recorded steps (docs/REPLAY.md says what was found).
 
-The server is ``sglang.launch_server --dp-size 2`` on the CPU with the tiny model
-(tests/support/sglang_serving.py), ``--sleep-on-idle`` (idle schedulers do not spin), its DP
-controller reniced (its loop spins a core even when idle). SGLang's own methods run without dpboard
-(``SGLANG_PLUGINS=none``: SGLang loads every installed plugin otherwise); dpboard's through the plugin
-(``DPBOARD_METHOD``), with the step recorder on (``DPBOARD_STEP_LOG``), whose logs fit the profile.
+Two setups (``--setup``): ``independent``, ``sglang.launch_server --dp-size 2`` on the CPU with the
+tiny model (tests/support/sglang_serving.py), and ``dp-attention``, the same with
+``--enable-dp-attention --tp-size 2`` (the ranks step in lockstep; the tiny model as a Qwen3). Each
+has its arms (methods), loads, results file, fitted profile and section of docs/REPLAY.md.
+``--sleep-on-idle`` (idle schedulers do not spin), the DP controller reniced (its loop spins a core
+even when idle). SGLang's own methods run without dpboard (``SGLANG_PLUGINS=none``: SGLang loads
+every installed plugin otherwise); dpboard's through the plugin (``DPBOARD_METHOD``), with the step
+recorder on (``DPBOARD_STEP_LOG``).
 
 The traffic: ``WINDOW`` requests of the Azure conversation trace from ``WINDOW_START`` s on, each
 prompt and output length times ``LENGTH_SCALE`` (one factor, so that the window fits the tiny
@@ -21,16 +24,23 @@ trace's lengths, and it takes the first token from the first chunk with text, wh
 ids without visible text delay. Here the first token is the first chunk whose ``completion_tokens``
 is at least 1.
 
+The simulator's profile: ``record`` runs one server with the recorder through the window at every
+load and at once (the step log's batch shapes span the cells'), then sends ``PROBES`` lone requests
+to the idle server; ``sim`` fits the rank model to the steps (``dpboard calibrate``'s fit) and the
+front end (``frontend_ms``: what a lone request's TTFT exceeds the fitted model's by) to the probes.
+
 Each cell (arm, load, repeat) is written to the results file as it ends, and a rerun skips the cells
 there: a study stopped halfway resumes. Arms alternate within a repeat, so a slow spell of the
 machine falls on every arm alike.
 
-    .venv-sglang/bin/python tools/replay_study.py capacity      # the server's requests/s on the window
-    .venv-sglang/bin/python tools/replay_study.py run [--loads light] [--repeats 3]
-    .venv-sglang/bin/python tools/replay_study.py sim           # calibrate, then the window in dpboard sim
-    .venv-sglang/bin/python tools/replay_study.py report        # docs/REPLAY.md's table and picture
+    .venv-sglang/bin/python tools/replay_study.py [--setup dp-attention] capacity  # requests/s on the window
+    .venv-sglang/bin/python tools/replay_study.py [--setup ...] run [--loads light] [--repeats 3]
+    .venv-sglang/bin/python tools/replay_study.py [--setup ...] record   # step log and lone requests
+    .venv-sglang/bin/python tools/replay_study.py [--setup ...] sim      # fit, then the window in dpboard sim
+    .venv-sglang/bin/python tools/replay_study.py [--setup ...] report   # docs/REPLAY.md's table and picture
 
-``make replay-study`` runs all four (about 30 s of start-up and 2-4 minutes of traffic per cell).
+``make replay-study`` runs all five for both setups (about 30 s of start-up and 10-60 s of traffic
+per cell; docs/REPLAY.md says how long in all).
 """
 
 from __future__ import annotations
@@ -40,9 +50,11 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,28 +66,80 @@ sys.path.insert(0, str(ROOT))
 from dpboard.sim.tracefile import read_trace_file  # noqa: E402
 
 TRACE = Path(os.environ.get("DPBOARD_TRACES") or ROOT.parent / "shared" / "traces") / "azure2023_conv.csv"
-RESULTS = ROOT / "docs" / "replay" / "results.json"
 WINDOW_START = 600.0  # seconds into the trace: past its first minutes
 WINDOW = 360  # requests
 LENGTH_SCALE = 0.25
 MAX_OUTPUT = 128
 VOCAB = (3, 1000)  # the tiny model's token ids, specials left out
 SEED = 0
-LOADS = {"light": 0.275, "heavy": 0.6}  # shares of the measured capacity
-# (arm, who dispatches, method)
-ARMS = (
-    ("round_robin", "sglang", "round_robin"),
-    ("total_requests", "sglang", "total_requests"),
-    ("total_tokens", "sglang", "total_tokens"),
-    ("inflight_tokens", "dpboard", "inflight_tokens"),
-    ("inflight_ttft", "dpboard", "inflight_ttft"),
-    ("inflight_backlog", "dpboard", "inflight_backlog"),
-)
 SERVER_FLAGS = ("--sleep-on-idle",)
 REQUEST_TIMEOUT = 600.0  # seconds a request may take; past it the cell fails (a bound, not a figure)
-STEP_LOGS = ROOT / ".replay-study" / "steps"
-RECORD_LOGS = STEP_LOGS / "record"
-PROFILE = ROOT / "docs" / "replay" / "cpu.profile"
+PROBES = 40  # lone requests sent to the idle server for the front-end fit
+DOC = ROOT / "docs" / "REPLAY.md"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One dispatch method as a server runs it: ``who`` dispatches (SGLang alone, without dpboard, or
+    dpboard's plugin), with ``flags`` more on the server's command line; ``delayer``: SGLang's
+    prefill delayer is on (the simulator runs it too)."""
+
+    name: str
+    who: str
+    method: str
+    flags: tuple[str, ...] = ()
+    delayer: bool = False
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A server's shape and the arms run on it, each with its own results, profile and page section."""
+
+    name: str
+    dp_attention: bool
+    arms: tuple[Arm, ...]
+    loads: dict[str, float]  # shares of the measured capacity
+    results: Path
+    profile: Path
+    picture: Path
+
+    @property
+    def step_logs(self) -> Path:
+        return ROOT / ".replay-study" / self.name / "steps"
+
+    @property
+    def record_logs(self) -> Path:
+        return self.step_logs / "record"
+
+    @property
+    def marker(self) -> str:
+        return "replay" if self.name == "independent" else f"replay {self.name}"
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+
+SETUPS = {s.name: s for s in (
+    Setup("independent", False, (
+        Arm("round_robin", "sglang", "round_robin"),
+        Arm("total_requests", "sglang", "total_requests"),
+        Arm("total_tokens", "sglang", "total_tokens"),
+        Arm("inflight_tokens", "dpboard", "inflight_tokens"),
+        Arm("inflight_ttft", "dpboard", "inflight_ttft"),
+        Arm("inflight_backlog", "dpboard", "inflight_backlog"),
+    ), {"light": 0.275, "heavy": 0.6, "heavier": 0.85}, ROOT / "docs" / "replay" / "results.json",
+        ROOT / "docs" / "replay" / "cpu.profile", ROOT / "docs" / "replay" / "sim-vs-real.png"),
+    # DP attention (--enable-dp-attention --tp-size 2, the tiny model as a Qwen3): the ranks step in
+    # lockstep. SGLang's default method is round_robin; its prefill delayer holds a rank's prefill
+    # until the group prefills together.
+    Setup("dp-attention", True, (
+        Arm("round_robin", "sglang", "round_robin"),
+        Arm("round_robin+delayer", "sglang", "round_robin", ("--enable-prefill-delayer",), delayer=True),
+        Arm("inflight_lockstep", "dpboard", "inflight_lockstep"),
+        Arm("inflight_wave", "dpboard", "inflight_wave"),
+    ), {"light": 0.275, "heavy": 0.6}, ROOT / "docs" / "replay" / "dp-attention.json",
+        ROOT / "docs" / "replay" / "cpu-dp-attention.profile", ROOT / "docs" / "replay" / "sim-vs-real-dp-attention.png"),
+)}
 
 
 def window() -> list[dict[str, Any]]:
@@ -142,14 +206,15 @@ async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: floa
             "tokens": tokens, "rank": rank}
 
 
-async def replay(url: str, reqs: list[dict[str, Any]], times: list[float]) -> list[dict[str, Any]]:
+async def replay(url: str, reqs: list[dict[str, Any]], times: list[float], first_index: int = 0) -> list[dict[str, Any]]:
     import aiohttp  # SGLang's environment has it
 
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = asyncio.get_running_loop().time() + 0.5
-        return await asyncio.gather(*(_one(session, url, i, r, t0, at) for i, (r, at) in enumerate(zip(reqs, times, strict=True))))
+        return await asyncio.gather(*(_one(session, url, first_index + i, r, t0, at)
+                                      for i, (r, at) in enumerate(zip(reqs, times, strict=True))))
 
 
 def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,21 +237,20 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---- the server ----
 
-def start_server(arm: tuple[str, str, str], step_log: Path | None):
+def start_server(setup: Setup, arm: Arm, step_log: Path | None):
     from tests.support.names import new_board_name
     from tests.support.sglang_serving import Server
 
-    name, who, method = arm
-    if who == "sglang":
+    if arm.who == "sglang":
         env = {"SGLANG_PLUGINS": "none"}
-        extra = ("--load-balance-method", method, *SERVER_FLAGS)
+        extra = ("--load-balance-method", arm.method, *arm.flags, *SERVER_FLAGS)
     else:
-        env = {"SGLANG_PLUGINS": "dpboard", "DPBOARD_BOARD": new_board_name(), "DPBOARD_METHOD": method}
+        env = {"SGLANG_PLUGINS": "dpboard", "DPBOARD_BOARD": new_board_name(), "DPBOARD_METHOD": arm.method}
         if step_log is not None:
             step_log.mkdir(parents=True, exist_ok=True)
             env["DPBOARD_STEP_LOG"] = str(step_log)
-        extra = ("--load-balance-method", "total_tokens", *SERVER_FLAGS)
-    server = Server(env, extra=extra)
+        extra = ("--load-balance-method", "round_robin", *arm.flags, *SERVER_FLAGS)
+    server = Server(env, extra=extra, dp_attention=setup.dp_attention)
     try:
         server.wait_ready()
         for pid in server.titled("sglang::data_parallel_controller"):
@@ -197,11 +261,13 @@ def start_server(arm: tuple[str, str, str], step_log: Path | None):
     return server
 
 
-def run_cell(arm: tuple[str, str, str], reqs: list[dict[str, Any]], times: list[float], step_log: Path | None) -> dict[str, Any]:
-    server = start_server(arm, step_log)
+WARM = [{"offset_s": 0.0, "prompt": 64, "output": 8}] * 4  # the first requests pay one-off costs
+
+
+def run_cell(setup: Setup, arm: Arm, reqs: list[dict[str, Any]], times: list[float], step_log: Path | None) -> dict[str, Any]:
+    server = start_server(setup, arm, step_log)
     try:
-        warm = [{"offset_s": 0.0, "prompt": 64, "output": 8}] * 4  # the first requests pay one-off costs
-        asyncio.run(replay(server.url, warm, [0.0] * len(warm)))
+        asyncio.run(replay(server.url, WARM, [0.0] * len(WARM)))
         began = time.time()
         records = asyncio.run(replay(server.url, reqs, times))
         return {"figures": figures(records), "records": records, "wall_s": time.time() - began}
@@ -217,138 +283,193 @@ def arrival_times(reqs: list[dict[str, Any]], rate: float) -> list[float]:
     return [r["offset_s"] * natural / rate for r in reqs]
 
 
-def cmd_capacity(args: argparse.Namespace) -> None:
-    doc = load_results(args.results)
+def cmd_capacity(setup: Setup, args: argparse.Namespace) -> None:
+    doc = load_results(setup.results)
     if "capacity" in doc:
         print(f"capacity: {doc['capacity']['requests_per_s']:.3f} requests/s, measured {doc['capacity']['when']} "
-              f"(remove it from {args.results} to measure again)")
+              f"(remove it from {setup.results} to measure again)")
         return
     reqs = window()
-    arm = next(a for a in ARMS if a[0] == "total_tokens")
-    result = run_cell(arm, reqs, [0.0] * len(reqs), None)
-    doc["capacity"] = {"requests_per_s": result["figures"]["requests_per_s"], "arm": arm[0],
+    arm = setup.arms[0]
+    result = run_cell(setup, arm, reqs, [0.0] * len(reqs), None)
+    doc["capacity"] = {"requests_per_s": result["figures"]["requests_per_s"], "arm": arm.name,
                        "figures": result["figures"], "when": time.strftime("%Y-%m-%d %H:%M")}
-    save_results(args.results, doc)
+    save_results(setup.results, doc)
     print(f"capacity: {doc['capacity']['requests_per_s']:.3f} requests/s on {len(reqs)} requests sent at once")
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    doc = load_results(args.results)
+def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
+    doc = load_results(setup.results)
     if "capacity" not in doc:
-        raise SystemExit(f"no capacity in {args.results}: run `{Path(__file__).name} capacity` first")
+        raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
     reqs = window()
     doc["setup"] = {"trace": TRACE.name, "window_start_s": WINDOW_START, "requests": WINDOW,
                     "length_scale": LENGTH_SCALE, "max_output": MAX_OUTPUT, "server_flags": list(SERVER_FLAGS),
+                    "dp_attention": setup.dp_attention,
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()}
-    arms = [a for a in ARMS if not args.arms or a[0] in args.arms]
-    for load in args.loads:
-        rate = LOADS[load] * doc["capacity"]["requests_per_s"]
+    arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
+    for load in args.loads or list(setup.loads):
+        if load not in setup.loads:
+            raise SystemExit(f"--loads {load}: the {setup.name} setup runs {', '.join(setup.loads)}")
+        rate = setup.loads[load] * doc["capacity"]["requests_per_s"]
         times = arrival_times(reqs, rate)
         for repeat in range(args.repeats):
             order = arms if repeat % 2 == 0 else arms[::-1]  # alternate: drift falls on every arm alike
             for arm in order:
-                key = f"{arm[0]}|{load}|{repeat}"
+                key = f"{arm.name}|{load}|{repeat}"
                 if key in doc["cells"]:
                     continue
-                step_log = STEP_LOGS / key.replace("|", "-") if arm[1] == "dpboard" else None
-                print(f"{time.strftime('%H:%M:%S')} {key}: {len(reqs)} requests at {rate:.3f}/s", flush=True)
+                step_log = setup.step_logs / key.replace("|", "-") if arm.who == "dpboard" else None
+                print(f"{time.strftime('%H:%M:%S')} {setup.name} {key}: {len(reqs)} requests at {rate:.3f}/s", flush=True)
                 load_before = os.getloadavg()[0]
-                result = run_cell(arm, reqs, times, step_log)
-                result.update(loadavg=[load_before, os.getloadavg()[0]], arm=arm[0], who=arm[1], load=load, share=LOADS[load], rate=rate, repeat=repeat,
+                result = run_cell(setup, arm, reqs, times, step_log)
+                result.update(loadavg=[load_before, os.getloadavg()[0]], arm=arm.name, who=arm.who, load=load,
+                              share=setup.loads[load], rate=rate, repeat=repeat,
                               step_log=str(step_log.relative_to(ROOT)) if step_log else None,
                               when=time.strftime("%Y-%m-%d %H:%M"))
                 doc["cells"][key] = result
-                save_results(args.results, doc)
+                save_results(setup.results, doc)
                 f = result["figures"]
                 print(f"  TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 {f['ttft_p99_ms']:.0f} ms, TPOT p50 "
                       f"{f['tpot_p50_ms']:.1f} ms, {f['requests_per_s']:.3f} req/s, {result['wall_s']:.0f} s", flush=True)
 
 
-def cmd_record(args: argparse.Namespace) -> None:
-    """One server with the step recorder and dpboard's inflight_tokens, the window sent at the two
-    loads and then at once: steps of every batch shape the study's cells run, for the fit."""
-    doc = load_results(args.results)
+def probe_lone(url: str, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``PROBES`` requests of the window's lengths (outputs of 8 tokens), sent one at a time to the idle
+    server, 0.3 s apart: the TTFT with no queue, what the front-end fit stands on."""
+    rng = np.random.default_rng([SEED, 1])
+    picked = rng.choice(len(reqs), PROBES, replace=False)
+    out = []
+    for n, i in enumerate(picked):
+        lone = [{"offset_s": 0.0, "prompt": reqs[i]["prompt"], "output": 8}]
+        record = asyncio.run(replay(url, lone, [0.0], first_index=10_000 + n))[0]
+        out.append({"prompt": lone[0]["prompt"], "output": 8, "ttft": record["ttft"]})
+        time.sleep(0.3)
+    return out
+
+
+def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
+    """One server with the step recorder and a load-aware dpboard method, the window sent at the
+    setup's loads and then at once: steps of every batch shape the study's cells run, for the fit;
+    then lone requests to the idle server, for the front-end fit."""
+    doc = load_results(setup.results)
     if "capacity" not in doc:
-        raise SystemExit(f"no capacity in {args.results}: run `{Path(__file__).name} capacity` first")
-    if RECORD_LOGS.exists() and any(RECORD_LOGS.iterdir()):
-        print(f"{RECORD_LOGS} holds step logs already: remove it to record again")
+        raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
+    logs = setup.record_logs
+    if logs.exists() and any(logs.iterdir()) and "probe" in doc.get("record", {}):
+        print(f"{logs} holds step logs already and {setup.results} the probe: remove both to record again")
         return
+    shutil.rmtree(logs, ignore_errors=True)
     reqs = window()
-    arm = ("record", "dpboard", "inflight_tokens")
-    server = start_server(arm, RECORD_LOGS)
+    arm = next(a for a in setup.arms if a.who == "dpboard")
+    server = start_server(setup, arm, logs)
     try:
-        for load, share in LOADS.items():
+        asyncio.run(replay(server.url, WARM, [0.0] * len(WARM)))
+        for load, share in setup.loads.items():
             asyncio.run(replay(server.url, reqs, arrival_times(reqs, share * doc["capacity"]["requests_per_s"])))
             print(f"recorded the window at {load} load", flush=True)
         asyncio.run(replay(server.url, reqs, [0.0] * len(reqs)))
+        time.sleep(2.0)  # idle: the schedulers asleep, as between a light load's arrivals
+        probe = probe_lone(server.url, reqs)
+        print(f"probed {len(probe)} lone requests: TTFT median {statistics.median(p['ttft'] for p in probe) * 1e3:.1f} ms",
+              flush=True)
     finally:
         server.stop()
         server.kill()
-    doc["record"] = {"arm": "inflight_tokens", "loads": [*LOADS, "at once"], "logs": str(RECORD_LOGS.relative_to(ROOT)),
-                     "when": time.strftime("%Y-%m-%d %H:%M")}
-    save_results(args.results, doc)
+    doc["record"] = {"arm": arm.name, "loads": [*setup.loads, "at once"], "logs": str(logs.relative_to(ROOT)),
+                     "when": time.strftime("%Y-%m-%d %H:%M"), "probe": probe}
+    save_results(setup.results, doc)
 
 
-def cmd_sim(args: argparse.Namespace) -> None:
-    """Fit the profile from the recorded steps, then every arm and load of the study in dpboard sim."""
-    from dpboard.sim.calibrate import fit_profile, table_from_logs
+def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
+    """Fit the profile from the recorded steps and the front end from the lone requests, then every
+    arm and load of the study in dpboard sim."""
+    from dpboard.sim.calibrate import fit_frontend, fit_profile, table_from_logs
     from dpboard.sim.profile import load_profile_file
     from dpboard.sim.report import summarize
     from dpboard.sim.simulation import SimConfig, Simulation
     from dpboard.sim.trace import Trace
     from dpboard.steplog.reader import read_step_log, step_log_paths
 
-    doc = load_results(args.results)
-    logs = [read_step_log(p) for p in step_log_paths(RECORD_LOGS)]
+    doc = load_results(setup.results)
+    if "probe" not in doc.get("record", {}):
+        raise SystemExit(f"no recording in {setup.results}: run `{Path(__file__).name} --setup {setup.name} record` first")
+    logs = [read_step_log(p) for p in step_log_paths(setup.record_logs)]
     table, settings = table_from_logs(logs)
     fit = fit_profile(table, settings)
-    PROFILE.write_text(fit.profile_text("replay-study-cpu", f"the step logs of `{Path(__file__).name} record`"))
+    overlap = bool(settings.get("overlap"))
+    probe = doc["record"]["probe"]
+    fitted = load_profile_from_text(fit.profile_text("unused", "unused"))
+    front, front_p10, front_p90 = fit_frontend(np.array([p["prompt"] for p in probe]), np.array([p["output"] for p in probe]),
+                                               np.array([p["ttft"] for p in probe]), fitted.rank, overlap=overlap)
+    name = f"replay-study-cpu{'' if setup.name == 'independent' else '-' + setup.name}"
+    setup.profile.write_text(fit.profile_text(
+        name, f"the step logs of `{Path(__file__).name} --setup {setup.name} record`", frontend_ms=front * 1e3,
+        frontend_source=f"{len(probe)} lone requests on the idle server: client TTFT less the fitted model's, "
+                        f"median (p10 {front_p10 * 1e3:.1f} ms, p90 {front_p90 * 1e3:.1f} ms)"))
     print(fit.report())
-    profile = load_profile_file(PROFILE)
+    print(f"front end: {front * 1e3:.2f} ms (p10 {front_p10 * 1e3:.2f}, p90 {front_p90 * 1e3:.2f}) from {len(probe)} lone requests")
+    profile = load_profile_file(setup.profile)
     doc["fit"] = {"terms": {t.key: t.value for t in fit.terms}, "error": fit.error, "loose": fit.loose,
                   "steps": fit.steps, "used": fit.used, "settings": settings,
-                  "profile": str(PROFILE.relative_to(ROOT))}
+                  "frontend_ms": [front * 1e3, front_p10 * 1e3, front_p90 * 1e3],
+                  "profile": str(setup.profile.relative_to(ROOT))}
     reqs = window()
     prompt = np.array([r["prompt"] for r in reqs], dtype=np.int64)
     output = np.array([r["output"] for r in reqs], dtype=np.int64)
     doc["sim"] = {}
-    for load, share in LOADS.items():
+    doc["sim_without_frontend"] = {}
+    for load, share in setup.loads.items():
         times = np.array(arrival_times(reqs, share * doc["capacity"]["requests_per_s"]))
         trace = Trace(name=f"{TRACE.name} window", n_ranks=2, seed=SEED, arrival_s=times, prompt_len=prompt,
                       output_len=output, is_burst=np.zeros(len(reqs), bool))
-        for name, _, method in ARMS:
-            config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=bool(settings.get("overlap")),
-                               slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s).validate()
-            result = Simulation(trace, method, config).run()
-            s = summarize(result)
-            span = float(s["makespan_s"] - times.min())
-            doc["sim"][f"{name}|{load}"] = {
-                "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"], "tpot_p50_ms": s["tpot_p50_ms"],
-                "tpot_p99_ms": s["tpot_p99_ms"], "output_tokens_per_s": float(output.sum()) / span,
-                "requests_per_s": len(reqs) / span,
-                "rank0_share": sum(1 for r in result.requests if r.rank == 0) / len(result.requests)}
-    save_results(args.results, doc)
+        for arm in setup.arms:
+            for frontend_s, into in ((profile.frontend_s, "sim"), (0.0, "sim_without_frontend")):
+                config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
+                                   lockstep=profile.lockstep if setup.dp_attention else None,
+                                   prefill_delayer=arm.delayer, frontend_s=frontend_s,
+                                   slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s).validate()
+                result = Simulation(trace, arm.method, config).run()
+                s = summarize(result)
+                span = float(s["makespan_s"] - times.min())
+                doc[into][f"{arm.name}|{load}"] = {
+                    "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"], "tpot_p50_ms": s["tpot_p50_ms"],
+                    "tpot_p99_ms": s["tpot_p99_ms"], "output_tokens_per_s": float(output.sum()) / span,
+                    "requests_per_s": len(reqs) / span,
+                    "rank0_share": sum(1 for r in result.requests if r.rank == 0) / len(result.requests)}
+    save_results(setup.results, doc)
+
+
+def load_profile_from_text(text: str):
+    """A profile from its text (the fit before it is written), through the one reader profiles have."""
+    import tempfile
+
+    from dpboard.sim.profile import load_profile_file
+
+    with tempfile.NamedTemporaryFile("w", suffix=".profile") as f:
+        f.write(text)
+        f.flush()
+        return load_profile_file(f.name)
 
 
 METRICS = (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
            ("tpot_p99_ms", "TPOT p99 ms"), ("output_tokens_per_s", "output tok/s"))
 WITHIN = 0.15  # the simulator's bar on p50s at light load: within 15 % of the real median, or its spread
-DOC = ROOT / "docs" / "REPLAY.md"
-PICTURE = ROOT / "docs" / "replay" / "sim-vs-real.png"
 
 
 def real_cells(doc: dict[str, Any], arm: str, load: str) -> list[dict[str, Any]]:
     return [c["figures"] for c in doc["cells"].values() if c["arm"] == arm and c["load"] == load]
 
 
-def compare(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def compare(setup: Setup, doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Per load, arm and figure: the real median, spread (min, max) and repeats, the simulated value,
     its error against the median and whether it is within the bar."""
     rows = []
-    for load in LOADS:
-        for arm, _, _ in ARMS:
-            real = real_cells(doc, arm, load)
-            sim = doc.get("sim", {}).get(f"{arm}|{load}")
+    for load in setup.loads:
+        for arm in setup.arms:
+            real = real_cells(doc, arm.name, load)
+            sim = doc.get("sim", {}).get(f"{arm.name}|{load}")
+            bare = doc.get("sim_without_frontend", {}).get(f"{arm.name}|{load}")
             if not real:
                 continue
             for key, label in (*METRICS, ("rank0_share", "rank 0 share")):
@@ -356,45 +477,49 @@ def compare(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 if not values:
                     continue
                 median = statistics.median(values)
-                row = {"load": load, "arm": arm, "key": key, "label": label, "median": median, "min": min(values),
-                       "max": max(values), "repeats": len(values), "sim": None, "error": None, "within": None}
+                row = {"load": load, "arm": arm.name, "key": key, "label": label, "median": median, "min": min(values),
+                       "max": max(values), "repeats": len(values), "sim": None, "error": None, "within": None,
+                       "bare_error": None}
                 if sim is not None and sim.get(key) is not None:
                     row["sim"] = sim[key]
                     row["error"] = (sim[key] - median) / median if median else None
                     in_spread = min(values) <= sim[key] <= max(values)
                     row["within"] = bool(in_spread or (row["error"] is not None and abs(row["error"]) <= WITHIN))
+                if bare is not None and bare.get(key) is not None and median:
+                    row["bare_error"] = (bare[key] - median) / median
                 rows.append(row)
     return rows
 
 
-def ranking(doc: dict[str, Any], load: str, key: str, source: str) -> list[str]:
+def ranking(setup: Setup, doc: dict[str, Any], load: str, key: str, source: str) -> list[str]:
     """The arms from best to worst by ``key`` (lower is better), real medians or simulated values."""
     values = {}
-    for arm, _, _ in ARMS:
+    for arm in setup.arms:
         if source == "real":
-            real = [f[key] for f in real_cells(doc, arm, load)]
+            real = [f[key] for f in real_cells(doc, arm.name, load)]
             if real:
-                values[arm] = statistics.median(real)
-        elif f"{arm}|{load}" in doc.get("sim", {}):
-            values[arm] = doc["sim"][f"{arm}|{load}"][key]
+                values[arm.name] = statistics.median(real)
+        elif f"{arm.name}|{load}" in doc.get("sim", {}):
+            values[arm.name] = doc["sim"][f"{arm.name}|{load}"][key]
     return sorted(values, key=values.__getitem__)
 
 
-def inseparable(doc: dict[str, Any], load: str, key: str) -> list[tuple[str, str]]:
+def inseparable(setup: Setup, doc: dict[str, Any], load: str, key: str) -> list[tuple[str, str]]:
     """Pairs of arms whose real repeats overlap on ``key``: the noise cannot order them."""
-    spans = {arm: (min(v), max(v)) for arm, _, _ in ARMS if (v := [f[key] for f in real_cells(doc, arm, load)])}
+    spans = {arm.name: (min(v), max(v)) for arm in setup.arms
+             if (v := [f[key] for f in real_cells(doc, arm.name, load)])}
     names = list(spans)
     return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
             if spans[a][0] <= spans[b][1] and spans[b][0] <= spans[a][1]]
 
 
-def render(doc: dict[str, Any]) -> str:
-    rows = compare(doc)
+def render(setup: Setup, doc: dict[str, Any]) -> str:
+    rows = compare(setup, doc)
     out = []
     cap = doc["capacity"]
-    setup = doc.get("setup", {})
+    info = doc.get("setup", {})
     out.append(f"Capacity of the server on the window: {cap['requests_per_s']:.2f} requests/s (the {WINDOW} requests "
-               f"sent at once, {cap['when']}); {setup.get('machine', '')}.")
+               f"sent at once, {cap['when']}); {info.get('machine', '')}.")
     if "fit" in doc:
         fit = doc["fit"]
         terms = ", ".join(f"{k} {v:.4g}" for k, v in fit["terms"].items())
@@ -402,20 +527,25 @@ def render(doc: dict[str, Any]) -> str:
         out.append(f"\nFitted profile ({fit['profile']}, {fit['used'].get('extend', 0)} prefill and "
                    f"{fit['used'].get('decode', 0)} decode steps): {terms}. Fit error per step, median / p90: "
                    f"{errors}. Not pinned down: {', '.join(fit['loose']) or 'none'}.")
-    for load, share in LOADS.items():
+        if "frontend_ms" in fit:
+            front = fit["frontend_ms"]
+            out.append(f"Front end (`frontend_ms`): {front[0]:.1f} ms, from {PROBES} lone requests on the idle server "
+                       f"(p10 {front[1]:.1f} ms, p90 {front[2]:.1f} ms). Each cell below gives the simulator's error "
+                       "with it; `without` is the error of the same run without it.")
+    for load, share in setup.loads.items():
         mine = [r for r in rows if r["load"] == load]
         if not mine:
             continue
-        out.append(f"\n**{load.capitalize()} load** ({share:.0%} of capacity, "
+        out.append(f"\n**{load.capitalize()} load** ({share:.1%} of capacity, "
                    f"{share * cap['requests_per_s']:.2f} requests/s; real: median [min-max] of "
                    f"{max(r['repeats'] for r in mine)} repeats)\n")
         out.append("| method | " + " | ".join(label for _, label in (*METRICS, ("", "rank 0 share"))) + " |")
         out.append("|---" * (len(METRICS) + 2) + "|")
-        for arm, _, _ in ARMS:
-            cells = {r["key"]: r for r in mine if r["arm"] == arm}
+        for arm in setup.arms:
+            cells = {r["key"]: r for r in mine if r["arm"] == arm.name}
             if not cells:
                 continue
-            row = [arm]
+            row = [arm.name]
             for key, _ in (*METRICS, ("rank0_share", "")):
                 r = cells.get(key)
                 if r is None:
@@ -426,12 +556,14 @@ def render(doc: dict[str, Any]) -> str:
                 if r["sim"] is not None:
                     mark = "" if r["within"] else " ✗"
                     text += f"<br>sim {r['sim']:.{digits}f} ({r['error']:+.0%}){mark}"
+                    if key.startswith("ttft") and r["bare_error"] is not None:
+                        text += f"<br>without {r['bare_error']:+.0%}"
                 row.append(text)
             out.append("| " + " | ".join(row) + " |")
         for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99")):
-            real = ranking(doc, load, key, "real")
-            sim = ranking(doc, load, key, "sim")
-            tied = inseparable(doc, load, key)
+            real = ranking(setup, doc, load, key, "real")
+            sim = ranking(setup, doc, load, key, "sim")
+            tied = inseparable(setup, doc, load, key)
             line = f"\nRanking by {label}, real: {' < '.join(real)}"
             if tied:
                 line += f" (the noise cannot separate {len(tied)} of {len(real) * (len(real) - 1) // 2} pairs)"
@@ -441,18 +573,18 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def picture(doc: dict[str, Any]) -> None:
+def picture(setup: Setup, doc: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in compare(doc) if r["sim"] is not None]
+    rows = [r for r in compare(setup, doc) if r["sim"] is not None]
     keys = [k for k, _ in METRICS[:4]]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 4))
     for ax, key in zip(axes, keys, strict=True):
         mine = [r for r in rows if r["key"] == key]
-        for load, marker in zip(LOADS, "os", strict=False):
+        for load, marker in zip(setup.loads, "os^", strict=False):
             pts = [r for r in mine if r["load"] == load]
             if not pts:
                 continue
@@ -461,6 +593,8 @@ def picture(doc: dict[str, Any]) -> None:
             ax.errorbar(med, [r["sim"] for r in pts], xerr=err, fmt=marker, label=f"{load} load", capsize=2)
             for r in pts:
                 ax.annotate(r["arm"].replace("inflight_", "i_"), (r["median"], r["sim"]), fontsize=6)
+        if not mine:
+            continue
         lo = min([r["min"] for r in mine] + [r["sim"] for r in mine]) * 0.8
         hi = max([r["max"] for r in mine] + [r["sim"] for r in mine]) * 1.2
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
@@ -471,36 +605,41 @@ def picture(doc: dict[str, Any]) -> None:
         ax.set_ylabel("simulated")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(PICTURE, dpi=110)
+    fig.savefig(setup.picture, dpi=110)
 
 
-def cmd_report(args: argparse.Namespace) -> None:
-    doc = load_results(args.results)
-    text = render(doc)
-    marker_open, marker_close = "<!-- replay -->", "<!-- /replay -->"
+def cmd_report(setup: Setup, args: argparse.Namespace) -> None:
+    doc = load_results(setup.results)
+    text = render(setup, doc)
+    marker_open, marker_close = f"<!-- {setup.marker} -->", f"<!-- /{setup.marker} -->"
     page = DOC.read_text()
+    if marker_open not in page:
+        raise SystemExit(f"{DOC} has no {marker_open} ... {marker_close} section for the {setup.name} setup")
     head, _, rest = page.partition(marker_open)
     _, _, tail = rest.partition(marker_close)
     DOC.write_text(f"{head}{marker_open}\n{text}{marker_close}{tail}")
     if doc.get("sim"):
-        picture(doc)
+        picture(setup, doc)
     print(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--setup", choices=list(SETUPS), default="independent",
+                        help="independent ranks (--dp-size 2), or DP attention (--enable-dp-attention --tp-size 2)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("capacity")
     sub.add_parser("record")
     sub.add_parser("sim")
     sub.add_parser("report")
     run = sub.add_parser("run")
-    run.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    run.add_argument("--loads", nargs="+", default=None, help="of the setup's loads (default: all)")
     run.add_argument("--repeats", type=int, default=3)
-    run.add_argument("--arms", nargs="*", choices=[a[0] for a in ARMS])
+    run.add_argument("--arms", nargs="*", help="of the setup's arms (default: all)")
     args = parser.parse_args()
-    {"capacity": cmd_capacity, "run": cmd_run, "record": cmd_record, "sim": cmd_sim, "report": cmd_report}[args.command](args)
+    setup = SETUPS[args.setup]
+    commands = {"capacity": cmd_capacity, "run": cmd_run, "record": cmd_record, "sim": cmd_sim, "report": cmd_report}
+    commands[args.command](setup, args)
 
 
 if __name__ == "__main__":

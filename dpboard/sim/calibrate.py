@@ -17,6 +17,11 @@ The fit is refused, with what is missing, when the log cannot pin the model down
 kind, or steps of too few shapes (every prefill the same length, every decode batch the same size).
 A term the log pins only loosely (its standard error over half its value) is fitted all the same and
 named in ``Calibration.loose``.
+
+A step log sees nothing outside the schedulers: the HTTP server, the tokenizer, the DP controller,
+the detokenizer and the stream back. ``fit_frontend`` prices that path from lone requests sent to
+the idle server: the TTFT the client saw less the one the fitted rank model gives the same request
+alone, their median (the profile's ``frontend_ms``).
 """
 
 from __future__ import annotations
@@ -89,8 +94,10 @@ class Calibration:
     def value(self, key: str) -> float:
         return next(t.value for t in self.terms if t.key == key)
 
-    def profile_text(self, name: str, source: str) -> str:
-        """The fit as a profile file ``dpboard sim --profile-file`` reads."""
+    def profile_text(self, name: str, source: str, *, frontend_ms: float | None = None,
+                     frontend_source: str = "") -> str:
+        """The fit as a profile file ``dpboard sim --profile-file`` reads (``frontend_ms``: the
+        front-end path's time, from ``fit_frontend`` or a user's own figure, and where it came from)."""
         lines = [
             f"# Fitted by `dpboard calibrate` from {source}: {self.used.get(EXTEND, 0)} prefill steps and "
             f"{self.used.get(DECODE, 0)} decode steps",
@@ -110,6 +117,10 @@ class Calibration:
         if self.dp_attention:
             lines.append("dp_attention = 1")
         lines += [f"{t.key} = {_fmt(t.value)}" for t in self.terms]
+        if frontend_ms is not None:
+            if frontend_source:
+                lines.append(f"# frontend_ms: {frontend_source}")
+            lines.append(f"frontend_ms = {_fmt(frontend_ms)}")
         return "\n".join(lines) + "\n"
 
     def report(self) -> str:
@@ -127,6 +138,36 @@ class Calibration:
 
 def _fmt(x: float) -> str:
     return f"{x:.6g}"
+
+
+def fit_frontend(prompt_len: np.ndarray, output_len: np.ndarray, client_ttft_s: np.ndarray, rank: Any,
+                 *, overlap: bool) -> tuple[float, float, float]:
+    """The front-end path's time from lone requests on an idle server: per request, the TTFT the
+    client saw less the TTFT the rank model ``rank`` gives it alone on an idle rank. Returns the
+    median, the p10 and the p90 of that difference, in seconds. Refused with fewer than 5 requests
+    (one stall would be the answer) or a median below 0 (the profile prices prefill above what the
+    server took: refit it)."""
+    from dpboard.sim.simulation import SimConfig, Simulation
+    from dpboard.sim.trace import Trace
+
+    n = len(client_ttft_s)
+    if n < 5 or len(prompt_len) != n or len(output_len) != n:
+        raise InvalidInputError(f"a front-end fit needs 5 or more lone requests with prompt, output and TTFT each, "
+                                f"got {n} TTFTs, {len(prompt_len)} prompts, {len(output_len)} outputs")
+    gap = 1000.0  # far apart: each request meets an idle rank
+    trace = Trace(name="front-end probe", n_ranks=1, seed=0, arrival_s=np.arange(n) * gap,
+                  prompt_len=np.asarray(prompt_len, np.int64), output_len=np.asarray(output_len, np.int64),
+                  is_burst=np.zeros(n, bool))
+    config = SimConfig(n_ranks=1, rank=rank, overlap_schedule=overlap).validate()
+    result = Simulation(trace, "round_robin", config).run()
+    modelled = np.array([r.first_token_s - r.arrival_s for r in sorted(result.requests, key=lambda r: r.arrival_s)])
+    rest = np.asarray(client_ttft_s, np.float64) - modelled
+    median, p10, p90 = (float(np.percentile(rest, q)) for q in (50, 10, 90))
+    if median < 0:
+        raise InvalidInputError(f"lone requests took {np.median(client_ttft_s) * 1e3:.1f} ms to a first token, the fitted "
+                                f"profile gives them {np.median(modelled) * 1e3:.1f} ms: the profile prices prefill above "
+                                "this server's; fit it from a log of this server")
+    return median, p10, p90
 
 
 def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: int = MIN_STEPS) -> Calibration:
@@ -320,6 +361,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="FILE_OR_DIR", help="step logs, or directories of them")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE", help="the profile file to write")
     p.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
+    p.add_argument("--frontend-ms", type=float, default=None, metavar="MS",
+                   help="the front-end path's time per request, written as the profile's frontend_ms (what a lone "
+                        "request's TTFT at the client exceeds the fitted prefill by; docs/TOOLS.md, dpboard calibrate)")
     p.add_argument("--min-steps", type=count(MIN_SHAPES, 1_000_000), default=MIN_STEPS,
                    help=f"the fewest prefill and decode steps a fit stands on (default {MIN_STEPS})")
 
@@ -327,13 +371,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dpboard.steplog.reader import read_step_log, step_log_paths
 
+    if args.frontend_ms is not None and not (math.isfinite(args.frontend_ms) and args.frontend_ms >= 0):
+        raise InvalidInputError(f"--frontend-ms must be a time >= 0 ms, got {args.frontend_ms}")
     logs = [read_step_log(p) for path in args.paths for p in step_log_paths(path)]
     table, settings = table_from_logs(logs)
     fit = fit_profile(table, settings, min_steps=args.min_steps)
     out = Path(args.output)
     name = args.name or out.stem
     source = ", ".join(str(p) for p in args.paths)
-    out.write_text(fit.profile_text(name, source), encoding="utf-8")
+    frontend_source = "given with --frontend-ms" if args.frontend_ms is not None else ""
+    out.write_text(fit.profile_text(name, source, frontend_ms=args.frontend_ms, frontend_source=frontend_source),
+                   encoding="utf-8")
     print(fit.report())
     print(f"wrote {out}: dpboard sim --profile-file {out}")
     return 0

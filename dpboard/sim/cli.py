@@ -252,6 +252,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, Trace, Profil
         sample_period_s=args.sample_period,
         queued_prefill=args.queued_prefill,
         lockstep=profile.lockstep if dp_attention else None,
+        frontend_s=profile.frontend_s,
         slo_ttft_s=profile.slo_ttft_s if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=profile.slo_tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
         pd=pd,

@@ -30,6 +30,9 @@ their units in the name:
 ``server_chunked_prefill_size``  SGLang's ``--chunked-prefill-size`` default on this GPU: under
                           colocated DP attention each rank's chunk is this divided by the
                           group's size (optional, 0: the rank's ``chunked_prefill_size``)
+``frontend_ms``           a request's path outside the schedulers, client to rank and first token
+                          back (HTTP server, tokenizer, DP controller, detokenizer): added to
+                          every TTFT and end-to-end time (optional, default 0)
 ``slo_ttft_ms``           goodput: the time-to-first-token SLO (optional, default 1000)
 ``slo_tpot_ms``           goodput: the time-per-output-token SLO (optional, default 100)
 ``kv_bytes_per_token``    PD: KV bytes a prompt token sends to the decode side (optional, 131072)
@@ -84,6 +87,7 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "deepep_normal_ms": ("extend_dispatch_s", 1e3, False, 0.0),
     "idle_pass_ms": ("idle_pass_s", 1e3, False, IDLE_PASS_S * 1e3),
     "server_chunked_prefill_size": ("server_chunked_prefill_size", 1, True, 0),
+    "frontend_ms": ("frontend_s", 1e3, False, 0.0),
     "slo_ttft_ms": ("slo_ttft_s", 1e3, False, 1000.0),
     "slo_tpot_ms": ("slo_tpot_s", 1e3, False, 100.0),
     "kv_bytes_per_token": ("kv_bytes_per_token", 1, False, 131072.0),
@@ -106,6 +110,7 @@ class Profile:
     lockstep: LockstepCost = LockstepCost()  # the lockstep terms (used with DP attention)
     # SGLang's --chunked-prefill-size before its DP-attention division (0: none given)
     server_chunked_prefill_size: int = 0
+    frontend_s: float = 0.0  # what a request spends outside the schedulers (SimConfig.frontend_s)
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     # PD disaggregation's transfer terms (dpboard.sim.transfer)
@@ -227,6 +232,7 @@ def load_profile_file(path: str | Path) -> Profile:
         rank=rank,
         dp_attention=bool(run["dp_attention"]),
         lockstep=lockstep,
+        frontend_s=float(run["frontend_s"]),
         slo_ttft_s=float(run["slo_ttft_s"]),
         slo_tpot_s=float(run["slo_tpot_s"]),
         kv_bytes_per_token=float(run["kv_bytes_per_token"]),

@@ -107,6 +107,10 @@ class SimConfig:
     drain_limit_s: float = 3600.0  # bound: a run not drained this long after its last arrival is an error
     queued_prefill: str = SGLANG_REPORT  # how ranks report their queued prefill: SGLang's figure, or "exact"
     lockstep: LockstepCost | None = None  # DP attention: all ranks step together (None: independent ranks)
+    # A request's path outside the schedulers (HTTP server, tokenizer, DP controller, detokenizer,
+    # the stream back): a fixed time per request, added to its first token and its end. Arrivals are
+    # not shifted: the same delay for every request moves no dispatch decision.
+    frontend_s: float = 0.0
     slo_ttft_s: float = 1.0  # goodput: a request meets its SLOs with TTFT and TPOT at most these
     slo_tpot_s: float = 0.1
     pd: PdConfig | None = None  # PD disaggregation: prefill and decode pools (n_ranks is their sum)
@@ -138,6 +142,8 @@ class SimConfig:
             raise InvalidInputError(f"--ranks must be >= 1, got {self.n_ranks}")
         if self.send_delay_s < 0 or self.refresh_interval_s < 0:
             raise InvalidInputError("send delay and refresh interval must be >= 0 seconds")
+        if not (math.isfinite(self.frontend_s) and self.frontend_s >= 0):
+            raise InvalidInputError(f"front-end time must be >= 0 seconds, got {self.frontend_s}")
         if self.sample_period_s <= 0:
             raise InvalidInputError(f"sample period must be > 0 seconds, got {self.sample_period_s}")
         if not self.drain_limit_s > 0:
@@ -566,6 +572,10 @@ class Simulation:
 
     def _result(self, wall_s: float) -> RunResult:
         sample_t, sample_tokens, sample_iwq = self._sampler.arrays()
+        if self.config.frontend_s:  # what the client sees: the path out and back on top of the ranks' times
+            for req in self.requests:
+                req.first_token_s += self.config.frontend_s
+                req.finished_s += self.config.frontend_s
         return RunResult(
             method=self.method,
             requests=self.requests,
@@ -576,7 +586,7 @@ class Simulation:
             board_reads=self.board.reads,
             retractions=sum(rank.retracted for rank in self.ranks),
             evicted_tokens=sum(rank.cache.evicted_tokens for rank in self.ranks),
-            end_s=self.now,
+            end_s=self.now + self.config.frontend_s,
             wall_s=wall_s,
             slo_ttft_s=self.config.slo_ttft_s,
             slo_tpot_s=self.config.slo_tpot_s,

@@ -41,6 +41,7 @@ from tests.support.pid_namespace import pid_namespace_prefix
 from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import read_line
 from tests.support.raw import plant_board, raw_segment
+from tests.support.sweeps import sweeping
 
 PROCS = str(Path(__file__).parents[1] / "support" / "board_procs.py")
 MAX = 2**63 - 1
@@ -503,8 +504,9 @@ def test_clean_leaves_a_headerless_segment_unless_named(board_name):
     path = Path("/dev/shm", f"dpboard.{board_name}")
     path.write_bytes(b"\x00" * 600)  # what a creator that died before writing its header leaves
     try:
-        swept = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean"], capture_output=True, text=True,
-                               timeout=60, check=True)
+        with sweeping():
+            swept = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean"], capture_output=True, text=True,
+                                   timeout=60, check=True)
         assert board_name not in swept.stdout and path.exists()
         named = subprocess.run([sys.executable, "-m", "dpboard.cli", "clean", board_name], capture_output=True,
                                text=True, timeout=60, check=True)
@@ -838,6 +840,12 @@ def _dpboard(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dpboard.cli", *args], capture_output=True, text=True, timeout=60)
 
 
+def _sweep(*options: str) -> subprocess.CompletedProcess:
+    """``dpboard clean`` of every board: never while another test file keeps a dead board on purpose."""
+    with sweeping():
+        return _dpboard("clean", *options)
+
+
 def test_one_bad_board_never_hides_the_others(board, tmp_path):
     """A corrupt header with a pid >= 2**31 crashed ls, info and clean (OverflowError from os.kill), and
     then ls failed for every board. Damaged, hostile and foreign entries are listed with what is wrong."""
@@ -876,7 +884,7 @@ def test_one_bad_board_never_hides_the_others(board, tmp_path):
         assert "collector    pid 1099511627776 (dead)" in info.stdout
         info = _dpboard("info", huge_slots)
         assert info.returncode == 2 and "claims 2147483648 slots, outside 1..65536" in info.stderr
-        clean = _dpboard("clean")
+        clean = _sweep()
         assert clean.returncode == 0, clean.stderr
         assert f"removed /dev/shm/dpboard.{huge_pid}" in clean.stdout
         assert f"removed /dev/shm/dpboard.{huge_slots}" in clean.stdout
@@ -906,13 +914,13 @@ def test_a_board_published_within_stale_after_is_alive_whatever_its_creator_pid(
         listed = {e["name"]: e for e in json.loads(_dpboard("ls", "--json", "--stale-after", "30").stdout)}
         assert listed[board_name]["creator_alive"] is False and listed[board_name]["alive"] is True
         assert 0 <= listed[board_name]["last_publish_age_s"] < 30
-        assert _dpboard("clean", "--stale-after", "30").returncode == 0 and path.exists()
+        assert _sweep("--stale-after", "30").returncode == 0 and path.exists()
         refused = _dpboard("clean", board_name, "--stale-after", "30")
         assert refused.returncode == 2 and "is in use: a slot was published" in refused.stderr
         assert "whatever its creator pid says" in refused.stderr and path.exists()
         w.close()
         time.sleep(0.3)
-        swept = _dpboard("clean", "--stale-after", "0.2")  # no publish for longer than that: dead
+        swept = _sweep("--stale-after", "0.2")  # no publish for longer than that: dead
         assert f"removed {path}" in swept.stdout and not path.exists()
     finally:
         path.unlink(missing_ok=True)
@@ -943,7 +951,7 @@ os._exit(0)  # as a crash would: no unlink
         assert read_line(proc, 30).strip() == "1"  # pid 1 in its own namespace
         listed = {e["name"]: e for e in json.loads(_dpboard("ls", "--json").stdout)}
         assert listed[board_name]["creator_pid"] == 1 and listed[board_name]["alive"] is True
-        assert _dpboard("clean").returncode == 0 and path.exists()
+        assert _sweep().returncode == 0 and path.exists()
         refused = _dpboard("clean", board_name)
         assert refused.returncode == 2 and "is in use" in refused.stderr and path.exists()
         stop_file.touch()
@@ -985,7 +993,8 @@ def test_a_planted_header_claiming_billions_of_slots_is_listed_as_damaged(board)
         assert text.returncode == 0 and "claims 4294967295 slots" in text.stdout, text.stderr
         with pytest.raises(BoardLayoutError, match="claims 33554432 slots, outside 1..65536"):
             Board.attach(planted[1], trust_uids=(65534,))
-        clean = limited("clean")  # their claimed creator is dead: removed, the live board kept
+        with sweeping():
+            clean = limited("clean")  # their claimed creator is dead: removed, the live board kept
         assert clean.returncode == 0, clean.stderr
         assert f"removed /dev/shm/dpboard.{planted[0]}" in clean.stdout
         assert Path("/dev/shm", f"dpboard.{board.name}").exists()

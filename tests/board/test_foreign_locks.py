@@ -27,6 +27,7 @@ from dpboard.snapshot import HEADER_SIZE, SLOT_SIZE, LoadSnapshot, slot_offset
 from tests.support.names import ROOT
 from tests.support.other_user import NOBODY, need_root
 from tests.support.procutil import kill, read_line, wait_for
+from tests.support.sweeps import keeping_a_dead_board
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -188,16 +189,17 @@ def test_a_read_lock_on_a_dead_creators_board_does_not_keep_it(board_name):
     liked."""
     need_root()
     path = Path("/dev/shm", f"dpboard.{board_name}")
-    subprocess.run([sys.executable, "-c", _CREATE_AND_VANISH, board_name], check=True, timeout=60, cwd=ROOT)
-    onlooker = ForeignReadLock(path, 0, HEADER_SIZE)
-    try:
-        onlooker.locked()
-        entry = read_listing(board_name)
-        assert not entry.held and entry.in_use() is None, entry.in_use()
-        assert remove_if_gone(board_name) == [f"dpboard.{board_name}"] and not path.exists()
-    finally:
-        onlooker.release()
-        path.unlink(missing_ok=True)
+    with keeping_a_dead_board():  # out of the reach of another file's machine-wide `dpboard clean`
+        subprocess.run([sys.executable, "-c", _CREATE_AND_VANISH, board_name], check=True, timeout=60, cwd=ROOT)
+        onlooker = ForeignReadLock(path, 0, HEADER_SIZE)
+        try:
+            onlooker.locked()
+            entry = read_listing(board_name)
+            assert not entry.held and entry.in_use() is None, entry.in_use()
+            assert remove_if_gone(board_name) == [f"dpboard.{board_name}"] and not path.exists()
+        finally:
+            onlooker.release()
+            path.unlink(missing_ok=True)
 
 
 def test_a_live_creators_lock_is_not_blocked_by_a_read_lock(board_name):

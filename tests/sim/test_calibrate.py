@@ -187,3 +187,78 @@ def test_dpboard_calibrate_refuses_logs_of_two_setups(tmp_path):
     assert done.returncode == 2
     assert "set up otherwise than the first (overlap False vs True): fit each setup on its own" in done.stderr
     assert done.stderr.count("\n") == 1  # one line, no traceback
+
+
+# -- the front-end path: what a step log cannot see -------------------------------------------------
+
+
+def _lone_ttfts(rank: RankConfig, prompts: np.ndarray, frontend_s: float) -> np.ndarray:
+    """The first token of each request sent alone to an idle server whose path outside the
+    scheduler takes ``frontend_s``: a prefill step of its prompt, then the path (computed from the
+    step formula, not from the simulator)."""
+    steps = np.ceil(prompts / rank.chunked_prefill_size)
+    return steps * rank.prefill_base_s + prompts * rank.prefill_s_per_token + frontend_s
+
+
+def test_the_front_end_comes_back_from_lone_requests_and_shifts_every_ttft_in_sim(tmp_path):
+    from dpboard.sim.calibrate import fit_frontend
+    from dpboard.sim.simulation import SimConfig, Simulation
+    from dpboard.sim.trace import Trace
+
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(20, 900, 40)
+    outputs = np.full(40, 8)
+    seen = _lone_ttfts(TRUE, prompts, 0.0123) + rng.normal(0, 0.0005, 40)
+    median, p10, p90 = fit_frontend(prompts, outputs, seen, TRUE, overlap=False)
+    # what the simulator lacks: the path less the controller-to-rank transit it already has
+    assert median == pytest.approx(0.0123 - SimConfig().send_delay_s, abs=3e-4) and p10 < median < p90
+
+    fit = fit_profile(simulated_steps(), HEADER)
+    path = tmp_path / "fitted.profile"
+    path.write_text(fit.profile_text("fitted", "a simulated rank", frontend_ms=median * 1e3, frontend_source="lone requests"))
+    profile = load_profile_file(path)
+    assert profile.frontend_s == pytest.approx(median, rel=1e-5)
+    trace = Trace(name="t", n_ranks=2, seed=0, arrival_s=np.arange(50) * 0.05, prompt_len=np.resize(prompts, 50),
+                  output_len=np.full(50, 20), is_burst=np.zeros(50, bool))
+    runs = {}
+    for frontend in (0.0, profile.frontend_s):
+        config = SimConfig(n_ranks=2, rank=profile.rank, frontend_s=frontend).validate()
+        runs[frontend] = Simulation(trace, "total_tokens", config).run().requests
+    without, with_ = runs[0.0], runs[profile.frontend_s]
+    for a, b in zip(without, with_, strict=True):  # the same schedule, seen later by the client
+        assert b.rank == a.rank
+        assert (b.first_token_s - b.arrival_s) - (a.first_token_s - a.arrival_s) == pytest.approx(profile.frontend_s)
+        assert b.finished_s - b.first_token_s == pytest.approx(a.finished_s - a.first_token_s)
+
+
+def test_a_front_end_fit_is_refused_on_too_few_requests_or_a_profile_slower_than_the_server():
+    from dpboard.sim.calibrate import fit_frontend
+
+    prompts = np.array([100, 200, 300, 400])
+    with pytest.raises(InvalidInputError, match="5 or more lone requests"):
+        fit_frontend(prompts, np.ones(4, int), _lone_ttfts(TRUE, prompts, 0.01), TRUE, overlap=False)
+    prompts = np.array([100, 200, 300, 400, 500, 600])
+    fast = _lone_ttfts(TRUE, prompts, 0.0) * 0.5  # the server prefills twice as fast as the profile says
+    with pytest.raises(InvalidInputError, match="prices prefill above this server's"):
+        fit_frontend(prompts, np.ones(6, int), fast, TRUE, overlap=False)
+    with pytest.raises(InvalidInputError, match="front-end time must be >= 0"):
+        from dpboard.sim.simulation import SimConfig
+        SimConfig(n_ranks=1, rank=TRUE, frontend_s=-0.001).validate()
+
+
+def test_dpboard_calibrate_writes_the_front_end_given_and_refuses_a_negative_one(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.names import ROOT
+
+    write_step_log(tmp_path, simulated_steps(), 0, {**HEADER, "overlap": False, "dp_attention": False})
+    out = tmp_path / "fitted.profile"
+    args = [sys.executable, "-m", "dpboard", "calibrate", str(tmp_path), "-o", str(out)]
+    done = subprocess.run([*args, "--frontend-ms", "14.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert load_profile_file(out).frontend_s == pytest.approx(0.0145)
+    out.unlink()
+    refused = subprocess.run([*args, "--frontend-ms", "-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--frontend-ms must be a time >= 0 ms, got -3.0" in refused.stderr
+    assert not out.exists()
