@@ -192,13 +192,15 @@ test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed $(SGLANG_PREVIOUS_SERVING
 # method, 3 repeats at two loads, then through `dpboard sim` with a profile fitted from the server's
 # steps. About a minute a cell on an idle 2-core machine, 40-50 minutes in all; a rerun skips the
 # cells docs/replay/results.json holds. Too long for CI.
-replay-study: $(SGLANG_SERVING_VENV)/.installed
+replay-study: $(SGLANG_SERVING_VENV)/.installed $(SERVING_VENV)/.installed
 	$(SGLANG_SERVING_PY) -m pip install -q matplotlib
-	for setup in independent dp-attention; do \
+	for setup in independent dp-attention mooncake; do \
 	  for step in capacity run record sim report; do \
 	    $(SGLANG_SERVING_PY) tools/replay_study.py --setup $$setup $$step || exit 1; \
 	  done; \
 	done
+	$(SERVING_PY) tools/replay_study.py --setup vllm run
+	$(SGLANG_SERVING_PY) tools/replay_study.py --setup vllm report
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dpboard tests tools examples

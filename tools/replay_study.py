@@ -65,7 +65,14 @@ sys.path.insert(0, str(ROOT))
 
 from dpboard.sim.tracefile import read_trace_file  # noqa: E402
 
-TRACE = Path(os.environ.get("DPBOARD_TRACES") or ROOT.parent / "shared" / "traces") / "azure2023_conv.csv"
+TRACES = Path(os.environ.get("DPBOARD_TRACES") or ROOT.parent / "shared" / "traces")
+TRACE = TRACES / "azure2023_conv.csv"
+MOONCAKE = TRACES / "mooncake_conversation.jsonl"
+# Mooncake's prompts (p50 6,909 tokens) against the tiny model's 2,048-token context: each prompt's
+# first 3 blocks of 512 tokens, as the trace has them, so that equal blocks are equal prefixes still
+# (real prefix reuse) and the simulator's 512-token blocks are the server's
+MOONCAKE_BLOCKS = 3
+BLOCK_TOKENS = 512
 WINDOW_START = 600.0  # seconds into the trace: past its first minutes
 WINDOW = 360  # requests
 LENGTH_SCALE = 0.25
@@ -102,6 +109,9 @@ class Setup:
     results: Path
     profile: Path
     picture: Path
+    engine: str = "sglang"
+    trace: str = "azure"  # or "mooncake"
+    profile_of: str | None = None  # run the simulator with that setup's fitted profile (the same server)
 
     @property
     def step_logs(self) -> Path:
@@ -139,11 +149,37 @@ SETUPS = {s.name: s for s in (
         Arm("inflight_wave", "dpboard", "inflight_wave"),
     ), {"light": 0.275, "heavy": 0.6}, ROOT / "docs" / "replay" / "dp-attention.json",
         ROOT / "docs" / "replay" / "cpu-dp-attention.profile", ROOT / "docs" / "replay" / "sim-vs-real-dp-attention.png"),
+    # Mooncake's conversation trace on the independent ranks: prompts that share prefixes (36.6 % of its
+    # blocks repeat an earlier one), so the radix cache and a cache-aware method have something to do;
+    # the simulator runs it with the independent setup's profile (the same server), blocks and all.
+    Setup("mooncake", False, (
+        Arm("round_robin", "sglang", "round_robin"),
+        Arm("total_tokens", "sglang", "total_tokens"),
+        Arm("inflight_tokens", "dpboard", "inflight_tokens"),
+        Arm("inflight_cache", "dpboard", "inflight_cache"),
+    ), {"light": 0.275, "heavy": 0.6}, ROOT / "docs" / "replay" / "mooncake.json",
+        ROOT / "docs" / "replay" / "cpu.profile", ROOT / "docs" / "replay" / "sim-vs-real-mooncake.png",
+        trace="mooncake", profile_of="independent"),
+    # vllm serve --data-parallel-size 2 (vLLM's CPU build): its own balancing (the plugin installed,
+    # no DPBOARD_ setting: it patches nothing) against the plugin's picks. One server per arm, every
+    # cell of the arm on it (a vLLM start takes minutes here), so each cell's prompts are its own
+    # (vLLM's prefix cache would serve a repeat of a prompt). The simulator runs vLLM's balancing as
+    # its `vllm` peer policy; its rank model is SGLang's scheduler (prefill and decode steps apart),
+    # fitted to vLLM's pure steps, while vLLM mixes prefill chunks into decode steps.
+    Setup("vllm", False, (
+        Arm("vllm", "vllm", "vllm"),
+        Arm("inflight_tokens", "dpboard", "inflight_tokens"),
+        Arm("inflight_ttft", "dpboard", "inflight_ttft"),
+    ), {"light": 0.275, "heavy": 0.6, "heavier": 0.85}, ROOT / "docs" / "replay" / "vllm.json",
+        ROOT / "docs" / "replay" / "cpu-vllm.profile", ROOT / "docs" / "replay" / "sim-vs-real-vllm.png", engine="vllm"),
 )}
 
 
-def window() -> list[dict[str, Any]]:
-    """The window's requests: offset from the first (s, the trace's own timing), prompt and output tokens."""
+def window(setup: Setup | None = None) -> list[dict[str, Any]]:
+    """The window's requests: offset from the first (s, the trace's own timing), prompt and output
+    tokens (and, from Mooncake, the prompt's block ids)."""
+    if setup is not None and setup.trace == "mooncake":
+        return mooncake_window()
     tf = read_trace_file(TRACE)
     index = np.flatnonzero(tf.arrival_s >= WINDOW_START)[:WINDOW]
     if index.size < WINDOW:
@@ -157,8 +193,37 @@ def window() -> list[dict[str, Any]]:
     return out
 
 
-def prompt_ids(index: int, length: int) -> list[int]:
-    return np.random.default_rng([SEED, index]).integers(*VOCAB, size=length).tolist()
+def mooncake_window() -> list[dict[str, Any]]:
+    """``WINDOW`` requests of the Mooncake trace from ``WINDOW_START`` s on (its 3-second buckets
+    spread, seeded, as ``dpboard sim`` spreads them), each prompt its first ``MOONCAKE_BLOCKS``
+    blocks, outputs times ``LENGTH_SCALE``, capped at ``MAX_OUTPUT``."""
+    from dpboard.sim.tracefile import spread_buckets
+
+    tf = read_trace_file(MOONCAKE)
+    arrival = spread_buckets(tf.arrival_s, np.random.default_rng(SEED))
+    order = np.argsort(arrival, kind="stable")
+    index = order[arrival[order] >= WINDOW_START][:WINDOW]
+    if index.size < WINDOW or tf.blocks is None:
+        raise SystemExit(f"{MOONCAKE} has {index.size} requests with blocks after {WINDOW_START} s, the study takes {WINDOW}")
+    rows = tf.blocks.rows()
+    t0 = float(arrival[index[0]])
+    out = []
+    for i in index:
+        blocks = list(rows[i][:MOONCAKE_BLOCKS])
+        prompt = min(int(tf.prompt_len[i]), BLOCK_TOKENS * len(blocks))
+        output = min(MAX_OUTPUT, max(1, round(int(tf.output_len[i]) * LENGTH_SCALE)))
+        out.append({"offset_s": float(arrival[i]) - t0, "prompt": prompt, "output": output, "blocks": blocks})
+    return out
+
+
+def prompt_ids(index: int, length: int, salt: int = 0, blocks: list[int] | None = None) -> list[int]:
+    """Request ``index``'s prompt; ``salt`` 0 in every SGLang cell (a fresh server each), the cell's
+    own on a server that serves several cells (vLLM). With ``blocks``, the prompt is its blocks'
+    tokens, each block's the same in every request that has it (a shared prefix)."""
+    if blocks:
+        ids = [t for b in blocks for t in np.random.default_rng([SEED, 7, b, salt]).integers(*VOCAB, size=BLOCK_TOKENS).tolist()]
+        return ids[:length]
+    return np.random.default_rng([SEED, index, salt] if salt else [SEED, index]).integers(*VOCAB, size=length).tolist()
 
 
 def load_results(path: Path) -> dict[str, Any]:
@@ -176,16 +241,25 @@ def save_results(path: Path, doc: dict[str, Any]) -> None:
 
 # ---- the client ----
 
-async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: float, at: float) -> dict[str, Any]:
+async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: float, at: float,
+               engine: str = "sglang", salt: int = 0) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + at - loop.time()))
     sent = loop.time()
-    body = {"input_ids": prompt_ids(index, req["prompt"]), "stream": True,
-            "sampling_params": {"max_new_tokens": req["output"], "ignore_eos": True, "temperature": 0.0}}
+    ids = prompt_ids(index, req["prompt"], salt, req.get("blocks"))
+    if engine == "sglang":
+        path = "/generate"
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"max_new_tokens": req["output"], "ignore_eos": True, "temperature": 0.0}}
+    else:  # vLLM's OpenAI completions; its usage on every chunk counts the tokens (the text may be empty)
+        path = "/v1/completions"
+        body = {"model": "tiny", "prompt": ids, "max_tokens": req["output"], "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     first = None
     tokens = 0
     rank = None
-    async with session.post(url + "/generate", json=body) as resp:
+    cached = None
+    async with session.post(url + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"request {index}: HTTP {resp.status}: {(await resp.text())[:300]}")
         async for line in resp.content:
@@ -194,26 +268,32 @@ async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: floa
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 break
-            meta = json.loads(payload).get("meta_info", {})
-            tokens = int(meta.get("completion_tokens", tokens))
-            rank = meta.get("dp_rank", rank)
+            chunk = json.loads(payload)
+            if engine == "sglang":
+                meta = chunk.get("meta_info", {})
+                tokens = int(meta.get("completion_tokens", tokens))
+                rank = meta.get("dp_rank", rank)
+                cached = meta.get("cached_tokens", cached)  # prompt tokens the radix cache held
+            elif chunk.get("usage"):
+                tokens = int(chunk["usage"].get("completion_tokens", tokens))
             if first is None and tokens >= 1:
                 first = loop.time()
     end = loop.time()
     if tokens != req["output"] or first is None:
         raise RuntimeError(f"request {index}: {tokens} tokens of {req['output']}")
     return {"i": index, "arrival": at, "late_ms": (sent - t0 - at) * 1e3, "ttft": first - sent, "e2e": end - sent,
-            "tokens": tokens, "rank": rank}
+            "tokens": tokens, "rank": rank, "prompt": req["prompt"], "cached": cached}
 
 
-async def replay(url: str, reqs: list[dict[str, Any]], times: list[float], first_index: int = 0) -> list[dict[str, Any]]:
+async def replay(url: str, reqs: list[dict[str, Any]], times: list[float], first_index: int = 0,
+                 engine: str = "sglang", salt: int = 0) -> list[dict[str, Any]]:
     import aiohttp  # SGLang's environment has it
 
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = asyncio.get_running_loop().time() + 0.5
-        return await asyncio.gather(*(_one(session, url, first_index + i, r, t0, at)
+        return await asyncio.gather(*(_one(session, url, first_index + i, r, t0, at, engine, salt)
                                       for i, (r, at) in enumerate(zip(reqs, times, strict=True))))
 
 
@@ -231,6 +311,8 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         "output_tokens_per_s": sum(r["tokens"] for r in records) / (end - start),
         "requests_per_s": len(records) / (end - start),
         "rank0_share": (sum(1 for r in ranks if r == 0) / len(ranks)) if ranks else None,
+        "cache_hit_rate": (sum(r["cached"] for r in records) / sum(r["prompt"] for r in records)
+                           if all(r.get("cached") is not None for r in records) else None),
         "send_late_p99_ms": float(np.percentile([r["late_ms"] for r in records], 99)),
     }
 
@@ -249,7 +331,7 @@ def start_server(setup: Setup, arm: Arm, step_log: Path | None):
         if step_log is not None:
             step_log.mkdir(parents=True, exist_ok=True)
             env["DPBOARD_STEP_LOG"] = str(step_log)
-        extra = ("--load-balance-method", "round_robin", *arm.flags, *SERVER_FLAGS)
+        extra = ("--load-balance-method", "total_tokens", *arm.flags, *SERVER_FLAGS)  # the plugin needs a load-aware one
     server = Server(env, extra=extra, dp_attention=setup.dp_attention)
     try:
         server.wait_ready()
@@ -284,12 +366,15 @@ def arrival_times(reqs: list[dict[str, Any]], rate: float) -> list[float]:
 
 
 def cmd_capacity(setup: Setup, args: argparse.Namespace) -> None:
+    if setup.engine == "vllm":
+        print("vllm: `run` measures the capacity on its first server (a vLLM start takes minutes)")
+        return
     doc = load_results(setup.results)
     if "capacity" in doc:
         print(f"capacity: {doc['capacity']['requests_per_s']:.3f} requests/s, measured {doc['capacity']['when']} "
               f"(remove it from {setup.results} to measure again)")
         return
-    reqs = window()
+    reqs = window(setup)
     arm = setup.arms[0]
     result = run_cell(setup, arm, reqs, [0.0] * len(reqs), None)
     doc["capacity"] = {"requests_per_s": result["figures"]["requests_per_s"], "arm": arm.name,
@@ -298,11 +383,81 @@ def cmd_capacity(setup: Setup, args: argparse.Namespace) -> None:
     print(f"capacity: {doc['capacity']['requests_per_s']:.3f} requests/s on {len(reqs)} requests sent at once")
 
 
+def start_vllm(arm: Arm, step_log: Path | None = None):
+    from tests.support.names import new_board_name
+    from tests.support.vllm_serving import Server
+
+    env = {} if arm.who == "vllm" else {"VLLM_PLUGINS": "dpboard", "DPBOARD_VLLM_BOARD": new_board_name(),
+                                        "DPBOARD_METHOD": arm.method}
+    if step_log is not None:
+        step_log.mkdir(parents=True, exist_ok=True)
+        env["DPBOARD_STEP_LOG"] = str(step_log)
+    server = Server(env, extra=arm.flags)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+def run_vllm(setup: Setup, args: argparse.Namespace) -> None:
+    """vLLM's cells: a server per arm, its cells on it (the capacity first, on the first arm's)."""
+    doc = load_results(setup.results)
+    reqs = window(setup)
+    doc["setup"] = {"trace": TRACE.name, "window_start_s": WINDOW_START, "requests": WINDOW,
+                    "length_scale": LENGTH_SCALE, "max_output": MAX_OUTPUT, "engine": "vllm",
+                    "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()}
+    loads = args.loads or list(setup.loads)
+    arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
+    for arm in arms:
+        todo = [(load, repeat) for load in loads for repeat in range(args.repeats)
+                if f"{arm.name}|{load}|{repeat}" not in doc["cells"]]
+        if not todo and "capacity" in doc:
+            continue
+        print(f"{time.strftime('%H:%M:%S')} vllm {arm.name}: starting the server", flush=True)
+        server = start_vllm(arm)
+        try:
+            # vLLM's CPU build compiles for batch shapes as it first meets them: a burst of the window
+            # first, so that the cells meet few new ones
+            asyncio.run(replay(server.url, reqs[:64], [0.0] * 64, engine="vllm", salt=99))
+            if "capacity" not in doc:
+                result = asyncio.run(replay(server.url, reqs, [0.0] * len(reqs), engine="vllm", salt=98))
+                f = figures(result)
+                doc["capacity"] = {"requests_per_s": f["requests_per_s"], "arm": arm.name, "figures": f,
+                                   "when": time.strftime("%Y-%m-%d %H:%M")}
+                save_results(setup.results, doc)
+                print(f"  capacity {f['requests_per_s']:.3f} requests/s", flush=True)
+            for load, repeat in todo:
+                rate = setup.loads[load] * doc["capacity"]["requests_per_s"]
+                key = f"{arm.name}|{load}|{repeat}"
+                print(f"{time.strftime('%H:%M:%S')} vllm {key}: {len(reqs)} requests at {rate:.3f}/s", flush=True)
+                load_before = os.getloadavg()[0]
+                began = time.time()
+                salt = 1 + list(setup.loads).index(load) * 10 + repeat
+                records = asyncio.run(replay(server.url, reqs, arrival_times(reqs, rate), engine="vllm", salt=salt))
+                result = {"figures": figures(records), "records": records, "wall_s": time.time() - began,
+                          "loadavg": [load_before, os.getloadavg()[0]], "arm": arm.name, "who": arm.who, "load": load,
+                          "share": setup.loads[load], "rate": rate, "repeat": repeat, "step_log": None,
+                          "when": time.strftime("%Y-%m-%d %H:%M")}
+                doc["cells"][key] = result
+                save_results(setup.results, doc)
+                f = result["figures"]
+                print(f"  TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 {f['ttft_p99_ms']:.0f} ms, TPOT p50 "
+                      f"{f['tpot_p50_ms']:.1f} ms, {f['requests_per_s']:.3f} req/s, {result['wall_s']:.0f} s", flush=True)
+        finally:
+            server.stop()
+            server.kill()
+
+
 def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
+    if setup.engine == "vllm":
+        run_vllm(setup, args)
+        return
     doc = load_results(setup.results)
     if "capacity" not in doc:
         raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
-    reqs = window()
+    reqs = window(setup)
     doc["setup"] = {"trace": TRACE.name, "window_start_s": WINDOW_START, "requests": WINDOW,
                     "length_scale": LENGTH_SCALE, "max_output": MAX_OUTPUT, "server_flags": list(SERVER_FLAGS),
                     "dp_attention": setup.dp_attention,
@@ -334,7 +489,7 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
                       f"{f['tpot_p50_ms']:.1f} ms, {f['requests_per_s']:.3f} req/s, {result['wall_s']:.0f} s", flush=True)
 
 
-def probe_lone(url: str, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def probe_lone(url: str, reqs: list[dict[str, Any]], engine: str = "sglang") -> list[dict[str, Any]]:
     """``PROBES`` requests of the window's lengths (outputs of 8 tokens), sent one at a time to the idle
     server, 0.3 s apart: the TTFT with no queue, what the front-end fit stands on."""
     rng = np.random.default_rng([SEED, 1])
@@ -342,7 +497,7 @@ def probe_lone(url: str, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for n, i in enumerate(picked):
         lone = [{"offset_s": 0.0, "prompt": reqs[i]["prompt"], "output": 8}]
-        record = asyncio.run(replay(url, lone, [0.0], first_index=10_000 + n))[0]
+        record = asyncio.run(replay(url, lone, [0.0], first_index=10_000 + n, engine=engine))[0]
         out.append({"prompt": lone[0]["prompt"], "output": 8, "ttft": record["ttft"]})
         time.sleep(0.3)
     return out
@@ -352,6 +507,9 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
     """One server with the step recorder and a load-aware dpboard method, the window sent at the
     setup's loads and then at once: steps of every batch shape the study's cells run, for the fit;
     then lone requests to the idle server, for the front-end fit."""
+    if setup.profile_of:
+        print(f"{setup.name}: no recording of its own, the simulator takes the {setup.profile_of} setup's profile")
+        return
     doc = load_results(setup.results)
     if "capacity" not in doc:
         raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
@@ -360,17 +518,20 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
         print(f"{logs} holds step logs already and {setup.results} the probe: remove both to record again")
         return
     shutil.rmtree(logs, ignore_errors=True)
-    reqs = window()
+    reqs = window(setup)
     arm = next(a for a in setup.arms if a.who == "dpboard")
-    server = start_server(setup, arm, logs)
+    engine = setup.engine
+    server = start_vllm(arm, logs) if engine == "vllm" else start_server(setup, arm, logs)
     try:
-        asyncio.run(replay(server.url, WARM, [0.0] * len(WARM)))
-        for load, share in setup.loads.items():
-            asyncio.run(replay(server.url, reqs, arrival_times(reqs, share * doc["capacity"]["requests_per_s"])))
+        # each pass its own prompts (salt): a prefix cache would otherwise serve the window's second pass
+        asyncio.run(replay(server.url, WARM, [0.0] * len(WARM), engine=engine, salt=90))
+        for n, (load, share) in enumerate(setup.loads.items()):
+            asyncio.run(replay(server.url, reqs, arrival_times(reqs, share * doc["capacity"]["requests_per_s"]),
+                               engine=engine, salt=91 + n))
             print(f"recorded the window at {load} load", flush=True)
-        asyncio.run(replay(server.url, reqs, [0.0] * len(reqs)))
+        asyncio.run(replay(server.url, reqs, [0.0] * len(reqs), engine=engine, salt=89))
         time.sleep(2.0)  # idle: the schedulers asleep, as between a light load's arrivals
-        probe = probe_lone(server.url, reqs)
+        probe = probe_lone(server.url, reqs, engine)
         print(f"probed {len(probe)} lone requests: TTFT median {statistics.median(p['ttft'] for p in probe) * 1e3:.1f} ms",
               flush=True)
     finally:
@@ -384,14 +545,60 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
 def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     """Fit the profile from the recorded steps and the front end from the lone requests, then every
     arm and load of the study in dpboard sim."""
-    from dpboard.sim.calibrate import fit_frontend, fit_profile, table_from_logs
     from dpboard.sim.profile import load_profile_file
     from dpboard.sim.report import summarize
     from dpboard.sim.simulation import SimConfig, Simulation
-    from dpboard.sim.trace import Trace
-    from dpboard.steplog.reader import read_step_log, step_log_paths
+    from dpboard.sim.trace import BlockTable, Trace
 
     doc = load_results(setup.results)
+    if setup.profile_of:  # the same server as that setup: its fit and profile
+        other = load_results(SETUPS[setup.profile_of].results)
+        if "fit" not in other:
+            raise SystemExit(f"no fit in {SETUPS[setup.profile_of].results}: run `--setup {setup.profile_of} sim` first")
+        doc["fit"] = other["fit"]
+        profile = load_profile_file(SETUPS[setup.profile_of].profile)
+        overlap = bool(doc["fit"]["settings"].get("overlap"))
+    else:
+        profile, overlap = fit_setup(setup, doc)
+    reqs = window(setup)
+    prompt = np.array([r["prompt"] for r in reqs], dtype=np.int64)
+    output = np.array([r["output"] for r in reqs], dtype=np.int64)
+    blocks = None
+    if "blocks" in reqs[0]:
+        offsets = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum([len(r["blocks"]) for r in reqs], out=offsets[1:])
+        blocks = BlockTable(offsets=offsets, ids=np.array([b for r in reqs for b in r["blocks"]], dtype=np.int64))
+    doc["sim"] = {}
+    doc["sim_without_frontend"] = {}
+    for load, share in setup.loads.items():
+        times = np.array(arrival_times(reqs, share * doc["capacity"]["requests_per_s"]))
+        trace = Trace(name=f"{setup.trace} window", n_ranks=2, seed=SEED, arrival_s=times, prompt_len=prompt,
+                      output_len=output, is_burst=np.zeros(len(reqs), bool), blocks=blocks)
+        for arm in setup.arms:
+            for frontend_s, into in ((profile.frontend_s, "sim"), (0.0, "sim_without_frontend")):
+                config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
+                                   lockstep=profile.lockstep if setup.dp_attention else None,
+                                   prefill_delayer=arm.delayer, frontend_s=frontend_s,
+                                   slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s).validate()
+                result = Simulation(trace, arm.method, config).run()
+                s = summarize(result)
+                span = float(s["makespan_s"] - times.min())
+                doc[into][f"{arm.name}|{load}"] = {
+                    "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"], "tpot_p50_ms": s["tpot_p50_ms"],
+                    "tpot_p99_ms": s["tpot_p99_ms"], "output_tokens_per_s": float(output.sum()) / span,
+                    "requests_per_s": len(reqs) / span,
+                    "rank0_share": sum(1 for r in result.requests if r.rank == 0) / len(result.requests),
+                    "cache_hit_rate": s["cache_hit_rate"]}
+    save_results(setup.results, doc)
+
+
+def fit_setup(setup: Setup, doc: dict[str, Any]):
+    """The setup's profile fitted from its recording (written to ``setup.profile``), and whether the
+    server ran the overlap scheduler; the fit's figures go into ``doc``."""
+    from dpboard.sim.calibrate import by_shape, fit_frontend, fit_profile, table_from_logs
+    from dpboard.sim.profile import load_profile_file
+    from dpboard.steplog.reader import read_step_log, step_log_paths
+
     if "probe" not in doc.get("record", {}):
         raise SystemExit(f"no recording in {setup.results}: run `{Path(__file__).name} --setup {setup.name} record` first")
     logs = [read_step_log(p) for p in step_log_paths(setup.record_logs)]
@@ -412,32 +619,9 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     profile = load_profile_file(setup.profile)
     doc["fit"] = {"terms": {t.key: t.value for t in fit.terms}, "error": fit.error, "loose": fit.loose,
                   "steps": fit.steps, "used": fit.used, "settings": settings,
-                  "frontend_ms": [front * 1e3, front_p10 * 1e3, front_p90 * 1e3],
+                  "frontend_ms": [front * 1e3, front_p10 * 1e3, front_p90 * 1e3], "by_shape": by_shape(table, fit),
                   "profile": str(setup.profile.relative_to(ROOT))}
-    reqs = window()
-    prompt = np.array([r["prompt"] for r in reqs], dtype=np.int64)
-    output = np.array([r["output"] for r in reqs], dtype=np.int64)
-    doc["sim"] = {}
-    doc["sim_without_frontend"] = {}
-    for load, share in setup.loads.items():
-        times = np.array(arrival_times(reqs, share * doc["capacity"]["requests_per_s"]))
-        trace = Trace(name=f"{TRACE.name} window", n_ranks=2, seed=SEED, arrival_s=times, prompt_len=prompt,
-                      output_len=output, is_burst=np.zeros(len(reqs), bool))
-        for arm in setup.arms:
-            for frontend_s, into in ((profile.frontend_s, "sim"), (0.0, "sim_without_frontend")):
-                config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
-                                   lockstep=profile.lockstep if setup.dp_attention else None,
-                                   prefill_delayer=arm.delayer, frontend_s=frontend_s,
-                                   slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s).validate()
-                result = Simulation(trace, arm.method, config).run()
-                s = summarize(result)
-                span = float(s["makespan_s"] - times.min())
-                doc[into][f"{arm.name}|{load}"] = {
-                    "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"], "tpot_p50_ms": s["tpot_p50_ms"],
-                    "tpot_p99_ms": s["tpot_p99_ms"], "output_tokens_per_s": float(output.sum()) / span,
-                    "requests_per_s": len(reqs) / span,
-                    "rank0_share": sum(1 for r in result.requests if r.rank == 0) / len(result.requests)}
-    save_results(setup.results, doc)
+    return profile, overlap
 
 
 def load_profile_from_text(text: str):
@@ -457,6 +641,12 @@ METRICS = (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"), ("tpo
 WITHIN = 0.15  # the simulator's bar on p50s at light load: within 15 % of the real median, or its spread
 
 
+def columns(setup: Setup) -> tuple[tuple[str, str], ...]:
+    """The table's figures: METRICS, each rank's share, and with shared prefixes the cache's hit rate."""
+    more = (("cache_hit_rate", "cache hit rate"),) if setup.trace == "mooncake" else ()
+    return (*METRICS, ("rank0_share", "rank 0 share"), *more)
+
+
 def real_cells(doc: dict[str, Any], arm: str, load: str) -> list[dict[str, Any]]:
     return [c["figures"] for c in doc["cells"].values() if c["arm"] == arm and c["load"] == load]
 
@@ -472,7 +662,7 @@ def compare(setup: Setup, doc: dict[str, Any]) -> list[dict[str, Any]]:
             bare = doc.get("sim_without_frontend", {}).get(f"{arm.name}|{load}")
             if not real:
                 continue
-            for key, label in (*METRICS, ("rank0_share", "rank 0 share")):
+            for key, label in columns(setup):
                 values = [f[key] for f in real if f.get(key) is not None]
                 if not values:
                     continue
@@ -529,6 +719,17 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
                    f"{errors}. Not pinned down: {', '.join(fit['loose']) or 'none'}.")
         if "frontend_ms" in fit:
             front = fit["frontend_ms"]
+        if fit.get("by_shape"):
+            out.append("\nStep time by batch shape, the recorded steps beside the fitted model's for the same steps "
+                       "(p50 / p90, ms):\n")
+            out.append("| step | shape | steps | recorded | model |")
+            out.append("|---|---|---|---|---|")
+            for r in fit["by_shape"]:
+                out.append(f"| {r['kind']} | {r['shape']} | {r['steps']} | {r['real_p50_ms']:.2f} / {r['real_p90_ms']:.2f} "
+                           f"| {r['model_p50_ms']:.2f} / {r['model_p90_ms']:.2f} |")
+            out.append("")
+        if "frontend_ms" in fit:
+            front = fit["frontend_ms"]
             out.append(f"Front end (`frontend_ms`): {front[0]:.1f} ms, from {PROBES} lone requests on the idle server "
                        f"(p10 {front[1]:.1f} ms, p90 {front[2]:.1f} ms). Each cell below gives the simulator's error "
                        "with it; `without` is the error of the same run without it.")
@@ -539,19 +740,19 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
         out.append(f"\n**{load.capitalize()} load** ({share:.1%} of capacity, "
                    f"{share * cap['requests_per_s']:.2f} requests/s; real: median [min-max] of "
                    f"{max(r['repeats'] for r in mine)} repeats)\n")
-        out.append("| method | " + " | ".join(label for _, label in (*METRICS, ("", "rank 0 share"))) + " |")
-        out.append("|---" * (len(METRICS) + 2) + "|")
+        out.append("| method | " + " | ".join(label for _, label in columns(setup)) + " |")
+        out.append("|---" * (len(columns(setup)) + 1) + "|")
         for arm in setup.arms:
             cells = {r["key"]: r for r in mine if r["arm"] == arm.name}
             if not cells:
                 continue
             row = [arm.name]
-            for key, _ in (*METRICS, ("rank0_share", "")):
+            for key, _ in columns(setup):
                 r = cells.get(key)
                 if r is None:
                     row.append("")
                     continue
-                digits = 2 if key == "rank0_share" else (1 if r["median"] < 100 else 0)
+                digits = 2 if key in ("rank0_share", "cache_hit_rate") else (1 if r["median"] < 100 else 0)
                 text = f"{r['median']:.{digits}f} [{r['min']:.{digits}f}-{r['max']:.{digits}f}]"
                 if r["sim"] is not None:
                     mark = "" if r["within"] else " ✗"
@@ -610,13 +811,19 @@ def picture(setup: Setup, doc: dict[str, Any]) -> None:
 
 def cmd_report(setup: Setup, args: argparse.Namespace) -> None:
     doc = load_results(setup.results)
-    text = render(setup, doc)
+    text = render(setup, doc) if doc.get("cells") else ""
     marker_open, marker_close = f"<!-- {setup.marker} -->", f"<!-- /{setup.marker} -->"
     page = DOC.read_text()
     if marker_open not in page:
         raise SystemExit(f"{DOC} has no {marker_open} ... {marker_close} section for the {setup.name} setup")
     head, _, rest = page.partition(marker_open)
-    _, _, tail = rest.partition(marker_close)
+    now, _, tail = rest.partition(marker_close)
+    if args.check:
+        if now != f"\n{text}":
+            raise SystemExit(f"{DOC}'s {setup.name} section is not what {setup.results.name} renders: run "
+                             f"`{Path(__file__).name} --setup {setup.name} report`")
+        print(f"{DOC.name}: the {setup.name} section is current")
+        return
     DOC.write_text(f"{head}{marker_open}\n{text}{marker_close}{tail}")
     if doc.get("sim"):
         picture(setup, doc)
@@ -626,12 +833,14 @@ def cmd_report(setup: Setup, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", choices=list(SETUPS), default="independent",
-                        help="independent ranks (--dp-size 2), or DP attention (--enable-dp-attention --tp-size 2)")
+                        help="SGLang's independent ranks (--dp-size 2), SGLang's DP attention (--enable-dp-attention "
+                             "--tp-size 2), or vllm serve --data-parallel-size 2 (run in .venv-serving's Python)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("capacity")
     sub.add_parser("record")
     sub.add_parser("sim")
-    sub.add_parser("report")
+    report = sub.add_parser("report")
+    report.add_argument("--check", action="store_true", help="only say whether the page's section is current")
     run = sub.add_parser("run")
     run.add_argument("--loads", nargs="+", default=None, help="of the setup's loads (default: all)")
     run.add_argument("--repeats", type=int, default=3)

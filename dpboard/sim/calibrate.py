@@ -170,6 +170,44 @@ def fit_frontend(prompt_len: np.ndarray, output_len: np.ndarray, client_ttft_s: 
     return median, p10, p90
 
 
+# batch shapes the recorded and the modelled step times are compared by: decode steps by the requests
+# in the batch, prefill steps by the prompt tokens computed (low, high: inclusive)
+DECODE_SHAPES = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 1 << 30))
+PREFILL_SHAPES = ((1, 127), (128, 511), (512, 2047), (2048, 1 << 30))
+
+
+def by_shape(table: StepTable, fit: Calibration) -> list[dict[str, Any]]:
+    """Per batch shape, the recorded steps' time (p50, p90) beside the fitted model's for the same
+    steps: whether the model's steps are the server's across the shapes it ran, not just on average
+    (decode steps of a DP-attention group's extend steps apart, as the fit takes them)."""
+    mode = np.asarray(table.mode).astype(str)
+    tokens = np.asarray(table.prefill_tokens, dtype=np.float64)
+    reqs = np.asarray(table.decode_reqs, dtype=np.float64)
+    ctx = np.asarray(table.decode_ctx_tokens, dtype=np.float64)
+    duration = np.asarray(table.duration_s, dtype=np.float64)
+    ok = np.isfinite(duration) & (duration > 0)
+    pre = ok & (mode == EXTEND) & (tokens > 0) & (reqs == 0)
+    dec = ok & (mode == DECODE) & (reqs > 0) & ~np.asarray(table.group_extend, dtype=bool)
+    model_pre = (fit.value("prefill_step_ms") * 1e-3 + fit.value("prefill_token_us") * 1e-6 * tokens)
+    model_dec = (fit.value("decode_step_ms") * 1e-3 + fit.value("decode_request_us") * 1e-6 * reqs
+                 + fit.value("decode_kv_token_ns") * 1e-9 * ctx)
+    rows = []
+    for kind, rows_of, size, shapes, model, unit in ((DECODE, dec, reqs, DECODE_SHAPES, model_dec, "requests"),
+                                                    ("prefill", pre, tokens, PREFILL_SHAPES, model_pre, "tokens")):
+        for low, high in shapes:
+            picked = rows_of & (size >= low) & (size <= high)
+            if not picked.any():
+                continue
+            real, modelled = duration[picked], model[picked]
+            rows.append({"kind": kind, "shape": f"{low}+ {unit}" if high >= 1 << 30 else f"{low}-{high} {unit}",
+                         "steps": int(picked.sum()),
+                         "real_p50_ms": float(np.percentile(real, 50)) * 1e3,
+                         "real_p90_ms": float(np.percentile(real, 90)) * 1e3,
+                         "model_p50_ms": float(np.percentile(modelled, 50)) * 1e3,
+                         "model_p90_ms": float(np.percentile(modelled, 90)) * 1e3})
+    return rows
+
+
 def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: int = MIN_STEPS) -> Calibration:
     """The rank model's terms fitted to ``table``; ``header`` is the log's settings
     (``chunked_prefill_size``, ``max_running_requests``, ``max_total_tokens``, ``dp_attention``)."""
@@ -383,5 +421,9 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(fit.profile_text(name, source, frontend_ms=args.frontend_ms, frontend_source=frontend_source),
                    encoding="utf-8")
     print(fit.report())
+    print("step time by batch shape, recorded p50 / p90 beside the fitted model's (ms):")
+    for row in by_shape(table, fit):
+        print(f"  {row['kind']:<8} {row['shape']:<16} {row['steps']:>7} steps  {row['real_p50_ms']:8.2f} / "
+              f"{row['real_p90_ms']:8.2f}   model {row['model_p50_ms']:8.2f} / {row['model_p90_ms']:8.2f}")
     print(f"wrote {out}: dpboard sim --profile-file {out}")
     return 0

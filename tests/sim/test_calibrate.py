@@ -262,3 +262,21 @@ def test_dpboard_calibrate_writes_the_front_end_given_and_refuses_a_negative_one
     refused = subprocess.run([*args, "--frontend-ms", "-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--frontend-ms must be a time >= 0 ms, got -3.0" in refused.stderr
     assert not out.exists()
+
+
+def test_step_times_by_shape_put_the_recorded_beside_the_model():
+    """Clean steps: the model's p50 per shape is the recorded one; stalled steps move the recorded
+    p90 of every shape above the model's, and no shape is left out."""
+    from dpboard.sim.calibrate import by_shape
+
+    table = simulated_steps()
+    fit = fit_profile(table, HEADER)
+    rows = by_shape(table, fit)
+    assert {r["kind"] for r in rows} == {"decode", "prefill"}
+    assert sum(r["steps"] for r in rows) == int(((table.mode == "decode") | (table.mode == "extend")).sum())
+    for r in rows:
+        assert r["model_p50_ms"] == pytest.approx(r["real_p50_ms"], rel=0.02), r
+    stalled = spoiled(table, seed=4)
+    for r in by_shape(stalled, fit_profile(stalled, HEADER)):
+        if r["steps"] >= 50:
+            assert r["real_p90_ms"] > r["model_p90_ms"], r
