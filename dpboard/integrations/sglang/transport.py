@@ -67,6 +67,11 @@ def open_instance_board(name: str, n_slots: int, node_id: int, *, replace_dead: 
                 raise AlreadyExistsError(
                     f"board {name!r} is in use by live process {entry.header.creator_pid}, not this SGLang "
                     f"instance: set DPBOARD_BOARD to another name, or stop that process")
+            why = entry.in_use()
+            if why is not None:  # its creator is gone, a process of that run still writes (a scheduler exiting)
+                raise AlreadyExistsError(
+                    f"board {name!r} of an earlier server under this name is still in use ({why}): wait for "
+                    f"that server's processes to exit, or set DPBOARD_BOARD to another name")
             clean_boards(name)
     try:
         return Board.attach(name, n_slots=n_slots)

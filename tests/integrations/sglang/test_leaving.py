@@ -298,3 +298,56 @@ def test_another_users_board_is_neither_removed_nor_waited_for(monkeypatch, capl
         assert (SHM_DIR / f"dpboard.{name}").stat().st_uid == NOBODY
     finally:
         remove_foreign(name)
+
+
+HOLD_SLOT = textwrap.dedent("""
+    import sys
+    from dpboard.board import Board
+    from dpboard.snapshot import LoadSnapshot
+    board = Board.attach(sys.argv[1])
+    writer = board.writer(1)
+    writer.publish(LoadSnapshot(1))
+    print("holding", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_board_whose_creator_is_gone_but_a_scheduler_still_writes_is_refused_in_sglangs_words():
+    """An earlier server's main process is gone while one of its schedulers still holds a slot (it is
+    exiting): a new server under the name is refused with what to do as an SGLang user (wait, or
+    another DPBOARD_BOARD), not with `dpboard clean`'s `--force`, and the board is left alone."""
+    from dpboard.errors import AlreadyExistsError
+    from dpboard.integrations.sglang import transport
+
+    name = new_board_name()
+    creator = python("import sys\nfrom dpboard.board import Board\nBoard.create(sys.argv[1], 2)\n"
+                     "print('made', flush=True)\nsys.stdin.readline()\nimport os\nos._exit(0)\n", name)
+    holder = None
+    try:
+        assert read_line(creator, 30).strip() == "made"
+        holder = python(HOLD_SLOT, name)
+        assert read_line(holder, 30).strip() == "holding"
+        creator.stdin.close()  # the main process leaves without removing its board
+        creator.wait(30)
+        with pytest.raises(AlreadyExistsError) as refused:
+            transport.open_instance_board(name, 2, 0, replace_dead=True)
+        said = str(refused.value)
+        assert "of an earlier server under this name is still in use" in said and "DPBOARD_BOARD" in said
+        assert "--force" not in said
+        assert left(name) == [f"dpboard.{name}"]
+        holder.stdin.close()  # the scheduler ends: once its last publish is stale, the board is replaced
+        holder.wait(30)
+        from dpboard.board.listing import read_listing
+        wait_until(lambda: read_listing(name).in_use() is None, 10)
+        board = transport.open_instance_board(name, 2, 0, replace_dead=True)
+        try:
+            assert board.header.creator_pid == os.getpid()
+        finally:
+            board.close()
+            board.unlink()
+    finally:
+        for proc in (creator, holder):
+            if proc is not None:
+                kill(proc)
+        for path in left(name):
+            (SHM_DIR / path).unlink(missing_ok=True)
