@@ -188,18 +188,21 @@ test-sglang-serving: $(SGLANG_SERVING_VENV)/.installed $(SGLANG_PREVIOUS_SERVING
 	DPBOARD_SGLANG_MODEL=$(SGLANG_SERVING_VENV)/model DPBOARD_SGLANG_DP_MODEL=$(SGLANG_SERVING_VENV)/model-qwen3 \
 		$(SGLANG_SERVING_PY) -m pytest -q -m serving tests/integrations/sglang/serving
 
-# The replay study (docs/REPLAY.md): a window of a real trace through a real SGLang server per dispatch
-# method, 3 repeats at two loads, then through `dpboard sim` with a profile fitted from the server's
-# steps. About a minute a cell on an idle 2-core machine, 40-50 minutes in all; a rerun skips the
-# cells docs/replay/results.json holds. Too long for CI.
+# The replay study (docs/REPLAY.md): a window of a real trace through a real server per dispatch method,
+# 3 repeats a load, then through `dpboard sim` with a profile fitted from the server's steps; four
+# setups (SGLang's independent ranks, the same on Mooncake's trace, SGLang's DP attention, vLLM), 117
+# cells. Half a minute to two minutes a cell on an idle 2-core machine, about 2 h 15 min in all; a
+# rerun skips the cells docs/replay/*.json hold. Too long for CI.
 replay-study: $(SGLANG_SERVING_VENV)/.installed $(SERVING_VENV)/.installed
 	$(SGLANG_SERVING_PY) -m pip install -q matplotlib
 	for setup in independent dp-attention mooncake; do \
-	  for step in capacity run record sim report; do \
+	  for step in capacity run record frontend sim report; do \
 	    $(SGLANG_SERVING_PY) tools/replay_study.py --setup $$setup $$step || exit 1; \
 	  done; \
 	done
 	$(SERVING_PY) tools/replay_study.py --setup vllm run
+	$(SERVING_PY) tools/replay_study.py --setup vllm record
+	$(SERVING_PY) tools/replay_study.py --setup vllm sim
 	$(SGLANG_SERVING_PY) tools/replay_study.py --setup vllm report
 
 lint: $(VENV)/.installed

@@ -112,6 +112,7 @@ class Setup:
     engine: str = "sglang"
     trace: str = "azure"  # or "mooncake"
     profile_of: str | None = None  # run the simulator with that setup's fitted profile (the same server)
+    frontend_of: str | None = None  # take that setup's front end (the same path outside the schedulers)
 
     @property
     def step_logs(self) -> Path:
@@ -148,16 +149,21 @@ SETUPS = {s.name: s for s in (
         Arm("inflight_lockstep", "dpboard", "inflight_lockstep"),
         Arm("inflight_wave", "dpboard", "inflight_wave"),
     ), {"light": 0.275, "heavy": 0.6}, ROOT / "docs" / "replay" / "dp-attention.json",
-        ROOT / "docs" / "replay" / "cpu-dp-attention.profile", ROOT / "docs" / "replay" / "sim-vs-real-dp-attention.png"),
+        ROOT / "docs" / "replay" / "cpu-dp-attention.profile", ROOT / "docs" / "replay" / "sim-vs-real-dp-attention.png",
+        # a lone request on an idle DP-attention group waits for the group to wake (about 200 ms
+        # here): not the front end, which is the independent setup's code path
+        frontend_of="independent"),
     # Mooncake's conversation trace on the independent ranks: prompts that share prefixes (36.6 % of its
     # blocks repeat an earlier one), so the radix cache and a cache-aware method have something to do;
     # the simulator runs it with the independent setup's profile (the same server), blocks and all.
+    # The light load alone: its cells take twice the Azure window's time (longer prompts, a lower
+    # capacity), and the bar the study sets is at that load.
     Setup("mooncake", False, (
         Arm("round_robin", "sglang", "round_robin"),
         Arm("total_tokens", "sglang", "total_tokens"),
         Arm("inflight_tokens", "dpboard", "inflight_tokens"),
         Arm("inflight_cache", "dpboard", "inflight_cache"),
-    ), {"light": 0.275, "heavy": 0.6}, ROOT / "docs" / "replay" / "mooncake.json",
+    ), {"light": 0.275}, ROOT / "docs" / "replay" / "mooncake.json",
         ROOT / "docs" / "replay" / "cpu.profile", ROOT / "docs" / "replay" / "sim-vs-real-mooncake.png",
         trace="mooncake", profile_of="independent"),
     # vllm serve --data-parallel-size 2 (vLLM's CPU build): its own balancing (the plugin installed,
@@ -241,11 +247,19 @@ def save_results(path: Path, doc: dict[str, Any]) -> None:
 
 # ---- the client ----
 
+# what SGLang's meta_info carries per request with --enable-metrics (wall-clock seconds, and the
+# scheduler's queueing time): the HTTP server's receipt, the tokenizer's dispatch, the forward
+# batch's entry and the prefill's end
+TIME_STATS = ("request_received_ts", "api_server_dispatch_finish_ts", "forward_entry_time", "prefill_finished_time",
+              "queue_time")
+
+
 async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: float, at: float,
                engine: str = "sglang", salt: int = 0) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + at - loop.time()))
     sent = loop.time()
+    sent_wall = time.time()  # SGLang's request time stats (--enable-metrics) are wall-clock stamps
     ids = prompt_ids(index, req["prompt"], salt, req.get("blocks"))
     if engine == "sglang":
         path = "/generate"
@@ -259,6 +273,8 @@ async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: floa
     tokens = 0
     rank = None
     cached = None
+    stamps: dict[str, float] = {}
+    first_wall = None
     async with session.post(url + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"request {index}: HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -274,15 +290,18 @@ async def _one(session: Any, url: str, index: int, req: dict[str, Any], t0: floa
                 tokens = int(meta.get("completion_tokens", tokens))
                 rank = meta.get("dp_rank", rank)
                 cached = meta.get("cached_tokens", cached)  # prompt tokens the radix cache held
+                stamps.update((k, float(meta[k])) for k in TIME_STATS if meta.get(k) is not None)
             elif chunk.get("usage"):
                 tokens = int(chunk["usage"].get("completion_tokens", tokens))
             if first is None and tokens >= 1:
                 first = loop.time()
+                first_wall = time.time()
     end = loop.time()
     if tokens != req["output"] or first is None:
         raise RuntimeError(f"request {index}: {tokens} tokens of {req['output']}")
     return {"i": index, "arrival": at, "late_ms": (sent - t0 - at) * 1e3, "ttft": first - sent, "e2e": end - sent,
-            "tokens": tokens, "rank": rank, "prompt": req["prompt"], "cached": cached}
+            "tokens": tokens, "rank": rank, "prompt": req["prompt"], "cached": cached,
+            **({"stamps": {**stamps, "sent": sent_wall, "first": first_wall}} if stamps else {})}
 
 
 async def replay(url: str, reqs: list[dict[str, Any]], times: list[float], first_index: int = 0,
@@ -542,6 +561,63 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
     save_results(setup.results, doc)
 
 
+def path_parts(records: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's TTFT taken apart by SGLang's request time stats, medians in ms: the HTTP server's
+    receipt, the tokenizer, on to the scheduler (the DP controller), the scheduler's queue, the
+    prefill, and the first token's way back to the client; ``outside`` is what no scheduler step
+    holds: the client's TTFT less the scheduler's (its receipt to its prefill's end)."""
+    parts: dict[str, list[float]] = {k: [] for k in ("ttft", "http_in", "tokenizer", "to_scheduler", "queue", "prefill",
+                                                        "way_back", "outside")}
+    for r in records:
+        t = r.get("stamps", {})
+        if not all(k in t for k in (*TIME_STATS, "sent", "first")) or t["first"] is None:
+            continue
+        at_scheduler = t["forward_entry_time"] - t["queue_time"]
+        parts["ttft"].append(r["ttft"])
+        parts["http_in"].append(t["request_received_ts"] - t["sent"])
+        parts["tokenizer"].append(t["api_server_dispatch_finish_ts"] - t["request_received_ts"])
+        parts["to_scheduler"].append(at_scheduler - t["api_server_dispatch_finish_ts"])
+        parts["queue"].append(t["queue_time"])
+        parts["prefill"].append(t["prefill_finished_time"] - t["forward_entry_time"])
+        parts["way_back"].append(t["first"] - t["prefill_finished_time"])
+        parts["outside"].append(r["ttft"] - (t["prefill_finished_time"] - at_scheduler))
+    if not parts["ttft"]:
+        raise SystemExit("no request carried SGLang's time stats: the server needs --enable-metrics")
+    return {f"{k}_ms": float(np.median(v)) * 1e3 for k, v in parts.items()} | {"requests": len(parts["ttft"])}
+
+
+def cmd_frontend(setup: Setup, args: argparse.Namespace) -> None:
+    """The window once per load through a server with SGLang's request time stats on
+    (``--enable-metrics``): what each request spent outside the schedulers under the study's loads,
+    from the server's own stamps (the front end the simulator adds)."""
+    if setup.engine != "sglang" or setup.profile_of:
+        print(f"{setup.name}: no `frontend` (SGLang's own setups only)")
+        return
+    doc = load_results(setup.results)
+    if "capacity" not in doc:
+        raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
+    if "frontend_run" in doc:
+        print(f"{setup.results} holds the front-end run already: remove frontend_run to run it again")
+        return
+    reqs = window(setup)
+    arm = next(a for a in setup.arms if a.who == "dpboard")
+    arm = Arm(arm.name, arm.who, arm.method, (*arm.flags, "--enable-metrics"), arm.delayer)
+    server = start_server(setup, arm, None)
+    out: dict[str, Any] = {"arm": arm.name, "when": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        asyncio.run(replay(server.url, WARM, [0.0] * len(WARM), salt=80))
+        for n, (load, share) in enumerate(setup.loads.items()):
+            records = asyncio.run(replay(server.url, reqs, arrival_times(reqs, share * doc["capacity"]["requests_per_s"]),
+                                         salt=81 + n))
+            out[load] = path_parts(records)
+            print(f"{load}: " + ", ".join(f"{k} {v:.1f}" for k, v in out[load].items()), flush=True)
+    finally:
+        server.stop()
+        server.kill()
+    doc["frontend_run"] = out
+    save_results(setup.results, doc)
+
+
 def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     """Fit the profile from the recorded steps and the front end from the lone requests, then every
     arm and load of the study in dpboard sim."""
@@ -610,16 +686,35 @@ def fit_setup(setup: Setup, doc: dict[str, Any]):
     front, front_p10, front_p90 = fit_frontend(np.array([p["prompt"] for p in probe]), np.array([p["output"] for p in probe]),
                                                np.array([p["ttft"] for p in probe]), fitted.rank, overlap=overlap)
     name = f"replay-study-cpu{'' if setup.name == 'independent' else '-' + setup.name}"
+    own = [front * 1e3, front_p10 * 1e3, front_p90 * 1e3]
+    source = (f"{len(probe)} lone requests on the idle server: client TTFT less the fitted model's, "
+              f"median (p10 {own[1]:.1f} ms, p90 {own[2]:.1f} ms)")
+    run = doc.get("frontend_run", {}).get("light")
+    if run is not None:  # measured per request under the light load by the server's own stamps
+        from dpboard.sim.simulation import SimConfig
+
+        front = max(0.0, run["outside_ms"] / 1e3 - SimConfig().send_delay_s)  # the simulator has the transit
+        source = (f"{run['requests']} requests at the light load, SGLang's request time stats (--enable-metrics): "
+                  f"client TTFT less the scheduler's receipt-to-prefill-end, median, less the simulator's "
+                  f"{SimConfig().send_delay_s * 1e3:g} ms transit; lone requests on the idle server: {own[0]:.1f} ms")
+    elif setup.frontend_of:  # the same front end as that setup's server; this one's idle probe says more
+        other = load_results(SETUPS[setup.frontend_of].results).get("fit", {}).get("frontend_ms")
+        if other is None:
+            raise SystemExit(f"no front end in {SETUPS[setup.frontend_of].results}: run `--setup {setup.frontend_of} sim` first")
+        front = other / 1e3
+        source = (f"the {setup.frontend_of} setup's (the same HTTP server, tokenizer, DP controller and "
+                  f"detokenizer); this server's lone requests on an idle group took {own[0]:.1f} ms more than the model")
     setup.profile.write_text(fit.profile_text(
         name, f"the step logs of `{Path(__file__).name} --setup {setup.name} record`", frontend_ms=front * 1e3,
-        frontend_source=f"{len(probe)} lone requests on the idle server: client TTFT less the fitted model's, "
-                        f"median (p10 {front_p10 * 1e3:.1f} ms, p90 {front_p90 * 1e3:.1f} ms)"))
+        frontend_source=source))
     print(fit.report())
-    print(f"front end: {front * 1e3:.2f} ms (p10 {front_p10 * 1e3:.2f}, p90 {front_p90 * 1e3:.2f}) from {len(probe)} lone requests")
+    print(f"front end: {front * 1e3:.2f} ms; this server's lone requests: {own[0]:.2f} ms over the model "
+          f"(p10 {own[1]:.2f}, p90 {own[2]:.2f}) from {len(probe)}")
     profile = load_profile_file(setup.profile)
     doc["fit"] = {"terms": {t.key: t.value for t in fit.terms}, "error": fit.error, "loose": fit.loose,
                   "steps": fit.steps, "used": fit.used, "settings": settings,
-                  "frontend_ms": [front * 1e3, front_p10 * 1e3, front_p90 * 1e3], "by_shape": by_shape(table, fit),
+                  "frontend_ms": front * 1e3, "frontend_source": source,
+                  "lone_over_model_ms": own, "by_shape": by_shape(table, fit),
                   "profile": str(setup.profile.relative_to(ROOT))}
     return profile, overlap
 
@@ -718,21 +813,21 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
                    f"{fit['used'].get('decode', 0)} decode steps): {terms}. Fit error per step, median / p90: "
                    f"{errors}. Not pinned down: {', '.join(fit['loose']) or 'none'}.")
         if "frontend_ms" in fit:
-            front = fit["frontend_ms"]
-        if fit.get("by_shape"):
-            out.append("\nStep time by batch shape, the recorded steps beside the fitted model's for the same steps "
-                       "(p50 / p90, ms):\n")
-            out.append("| step | shape | steps | recorded | model |")
-            out.append("|---|---|---|---|---|")
-            for r in fit["by_shape"]:
-                out.append(f"| {r['kind']} | {r['shape']} | {r['steps']} | {r['real_p50_ms']:.2f} / {r['real_p90_ms']:.2f} "
-                           f"| {r['model_p50_ms']:.2f} / {r['model_p90_ms']:.2f} |")
-            out.append("")
-        if "frontend_ms" in fit:
-            front = fit["frontend_ms"]
-            out.append(f"Front end (`frontend_ms`): {front[0]:.1f} ms, from {PROBES} lone requests on the idle server "
-                       f"(p10 {front[1]:.1f} ms, p90 {front[2]:.1f} ms). Each cell below gives the simulator's error "
-                       "with it; `without` is the error of the same run without it.")
+            out.append(f"Front end (`frontend_ms`): {fit['frontend_ms']:.1f} ms, from {fit['frontend_source']}.")
+            run = doc.get("frontend_run")
+            if run:
+                parts = ("http_in", "tokenizer", "to_scheduler", "queue", "prefill", "way_back", "outside", "ttft")
+                out.append(f"\nWhere a request's TTFT goes, by SGLang's request time stats (`--enable-metrics`, "
+                           f"{run['arm']}, the window once per load; medians, ms):\n")
+                out.append("| load | HTTP in | tokenizer | to scheduler | queue | prefill | way back | outside "
+                           "the scheduler | TTFT |")
+                out.append("|---" * (len(parts) + 1) + "|")
+                for load in setup.loads:
+                    if load in run:
+                        out.append(f"| {load} | " + " | ".join(f"{run[load][p + '_ms']:.1f}" for p in parts) + " |")
+                out.append("")
+            out.append("Each TTFT cell below gives the simulator's error with it; `without` is the error of the "
+                       "same run without it.")
     for load, share in setup.loads.items():
         mine = [r for r in rows if r["load"] == load]
         if not mine:
@@ -838,6 +933,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("capacity")
     sub.add_parser("record")
+    sub.add_parser("frontend")
     sub.add_parser("sim")
     report = sub.add_parser("report")
     report.add_argument("--check", action="store_true", help="only say whether the page's section is current")
@@ -847,7 +943,8 @@ def main() -> None:
     run.add_argument("--arms", nargs="*", help="of the setup's arms (default: all)")
     args = parser.parse_args()
     setup = SETUPS[args.setup]
-    commands = {"capacity": cmd_capacity, "run": cmd_run, "record": cmd_record, "sim": cmd_sim, "report": cmd_report}
+    commands = {"capacity": cmd_capacity, "run": cmd_run, "record": cmd_record, "frontend": cmd_frontend,
+                "sim": cmd_sim, "report": cmd_report}
     commands[args.command](setup, args)
 
 

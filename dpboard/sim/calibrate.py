@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from dpboard.errors import InvalidInputError
-from dpboard.options import count
+from dpboard.options import count, number_in
 
 # the fewest steps of each kind a fit stands on, and the fewest distinct shapes among them
 MIN_STEPS = 30
@@ -399,7 +399,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="FILE_OR_DIR", help="step logs, or directories of them")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE", help="the profile file to write")
     p.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
-    p.add_argument("--frontend-ms", type=float, default=None, metavar="MS",
+    p.add_argument("--frontend-ms", type=number_in(float, 0.0, 60_000.0, unit="milliseconds"), default=None, metavar="MS",
                    help="the front-end path's time per request, written as the profile's frontend_ms (what a lone "
                         "request's TTFT at the client exceeds the fitted prefill by; docs/TOOLS.md, dpboard calibrate)")
     p.add_argument("--min-steps", type=count(MIN_SHAPES, 1_000_000), default=MIN_STEPS,
@@ -409,8 +409,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dpboard.steplog.reader import read_step_log, step_log_paths
 
-    if args.frontend_ms is not None and not (math.isfinite(args.frontend_ms) and args.frontend_ms >= 0):
-        raise InvalidInputError(f"--frontend-ms must be a time >= 0 ms, got {args.frontend_ms}")
     logs = [read_step_log(p) for path in args.paths for p in step_log_paths(path)]
     table, settings = table_from_logs(logs)
     fit = fit_profile(table, settings, min_steps=args.min_steps)
