@@ -170,6 +170,36 @@ def fit_frontend(prompt_len: np.ndarray, output_len: np.ndarray, client_ttft_s: 
     return median, p10, p90
 
 
+@dataclass(frozen=True)
+class _ModelSteps:
+    """A step table as the rank model reads it: the columns as arrays, and which rows are a step of
+    the model (``fit_profile`` fits those, ``by_shape`` compares them)."""
+
+    mode: np.ndarray
+    tokens: np.ndarray
+    reqs: np.ndarray
+    ctx: np.ndarray
+    duration: np.ndarray
+    group_extend: np.ndarray
+    pre: np.ndarray  # a prefill step: an extend step with no decode requests in it
+    dec_all: np.ndarray  # a decode step, whatever the group did
+    dec: np.ndarray  # a decode step of the model: under DP attention the group's extend steps apart
+
+    @classmethod
+    def of(cls, table: StepTable) -> _ModelSteps:
+        mode = np.asarray(table.mode).astype(str)
+        tokens = np.asarray(table.prefill_tokens, dtype=np.float64)
+        reqs = np.asarray(table.decode_reqs, dtype=np.float64)
+        duration = np.asarray(table.duration_s, dtype=np.float64)
+        group_extend = np.asarray(table.group_extend, dtype=bool)
+        ok = np.isfinite(duration) & (duration > 0)
+        # SGLang runs mixed steps only with --enable-mixed-chunk, which the model does not have
+        pre = ok & (mode == EXTEND) & (tokens > 0) & (reqs == 0)
+        dec_all = ok & (mode == DECODE) & (reqs > 0)
+        return cls(mode, tokens, reqs, np.asarray(table.decode_ctx_tokens, dtype=np.float64), duration, group_extend,
+                   pre, dec_all, dec_all & ~group_extend)
+
+
 # batch shapes the recorded and the modelled step times are compared by: decode steps by the requests
 # in the batch, prefill steps by the prompt tokens computed (low, high: inclusive)
 DECODE_SHAPES = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 1 << 30))
@@ -180,14 +210,8 @@ def by_shape(table: StepTable, fit: Calibration) -> list[dict[str, Any]]:
     """Per batch shape, the recorded steps' time (p50, p90) beside the fitted model's for the same
     steps: whether the model's steps are the server's across the shapes it ran, not just on average
     (decode steps of a DP-attention group's extend steps apart, as the fit takes them)."""
-    mode = np.asarray(table.mode).astype(str)
-    tokens = np.asarray(table.prefill_tokens, dtype=np.float64)
-    reqs = np.asarray(table.decode_reqs, dtype=np.float64)
-    ctx = np.asarray(table.decode_ctx_tokens, dtype=np.float64)
-    duration = np.asarray(table.duration_s, dtype=np.float64)
-    ok = np.isfinite(duration) & (duration > 0)
-    pre = ok & (mode == EXTEND) & (tokens > 0) & (reqs == 0)
-    dec = ok & (mode == DECODE) & (reqs > 0) & ~np.asarray(table.group_extend, dtype=bool)
+    view = _ModelSteps.of(table)
+    tokens, reqs, ctx, duration, pre, dec = view.tokens, view.reqs, view.ctx, view.duration, view.pre, view.dec
     model_pre = (fit.value("prefill_step_ms") * 1e-3 + fit.value("prefill_token_us") * 1e-6 * tokens)
     model_dec = (fit.value("decode_step_ms") * 1e-3 + fit.value("decode_request_us") * 1e-6 * reqs
                  + fit.value("decode_kv_token_ns") * 1e-9 * ctx)
@@ -211,22 +235,12 @@ def by_shape(table: StepTable, fit: Calibration) -> list[dict[str, Any]]:
 def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: int = MIN_STEPS) -> Calibration:
     """The rank model's terms fitted to ``table``; ``header`` is the log's settings
     (``chunked_prefill_size``, ``max_running_requests``, ``max_total_tokens``, ``dp_attention``)."""
-    mode = np.asarray(table.mode).astype(str)
-    tokens = np.asarray(table.prefill_tokens, dtype=np.float64)
-    reqs = np.asarray(table.decode_reqs, dtype=np.float64)
-    ctx = np.asarray(table.decode_ctx_tokens, dtype=np.float64)
-    group_extend = np.asarray(table.group_extend, dtype=bool)
-    duration = np.asarray(table.duration_s, dtype=np.float64)
+    view = _ModelSteps.of(table)
+    mode, tokens, reqs, ctx, duration = view.mode, view.tokens, view.reqs, view.ctx, view.duration
+    pre, dec, dec_all, group_extend = view.pre, view.dec, view.dec_all, view.group_extend
     steps = {kind: int((mode == kind).sum()) for kind in (EXTEND, DECODE, MIXED, IDLE)}
-    ok = np.isfinite(duration) & (duration > 0)
     dp_attention = bool(header.get("dp_attention", False))
 
-    # a prefill step of the model: an extend step with no decode requests in it (SGLang runs mixed
-    # steps only with --enable-mixed-chunk, which the model does not have)
-    pre = ok & (mode == EXTEND) & (tokens > 0) & (reqs == 0)
-    # a decode step of the model; under DP attention the group's extend steps apart (eager_decode)
-    dec_all = ok & (mode == DECODE) & (reqs > 0)
-    dec = dec_all & ~group_extend
     _enough("prefill", pre, tokens, "prompt-token counts", "prompts of several lengths", min_steps)
     _enough("decode", dec, reqs, "batch sizes", "a few requests at once, then more", min_steps)
 
