@@ -420,14 +420,43 @@ def start_vllm(arm: Arm, step_log: Path | None = None):
     return server
 
 
+def setup_info(setup: Setup) -> dict[str, Any]:
+    """What the results file says of the study's setup."""
+    info = {"trace": TRACE.name, "window_start_s": WINDOW_START, "requests": WINDOW, "length_scale": LENGTH_SCALE,
+            "max_output": MAX_OUTPUT, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "python": platform.python_version()}
+    if setup.engine == "vllm":
+        return {**info, "engine": "vllm"}
+    return {**info, "server_flags": list(SERVER_FLAGS), "dp_attention": setup.dp_attention}
+
+
+def chosen_loads(setup: Setup, args: argparse.Namespace) -> list[str]:
+    """``--loads``, each one of the setup's (default: all of them)."""
+    for load in args.loads or ():
+        if load not in setup.loads:
+            raise SystemExit(f"--loads {load}: the {setup.name} setup runs {', '.join(setup.loads)}")
+    return args.loads or list(setup.loads)
+
+
+def keep_cell(setup: Setup, doc: dict[str, Any], result: dict[str, Any], arm: Arm, load: str, repeat: int,
+              rate: float, load_before: float, step_log: Path | None) -> None:
+    """One cell's result, with what it ran under, written to the results file at once, and its line."""
+    result.update(loadavg=[load_before, os.getloadavg()[0]], arm=arm.name, who=arm.who, load=load,
+                  share=setup.loads[load], rate=rate, repeat=repeat,
+                  step_log=str(step_log.relative_to(ROOT)) if step_log else None, when=time.strftime("%Y-%m-%d %H:%M"))
+    doc["cells"][f"{arm.name}|{load}|{repeat}"] = result
+    save_results(setup.results, doc)
+    f = result["figures"]
+    print(f"  TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 {f['ttft_p99_ms']:.0f} ms, TPOT p50 "
+          f"{f['tpot_p50_ms']:.1f} ms, {f['requests_per_s']:.3f} req/s, {result['wall_s']:.0f} s", flush=True)
+
+
 def run_vllm(setup: Setup, args: argparse.Namespace) -> None:
     """vLLM's cells: a server per arm, its cells on it (the capacity first, on the first arm's)."""
     doc = load_results(setup.results)
     reqs = window(setup)
-    doc["setup"] = {"trace": TRACE.name, "window_start_s": WINDOW_START, "requests": WINDOW,
-                    "length_scale": LENGTH_SCALE, "max_output": MAX_OUTPUT, "engine": "vllm",
-                    "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()}
-    loads = args.loads or list(setup.loads)
+    doc["setup"] = setup_info(setup)
+    loads = chosen_loads(setup, args)
     arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
     for arm in arms:
         todo = [(load, repeat) for load in loads for repeat in range(args.repeats)
@@ -455,15 +484,8 @@ def run_vllm(setup: Setup, args: argparse.Namespace) -> None:
                 began = time.time()
                 salt = 1 + list(setup.loads).index(load) * 10 + repeat
                 records = asyncio.run(replay(server.url, reqs, arrival_times(reqs, rate), engine="vllm", salt=salt))
-                result = {"figures": figures(records), "records": records, "wall_s": time.time() - began,
-                          "loadavg": [load_before, os.getloadavg()[0]], "arm": arm.name, "who": arm.who, "load": load,
-                          "share": setup.loads[load], "rate": rate, "repeat": repeat, "step_log": None,
-                          "when": time.strftime("%Y-%m-%d %H:%M")}
-                doc["cells"][key] = result
-                save_results(setup.results, doc)
-                f = result["figures"]
-                print(f"  TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 {f['ttft_p99_ms']:.0f} ms, TPOT p50 "
-                      f"{f['tpot_p50_ms']:.1f} ms, {f['requests_per_s']:.3f} req/s, {result['wall_s']:.0f} s", flush=True)
+                result = {"figures": figures(records), "records": records, "wall_s": time.time() - began}
+                keep_cell(setup, doc, result, arm, load, repeat, rate, load_before, None)
         finally:
             server.stop()
             server.kill()
@@ -477,14 +499,9 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
     if "capacity" not in doc:
         raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
     reqs = window(setup)
-    doc["setup"] = {"trace": TRACE.name, "window_start_s": WINDOW_START, "requests": WINDOW,
-                    "length_scale": LENGTH_SCALE, "max_output": MAX_OUTPUT, "server_flags": list(SERVER_FLAGS),
-                    "dp_attention": setup.dp_attention,
-                    "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()}
+    doc["setup"] = setup_info(setup)
     arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
-    for load in args.loads or list(setup.loads):
-        if load not in setup.loads:
-            raise SystemExit(f"--loads {load}: the {setup.name} setup runs {', '.join(setup.loads)}")
+    for load in chosen_loads(setup, args):
         rate = setup.loads[load] * doc["capacity"]["requests_per_s"]
         times = arrival_times(reqs, rate)
         for repeat in range(args.repeats):
@@ -497,15 +514,7 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
                 print(f"{time.strftime('%H:%M:%S')} {setup.name} {key}: {len(reqs)} requests at {rate:.3f}/s", flush=True)
                 load_before = os.getloadavg()[0]
                 result = run_cell(setup, arm, reqs, times, step_log)
-                result.update(loadavg=[load_before, os.getloadavg()[0]], arm=arm.name, who=arm.who, load=load,
-                              share=setup.loads[load], rate=rate, repeat=repeat,
-                              step_log=str(step_log.relative_to(ROOT)) if step_log else None,
-                              when=time.strftime("%Y-%m-%d %H:%M"))
-                doc["cells"][key] = result
-                save_results(setup.results, doc)
-                f = result["figures"]
-                print(f"  TTFT p50 {f['ttft_p50_ms']:.0f} ms p99 {f['ttft_p99_ms']:.0f} ms, TPOT p50 "
-                      f"{f['tpot_p50_ms']:.1f} ms, {f['requests_per_s']:.3f} req/s, {result['wall_s']:.0f} s", flush=True)
+                keep_cell(setup, doc, result, arm, load, repeat, rate, load_before, step_log)
 
 
 def probe_lone(url: str, reqs: list[dict[str, Any]], engine: str = "sglang") -> list[dict[str, Any]]:
