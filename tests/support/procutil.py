@@ -58,3 +58,18 @@ def kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=10)
+
+
+class Waited(BaseException):
+    """Raised by ``NoWait.sleep``: the code under test waited for something it will never remove
+    (BaseException: the exit paths it runs in catch the others)."""
+
+
+class NoWait:
+    """A ``time`` module for code whose waiting is the error under test: its clock runs, its sleep raises."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        raise Waited(seconds)

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from dpboard.board.segment import read_segment_header
 from dpboard.integrations.sglang import leaving
 from tests.support.names import ROOT, new_board_name
 from tests.support.other_user import NOBODY, as_nobody, need_root
-from tests.support.procutil import kill, read_line, wait_until
+from tests.support.procutil import NoWait, kill, read_line, wait_until
 
 MAIN = textwrap.dedent("""
     import os, sys, time
@@ -263,20 +262,6 @@ def test_another_users_board_planted_while_the_creator_lingers_does_not_end_the_
     finally:
         dep.kill()
         remove_foreign(name)
-
-
-class Waited(BaseException):
-    """Raised by the watcher's sleep: it waited for something it will never remove."""
-
-
-class NoWait:
-    """The watcher's clock, whose sleep is an error."""
-
-    monotonic = staticmethod(time.monotonic)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        raise Waited(seconds)
 
 
 def test_another_users_board_is_neither_removed_nor_waited_for(monkeypatch, caplog):

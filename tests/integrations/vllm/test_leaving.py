@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from dpboard.board import SEGMENT_PREFIX, SHM_DIR, Board
@@ -19,7 +18,7 @@ from dpboard.integrations.vllm import leaving
 from tests.support.names import ROOT
 from tests.support.other_user import NOBODY, as_nobody, need_root
 from tests.support.pid_namespace import pid_namespace_prefix
-from tests.support.procutil import kill, read_line, wait_until
+from tests.support.procutil import NoWait, kill, read_line, wait_until
 
 WRITER = """
 import os, sys, time
@@ -93,20 +92,6 @@ board = Board.create(sys.argv[1], n_slots=2)
 print(os.getpid(), flush=True)
 time.sleep(120)
 """
-
-
-class Waited(BaseException):
-    """Raised by the launcher's sleep: it waited for something it will never remove."""
-
-
-class NoWait:
-    """The launcher's clock, whose sleep is an error (BaseException: its exit path catches the others)."""
-
-    monotonic = staticmethod(time.monotonic)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        raise Waited(seconds)
 
 
 def test_another_users_board_under_the_name_is_left_at_once(board_name, monkeypatch, caplog):
