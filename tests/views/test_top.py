@@ -3,6 +3,7 @@ and the live view driven in a real terminal (tmux)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -340,42 +342,26 @@ def test_a_trusted_board_of_another_user_is_watched_read_only(board_name):
     (132, ["RANK", "STATE", "ACTIVE TOK", "AGE", "PUB/S", "PID", "HISTORY (total tokens)"], []),
 ])
 def test_live_view_fits_the_terminal_width(mixed_board, columns, kept, dropped):
-    socket = f"dpboard-test-{os.getpid()}-{columns}"
-    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
-    command = (f"{sys.executable} -m dpboard.cli top {mixed_board.name} --interval 0.2 "
-               f"--stale-after {mixed.STALE_AFTER}; sleep 30")
-    env = {**os.environ, "TERM": "xterm-256color"}
-    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", str(columns), "-y", "30", command],
-                   check=True, timeout=30, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        screen = ""
-        while time.monotonic() < deadline:
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
-                                    timeout=30).stdout
-            if "Ctrl-C to quit" in screen and len(rank_lines(screen)) == 8:
-                break
-            time.sleep(0.3)
-        rows = rank_lines(screen)
-        assert sorted(rows) == list(range(8)), f"not every rank has a row that names it:\n{screen}"
-        assert rows[mixed.STALE_RANK].split()[1] == "stale" and rows[mixed.TORN_RANK].split()[1] == "torn"
-        assert all(rows[r].split()[1] == "live" for r in mixed.LIVE_RANKS)
-        heading = next(line for line in screen.splitlines() if line.lstrip().startswith("RANK"))
-        assert "…" not in heading, heading
-        for title in kept:
-            assert title in heading, (title, heading)
-        for title in dropped:
-            assert title not in heading, (title, heading)
-        assert all(len(line.rstrip()) <= columns for line in screen.splitlines())
-        assert "…" not in "".join(rows.values())  # no cell is cut: a column is there whole or not at all
-        # the header's doctor line (the stale and torn ranks' finding) is wrapped whole, never cut
-        lines = screen.splitlines()
-        start = next(i for i, line in enumerate(lines) if line.startswith("doctor: "))
-        end = next(i for i, line in enumerate(lines) if line.lstrip().startswith("RANK"))
-        doctor = " ".join(line.strip() for line in lines[start:end] if line.strip())
-        assert "…" not in doctor and doctor.endswith("(dpboard doctor for the evidence)"), doctor
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+    screen = _live_screen(mixed_board.name, columns=columns, stale_after=mixed.STALE_AFTER,
+                          ready=lambda screen: "Ctrl-C to quit" in screen and len(rank_lines(screen)) == 8)
+    rows = rank_lines(screen)
+    assert sorted(rows) == list(range(8)), f"not every rank has a row that names it:\n{screen}"
+    assert rows[mixed.STALE_RANK].split()[1] == "stale" and rows[mixed.TORN_RANK].split()[1] == "torn"
+    assert all(rows[r].split()[1] == "live" for r in mixed.LIVE_RANKS)
+    heading = next(line for line in screen.splitlines() if line.lstrip().startswith("RANK"))
+    assert "…" not in heading, heading
+    for title in kept:
+        assert title in heading, (title, heading)
+    for title in dropped:
+        assert title not in heading, (title, heading)
+    assert all(len(line.rstrip()) <= columns for line in screen.splitlines())
+    assert "…" not in "".join(rows.values())  # no cell is cut: a column is there whole or not at all
+    # the header's doctor line (the stale and torn ranks' finding) is wrapped whole, never cut
+    lines = screen.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("doctor: "))
+    end = next(i for i, line in enumerate(lines) if line.lstrip().startswith("RANK"))
+    doctor = " ".join(line.strip() for line in lines[start:end] if line.strip())
+    assert "…" not in doctor and doctor.endswith("(dpboard doctor for the evidence)"), doctor
 
 
 def test_wait_with_once_and_json_waits_for_the_board_then_prints_one_frame(board_name):
@@ -418,7 +404,7 @@ def test_top_shows_the_wave_of_a_real_controller(board_name, tmp_path):
     with two_waves(board_name, tmp_path):
         once = dpboard("top", board_name, "--once", "--stale-after", "60")
         as_json = dpboard("top", board_name, "--json", "--stale-after", "60")
-        screen = _live_screen(board_name, until="waves 2") if shutil.which("tmux") else None
+        screen = _live_screen(board_name, ready=lambda screen: "waves 2" in screen and "Ctrl-C to quit" in screen) if shutil.which("tmux") else None
     assert once.returncode == 0, once.stderr
     found = WAVE_LINE.search(once.stdout)
     assert found, once.stdout
@@ -433,13 +419,14 @@ def test_top_shows_the_wave_of_a_real_controller(board_name, tmp_path):
         assert screen.count(f"board {board_name}") == 1 and sorted(rank_lines(screen)) == [0, 1]
 
 
-def _live_screen(name: str, until: str) -> str:
-    """What `dpboard top NAME` draws in a real terminal (tmux, 150 x 30) once ``until`` is on it."""
-    socket = f"dpboard-test-{os.getpid()}-wave"
+def _live_screen(name: str, *, ready: Callable[[str], bool], columns: int = 150, stale_after: float = 60.0) -> str:
+    """What `dpboard top NAME` draws in a real terminal (tmux, ``columns`` x 30) once ``ready`` says
+    so of the screen, or after 30 s."""
+    socket = f"dpboard-test-{os.getpid()}-{next(_SOCKETS)}"
     tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
-    command = f"{sys.executable} -m dpboard.cli top {name} --interval 0.2 --stale-after 60; sleep 30"
+    command = f"{sys.executable} -m dpboard.cli top {name} --interval 0.2 --stale-after {stale_after}; sleep 30"
     env = {**os.environ, "TERM": "xterm-256color"}
-    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", "150", "-y", "30", command],
+    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", str(columns), "-y", "30", command],
                    check=True, timeout=30, env=env)
     try:
         deadline = time.monotonic() + 30
@@ -447,9 +434,12 @@ def _live_screen(name: str, until: str) -> str:
         while time.monotonic() < deadline:
             screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
                                     timeout=30).stdout
-            if until in screen and "Ctrl-C to quit" in screen:
+            if ready(screen):
                 break
             time.sleep(0.3)
         return screen
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+
+
+_SOCKETS = itertools.count()  # a tmux server of its own per screen
