@@ -1,4 +1,4 @@
-"""The step-log file: a fixed prelude, one JSON header line, then one fixed 64-byte record per step.
+"""The step-log file: a fixed prelude, one JSON header line, then one fixed 72-byte record per step.
 
 A step log is one scheduler's record of its steps (``DPBOARD_STEP_LOG=DIR``: one file per rank and
 process, ``steps-<engine>-<pid>-rank<r>.bin``). Everything is little-endian:
@@ -16,6 +16,10 @@ process, ``steps-<engine>-<pid>-rank<r>.bin``). Everything is little-endian:
 - **records** from offset ``PRELUDE.size + header_len`` to the end: ``RECORD`` each (fields in
   ``RECORD_FIELDS``). A log is never longer than its size cap; steps past it are counted, not written.
 
+Version 2 added ``launch_ns`` (``FIELD_VERSIONS``): version 1's records are the same fields without
+it, 64 bytes. ``record_struct(version)`` and ``record_dtype(version)`` give either layout, both
+derived from ``RECORD_FIELDS``; the reader reads both.
+
 The clock of ``t_start_ns`` is the process's ``time.monotonic_ns()`` (CLOCK_MONOTONIC); the header's
 ``started_monotonic_ns`` and ``started_unix_ns`` were read together, to place steps in wall-clock time.
 
@@ -29,7 +33,7 @@ import struct
 from typing import Any
 
 MAGIC = b"DPBSTEPS"
-VERSION = 1
+VERSION = 2
 FORMAT_NAME = "dpboard-steplog"
 
 # magic, version, record size, header length, flags, then 8 counters; reserved to 128 bytes
@@ -43,6 +47,9 @@ RECORD_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("t_start_ns", "q", "monotonic time the step started (SGLang: run_batch entered; vLLM: schedule() called)"),
     ("duration_ns", "q", "until the step's result was processed (SGLang: process_batch_result returned; "
                          "vLLM: update_from_output returned)"),
+    ("launch_ns", "q", "time from t_start_ns until the batch was launched (SGLang: run_batch returned; on a device "
+                       "that computes in the scheduler's thread, such as a CPU, that is the whole forward); 0 where "
+                       "not recorded (vLLM)"),
     ("step", "q", "the engine's own step number (SGLang's forward_ct; vLLM: the recorder's count of schedule())"),
     ("prefix_tokens", "q", "tokens already in KV for the prefill requests (prefix-cache hits and earlier chunks)"),
     ("decode_ctx_tokens", "q", "context tokens of the decode requests, the token of this step included"),
@@ -55,8 +62,34 @@ RECORD_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("flags", "B", "FLAGS: group_extend, decode_as_extend, overlapped"),
     ("raw_mode", "B", "the engine's own forward mode (SGLang's ForwardMode value; 0 for vLLM)"),
 )
-RECORD = struct.Struct("<" + "".join(code for _, code, _ in RECORD_FIELDS) + "x")
-RECORD_SIZE = RECORD.size  # 64
+# the format version a field first appeared in; a field not named here is in every version
+FIELD_VERSIONS = {"launch_ns": 2}
+RECORD_ALIGN = 8  # records padded to a multiple of 8 bytes: their int64 fields stay aligned in an array
+
+
+def record_fields(version: int = VERSION) -> tuple[tuple[str, str, str], ...]:
+    """``RECORD_FIELDS`` as a log of format ``version`` has them, in their order."""
+    return tuple(f for f in RECORD_FIELDS if FIELD_VERSIONS.get(f[0], 1) <= version)
+
+
+def record_struct(version: int = VERSION) -> struct.Struct:
+    """A record of format ``version``: its fields packed in order, then padding to ``RECORD_ALIGN``."""
+    codes = "<" + "".join(code for _, code, _ in record_fields(version))
+    return struct.Struct(codes + "x" * (-struct.calcsize(codes) % RECORD_ALIGN))
+
+
+def record_offsets(version: int = VERSION) -> dict[str, int]:
+    """Each field's byte offset in a record of format ``version``."""
+    offsets, codes = {}, "<"
+    for name, code, _ in record_fields(version):
+        offsets[name] = struct.calcsize(codes)
+        codes += code
+    return offsets
+
+
+RECORD = record_struct()
+RECORD_SIZE = RECORD.size
+RECORD_SIZES = {version: record_struct(version).size for version in range(1, VERSION + 1)}  # what a reader reads
 
 # the mode of a step: what the rank computed in it
 EXTEND, DECODE, MIXED, IDLE, OTHER = 1, 2, 3, 4, 5
@@ -75,7 +108,7 @@ FILE_SUFFIX = ".bin"
 SETTINGS_KEYS = ("chunked_prefill_size", "max_running_requests", "max_total_tokens", "overlap",
                  "dp_attention", "method")
 
-assert PRELUDE.size == 128 and RECORD_SIZE == 64
+assert PRELUDE.size == 128 and RECORD_SIZE == 72 and RECORD_SIZES == {1: 64, 2: 72}
 
 
 def file_name(engine: str, pid: int, rank: int, attempt: int = 0) -> str:
@@ -101,16 +134,13 @@ def pad_header(text: str) -> bytes:
     return raw + b" " * (size - len(raw) - 1) + b"\n"
 
 
-def record_dtype() -> Any:
-    """The records as a NumPy structured dtype (the same bytes as ``RECORD``)."""
+def record_dtype(version: int = VERSION) -> Any:
+    """The records of format ``version`` as a NumPy structured dtype (the same bytes as ``record_struct``)."""
     import numpy as np
 
-    names, formats, offsets = [], [], []
-    offset = 0
-    for name, code, _ in RECORD_FIELDS:
-        size = struct.calcsize("<" + code)
-        names.append(name)
-        formats.append("<" + {"q": "i8", "i": "i4", "B": "u1"}[code])
-        offsets.append(offset)
-        offset += size
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": RECORD_SIZE})
+    fields = record_fields(version)
+    offsets = record_offsets(version)
+    return np.dtype({"names": [name for name, _, _ in fields],
+                     "formats": ["<" + {"q": "i8", "i": "i4", "B": "u1"}[code] for _, code, _ in fields],
+                     "offsets": [offsets[name] for name, _, _ in fields],
+                     "itemsize": record_struct(version).size})

@@ -2,7 +2,7 @@
 
 ``DPBOARD_STEP_LOG=DIR`` turns the step recorder on: every scheduler writes its steps into a file of
 its own in DIR (an existing directory this process may write). ``DPBOARD_STEP_LOG_MAX_MIB`` caps each
-file (default 64 MiB: about a million steps); past the cap, steps are counted, not written.
+file (default 64 MiB: about 930,000 steps); past the cap, steps are counted, not written.
 
 A bad value is an ``InvalidInputError`` naming the variable and the fix, raised where the engine's
 process reads it at its start (the SGLang scheduler's ``__init__``, vLLM's plugin registration).

@@ -8,7 +8,8 @@ the ring dropped, faults). A directory is read whole: every ``steps-*.bin`` in i
 process, summed together. ``--json`` prints the same as one JSON document.
 
 The step time is ``reader.step_times``: where steps overlap (SGLang's overlap scheduler, vLLM's
-batch queue), each stretch of time counts for one step only.
+batch queue), each stretch of time counts for one step only, and a batch's launch (``launch_ns``; on a
+CPU its whole forward) counts for its own step. Logs of format versions 1 and 2 are read alike.
 """
 
 from __future__ import annotations

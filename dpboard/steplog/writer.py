@@ -48,8 +48,8 @@ MAX_FAULTS = 1000  # after as many faults the adapter stops recording
 _OPEN_ATTEMPTS = 100
 
 _ROW = fmt.RECORD_SIZE
-_FLAGS_AT = struct.calcsize("<" + "".join(code for name, code, _ in fmt.RECORD_FIELDS[:11]))
-_DURATION_AT = 8
+_FLAGS_AT = fmt.record_offsets()["flags"]
+_DURATION_AT = fmt.record_offsets()["duration_ns"]
 
 
 def logged_now(count: int) -> bool:
@@ -110,27 +110,29 @@ class StepLog:
 
     def record(self, t_start_ns: int, duration_ns: int, step: int, prefix_tokens: int, decode_ctx_tokens: int,
                prefill_tokens: int, prefill_reqs: int, decode_reqs: int, decode_tokens: int, batch_size: int,
-               mode: int, flags: int = 0, raw_mode: int = 0) -> None:
-        """A whole step: one row into the ring (or counted in ``dropped_ring`` when it is full)."""
+               mode: int, flags: int = 0, raw_mode: int = 0, launch_ns: int = 0) -> None:
+        """A whole step: one row into the ring (or counted in ``dropped_ring`` when it is full).
+        ``launch_ns``: from its start until the batch was launched (0: not recorded; format.py)."""
         head = self.head
         if head - self.tail >= self.rows:
             self.dropped_ring += 1
             return
-        fmt.RECORD.pack_into(self._ring, (head % self.rows) * _ROW, t_start_ns, duration_ns, step, prefix_tokens,
-                             decode_ctx_tokens, prefill_tokens, prefill_reqs, decode_reqs, decode_tokens,
-                             batch_size, mode, flags, raw_mode)
+        fmt.RECORD.pack_into(self._ring, (head % self.rows) * _ROW, t_start_ns, duration_ns, launch_ns, step,
+                             prefix_tokens, decode_ctx_tokens, prefill_tokens, prefill_reqs, decode_reqs,
+                             decode_tokens, batch_size, mode, flags, raw_mode)
         self.head = head + 1
 
     def begin(self, step: int, t_start_ns: int, prefix_tokens: int, decode_ctx_tokens: int, prefill_tokens: int,
               prefill_reqs: int, decode_reqs: int, decode_tokens: int, batch_size: int, mode: int, flags: int = 0,
-              raw_mode: int = 0) -> None:
-        """The first half of step ``step`` (its numbers, as launched); ``end(step, ...)`` finishes it."""
+              raw_mode: int = 0, launch_ns: int = 0) -> None:
+        """The first half of step ``step`` (its numbers, as launched, and ``launch_ns``: from its start
+        until the batch was launched, 0 where not recorded); ``end(step, ...)`` finishes it."""
         p = step % PENDING
         if self._pending_step[p] >= 0:
             self.unmatched += 1  # a step begun PENDING steps ago never ended: its row is reused
-        fmt.RECORD.pack_into(self._pending, p * _ROW, t_start_ns, -1, step, prefix_tokens, decode_ctx_tokens,
-                             prefill_tokens, prefill_reqs, decode_reqs, decode_tokens, batch_size, mode, flags,
-                             raw_mode)
+        fmt.RECORD.pack_into(self._pending, p * _ROW, t_start_ns, -1, launch_ns, step, prefix_tokens,
+                             decode_ctx_tokens, prefill_tokens, prefill_reqs, decode_reqs, decode_tokens, batch_size,
+                             mode, flags, raw_mode)
         self._pending_step[p] = step
         self._pending_t0[p] = t_start_ns
         if step > self._last_begun:

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -54,15 +55,37 @@ def decode(log: StepLog, step: int, t0: int, reqs: int, ctx: int, duration: int 
     log.record(t0, duration, step, 0, ctx, 0, 0, reqs, reqs, reqs, fmt.DECODE)
 
 
+# version 1's record, written out here rather than derived: what an earlier dpboard wrote
+V1_RECORD = struct.Struct("<qqqqqiiiiiBBBx")
+
+
+def write_log_by_hand(path, version: int, record_size: int, rows: list[tuple], pack=V1_RECORD.pack) -> None:
+    """A closed step log of ``version`` holding ``rows`` (each packed by ``pack``), as its writer would."""
+    header = fmt.pad_header(json.dumps({"format": fmt.FORMAT_NAME, "version": version, "engine": "sglang", "rank": 0,
+                                        "pid": 1, "settings": HEADER["settings"]}))
+    prelude = fmt.PRELUDE.pack(fmt.MAGIC, version, record_size, len(header), fmt.CLOSED, len(rows), 0, 0, 0, 0, 0,
+                               0, 0)
+    path.write_bytes(prelude + header + b"".join(pack(*row) for row in rows))
+
+
 # -- the format ---------------------------------------------------------------------------------------------
 
 
-def test_a_record_is_64_bytes_and_the_numpy_dtype_reads_the_same_bytes():
-    values = (123456789012, 2_000_000, 7, 4096, 70_000, 512, 3, 60, 61, 63, fmt.MIXED, fmt.GROUP_EXTEND, 3)
+def test_a_record_is_72_bytes_and_the_numpy_dtype_reads_the_same_bytes():
+    values = (123456789012, 2_000_000, 1_500_000, 7, 4096, 70_000, 512, 3, 60, 61, 63, fmt.MIXED,
+              fmt.GROUP_EXTEND, 3)
     raw = fmt.RECORD.pack(*values)
-    assert len(raw) == fmt.RECORD_SIZE == 64 and fmt.PRELUDE.size == 128
+    assert len(raw) == fmt.RECORD_SIZE == 72 and fmt.PRELUDE.size == 128 and fmt.VERSION == 2
     row = np.frombuffer(raw, dtype=fmt.record_dtype())[0]
     assert tuple(row[name] for name, _, _ in fmt.RECORD_FIELDS) == values
+    assert fmt.record_offsets()["launch_ns"] == 16  # among the int64s: each stays 8-byte aligned
+
+
+def test_version_1_records_are_the_same_fields_without_launch_ns_in_64_bytes():
+    assert fmt.RECORD_SIZES == {1: 64, 2: 72}
+    assert [name for name, _, _ in fmt.record_fields(1)] == [name for name, _, _ in fmt.RECORD_FIELDS
+                                                             if name != "launch_ns"]
+    assert fmt.record_struct(1).format == V1_RECORD.format and fmt.record_dtype(1).itemsize == 64
 
 
 def test_the_header_line_is_json_padded_to_64_bytes():
@@ -114,6 +137,80 @@ def test_a_step_whose_next_began_before_it_ended_is_flagged_overlapped(tmp_path)
     assert list(r["flags"]) == [fmt.OVERLAPPED, 0]
     assert list(r["duration_ns"]) == [1000, 1900]
     assert list(step_times(r)) == [1000, 1000]  # step 1's time starts where step 0's ended
+
+
+def test_a_version_1_log_is_read_with_launch_ns_0_and_the_same_step_times(tmp_path):
+    # (t_start, duration, step, prefix, ctx, prefill, prefill_reqs, decode_reqs, decode_tokens, batch, mode,
+    # flags, raw): an extend overlapped by a decode, which then runs alone, then a decode after a gap
+    rows = [(10_000, 5_000, 1, 32, 0, 100, 1, 0, 0, 1, fmt.EXTEND, fmt.OVERLAPPED, 1),
+            (12_000, 6_000, 2, 0, 101, 0, 0, 1, 1, 1, fmt.DECODE, 0, 2),
+            (20_000, 1_000, 3, 0, 102, 0, 0, 1, 1, 1, fmt.DECODE, 0, 2)]
+    path = tmp_path / "steps-sglang-1-rank0.bin"
+    write_log_by_hand(path, 1, 64, rows)
+    f = read_step_log(path)
+    assert f.closed and f.partial_bytes == 0 and f.counts["written"] == 3
+    assert f.records.dtype == fmt.record_dtype()
+    names = [name for name, _, _ in fmt.record_fields(1)]
+    assert [tuple(int(r[name]) for name in names) for r in f.records] == rows
+    assert list(f.records["launch_ns"]) == [0, 0, 0]
+    # version 1's rule, by hand: from the later of a step's start and the previous step's end, to its end
+    assert list(step_times(f.records)) == [5_000, 18_000 - 15_000, 1_000]
+    new = new_log(tmp_path)  # a version 2 log beside it: the summary takes both
+    extend(new, 0, 0, 50)
+    new.close()
+    summary = summarize([f, read_step_log(new.path)])
+    assert summary["steps"] == 4 and summary["modes"]["extend"]["steps"] == 2
+
+
+def test_each_step_gets_its_own_forward_where_launching_is_the_forward(tmp_path):
+    """A CPU under SGLang's overlap scheduler: ``run_batch`` returns after the forward, and the next batch
+    is scheduled and launched before a result is processed, so each step's window holds the next one's
+    forward. The windows, and what each step computed, from the timeline built here."""
+    forward, schedule, process = [5_000_000, 3_000_000, 2_000_000], 100_000, 200_000
+    log = new_log(tmp_path)
+    t = 0
+    start, end = [], []
+    for step in range(3):
+        start.append(t)
+        t += forward[step]  # run_batch: the whole forward, before it returns
+        log.begin(step, start[step], 0, 0, 10, 1, 0, 0, 1, fmt.EXTEND, launch_ns=forward[step])
+        if step:
+            t += process  # the previous step's result
+            end.append(t)
+            log.end(step - 1, t)
+        t += schedule  # the next batch (after the last one: the loop's try, which finds none)
+    t += process  # the last result
+    end.append(t)
+    log.end(2, t)
+    log.close()
+    r = read_step_log(log.path).records
+    assert list(r["launch_ns"]) == forward and list(r["t_start_ns"]) == start
+    assert list(r["flags"]) == [fmt.OVERLAPPED, fmt.OVERLAPPED, 0]
+    windows = [end[0] - start[0], end[1] - end[0], end[2] - end[1]]  # version 1's rule
+    no_launch = r.copy()
+    no_launch["launch_ns"] = 0
+    assert list(step_times(no_launch)) == windows
+    assert windows[1] == forward[2] + process + schedule  # the next step's forward, not its own
+    # what each step's own turn of the loop spent: its forward, one scheduling, one result processed
+    own = [forward[step] + schedule + process for step in range(3)]
+    times = step_times(r)
+    assert list(times) == own and times.sum() == sum(windows)
+
+
+def test_a_launch_moves_only_from_an_overlapped_step_and_only_what_lies_in_its_window():
+    r = np.zeros(4, dtype=fmt.record_dtype())
+    # step 0 overlapped by step 1, whose launch runs past step 0's end; step 2 not flagged, though step 3
+    # launched inside its duration (a log whose flag says otherwise: the flag rules)
+    r["t_start_ns"] = [0, 800, 2000, 2500]
+    r["duration_ns"] = [1000, 1200, 1000, 1000]
+    r["launch_ns"] = [100, 500, 100, 300]
+    r["flags"] = [fmt.OVERLAPPED, 0, 0, 0]
+    windows = [1000, 2000 - 1000, 3000 - 2000, 3500 - 3000]
+    moved = 1000 - 800  # step 1's launch from 800 to 1300, inside step 0's window [0, 1000]
+    times = step_times(r)
+    assert list(times) == [windows[0] - moved, windows[1] + moved, windows[2], windows[3]]
+    assert times.sum() == sum(windows) and (times >= 0).all()
+    assert list(step_times(r[:1])) == [1000] and len(step_times(r[:0])) == 0
 
 
 def test_unmatched_ends_and_steps_never_ended_are_counted_not_written(tmp_path):
@@ -347,6 +444,21 @@ def test_what_is_not_a_step_log_is_one_line_and_status_2(tmp_path):
     (tmp_path / "d").mkdir()
     out = dpboard("steps", str(tmp_path / "d"))
     assert out.returncode == 2 and "no step log (steps-*.bin) in" in out.stderr
+
+
+def test_a_later_version_or_a_record_size_its_version_does_not_have_is_refused(tmp_path):
+    later = tmp_path / "steps-sglang-3-rank0.bin"
+    write_log_by_hand(later, 3, 80, [(0,) * 10], pack=struct.Struct("<10q").pack)
+    with pytest.raises(InvalidInputError) as e:
+        read_step_log(later)
+    message = str(e.value)
+    assert str(later) in message and "format version 3 with 80-byte records" in message
+    assert "this dpboard reads versions 1 to 2 (64-byte records in version 1, 72-byte records in version 2)" in message
+    assert "read it with the dpboard that wrote it" in message
+    wrong = tmp_path / "steps-sglang-2-rank0.bin"
+    write_log_by_hand(wrong, 2, 64, [(0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0)])  # version 1's records, marked 2
+    with pytest.raises(InvalidInputError, match="format version 2 with 64-byte records; this dpboard reads"):
+        read_step_log(wrong)
 
 
 def test_the_reader_and_the_summary_import_no_numba_or_cupy(tmp_path):

@@ -10,8 +10,8 @@ scheduler module:
   rank zero of its DP group records (pipeline, attention-TP and attention-CP rank 0: the one that
   holds the rank's load writer), so a DP rank has one log whatever its TP size.
 - ``run_batch`` (AROUND): the step's start (``time.monotonic_ns()`` before SGLang's ``run_batch``),
-  and once it returns, the batch's numbers (below) into a pending row, under SGLang's own step
-  number (``batch.forward_iter``, which ``run_batch`` sets from ``forward_ct``).
+  and once it returns, its launch time and the batch's numbers (below) into a pending row, under
+  SGLang's own step number (``batch.forward_iter``, which ``run_batch`` sets from ``forward_ct``).
 - ``process_batch_result`` (AFTER): the step's end: its duration and its row into the log.
 
 **What a step's duration covers.** With the normal loop (``event_loop_normal``, and the disaggregation
@@ -21,6 +21,13 @@ and the result's processing (the device's sync is in it). With the overlap sched
 scheduled and launched, so its duration runs from its own launch to its result processed, across
 the next launch: consecutive durations overlap, and a step whose next one began before it ended is
 flagged ``overlapped``. ``dpboard steps`` counts each stretch of time once (``reader.step_times``).
+Each step also records ``launch_ns``: from its start until SGLang's ``run_batch`` returned, taken
+before the batch's numbers are read. On a GPU that is the launch alone; on a device that computes
+in the scheduler's thread (a CPU) ``run_batch`` returns after the forward, so it is the step's whole
+forward, and it lies inside the previous step's duration (the next batch is launched before a
+result is processed). ``dpboard steps`` and the simulator's calibration (both through
+``reader.step_times``) move each launch to its own step, so that on such a device every step is
+given its own forward rather than the next one's.
 
 **The batch's numbers** (ScheduleBatch, SGLang 0.5.23), read after ``run_batch`` returned:
 
@@ -97,14 +104,15 @@ def open_with_scheduler(original: Any, scheduler: Any, *args: Any, **kwargs: Any
 
 
 def record_launch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``Scheduler.run_batch``: the step's start and the batch's numbers."""
+    """AROUND ``Scheduler.run_batch``: the step's start, its launch time and the batch's numbers."""
     steps = scheduler.__dict__.get(STATE)
     if steps is None:
         return original(scheduler, batch, *args, **kwargs)
     t0 = _now()
     result = original(scheduler, batch, *args, **kwargs)
+    launch_ns = _now() - t0  # before the batch's numbers are read: the launch alone (a CPU: the forward)
     try:
-        steps.launched(batch, t0)
+        steps.launched(batch, t0, launch_ns)
     except Exception as e:
         steps.fault(scheduler, e, "run_batch")
     return result
@@ -142,8 +150,9 @@ class SGLangSteps:
             known = self._modes[forward_mode] = (_MODE_NAMES.get(name, fmt.OTHER), raw & 0xFF)
         return known
 
-    def launched(self, batch: Any, t0: int) -> None:
-        """The batch's numbers (the module's docstring), into the step's pending row."""
+    def launched(self, batch: Any, t0: int, launch_ns: int = 0) -> None:
+        """The batch's numbers (the module's docstring) and ``launch_ns`` (from ``t0`` until ``run_batch``
+        returned), into the step's pending row."""
         mode, raw = self._mode(batch.forward_mode)
         reqs = batch.reqs
         bs = len(reqs)
@@ -174,7 +183,7 @@ class SGLangSteps:
         elif mode == fmt.OTHER:
             prefill = batch.extend_num_tokens or 0
         self.log.begin(batch.forward_iter, t0, prefix, ctx, prefill, prefill_reqs, decode_reqs, decode_reqs, bs,
-                       mode, flags, raw)
+                       mode, flags, raw, launch_ns)
 
     def fault(self, scheduler: Any, error: BaseException, where: str) -> None:
         if self.log.fault(error, f"SGLang's Scheduler.{where}"):

@@ -13,7 +13,7 @@ header) and wraps its scheduler's ``schedule`` and ``update_from_output`` on tha
 (``step_with_batch_queue``: async scheduling, pipeline parallelism) an output's result is processed
 after the next one is scheduled and launched, so durations overlap and the earlier step is flagged
 ``overlapped`` (``dpboard steps`` counts each stretch of time once). An idle MoE engine's dummy
-batches (``DPEngineCoreProc``) schedule nothing and are not steps here.
+batches (``DPEngineCoreProc``) schedule nothing and are not steps here. ``launch_ns`` is 0: not recorded.
 
 **Its numbers**, from the ``SchedulerOutput`` alone (vLLM 0.32 and 0.33 have the same fields):
 

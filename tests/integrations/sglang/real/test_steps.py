@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from dpboard.steplog import format as fmt
-from dpboard.steplog.reader import read_step_log
+from dpboard.steplog.reader import read_step_log, step_times
 from tests.support.names import ROOT
 from tests.support.sglang import session_version
 
@@ -255,6 +255,12 @@ def rows(records) -> list[tuple]:
                                       "decode_ctx_tokens", "batch_size")) for r in records]
 
 
+def _without_launches(records):
+    out = records.copy()
+    out["launch_ns"] = 0
+    return out
+
+
 def overlapped_in(trace: list) -> dict[int, bool]:
     """From the loop's own order of calls: whether a later batch ran before each one's result was processed."""
     out = {}
@@ -289,6 +295,9 @@ def test_sglangs_own_loops_write_each_step_and_dpboard_steps_reads_them(tmp_path
     assert not (log.records["flags"] & fmt.OVERLAPPED).any()
     durations = log.records["duration_ns"] / 1e9
     assert (durations >= MODEL_S + RESULT_S).all() and (durations < 1.0).all()
+    # run_batch's return, timed: here it computes in the scheduler's thread, as on a CPU (its sleep)
+    launches = log.records["launch_ns"]
+    assert (launches >= MODEL_S * 1e9).all() and (launches <= log.records["duration_ns"]).all()
     assert (log.records["t_start_ns"][1:] > log.records["t_start_ns"][:-1]).all()
     assert "in the step recorder (SGLang's Scheduler.run_batch)" in normal["stderr"]  # logged, with its traceback
     assert normal["stderr"].count("step-log fault #") == 1 and "Traceback" in normal["stderr"]
@@ -300,6 +309,13 @@ def test_sglangs_own_loops_write_each_step_and_dpboard_steps_reads_them(tmp_path
     assert [bool(f & fmt.OVERLAPPED) for f in log.records["flags"]] == [expected[s] for s in range(1, 6)]
     assert any(expected.values()) and not all(expected.values())  # SGLang's loop overlapped some, not all
     assert [int(f) & ~fmt.OVERLAPPED for f in log.records["flags"]] == OVERLAP_FLAGS
+    launches = log.records["launch_ns"]
+    assert (launches >= MODEL_S * 1e9).all() and (launches <= log.records["duration_ns"]).all()
+    # an overlapped step's duration holds the next batch's forward; with each launch moved to its own
+    # step, every step's time holds its own forward, and the steps' sum is the windows' sum
+    times = step_times(log.records)
+    windows = step_times(_without_launches(log.records))
+    assert (times >= MODEL_S * 1e9).all() and times.sum() == windows.sum()
 
     out = subprocess.run([sys.executable, "-m", "dpboard", "steps", str(tmp_path), "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
