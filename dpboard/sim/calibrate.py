@@ -1,17 +1,31 @@
 """A rank profile fitted from a real server's steps: the rank model's own terms, nothing else.
 
 The simulator's rank (``dpboard.sim.model``) prices a prefill step as ``prefill_base +
-prefill_token * tokens`` and a decode step as ``decode_base + decode_request * batch +
-decode_kv_token * kv``; under DP attention a decode batch in a step where another rank extends pays
-``eager_decode`` more (``dpboard.sim.stepping``). ``fit_profile`` fits exactly those terms to the
+prefill_token * tokens + prefill_attention * pairs`` (attention's pairs of a token computed and a
+token of its context; a step log has the batch's prompt tokens, prefix tokens and requests, so a
+step's pairs are taken as its requests' even shares: ``(tokens * prefix + tokens**2 / 2) /
+requests``) and a decode step as ``decode_base + decode_request * batch +
+decode_kv_token * kv``, the one right after a prefill step ``decode_after_prefill`` more (the
+prefilled requests join the running batch); under DP attention a decode batch in a step where
+another rank extends pays ``eager_decode`` more (``dpboard.sim.stepping``). ``fit_profile`` fits exactly those terms to the
 steps of a step log (docs/INTEGRATIONS.md, "Step log"), and the capacities (KV pool, running
 batch limit, chunk) come from the log's header, as the server ran.
 
-Why a robust fit: on a shared CPU both ranks stall together now and then (the HTTP server, the
-detokenizer, the client), and a step's p90 at a fixed batch is several times its p50. Least squares
-would follow the stalls; a least-absolute-deviation fit (iteratively reweighted) follows the typical
-step, which is what the simulator's deterministic step should be. Terms stay >= 0 (the model's
-validation refuses a negative cost): the fit takes the best of the subsets of terms.
+Which average: the simulator's step is deterministic, and a step's time on a real server is not: on
+a shared CPU both ranks stall together now and then (the HTTP server, the detokenizer, the client)
+and a step's p90 at a fixed batch is several times its p50. What a request sees decides which
+average a deterministic step should have. Its first token waits on one prefill step (at a light
+load, TTFT p50 is the median prefill's), its TPOT is the mean of its many decode steps (stalls
+included). So the default fit (``request``) fits prefill steps by least absolute deviations
+(iteratively reweighted: the median step, a few stalled steps of thousands of tokens cannot pull
+it) and decode steps by least squares (the mean step: sums of simulated decode steps are sums of
+recorded ones). ``mean`` and ``median`` fit both kinds alike. Terms stay >= 0 (the model's
+validation refuses a negative cost): each fit takes the best of the subsets of terms.
+
+Where the forward runs in the scheduler's thread (a CPU), SGLang's ``run_batch`` returns only once the
+forward is done; the recorder's launch times say so (``launch_ns`` most of a step's time), and the
+profile gets ``sync_forward = 1``: under the overlap scheduler a step's tokens come out after the
+next step's forward (``dpboard.sim.model``).
 
 The fit is refused, with what is missing, when the log cannot pin the model down: too few steps of a
 kind, or steps of too few shapes (every prefill the same length, every decode batch the same size).
@@ -44,10 +58,17 @@ from dpboard.options import count, number_in
 MIN_STEPS = 30
 MIN_SHAPES = 3
 LOOSE = 0.5  # a term whose standard error is over this share of its value is named as loose
+ZERO_SHARE = 0.05  # ... and its standard error moves a typical step by more than this share
 _IRLS_ROUNDS = 60
 _EPS_S = 1e-6  # a residual below a microsecond weighs as one of a microsecond
 
 EXTEND, DECODE, MIXED, IDLE = "extend", "decode", "mixed", "idle"
+# the fit's average: what a step of a given shape takes in the model
+FITS = {"request": "prefill by its median step (least absolute deviations), decode by its mean step (least squares)",
+        "mean": "least-squares (mean step)", "median": "least-absolute-deviation (median step)"}
+# per fit, the average of (prefill steps, decode steps)
+_AVERAGES = {"request": ("median", "mean"), "mean": ("mean", "mean"), "median": ("median", "median")}
+SYNC_SHARE = 0.5  # launch over more than this share of the median step: the forward ran in the scheduler's thread
 
 
 @dataclass(frozen=True)
@@ -66,11 +87,16 @@ class StepTable:
     decode_ctx_tokens: np.ndarray
     group_extend: np.ndarray
     duration_s: np.ndarray
+    launch_s: np.ndarray | None = None  # time to the batch's launch (run_batch returned); None: not recorded
+    prefix_tokens: np.ndarray | None = None  # prefill steps: tokens already in KV (None: none)
+    prefill_reqs: np.ndarray | None = None  # prefill steps: requests prefilling (None: one each)
+    after_prefill: np.ndarray | None = None  # the step before it (in its log) was a prefill step (None: unknown)
 
     def __post_init__(self) -> None:
         n = len(self.mode)
-        for name in ("prefill_tokens", "decode_reqs", "decode_ctx_tokens", "group_extend", "duration_s"):
-            if len(getattr(self, name)) != n:
+        for name in ("prefill_tokens", "decode_reqs", "decode_ctx_tokens", "group_extend", "duration_s", "launch_s",
+                     "prefix_tokens", "prefill_reqs", "after_prefill"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise InvalidInputError(f"step table: {name} has {len(getattr(self, name))} rows, mode has {n}")
 
 
@@ -90,6 +116,8 @@ class Calibration:
     used: dict[str, int]  # steps each fit stood on
     error: dict[str, tuple[float, float]]  # kind -> (median, p90) absolute % error per step
     loose: list[str] = field(default_factory=list)  # terms the log pins only loosely
+    fit: str = "request"  # FITS: the average each kind of step's time is fitted to
+    sync_forward: bool | None = None  # the forward ran in the scheduler's thread (None: no launch times)
 
     def value(self, key: str) -> float:
         return next(t.value for t in self.terms if t.key == key)
@@ -101,7 +129,7 @@ class Calibration:
         lines = [
             f"# Fitted by `dpboard calibrate` from {source}: {self.used.get(EXTEND, 0)} prefill steps and "
             f"{self.used.get(DECODE, 0)} decode steps",
-            "# (a least-absolute-deviation fit of the rank model's own terms; capacities from the log's header).",
+            f"# (a {FITS[self.fit]} fit of the rank model's own terms; capacities from the log's header).",
             "# Absolute error per step, median / p90: "
             + "; ".join(f"{kind} {med:.1f} % / {p90:.1f} %" for kind, (med, p90) in self.error.items()),
         ]
@@ -117,6 +145,9 @@ class Calibration:
         if self.dp_attention:
             lines.append("dp_attention = 1")
         lines += [f"{t.key} = {_fmt(t.value)}" for t in self.terms]
+        if self.sync_forward:
+            lines.append("# the forward ran in the scheduler's thread (run_batch returned once it was done)")
+            lines.append("sync_forward = 1")
         if frontend_ms is not None:
             if frontend_source:
                 lines.append(f"# frontend_ms: {frontend_source}")
@@ -126,12 +157,16 @@ class Calibration:
     def report(self) -> str:
         """The fit in a few lines for a terminal."""
         out = ["steps: " + ", ".join(f"{k} {v}" for k, v in self.steps.items()) +
-               f" (fitted on {self.used.get(EXTEND, 0)} prefill, {self.used.get(DECODE, 0)} decode)"]
+               f" (fitted on {self.used.get(EXTEND, 0)} prefill, {self.used.get(DECODE, 0)} decode; "
+               f"{FITS[self.fit]})"]
         for t in self.terms:
             err = "" if math.isnan(t.stderr) else f" ± {_fmt(t.stderr)}"
             out.append(f"  {t.key:<20} {_fmt(t.value)}{err}")
         for kind, (med, p90) in self.error.items():
             out.append(f"fit error per {kind} step: median {med:.1f} %, p90 {p90:.1f} %")
+        if self.sync_forward is not None:
+            out.append("the forward ran " + ("in the scheduler's thread (sync_forward = 1)" if self.sync_forward
+                                              else "apart from the scheduler's thread (a device's launch)"))
         out.append("not pinned down by this log: " + (", ".join(self.loose) if self.loose else "none"))
         return "\n".join(out)
 
@@ -177,13 +212,15 @@ class _ModelSteps:
 
     mode: np.ndarray
     tokens: np.ndarray
+    pairs: np.ndarray  # a prefill step's attention pairs, its requests taken as even shares
     reqs: np.ndarray
     ctx: np.ndarray
     duration: np.ndarray
     group_extend: np.ndarray
     pre: np.ndarray  # a prefill step: an extend step with no decode requests in it
     dec_all: np.ndarray  # a decode step, whatever the group did
-    dec: np.ndarray  # a decode step of the model: under DP attention the group's extend steps apart
+    dec: np.ndarray  # a decode step of the model: right after a prefill, or in the group's extend step, apart
+    after: np.ndarray  # a decode step right after the rank's prefill step
 
     @classmethod
     def of(cls, table: StepTable) -> _ModelSteps:
@@ -192,12 +229,18 @@ class _ModelSteps:
         reqs = np.asarray(table.decode_reqs, dtype=np.float64)
         duration = np.asarray(table.duration_s, dtype=np.float64)
         group_extend = np.asarray(table.group_extend, dtype=bool)
+        prefix = np.zeros_like(tokens) if table.prefix_tokens is None else np.asarray(table.prefix_tokens, np.float64)
+        shares = np.ones_like(tokens) if table.prefill_reqs is None else np.maximum(
+            np.asarray(table.prefill_reqs, np.float64), 1.0)
+        pairs = (tokens * prefix + tokens * tokens / 2) / shares
         ok = np.isfinite(duration) & (duration > 0)
         # SGLang runs mixed steps only with --enable-mixed-chunk, which the model does not have
         pre = ok & (mode == EXTEND) & (tokens > 0) & (reqs == 0)
         dec_all = ok & (mode == DECODE) & (reqs > 0)
-        return cls(mode, tokens, reqs, np.asarray(table.decode_ctx_tokens, dtype=np.float64), duration, group_extend,
-                   pre, dec_all, dec_all & ~group_extend)
+        follows = np.zeros(len(mode), bool) if table.after_prefill is None else np.asarray(table.after_prefill, bool)
+        after = dec_all & follows
+        return cls(mode, tokens, pairs, reqs, np.asarray(table.decode_ctx_tokens, dtype=np.float64), duration, group_extend,
+                   pre, dec_all, dec_all & ~group_extend & ~after, after)
 
 
 # batch shapes the recorded and the modelled step times are compared by: decode steps by the requests
@@ -212,9 +255,13 @@ def by_shape(table: StepTable, fit: Calibration) -> list[dict[str, Any]]:
     (decode steps of a DP-attention group's extend steps apart, as the fit takes them)."""
     view = _ModelSteps.of(table)
     tokens, reqs, ctx, duration, pre, dec = view.tokens, view.reqs, view.ctx, view.duration, view.pre, view.dec
-    model_pre = (fit.value("prefill_step_ms") * 1e-3 + fit.value("prefill_token_us") * 1e-6 * tokens)
+    model_pre = (fit.value("prefill_step_ms") * 1e-3 + fit.value("prefill_token_us") * 1e-6 * tokens
+                 + fit.value("prefill_attention_ps") * 1e-12 * view.pairs)
+    after = view.after & ~view.group_extend
+    dec = dec | after
+    after_ms = fit.value("decode_after_prefill_ms") if any(t.key == "decode_after_prefill_ms" for t in fit.terms) else 0.0
     model_dec = (fit.value("decode_step_ms") * 1e-3 + fit.value("decode_request_us") * 1e-6 * reqs
-                 + fit.value("decode_kv_token_ns") * 1e-9 * ctx)
+                 + fit.value("decode_kv_token_ns") * 1e-9 * ctx + after_ms * 1e-3 * after)
     rows = []
     for kind, rows_of, size, shapes, model, unit in ((DECODE, dec, reqs, DECODE_SHAPES, model_dec, "requests"),
                                                     ("prefill", pre, tokens, PREFILL_SHAPES, model_pre, "tokens")):
@@ -232,9 +279,13 @@ def by_shape(table: StepTable, fit: Calibration) -> list[dict[str, Any]]:
     return rows
 
 
-def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: int = MIN_STEPS) -> Calibration:
+def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: int = MIN_STEPS,
+                fit: str = "request") -> Calibration:
     """The rank model's terms fitted to ``table``; ``header`` is the log's settings
-    (``chunked_prefill_size``, ``max_running_requests``, ``max_total_tokens``, ``dp_attention``)."""
+    (``chunked_prefill_size``, ``max_running_requests``, ``max_total_tokens``, ``dp_attention``);
+    ``fit`` the averages (``FITS``: ``request``, ``mean`` or ``median``)."""
+    if fit not in FITS:
+        raise InvalidInputError(f"fit {fit!r} is not one of {', '.join(FITS)}")
     view = _ModelSteps.of(table)
     mode, tokens, reqs, ctx, duration = view.mode, view.tokens, view.reqs, view.ctx, view.duration
     pre, dec, dec_all, group_extend = view.pre, view.dec, view.dec_all, view.group_extend
@@ -244,38 +295,64 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
     _enough("prefill", pre, tokens, "prompt-token counts", "prompts of several lengths", min_steps)
     _enough("decode", dec, reqs, "batch sizes", "a few requests at once, then more", min_steps)
 
-    p_coef, p_err, p_pred = _fit(np.column_stack([np.ones(pre.sum()), tokens[pre]]), duration[pre])
+    p_cols = np.column_stack([np.ones(pre.sum()), tokens[pre], view.pairs[pre]])
+    prefill_average, decode_average = _AVERAGES[fit]
+    p_coef, p_err, p_pred = _fit(p_cols, duration[pre], prefill_average)
     d_cols = np.column_stack([np.ones(dec.sum()), reqs[dec], ctx[dec]])
-    d_coef, d_err, d_pred = _fit(d_cols, duration[dec])
+    d_coef, d_err, d_pred = _fit(d_cols, duration[dec], decode_average)
     terms = [
         Term("prefill_step_ms", p_coef[0] * 1e3, p_err[0] * 1e3),
         Term("prefill_token_us", p_coef[1] * 1e6, p_err[1] * 1e6),
+        Term("prefill_attention_ps", p_coef[2] * 1e12, p_err[2] * 1e12),
         Term("decode_step_ms", d_coef[0] * 1e3, d_err[0] * 1e3),
         Term("decode_request_us", d_coef[1] * 1e6, d_err[1] * 1e6),
         Term("decode_kv_token_ns", d_coef[2] * 1e9, d_err[2] * 1e9),
     ]
     error = {"prefill": _abs_pct(p_pred, duration[pre]), "decode": _abs_pct(d_pred, duration[dec])}
     used = {EXTEND: int(pre.sum()), DECODE: int(dec.sum())}
-    loose = [t.key for t in terms if _is_loose(t)]
+    loose = [t.key for t, is_loose in zip(terms, [*_loose(p_cols, duration[pre], p_coef, p_err),
+                                                   *_loose(d_cols, duration[dec], d_coef, d_err)], strict=True)
+             if is_loose]
     if len(np.unique(ctx[dec])) < MIN_SHAPES:
         loose.append("decode_kv_token_ns")
+    # what a decode step of a kind costs over the fitted decode step: right after the rank's prefill,
+    # and under DP attention in the group's extend step (a decode step of both kinds counts for the first)
+    extras = [("decode_after_prefill_ms", "decode right after a prefill", view.after & ~group_extend, "after prefill")]
     if dp_attention:
-        eager = dec_all & group_extend
-        if eager.sum() >= min_steps:
-            base = np.column_stack([np.ones(eager.sum()), reqs[eager], ctx[eager]]) @ d_coef
-            extra = duration[eager] - base
-            value = max(0.0, float(np.median(extra)))
-            spread = 1.2533 * 1.4826 * float(np.median(np.abs(extra - np.median(extra)))) / math.sqrt(eager.sum())
-            term = Term("eager_decode_ms", value * 1e3, spread * 1e3)
-            terms.append(term)
-            used["eager"] = int(eager.sum())
-            error["decode in an extend step"] = _abs_pct(base + value, duration[eager])
-            if _is_loose(term):
-                loose.append(term.key)
+        extras.append(("eager_decode_ms", "decode in an extend step", dec_all & group_extend & ~view.after, "eager"))
+    typical_decode = float(np.median(duration[dec]))
+    for key, label, rows, used_as in extras:
+        if rows.sum() < min_steps:
+            loose.append(key)
+            continue
+        base = np.column_stack([np.ones(rows.sum()), reqs[rows], ctx[rows]]) @ d_coef
+        extra = duration[rows] - base
+        if decode_average == "mean":
+            value = max(0.0, float(np.mean(extra)))
+            spread = float(np.std(extra)) / math.sqrt(rows.sum())
         else:
-            loose.append("eager_decode_ms")
+            value = max(0.0, float(np.median(extra)))
+            spread = 1.2533 * 1.4826 * float(np.median(np.abs(extra - np.median(extra)))) / math.sqrt(rows.sum())
+        terms.append(Term(key, value * 1e3, spread * 1e3))
+        used[used_as] = int(rows.sum())
+        error[label] = _abs_pct(base + value, duration[rows])
+        if spread > LOOSE * value and spread > ZERO_SHARE * typical_decode:
+            loose.append(key)
     return Calibration(terms=terms, settings=_capacities(header), dp_attention=dp_attention, steps=steps,
-                       used=used, error=error, loose=sorted(set(loose), key=loose.index))
+                       used=used, error=error, loose=sorted(set(loose), key=loose.index), fit=fit,
+                       sync_forward=_sync_forward(table, view))
+
+
+def _sync_forward(table: StepTable, view: _ModelSteps) -> bool | None:
+    """Whether the forward ran in the scheduler's thread: the launch (run_batch) took most of the
+    median step of the model. None when the log has no launch times (an older log, vLLM)."""
+    if table.launch_s is None:
+        return None
+    rows = (view.pre | view.dec_all) & (np.asarray(table.launch_s) > 0)
+    if rows.sum() < MIN_STEPS:
+        return None
+    share = np.asarray(table.launch_s, dtype=np.float64)[rows] / view.duration[rows]
+    return bool(np.median(share) > SYNC_SHARE)
 
 
 def _enough(kind: str, rows: np.ndarray, regressor: np.ndarray, shapes: str, hint: str, min_steps: int) -> None:
@@ -291,9 +368,14 @@ def _enough(kind: str, rows: np.ndarray, regressor: np.ndarray, shapes: str, hin
             f"{MIN_SHAPES}: record traffic that has {hint}")
 
 
-def _is_loose(term: Term) -> bool:
-    return not math.isfinite(term.stderr) or term.stderr > LOOSE * abs(term.value) and term.value != 0 \
-        or term.value == 0 and term.stderr > 0
+def _loose(x: np.ndarray, y: np.ndarray, coef: np.ndarray, err: np.ndarray) -> list[bool]:
+    """Per column, whether the log leaves the term loose: its standard error is over ``LOOSE`` of its
+    value and moves a typical step by more than ``ZERO_SHARE`` (a term the log pins near 0, say a
+    GPU's prefill with no measurable attention term, is pinned, not loose)."""
+    typical_step = float(np.median(y))
+    return [not math.isfinite(err[j]) or (err[j] > LOOSE * coef[j]
+                                          and err[j] * float(np.median(x[:, j])) > ZERO_SHARE * typical_step)
+            for j in range(x.shape[1])]
 
 
 def _abs_pct(pred: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
@@ -301,23 +383,35 @@ def _abs_pct(pred: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
     return float(np.median(pct)), float(np.percentile(pct, 90))
 
 
-def _fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Least absolute deviations with every coefficient >= 0: the best over the subsets of columns
-    whose own fit is non-negative. Returns (coefficients, their standard errors, the fitted values)."""
+def _fit(x: np.ndarray, y: np.ndarray, average: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Least squares (``mean``) or least absolute deviations (``median``) with every coefficient
+    >= 0: the best over the subsets of columns whose own fit is non-negative. Returns (coefficients,
+    their standard errors, the fitted values)."""
     k = x.shape[1]
     best: tuple[float, np.ndarray, np.ndarray] | None = None
     for size in range(k, 0, -1):
         for cols in itertools.combinations(range(k), size):
-            coef, weights = _lad(x[:, cols], y)
+            if average == "mean":
+                coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            else:
+                coef, _ = _lad(x[:, cols], y)
             if (coef < 0).any():
                 continue
-            loss = float(np.abs(x[:, cols] @ coef - y).sum())
-            if best is None or loss < best[0] - 1e-12:
+            resid = x[:, cols] @ coef - y
+            loss = float((resid**2).sum() if average == "mean" else np.abs(resid).sum())
+            if best is None or loss < best[0] * (1 - 1e-9):
                 full = np.zeros(k)
                 full[list(cols)] = coef
-                best = (loss, full, _stderr(x[:, cols], y, coef, weights, cols, k))
+                best = (loss, full, _stderr(x[:, cols], y, coef, cols, k, average))
     assert best is not None  # a one-column fit of positive durations is never negative
     _, coef, err = best
+    left_out = ~np.isfinite(err)
+    if left_out.any():  # a term held at 0: its standard error as the fit with every term has it
+        if average == "mean":
+            whole, *_ = np.linalg.lstsq(x, y, rcond=None)
+        else:
+            whole, _ = _lad(x, y)
+        err[left_out] = _stderr(x, y, whole, tuple(range(k)), k, average)[left_out]
     return coef, err, x @ coef
 
 
@@ -337,12 +431,16 @@ def _lad(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return coef, w
 
 
-def _stderr(x: np.ndarray, y: np.ndarray, coef: np.ndarray, weights: np.ndarray, cols: tuple[int, ...], k: int) -> np.ndarray:
-    """Standard errors of a median regression: the residuals' robust scale (1.4826 MAD) times the
-    median's efficiency factor sqrt(pi/2), through (X'X)^-1; a term left out has none (nan)."""
+def _stderr(x: np.ndarray, y: np.ndarray, coef: np.ndarray, cols: tuple[int, ...], k: int, fit: str) -> np.ndarray:
+    """Standard errors through (X'X)^-1: of least squares, the residuals' standard deviation; of a
+    median regression, their robust scale (1.4826 MAD) times the median's efficiency factor
+    sqrt(pi/2). A term left out has none (nan)."""
     out = np.full(k, math.nan)
     resid = y - x @ coef
-    scale = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) * math.sqrt(math.pi / 2)
+    if fit == "mean":
+        scale = math.sqrt(float((resid**2).sum()) / max(1, len(y) - len(cols)))
+    else:
+        scale = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) * math.sqrt(math.pi / 2)
     try:
         cov = np.linalg.inv(x.T @ x) * scale**2
     except np.linalg.LinAlgError:
@@ -397,9 +495,16 @@ def table_from_logs(logs: list[Any]) -> tuple[StepTable, dict[str, object]]:
             decode_ctx_tokens=rec["decode_ctx_tokens"].astype(np.int64),
             group_extend=(rec["flags"] & fmt.GROUP_EXTEND) != 0,
             duration_s=step_times(rec) / 1e9,
+            launch_s=rec["launch_ns"] / 1e9 if "launch_ns" in (rec.dtype.names or ()) else np.zeros(len(rec)),
+            prefix_tokens=rec["prefix_tokens"].astype(np.int64),
+            prefill_reqs=rec["prefill_reqs"].astype(np.int64),
+            after_prefill=np.concatenate([[False], (rec["mode"][:-1] == fmt.EXTEND) & (rec["prefill_tokens"][:-1] > 0)
+                                          & (rec["decode_reqs"][:-1] == 0)]) if len(rec) else np.zeros(0, bool),
         ))
     table = StepTable(*(np.concatenate([getattr(p, f.name) for p in parts])
                         for f in dataclasses.fields(StepTable)))
+    if not table.launch_s.any():
+        table = dataclasses.replace(table, launch_s=None)  # no launch recorded (an older log, vLLM)
     return table, settings
 
 
@@ -416,6 +521,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend-ms", type=number_in(float, 0.0, 60_000.0, unit="milliseconds"), default=None, metavar="MS",
                    help="the front-end path's time per request, written as the profile's frontend_ms (what a lone "
                         "request's TTFT at the client exceeds the fitted prefill by; docs/TOOLS.md, dpboard calibrate)")
+    p.add_argument("--fit", choices=tuple(FITS), default="request",
+                   help="the average a step's time is fitted to: request (the default: prefill steps by their median, "
+                        "a first token waits on one; decode steps by their mean, a TPOT is the mean of many), mean "
+                        "(least squares for both) or median (least absolute deviations for both)")
     p.add_argument("--min-steps", type=count(MIN_SHAPES, 1_000_000), default=MIN_STEPS,
                    help=f"the fewest prefill and decode steps a fit stands on (default {MIN_STEPS})")
 
@@ -425,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
 
     logs = [read_step_log(p) for path in args.paths for p in step_log_paths(path)]
     table, settings = table_from_logs(logs)
-    fit = fit_profile(table, settings, min_steps=args.min_steps)
+    fit = fit_profile(table, settings, min_steps=args.min_steps, fit=args.fit)
     out = Path(args.output)
     name = args.name or out.stem
     source = ", ".join(str(p) for p in args.paths)

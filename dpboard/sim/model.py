@@ -9,12 +9,17 @@ requests only between steps:
   (``chunked_prefill_size > 0``, SGLang's default) a step computes at most that many prompt tokens:
   the last request admitted may get only part of its prompt and finishes it in the next steps, ahead
   of everything else. With it off, a step takes whole prompts up to ``max_prefill_tokens`` (one
-  request always, however long). A step costs ``prefill_base_s + prefill_s_per_token * tokens``,
-  counting only the tokens computed: those the prefix cache held are not. The step that computes a
+  request always, however long). A step costs ``prefill_base_s + prefill_s_per_token * tokens
+  + prefill_s_per_attention_pair * pairs``, counting only the tokens computed: those the prefix
+  cache held are not. ``pairs`` is attention's work: each prompt token computed attends to its
+  context, so a request computing ``n`` tokens after ``p`` already in KV (cached, or its earlier
+  chunks) adds ``n * p + n * n / 2`` pairs; long prompts and cached prefixes cost more per token. The step that computes a
   request's last prompt token gives its first token: time to first token ends there.
 - Otherwise a decode step gives every running request one token. It takes
   ``decode_base_s + decode_s_per_request * batch + decode_s_per_kv_token * kv_tokens``, where
-  kv_tokens is the KV the batch holds, so decode slows down as sequences grow.
+  kv_tokens is the KV the batch holds, so decode slows down as sequences grow; the decode step
+  right after a prefill step takes ``decode_after_prefill_s`` more (the prefilled requests join
+  the running batch: a fitted term, 0 unless a step log says otherwise).
 - The KV pool (``kv_capacity`` tokens) holds the running requests' private KV and the prefix
   cache's blocks. A request whose prompt has block ids (``SimRequest.block_ids``, one per 512 tokens)
   reuses the leading blocks the cache holds, pins them while it runs, and adds its prompt's blocks to
@@ -32,6 +37,15 @@ requests only between steps:
   k+1 admits sees it in the running batch (``running_batch.filter_batch()`` at scheduler.py 3966
   drops only requests already marked finished). Its slot and KV are usable from step k+2. It does
   not decode again in step k+1 (``_reqs_finishing_inflight``, scheduler.py 4444-4456).
+- Where the forward runs in the scheduler's own thread (``sync_forward``: a CPU, where
+  ``run_batch`` returns only once the forward is done), that same loop processes step k's result
+  only after step k+1's whole forward (scheduler.py 2109 before 2120). So under the overlap
+  scheduler the tokens of step k, a first token included, reach the client at the end of step
+  k+1, or at once when nothing runs next (the loop then processes the last result straight away).
+  On a GPU ``run_batch`` returns at the launch and the result waits only for its own forward.
+  The same order undoes the overlap scheduler's admission fence there: the loop receives
+  (``ingest_requests``) right before it forms the next batch, after ``run_batch`` of the step
+  under way has returned, so a request received during step k joins step k+1, as without overlap.
 
 A running request's finish is kept as the decode-step count at which it ends, so a decode step
 costs O(1) plus O(log n) per request that finishes, not O(batch).
@@ -77,6 +91,8 @@ class RankConfig:
     chunked_prefill_size: int = 0  # prompt tokens per prefill step, a prompt split across steps; 0 = off
     prefill_base_s: float = 0.004
     prefill_s_per_token: float = 40e-6  # 25k prompt tokens per second
+    prefill_s_per_attention_pair: float = 0.0  # per (prompt token computed, context token it attends to)
+    decode_after_prefill_s: float = 0.0  # what the decode step right after a prefill step takes more
     decode_base_s: float = 0.010
     decode_s_per_request: float = 0.0
     decode_s_per_kv_token: float = 60e-9  # +6 ms per step per 100k tokens in the batch
@@ -84,6 +100,9 @@ class RankConfig:
     # remaining output (and of the new request's) free in the KV pool. 0: no room kept (the model
     # retracts when a decode step would overflow instead)
     new_token_ratio: float = 0.0
+    # the forward runs in the scheduler's thread (a CPU): with the overlap scheduler a step's results
+    # come out at the end of the next step's forward
+    sync_forward: bool = False
 
     def validate(self) -> RankConfig:
         if self.kv_capacity < 1 or self.max_running < 1 or self.max_prefill_tokens < 1:
@@ -95,12 +114,16 @@ class RankConfig:
         for name in (
             "prefill_base_s",
             "prefill_s_per_token",
+            "prefill_s_per_attention_pair",
+            "decode_after_prefill_s",
             "decode_base_s",
             "decode_s_per_request",
             "decode_s_per_kv_token",
         ):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"rank {name} must be >= 0 seconds")
+        if self.sync_forward not in (0, 1):
+            raise InvalidInputError(f"sync_forward is 0 or 1, got {self.sync_forward!r}")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise InvalidInputError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
         if self.prefill_base_s + self.prefill_s_per_token <= 0 or self.decode_base_s + self.decode_s_per_request <= 0:
@@ -247,6 +270,14 @@ class RankModel:
         # step k keep their slot and KV through that formation (the running batch SGLang forms from)
         self._late: list[SimRequest] = []
         self._held_late = False  # the step just formed had such requests in its running batch
+        # On a synchronous device the results of a step (first tokens, ends) come out only after the
+        # next step's forward: (request, first token?) of the step under way, stamped at the next
+        # step's end (or when the rank finds nothing to run)
+        self.lagged = overlap and config.sync_forward and role == BOTH
+        # the overlap scheduler forms step k+1 while step k's forward runs on the device, so a request
+        # received meanwhile waits a step more; with the forward in the loop's own thread it does not
+        self.fence = overlap and not config.sync_forward
+        self._results: list[tuple[SimRequest, bool]] = []
         self.step_index = 0  # steps begun (an idle batch in a lockstep group counts)
         self.rank = rank
         self.config = config.validate()
@@ -274,6 +305,8 @@ class RankModel:
         # computed (prefill) or requests (decode), and the KV a decode batch holds.
         self.step_tokens = 0
         self.step_kv_tokens = 0
+        self.step_pairs = 0.0  # a prefill step's attention pairs (the module's docstring)
+        self.after_prefill = False  # the step that ended last was a prefill step
         self.on_first_token: RequestHook | None = None
         self.on_finish: RequestHook | None = None
         # SGLang's windowed prefix-cache hit rate (metrics_reporter.py _CacheHitRateWindow): the
@@ -397,8 +430,8 @@ class RankModel:
 
     def receive(self, req: SimRequest, now_s: float, in_step: bool = False) -> None:
         """A request reaches the rank; ``in_step``: while its (group's) step runs, which with the
-        overlap scheduler delays its admission by one step."""
-        req.admit_step = self.step_index + (2 if in_step and self.overlap else 1)
+        overlap scheduler delays its admission by one step (not with ``sync_forward``)."""
+        req.admit_step = self.step_index + (2 if in_step and self.fence else 1)
         if self.role == PREFILL_ROLE:
             req.prefill_rank = self.rank
         else:
@@ -577,7 +610,7 @@ class RankModel:
             self.state = PREFILL
             self.step_tokens = tokens
             self.step_kv_tokens = 0
-            return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens
+            return cfg.prefill_base_s + cfg.prefill_s_per_token * tokens + cfg.prefill_s_per_attention_pair * self.step_pairs
         if self.running:
             self._make_decode_room()
             self.state = DECODE
@@ -585,7 +618,8 @@ class RankModel:
             batch = len(self.running)
             self.step_tokens = batch
             self.step_kv_tokens = kv
-            return cfg.decode_base_s + cfg.decode_s_per_request * batch + cfg.decode_s_per_kv_token * kv
+            extra = cfg.decode_after_prefill_s if self.after_prefill else 0.0
+            return cfg.decode_base_s + cfg.decode_s_per_request * batch + cfg.decode_s_per_kv_token * kv + extra
         self.state = IDLE
         self.step_tokens = 0
         self.step_kv_tokens = 0
@@ -594,12 +628,32 @@ class RankModel:
     def end_step(self, now_s: float) -> int:
         """Apply the step that just ended; returns how many requests finished in it."""
         done_before = len(self.finished)
+        self.after_prefill = self.state == PREFILL
+        earlier, self._results = self._results, []  # the previous step's, processed after this forward
         if self.state == PREFILL:
             self._end_prefill(now_s)
         elif self.state == DECODE:
             self._end_decode(now_s)
         self.state = IDLE
+        self._give_results(earlier, now_s)
         return len(self.finished) - done_before
+
+    def flush_results(self, now_s: float) -> None:
+        """Nothing runs next: the loop processes the last step's result at once (``sync_forward``)."""
+        if self._results:
+            earlier, self._results = self._results, []
+            self._give_results(earlier, now_s)
+
+    def _give_results(self, results: list[tuple[SimRequest, bool]], now_s: float) -> None:
+        for req, first in results:
+            if first:
+                req.first_token_s = now_s
+                if self.on_first_token is not None:
+                    self.on_first_token(req)
+            else:
+                req.finished_s = now_s
+                if self.on_finish is not None:
+                    self.on_finish(req)
 
     # -- prefill -------------------------------------------------------------------------------
 
@@ -613,9 +667,11 @@ class RankModel:
         tokens = 0
         self._step_hit = 0
         self._unallocated = 0
+        pairs = 0.0
         if self._chunked is not None:
             req = self._chunked
             take = min(req.prefill_left, budget)
+            pairs += take * (req.seqlen - req.prefill_left + take / 2)  # its earlier chunks are its context
             batch.append((req, take))
             tokens = take
             budget -= take
@@ -667,6 +723,7 @@ class RankModel:
                 req.cached_tokens = cached
                 self._step_hit += cached
             take = need if chunk == 0 else min(need, budget)
+            pairs += take * (cached + take / 2)
             batch.append((req, take))
             tokens += take
             budget -= take
@@ -676,6 +733,7 @@ class RankModel:
             self._unallocated = self._chunked.prefill_left - batch[-1][1]
         # SGLang's hit rate leaves out what retracted requests compute again
         self._step_total = self._step_hit + sum(t for r, t in batch if r.retractions == 0)
+        self.step_pairs = pairs
         return tokens
 
     def _end_prefill(self, now_s: float) -> None:
@@ -692,9 +750,12 @@ class RankModel:
             req.generated += 1
             self.private_tokens += 1
             if req.first_token_s < 0:
-                req.first_token_s = now_s
-                if self.on_first_token is not None:
-                    self.on_first_token(req)
+                if self.lagged:
+                    self._results.append((req, True))
+                else:
+                    req.first_token_s = now_s
+                    if self.on_first_token is not None:
+                        self.on_first_token(req)
             if req.generated >= req.output_len:
                 self._finish(req, now_s)
             else:
@@ -794,14 +855,21 @@ class RankModel:
         return private
 
     def _finish(self, req: SimRequest, now_s: float) -> None:
-        req.finished_s = now_s
         # the overlap scheduler frees its slot and KV after forming the next step (a PD decode
         # rank's pre-allocation has its own accounting, not modelled so)
-        self._leave(req, self.finished, late=self.overlap and self.role == BOTH)
+        late = self.overlap and self.role == BOTH
+        if self.lagged:
+            self._results.append((req, False))  # its end is stamped and told when the result comes out
+            self._leave(req, self.finished, late=late, tell=False)
+            return
+        req.finished_s = now_s
+        self._leave(req, self.finished, late=late)
 
-    def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False, late: bool = False) -> None:
+    def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False, late: bool = False,
+               tell: bool = True) -> None:
         """``req`` leaves this rank: its KV freed (``late``: when the next step has been formed),
-        kept in ``into``, the hooks told (its first token too, for a PD prefill rank's hand-off)."""
+        kept in ``into``, the hooks told (its first token too, for a PD prefill rank's hand-off;
+        ``tell`` False: its result comes out later, ``_give_results``)."""
         if late:
             self._late.append(req)
         else:
@@ -809,5 +877,5 @@ class RankModel:
         into.append(req)
         if first_token and self.on_first_token is not None:
             self.on_first_token(req)
-        if self.on_finish is not None:
+        if tell and self.on_finish is not None:
             self.on_finish(req)

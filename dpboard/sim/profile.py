@@ -13,9 +13,16 @@ their units in the name:
 ``max_prefill_tokens``    with chunking off, prompt tokens per step (optional, default 16384)
 ``prefill_step_ms``       fixed cost of a prefill step
 ``prefill_token_us``      cost per prompt token computed
+``prefill_attention_ps``  cost per pair of a prompt token computed and a token of its context it
+                          attends to: ``n * p + n * n / 2`` pairs for ``n`` tokens after ``p``
+                          in KV (optional, default 0)
 ``decode_step_ms``        fixed cost of a decode step
 ``decode_request_us``     decode cost per request in the batch
 ``decode_kv_token_ns``    decode cost per KV token the batch holds
+``decode_after_prefill_ms``  what the decode step right after a prefill step costs more (optional, 0)
+``sync_forward``          1: the forward runs in the scheduler's own thread (a CPU): with the
+                          overlap scheduler a step's tokens come out at the end of the next
+                          step's forward (optional, default 0: a GPU)
 ``dp_attention``          1: the ranks step in lockstep, as DP attention runs them (optional, default 0)
 ``moe_prefill_token_us``  lockstep: the routed-expert part of ``prefill_token_us``, spread over
                           the group (optional, default 0)
@@ -73,9 +80,12 @@ _NUMERIC: dict[str, tuple[str, float, bool]] = {
     "max_prefill_tokens": ("max_prefill_tokens", 1, True),
     "prefill_step_ms": ("prefill_base_s", 1e3, False),
     "prefill_token_us": ("prefill_s_per_token", 1e6, False),
+    "prefill_attention_ps": ("prefill_s_per_attention_pair", 1e12, False),
     "decode_step_ms": ("decode_base_s", 1e3, False),
     "decode_request_us": ("decode_s_per_request", 1e6, False),
     "decode_kv_token_ns": ("decode_s_per_kv_token", 1e9, False),
+    "sync_forward": ("sync_forward", 1, True),
+    "decode_after_prefill_ms": ("decode_after_prefill_s", 1e3, False),
 }
 # key -> (Profile field, divisor to the field's unit, whole number?, default): the run's terms that
 # are not the rank's own.
@@ -96,7 +106,7 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "bootstrap_rtt_ms": ("bootstrap_rtt_s", 1e3, False, 2.0),
 }
 _TEXT = ("name", "description", "source")
-_OPTIONAL = ("max_prefill_tokens", *_RUN)
+_OPTIONAL = ("max_prefill_tokens", "sync_forward", "prefill_attention_ps", "decode_after_prefill_ms", *_RUN)
 
 
 @dataclass(frozen=True)
@@ -207,6 +217,10 @@ def load_profile_file(path: str | Path) -> Profile:
         field: (number(key, unit, whole) if key in values else (default if whole else default / unit))
         for key, (field, unit, whole, default) in _RUN.items()
     }
+    if fields.get("sync_forward", 0) not in (0, 1):
+        raise InvalidInputError(f"profile file {p}, line {lines['sync_forward']}: sync_forward is 0 or 1")
+    if "sync_forward" in fields:
+        fields["sync_forward"] = bool(fields["sync_forward"])
     if run["dp_attention"] not in (0, 1):
         raise InvalidInputError(f"profile file {p}, line {lines['dp_attention']}: dp_attention is 0 or 1")
     if not (run["slo_ttft_s"] > 0 and run["slo_tpot_s"] > 0):

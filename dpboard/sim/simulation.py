@@ -40,6 +40,7 @@ import numpy as np
 from dpboard.errors import InvalidInputError
 from dpboard.sim.methods import VLLM_BOARD, make_policy, parse_method_spec
 from dpboard.sim.model import (
+    DECODE,
     IDLE,
     PREFILL,
     QUEUED_PREFILL_REPORTS,
@@ -426,25 +427,29 @@ class Simulation:
         member's cadence says."""
         group = self.groups[g]
         duration = group.begin(self.now)
+        # Under DP attention every rank runs the group's step: one with nothing of its own runs an idle
+        # batch, and in an extend step a decode batch runs as an extend (convert_decode_to_extend).
+        # SGLang publishes after every batch's result, forced for an extend, every 15th otherwise
+        # (process_batch_result, scheduler.py 5082 in 0.5.23); only a scheduler with no batch at
+        # all goes through its idle loop, which publishes at once (on_idle, 5322)
+        extend_step = group.lockstep is not None and any(rank.state == PREFILL for rank in group.ranks)
         for rank, r in zip(group.ranks, self._members[g], strict=True):
             policy = self._policy_of[r]
             if policy.wants_rank_steps:
                 policy.on_rank_step(rank, self.now)
             pub = self._pub[r]
             cadence = pub.cadence
-            if rank.state == IDLE:
+            if rank.state == IDLE and duration is None:
                 if cadence == "period":
                     continue
-                # SGLang publishes on every idle loop (and a rank in an idle batch loops with its
-                # group); beats keep an idle group's ranks fresh
+                # the idle loop publishes on every turn; beats keep an idle group's ranks fresh
                 self._publish(r)
-                if duration is None:
-                    self._idle_epoch[r] += 1
-                    self._push(self.now + pub.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
+                self._idle_epoch[r] += 1
+                self._push(self.now + pub.idle_publish_s, _IDLE_BEAT, r, self._idle_epoch[r])
             elif cadence == "step":
                 self._publish(r)
             elif cadence == "sglang":
-                if rank.state == PREFILL:
+                if rank.state == PREFILL or (extend_step and rank.state == DECODE):
                     self._publish(r)
                 else:
                     self._decode_since_publish[r] += 1
@@ -568,6 +573,8 @@ class Simulation:
                 )
             self.now = t
             handlers[kind](t, a, b)
+        for rank in self.ranks:  # the last step's results, processed as the loop finds nothing more
+            rank.flush_results(self.now)
         return self._result(time.perf_counter() - wall0)
 
     def _result(self, wall_s: float) -> RunResult:

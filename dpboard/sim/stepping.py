@@ -132,7 +132,9 @@ class RankGroup:
             if duration is None and rank.fenced:
                 duration = rank.reform_unfenced(now_s)
             self.busy = duration is not None
-            if duration is not None:
+            if duration is None:
+                rank.flush_results(now_s)
+            else:
                 self.steps += 1
                 self.rank_steps += 1
                 rank.busy_s += duration
@@ -155,6 +157,9 @@ class RankGroup:
                 self.held_idle_passes += 1
                 duration = self.lockstep.idle_pass_s
         self.busy = duration is not None
+        if duration is None:
+            for rank in self.ranks:
+                rank.flush_results(now_s)
         return duration
 
     def _lockstep_s(self) -> float | None:
@@ -183,10 +188,12 @@ class RankGroup:
         for rank in self.ranks:
             state = rank.state
             if state == PREFILL:
-                own = self._attn_prefill * rank.step_tokens
+                own = self._attn_prefill * rank.step_tokens + cfg.prefill_s_per_attention_pair * rank.step_pairs
                 self.stalled_decodes += len(rank.running)
             elif state == DECODE:
                 own = self._attn_decode * rank.step_tokens + cfg.decode_s_per_kv_token * rank.step_kv_tokens + eager
+                if rank.after_prefill:
+                    own += cfg.decode_after_prefill_s
                 eager_ranks += 1
             else:
                 continue

@@ -5,7 +5,9 @@ A rank's capacity is its throughput at saturation under the rank model (``RankCo
 - **prefill** in full steps: a step computes ``prefill_step_tokens`` prompt tokens (the chunked
   prefill size, or ``max_prefill_tokens`` with chunking off) and costs ``prefill_base_s`` plus that
   many times ``prefill_s_per_token``, so one prompt token costs
-  ``prefill_s_per_token + prefill_base_s / prefill_step_tokens``;
+  ``prefill_s_per_token + prefill_base_s / prefill_step_tokens``, plus attention's
+  ``prefill_s_per_attention_pair`` times the pairs a prompt's token averages (the sum of the
+  prompts' squares over twice their sum; prefix-cache hits not subtracted);
 - **decode** at the largest batch a rank holds for this trace: ``B = min(max_running,
   kv_capacity // s)``, where ``s`` = mean prompt + half the mean output is the KV an average running
   request holds; a decode step of ``B`` such requests takes ``decode_step_s(B, B * s)`` and gives
@@ -64,6 +66,9 @@ def token_costs(rank: RankConfig, prompt_len: np.ndarray, output_len: np.ndarray
     prefill = rank.prefill_s_per_token + rank.prefill_base_s / step
     if prompt_len.size == 0:
         return TokenCosts(prefill, rank.decode_step_s(1, 0.0), 1)
+    if rank.prefill_s_per_attention_pair:
+        lengths = prompt_len.astype(np.float64)
+        prefill += rank.prefill_s_per_attention_pair * float((lengths**2).sum()) / (2 * max(1.0, float(lengths.sum())))
     held = float(prompt_len.mean()) + float(output_len.mean()) / 2
     batch = max(1, min(rank.max_running, int(rank.kv_capacity // max(held, 1.0))))
     decode = rank.decode_step_s(batch, batch * held) / batch

@@ -38,14 +38,14 @@ def simulated_steps(config: RankConfig = TRUE, n_steps: int = 3000, seed: int = 
             now += 0.01
             continue
         if rank.state == PREFILL:
-            rows.append(("extend", rank.step_tokens, 0, 0, took))
+            rows.append(("extend", rank.step_tokens, 0, 0, took, rank.after_prefill))
         else:
             assert rank.state == DECODE
-            rows.append(("decode", 0, rank.step_tokens, rank.step_kv_tokens, took))
+            rows.append(("decode", 0, rank.step_tokens, rank.step_kv_tokens, took, rank.after_prefill))
         now += took
         rank.end_step(now)
-    mode, tokens, reqs, ctx, took = (np.array(col) for col in zip(*rows, strict=True))
-    return StepTable(mode, tokens, reqs, ctx, np.zeros(len(mode), bool), took.astype(float))
+    mode, tokens, reqs, ctx, took, after = (np.array(col) for col in zip(*rows, strict=True))
+    return StepTable(mode, tokens, reqs, ctx, np.zeros(len(mode), bool), took.astype(float), after_prefill=after)
 
 
 def spoiled(table: StepTable, seed: int = 1) -> StepTable:
@@ -65,9 +65,9 @@ def test_the_terms_come_back_from_clean_steps():
     assert fit.error["prefill"][1] < 0.1 and fit.error["decode"][1] < 0.1  # p90 % error
 
 
-def test_stalls_do_not_pull_the_fit():
-    """One step in ten 0.2-0.8 s late: a least-squares fit would add tens of ms to every step."""
-    fit = fit_profile(spoiled(simulated_steps()), HEADER)
+def test_stalls_do_not_pull_the_median_fit():
+    """One step in ten 0.2-0.8 s late: a least-squares fit adds tens of ms to every step."""
+    fit = fit_profile(spoiled(simulated_steps()), HEADER, fit="median")
     assert fit.value("prefill_token_us") == pytest.approx(30.0, rel=0.1)
     assert fit.value("decode_request_us") == pytest.approx(2000.0, rel=0.1)
     assert fit.value("decode_step_ms") == pytest.approx(5.0, abs=1.5)
@@ -78,6 +78,37 @@ def test_stalls_do_not_pull_the_fit():
     x = np.column_stack([np.ones(dec.sum()), table.decode_reqs[dec], table.decode_ctx_tokens[dec]])
     least_squares, *_ = np.linalg.lstsq(x, table.duration_s[dec], rcond=None)
     assert least_squares[0] * 1e3 > 5.0 + 10  # what the robust fit is for
+
+
+def test_the_mean_fit_keeps_the_time_the_steps_took_and_the_default_keeps_it_for_decode():
+    """``mean``: stalled steps' time is spread over the steps of their kind, so a sum of modelled
+    steps (a request's decode, a busy stretch) is the sum of the recorded ones. The default
+    (``request``) does so for decode steps (a TPOT is the mean of many) and takes the median
+    prefill step (a first token waits on one)."""
+    table = spoiled(simulated_steps())
+    mean = fit_profile(table, HEADER, fit="mean")
+    median = fit_profile(table, HEADER, fit="median")
+    default = fit_profile(table, HEADER)
+    assert default.fit == "request" and "decode by its mean step" in default.profile_text("x", "y")
+    for kind, mode in (("prefill", "extend"), ("decode", "decode")):
+        rows = table.mode == mode
+        recorded = float(table.duration_s[rows].sum())
+        assert _modelled(mean, table, rows).sum() == pytest.approx(recorded, rel=1e-6), kind
+        assert _modelled(median, table, rows).sum() < 0.8 * recorded, kind  # the median leaves the stalls out
+    dec, pre = table.mode == "decode", table.mode == "extend"
+    assert _modelled(default, table, dec).sum() == pytest.approx(float(table.duration_s[dec].sum()), rel=1e-6)
+    assert default.value("prefill_token_us") == pytest.approx(median.value("prefill_token_us"))
+    assert _modelled(default, table, pre).sum() < 0.8 * float(table.duration_s[pre].sum())
+    with pytest.raises(InvalidInputError, match="fit 'mode' is not one of request, mean, median"):
+        fit_profile(table, HEADER, fit="mode")
+
+
+def _modelled(fit, table: StepTable, rows: np.ndarray) -> np.ndarray:
+    if (table.mode[rows] == "extend").all():
+        return fit.value("prefill_step_ms") * 1e-3 + fit.value("prefill_token_us") * 1e-6 * table.prefill_tokens[rows]
+    return (fit.value("decode_step_ms") * 1e-3 + fit.value("decode_request_us") * 1e-6 * table.decode_reqs[rows]
+            + fit.value("decode_kv_token_ns") * 1e-9 * table.decode_ctx_tokens[rows]
+            + fit.value("decode_after_prefill_ms") * 1e-3 * table.after_prefill[rows])
 
 
 def test_the_profile_written_runs_in_the_simulator_as_the_original(tmp_path):
@@ -277,6 +308,74 @@ def test_step_times_by_shape_put_the_recorded_beside_the_model():
     for r in rows:
         assert r["model_p50_ms"] == pytest.approx(r["real_p50_ms"], rel=0.02), r
     stalled = spoiled(table, seed=4)
-    for r in by_shape(stalled, fit_profile(stalled, HEADER)):
+    for r in by_shape(stalled, fit_profile(stalled, HEADER, fit="median")):
         if r["steps"] >= 50:
             assert r["real_p90_ms"] > r["model_p90_ms"], r
+
+
+def test_attention_over_the_context_comes_back_from_steps_with_cached_prefixes():
+    """Prefill steps of one request each, n new tokens after p cached: the step takes 4 ms + 30 us a
+    token + 20 ns for each of the n * p + n * n / 2 pairs of a token computed and one it attends to.
+    A fit without the pairs would price every long or cached prompt too low."""
+    rng = np.random.default_rng(5)
+    n_pre = 400
+    new = rng.integers(16, 2000, n_pre).astype(float)
+    cached = rng.choice([0, 512, 1024], n_pre).astype(float)
+    took_pre = 0.004 + 30e-6 * new + 20e-9 * (new * cached + new * new / 2)
+    base = simulated_steps()
+    dec = base.mode == "decode"
+    table = StepTable(
+        mode=np.concatenate([np.full(n_pre, "extend"), base.mode[dec]]),
+        prefill_tokens=np.concatenate([new, np.zeros(dec.sum())]),
+        decode_reqs=np.concatenate([np.zeros(n_pre), base.decode_reqs[dec]]),
+        decode_ctx_tokens=np.concatenate([np.zeros(n_pre), base.decode_ctx_tokens[dec]]),
+        group_extend=np.zeros(n_pre + dec.sum(), bool),
+        duration_s=np.concatenate([took_pre, base.duration_s[dec]]),
+        prefix_tokens=np.concatenate([cached, np.zeros(dec.sum())]),
+        prefill_reqs=np.concatenate([np.ones(n_pre), np.zeros(dec.sum())]),
+    )
+    fit = fit_profile(table, HEADER)
+    assert fit.value("prefill_attention_ps") == pytest.approx(20_000, rel=1e-6)
+    assert fit.value("prefill_token_us") == pytest.approx(30, rel=1e-6)
+    assert fit.value("prefill_step_ms") == pytest.approx(4, rel=1e-6)
+    assert "prefill_attention_ps" not in fit.loose
+    # the simulator's rank prices a chunked prompt's pairs as the whole prompt's: 100 tokens in two
+    # chunks of 50 are 50 * 25 + 50 * (50 + 25) = 100 * 100 / 2 pairs
+    rank = RankModel(0, dataclasses.replace(TRUE, chunked_prefill_size=50, prefill_s_per_attention_pair=20e-9))
+    rank.receive(SimRequest(0, 0.0, 100, 2), 0.0)
+    first = rank.begin_step(0.0)
+    rank.end_step(first)
+    second = rank.begin_step(first)
+    assert first == pytest.approx(0.004 + 50 * 30e-6 + 20e-9 * 50 * 25)
+    assert second == pytest.approx(0.004 + 50 * 30e-6 + 20e-9 * 50 * 75)
+
+
+@pytest.mark.parametrize("launch_share, sync", [(0.9, True), (0.02, False), (None, None)])
+def test_launch_times_say_whether_the_forward_ran_in_the_schedulers_thread(tmp_path, launch_share, sync):
+    """run_batch taking most of every step (a CPU computes in it) gives the profile sync_forward = 1,
+    which the simulator reads; a device's launch, a sliver of the step, gives nothing; a log without
+    launch times says nothing either way."""
+    table = simulated_steps()
+    if launch_share is not None:
+        table = dataclasses.replace(table, launch_s=table.duration_s * launch_share)
+    fit = fit_profile(table, HEADER)
+    assert fit.sync_forward is sync
+    path = tmp_path / "fitted.profile"
+    path.write_text(fit.profile_text("fitted", "a simulated rank"))
+    assert load_profile_file(path).rank.sync_forward is bool(sync)
+    assert ("sync_forward" in fit.report()) is bool(sync)
+
+
+def test_the_decode_step_after_a_prefill_comes_back_as_its_own_term():
+    """A rank whose first decode after each prefill takes 2 ms more: the fit names it, the other decode
+    terms stay the rank's own, and a rank without it gets 0, pinned."""
+    slower = dataclasses.replace(TRUE, decode_after_prefill_s=0.002)
+    fit = fit_profile(simulated_steps(slower), HEADER)
+    assert fit.value("decode_after_prefill_ms") == pytest.approx(2.0, rel=1e-3)
+    assert fit.value("decode_step_ms") == pytest.approx(5.0, rel=1e-3)
+    assert "decode_after_prefill_ms" not in fit.loose
+    plain = fit_profile(simulated_steps(), HEADER)
+    assert plain.value("decode_after_prefill_ms") == pytest.approx(0.0, abs=1e-6)
+    assert "decode_after_prefill_ms" not in plain.loose
+    path_text = fit.profile_text("x", "y")
+    assert "decode_after_prefill_ms = 2" in path_text
