@@ -598,18 +598,32 @@ def path_parts(records: list[dict[str, Any]]) -> dict[str, float]:
 def cmd_frontend(setup: Setup, args: argparse.Namespace) -> None:
     """The window once per load through a server with SGLang's request time stats on
     (``--enable-metrics``): what each request spent outside the schedulers under the study's loads,
-    from the server's own stamps (the front end the simulator adds)."""
+    from the server's own stamps (the front end the simulator adds). Run for the first of dpboard's
+    arms (the profile's figure) and the first of SGLang's own (its dispatch takes its own hop through
+    the DP controller), or for ``--arm`` alone."""
     if setup.engine != "sglang" or setup.profile_of:
         print(f"{setup.name}: no `frontend` (SGLang's own setups only)")
         return
+    main = next(a for a in setup.arms if a.who == "dpboard")
+    if args.arm is not None:
+        chosen = [a for a in setup.arms if a.name == args.arm]
+        if not chosen:
+            raise SystemExit(f"--arm {args.arm}: not one of {', '.join(a.name for a in setup.arms)}")
+    else:
+        chosen = [main, *[a for a in setup.arms if a.who == "sglang"][:1]]
+    for arm in chosen:
+        frontend_run(setup, arm, "frontend_run" if arm is main else f"frontend_run|{arm.name}")
+
+
+def frontend_run(setup: Setup, arm: Arm, into: str) -> None:
+    """One arm's front-end run, kept in the results file under ``into``."""
     doc = load_results(setup.results)
     if "capacity" not in doc:
         raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
-    if "frontend_run" in doc:
-        print(f"{setup.results} holds the front-end run already: remove frontend_run to run it again")
+    if into in doc:
+        print(f"{setup.results} holds the front-end run of {arm.name} already: remove {into} to run it again")
         return
     reqs = window(setup)
-    arm = next(a for a in setup.arms if a.who == "dpboard")
     arm = Arm(arm.name, arm.who, arm.method, (*arm.flags, "--enable-metrics"), arm.delayer)
     server = start_server(setup, arm, None)
     out: dict[str, Any] = {"arm": arm.name, "when": time.strftime("%Y-%m-%d %H:%M")}
@@ -619,11 +633,11 @@ def cmd_frontend(setup: Setup, args: argparse.Namespace) -> None:
             records = asyncio.run(replay(server.url, reqs, arrival_times(reqs, share * doc["capacity"]["requests_per_s"]),
                                          salt=81 + n))
             out[load] = path_parts(records)
-            print(f"{load}: " + ", ".join(f"{k} {v:.1f}" for k, v in out[load].items()), flush=True)
+            print(f"{arm.name} {load}: " + ", ".join(f"{k} {v:.1f}" for k, v in out[load].items()), flush=True)
     finally:
         server.stop()
         server.kill()
-    doc["frontend_run"] = out
+    doc[into] = out
     save_results(setup.results, doc)
 
 
@@ -645,6 +659,11 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
         overlap = bool(doc["fit"]["settings"].get("overlap"))
     else:
         profile, overlap = fit_setup(setup, doc)
+    own_front = own_path_frontend(setup, doc)
+    if own_front is not None:
+        doc["fit"]["frontend_own"] = own_front
+    else:
+        doc["fit"].pop("frontend_own", None)
     reqs = window(setup)
     prompt = np.array([r["prompt"] for r in reqs], dtype=np.int64)
     output = np.array([r["output"] for r in reqs], dtype=np.int64)
@@ -660,7 +679,10 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
         trace = Trace(name=f"{setup.trace} window", n_ranks=2, seed=SEED, arrival_s=times, prompt_len=prompt,
                       output_len=output, is_burst=np.zeros(len(reqs), bool), blocks=blocks)
         for arm in setup.arms:
-            for frontend_s, into in ((profile.frontend_s, "sim"), (0.0, "sim_without_frontend")):
+            front_s = profile.frontend_s
+            if own_front is not None and arm.who == "sglang":  # SGLang's own dispatch: its own hop, measured
+                front_s = max(0.0, front_s + own_front["delta_ms"] / 1e3)
+            for frontend_s, into in ((front_s, "sim"), (0.0, "sim_without_frontend")):
                 config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
                                    lockstep=profile.lockstep if setup.dp_attention else None,
                                    prefill_delayer=arm.delayer, frontend_s=frontend_s,
@@ -726,6 +748,21 @@ def fit_setup(setup: Setup, doc: dict[str, Any]):
                   "lone_over_model_ms": own, "by_shape": by_shape(table, fit),
                   "profile": str(setup.profile.relative_to(ROOT))}
     return profile, overlap
+
+
+def own_path_frontend(setup: Setup, doc: dict[str, Any]) -> dict[str, Any] | None:
+    """SGLang's own dispatch has its own hop through the DP controller: where a front-end run of one
+    of SGLang's arms was made (``frontend --arm``, on this setup's server or the one whose profile it
+    uses), what its path outside the schedulers took at the light load less the profile's arm's."""
+    source = SETUPS[setup.profile_of] if setup.profile_of else setup
+    other = doc if source is setup else load_results(source.results)
+    main = other.get("frontend_run", {}).get("light")
+    for arm in source.arms:
+        run = other.get(f"frontend_run|{arm.name}", {}).get("light")
+        if arm.who == "sglang" and run is not None and main is not None:
+            return {"arm": arm.name, "outside_ms": run["outside_ms"], "main_outside_ms": main["outside_ms"],
+                    "delta_ms": run["outside_ms"] - main["outside_ms"]}
+    return None
 
 
 def load_profile_from_text(text: str):
@@ -835,6 +872,12 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
                     if load in run:
                         out.append(f"| {load} | " + " | ".join(f"{run[load][p + '_ms']:.1f}" for p in parts) + " |")
                 out.append("")
+            own = fit.get("frontend_own")
+            if own:
+                out.append(f"SGLang's own dispatch takes its own hop through the DP controller: measured the same way "
+                           f"with {own['arm']}, its path outside the schedulers took {own['outside_ms']:.1f} ms at the "
+                           f"light load against {own['main_outside_ms']:.1f} ms through dpboard's, so SGLang's methods "
+                           f"are simulated with a front end {own['delta_ms']:+.1f} ms from the profile's.\n")
             out.append("Each TTFT cell below gives the simulator's error with it; `without` is the error of the "
                        "same run without it.")
     for load, share in setup.loads.items():
@@ -942,7 +985,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("capacity")
     sub.add_parser("record")
-    sub.add_parser("frontend")
+    front = sub.add_parser("frontend")
+    front.add_argument("--arm", default=None, help="the one arm whose path is measured (default: the first of dpboard's "
+                                                   "arms, the profile's figure, then the first of SGLang's own)")
     sub.add_parser("sim")
     report = sub.add_parser("report")
     report.add_argument("--check", action="store_true", help="only say whether the page's section is current")
