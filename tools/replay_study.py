@@ -650,16 +650,18 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     from dpboard.sim.trace import BlockTable, Trace
 
     doc = load_results(setup.results)
+    source, source_doc = setup, doc  # the setup whose server this one's profile and front end come from
     if setup.profile_of:  # the same server as that setup: its fit and profile
-        other = load_results(SETUPS[setup.profile_of].results)
-        if "fit" not in other:
-            raise SystemExit(f"no fit in {SETUPS[setup.profile_of].results}: run `--setup {setup.profile_of} sim` first")
-        doc["fit"] = other["fit"]
-        profile = load_profile_file(SETUPS[setup.profile_of].profile)
+        source = SETUPS[setup.profile_of]
+        source_doc = load_results(source.results)
+        if "fit" not in source_doc:
+            raise SystemExit(f"no fit in {source.results}: run `--setup {source.name} sim` first")
+        doc["fit"] = source_doc["fit"]
+        profile = load_profile_file(source.profile)
         overlap = bool(doc["fit"]["settings"].get("overlap"))
     else:
         profile, overlap = fit_setup(setup, doc)
-    own_front = own_path_frontend(setup, doc)
+    own_front = own_path_frontend(source, source_doc)
     if own_front is not None:
         doc["fit"]["frontend_own"] = own_front
     else:
@@ -750,15 +752,13 @@ def fit_setup(setup: Setup, doc: dict[str, Any]):
     return profile, overlap
 
 
-def own_path_frontend(setup: Setup, doc: dict[str, Any]) -> dict[str, Any] | None:
+def own_path_frontend(source: Setup, doc: dict[str, Any]) -> dict[str, Any] | None:
     """SGLang's own dispatch has its own hop through the DP controller: where a front-end run of one
-    of SGLang's arms was made (``frontend --arm``, on this setup's server or the one whose profile it
-    uses), what its path outside the schedulers took at the light load less the profile's arm's."""
-    source = SETUPS[setup.profile_of] if setup.profile_of else setup
-    other = doc if source is setup else load_results(source.results)
-    main = other.get("frontend_run", {}).get("light")
+    of SGLang's arms was made on ``source``'s server (``doc``: its results), what its path outside
+    the schedulers took at the light load less the profile's arm's."""
+    main = doc.get("frontend_run", {}).get("light")
     for arm in source.arms:
-        run = other.get(f"frontend_run|{arm.name}", {}).get("light")
+        run = doc.get(f"frontend_run|{arm.name}", {}).get("light")
         if arm.who == "sglang" and run is not None and main is not None:
             return {"arm": arm.name, "outside_ms": run["outside_ms"], "main_outside_ms": main["outside_ms"],
                     "delta_ms": run["outside_ms"] - main["outside_ms"]}

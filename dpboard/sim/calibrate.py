@@ -119,8 +119,12 @@ class Calibration:
     fit: str = "request"  # FITS: the average each kind of step's time is fitted to
     sync_forward: bool | None = None  # the forward ran in the scheduler's thread (None: no launch times)
 
-    def value(self, key: str) -> float:
-        return next(t.value for t in self.terms if t.key == key)
+    def value(self, key: str, default: float | None = None) -> float:
+        """The fitted term ``key``; ``default`` where the fit has no such term (None: that is an error)."""
+        found = next((t.value for t in self.terms if t.key == key), default)
+        if found is None:
+            raise KeyError(f"the fit has no term {key!r}")
+        return found
 
     def profile_text(self, name: str, source: str, *, frontend_ms: float | None = None,
                      frontend_source: str = "") -> str:
@@ -220,7 +224,8 @@ class _ModelSteps:
     pre: np.ndarray  # a prefill step: an extend step with no decode requests in it
     dec_all: np.ndarray  # a decode step, whatever the group did
     dec: np.ndarray  # a decode step of the model: right after a prefill, or in the group's extend step, apart
-    after: np.ndarray  # a decode step right after the rank's prefill step
+    after: np.ndarray  # a decode step right after the rank's prefill step (not in a group's extend step)
+    eager: np.ndarray  # DP attention: a decode step in the group's extend step (not right after a prefill)
 
     @classmethod
     def of(cls, table: StepTable) -> _ModelSteps:
@@ -234,13 +239,18 @@ class _ModelSteps:
             np.asarray(table.prefill_reqs, np.float64), 1.0)
         pairs = (tokens * prefix + tokens * tokens / 2) / shares
         ok = np.isfinite(duration) & (duration > 0)
-        # SGLang runs mixed steps only with --enable-mixed-chunk, which the model does not have
-        pre = ok & (mode == EXTEND) & (tokens > 0) & (reqs == 0)
+        pre = ok & _prefill_steps(mode == EXTEND, tokens, reqs)
         dec_all = ok & (mode == DECODE) & (reqs > 0)
         follows = np.zeros(len(mode), bool) if table.after_prefill is None else np.asarray(table.after_prefill, bool)
-        after = dec_all & follows
         return cls(mode, tokens, pairs, reqs, np.asarray(table.decode_ctx_tokens, dtype=np.float64), duration, group_extend,
-                   pre, dec_all, dec_all & ~group_extend & ~after, after)
+                   pre, dec_all, dec=dec_all & ~group_extend & ~follows, after=dec_all & ~group_extend & follows,
+                   eager=dec_all & group_extend & ~follows)
+
+
+def _prefill_steps(extend: np.ndarray, tokens: np.ndarray, decode_reqs: np.ndarray) -> np.ndarray:
+    """A prefill step of the model: an extend step with prompt tokens and no decode requests in it
+    (SGLang runs mixed steps only with --enable-mixed-chunk, which the model does not have)."""
+    return extend & (tokens > 0) & (decode_reqs == 0)
 
 
 # batch shapes the recorded and the modelled step times are compared by: decode steps by the requests
@@ -257,11 +267,10 @@ def by_shape(table: StepTable, fit: Calibration) -> list[dict[str, Any]]:
     tokens, reqs, ctx, duration, pre, dec = view.tokens, view.reqs, view.ctx, view.duration, view.pre, view.dec
     model_pre = (fit.value("prefill_step_ms") * 1e-3 + fit.value("prefill_token_us") * 1e-6 * tokens
                  + fit.value("prefill_attention_ps") * 1e-12 * view.pairs)
-    after = view.after & ~view.group_extend
-    dec = dec | after
-    after_ms = fit.value("decode_after_prefill_ms") if any(t.key == "decode_after_prefill_ms" for t in fit.terms) else 0.0
+    dec = dec | view.after
     model_dec = (fit.value("decode_step_ms") * 1e-3 + fit.value("decode_request_us") * 1e-6 * reqs
-                 + fit.value("decode_kv_token_ns") * 1e-9 * ctx + after_ms * 1e-3 * after)
+                 + fit.value("decode_kv_token_ns") * 1e-9 * ctx
+                 + fit.value("decode_after_prefill_ms", 0.0) * 1e-3 * view.after)
     rows = []
     for kind, rows_of, size, shapes, model, unit in ((DECODE, dec, reqs, DECODE_SHAPES, model_dec, "requests"),
                                                     ("prefill", pre, tokens, PREFILL_SHAPES, model_pre, "tokens")):
@@ -288,7 +297,7 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
         raise InvalidInputError(f"fit {fit!r} is not one of {', '.join(FITS)}")
     view = _ModelSteps.of(table)
     mode, tokens, reqs, ctx, duration = view.mode, view.tokens, view.reqs, view.ctx, view.duration
-    pre, dec, dec_all, group_extend = view.pre, view.dec, view.dec_all, view.group_extend
+    pre, dec = view.pre, view.dec
     steps = {kind: int((mode == kind).sum()) for kind in (EXTEND, DECODE, MIXED, IDLE)}
     dp_attention = bool(header.get("dp_attention", False))
 
@@ -317,9 +326,9 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
         loose.append("decode_kv_token_ns")
     # what a decode step of a kind costs over the fitted decode step: right after the rank's prefill,
     # and under DP attention in the group's extend step (a decode step of both kinds counts for the first)
-    extras = [("decode_after_prefill_ms", "decode right after a prefill", view.after & ~group_extend, "after prefill")]
+    extras = [("decode_after_prefill_ms", "decode right after a prefill", view.after, "after prefill")]
     if dp_attention:
-        extras.append(("eager_decode_ms", "decode in an extend step", dec_all & group_extend & ~view.after, "eager"))
+        extras.append(("eager_decode_ms", "decode in an extend step", view.eager, "eager"))
     typical_decode = float(np.median(duration[dec]))
     for key, label, rows, used_as in extras:
         if rows.sum() < min_steps:
@@ -336,7 +345,7 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
         terms.append(Term(key, value * 1e3, spread * 1e3))
         used[used_as] = int(rows.sum())
         error[label] = _abs_pct(base + value, duration[rows])
-        if spread > LOOSE * value and spread > ZERO_SHARE * typical_decode:
+        if _is_loose(value, spread, 1.0, typical_decode):
             loose.append(key)
     return Calibration(terms=terms, settings=_capacities(header), dp_attention=dp_attention, steps=steps,
                        used=used, error=error, loose=sorted(set(loose), key=loose.index), fit=fit,
@@ -373,9 +382,14 @@ def _loose(x: np.ndarray, y: np.ndarray, coef: np.ndarray, err: np.ndarray) -> l
     value and moves a typical step by more than ``ZERO_SHARE`` (a term the log pins near 0, say a
     GPU's prefill with no measurable attention term, is pinned, not loose)."""
     typical_step = float(np.median(y))
-    return [not math.isfinite(err[j]) or (err[j] > LOOSE * coef[j]
-                                          and err[j] * float(np.median(x[:, j])) > ZERO_SHARE * typical_step)
-            for j in range(x.shape[1])]
+    return [_is_loose(coef[j], err[j], float(np.median(x[:, j])), typical_step) for j in range(x.shape[1])]
+
+
+def _is_loose(value: float, stderr: float, regressor: float, typical_step: float) -> bool:
+    """A term of ``value`` and ``stderr`` per unit of its regressor (``regressor``: a typical step's
+    amount of it) is loose when the error is over ``LOOSE`` of the value and moves that step by more
+    than ``ZERO_SHARE``."""
+    return not math.isfinite(stderr) or (stderr > LOOSE * value and stderr * regressor > ZERO_SHARE * typical_step)
 
 
 def _abs_pct(pred: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
@@ -431,13 +445,13 @@ def _lad(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return coef, w
 
 
-def _stderr(x: np.ndarray, y: np.ndarray, coef: np.ndarray, cols: tuple[int, ...], k: int, fit: str) -> np.ndarray:
+def _stderr(x: np.ndarray, y: np.ndarray, coef: np.ndarray, cols: tuple[int, ...], k: int, average: str) -> np.ndarray:
     """Standard errors through (X'X)^-1: of least squares, the residuals' standard deviation; of a
     median regression, their robust scale (1.4826 MAD) times the median's efficiency factor
     sqrt(pi/2). A term left out has none (nan)."""
     out = np.full(k, math.nan)
     resid = y - x @ coef
-    if fit == "mean":
+    if average == "mean":
         scale = math.sqrt(float((resid**2).sum()) / max(1, len(y) - len(cols)))
     else:
         scale = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) * math.sqrt(math.pi / 2)
@@ -495,11 +509,11 @@ def table_from_logs(logs: list[Any]) -> tuple[StepTable, dict[str, object]]:
             decode_ctx_tokens=rec["decode_ctx_tokens"].astype(np.int64),
             group_extend=(rec["flags"] & fmt.GROUP_EXTEND) != 0,
             duration_s=step_times(rec) / 1e9,
-            launch_s=rec["launch_ns"] / 1e9 if "launch_ns" in (rec.dtype.names or ()) else np.zeros(len(rec)),
+            launch_s=rec["launch_ns"] / 1e9,  # 0 where not recorded (the reader gives every version this field)
             prefix_tokens=rec["prefix_tokens"].astype(np.int64),
             prefill_reqs=rec["prefill_reqs"].astype(np.int64),
-            after_prefill=np.concatenate([[False], (rec["mode"][:-1] == fmt.EXTEND) & (rec["prefill_tokens"][:-1] > 0)
-                                          & (rec["decode_reqs"][:-1] == 0)]) if len(rec) else np.zeros(0, bool),
+            after_prefill=np.concatenate([[False], _prefill_steps(rec["mode"] == fmt.EXTEND, rec["prefill_tokens"],
+                                                                  rec["decode_reqs"])])[:-1],
         ))
     table = StepTable(*(np.concatenate([getattr(p, f.name) for p in parts])
                         for f in dataclasses.fields(StepTable)))

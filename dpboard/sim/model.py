@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dpboard.errors import InvalidInputError
@@ -644,7 +644,15 @@ class RankModel:
             earlier, self._results = self._results, []
             self._give_results(earlier, now_s)
 
-    def _give_results(self, results: list[tuple[SimRequest, bool]], now_s: float) -> None:
+    def _result_out(self, req: SimRequest, first: bool, now_s: float) -> None:
+        """``req``'s first token (``first``) or end, computed in the step ending at ``now_s``: out now,
+        or with ``sync_forward`` once the next step's forward has run (``end_step``, ``flush_results``)."""
+        if self.lagged:
+            self._results.append((req, first))
+        else:
+            self._give_results(((req, first),), now_s)
+
+    def _give_results(self, results: Iterable[tuple[SimRequest, bool]], now_s: float) -> None:
         for req, first in results:
             if first:
                 req.first_token_s = now_s
@@ -750,12 +758,7 @@ class RankModel:
             req.generated += 1
             self.private_tokens += 1
             if req.first_token_s < 0:
-                if self.lagged:
-                    self._results.append((req, True))
-                else:
-                    req.first_token_s = now_s
-                    if self.on_first_token is not None:
-                        self.on_first_token(req)
+                self._result_out(req, True, now_s)
             if req.generated >= req.output_len:
                 self._finish(req, now_s)
             else:
@@ -857,19 +860,14 @@ class RankModel:
     def _finish(self, req: SimRequest, now_s: float) -> None:
         # the overlap scheduler frees its slot and KV after forming the next step (a PD decode
         # rank's pre-allocation has its own accounting, not modelled so)
-        late = self.overlap and self.role == BOTH
-        if self.lagged:
-            self._results.append((req, False))  # its end is stamped and told when the result comes out
-            self._leave(req, self.finished, late=late, tell=False)
-            return
-        req.finished_s = now_s
-        self._leave(req, self.finished, late=late)
+        self._leave(req, self.finished, late=self.overlap and self.role == BOTH, tell=False)
+        self._result_out(req, False, now_s)  # its end is stamped and told when the result comes out
 
     def _leave(self, req: SimRequest, into: list[SimRequest], first_token: bool = False, late: bool = False,
                tell: bool = True) -> None:
         """``req`` leaves this rank: its KV freed (``late``: when the next step has been formed),
         kept in ``into``, the hooks told (its first token too, for a PD prefill rank's hand-off;
-        ``tell`` False: its result comes out later, ``_give_results``)."""
+        ``tell`` False: its end is told by ``_result_out``)."""
         if late:
             self._late.append(req)
         else:
