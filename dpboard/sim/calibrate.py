@@ -7,7 +7,9 @@ step's pairs are taken as its requests' even shares: ``(tokens * prefix + tokens
 requests``) and a decode step as ``decode_base + decode_request * batch +
 decode_kv_token * kv``, the one right after a prefill step ``decode_after_prefill`` more (the
 prefilled requests join the running batch); under DP attention a decode batch in a step where
-another rank extends pays ``eager_decode`` more (``dpboard.sim.stepping``). ``fit_profile`` fits exactly those terms to the
+another rank extends is priced as the simulator's lockstep step prices it, from the prefill step's base:
+``prefill_base + decode_request * batch + decode_kv_token * kv + eager_decode`` (``dpboard.sim.stepping``;
+the ranks of a group step together, so a decoding rank's recorded time in such a step is the group's). ``fit_profile`` fits exactly those terms to the
 steps of a step log (docs/INTEGRATIONS.md, "Step log"), and the capacities (KV pool, running
 batch limit, chunk) come from the log's header, as the server ran.
 
@@ -25,7 +27,9 @@ validation refuses a negative cost): each fit takes the best of the subsets of t
 Where the forward runs in the scheduler's thread (a CPU), SGLang's ``run_batch`` returns only once the
 forward is done; the recorder's launch times say so (``launch_ns`` most of a step's time), and the
 profile gets ``sync_forward = 1``: under the overlap scheduler a step's tokens come out after the
-next step's forward (``dpboard.sim.model``).
+next step's forward (``dpboard.sim.model``), ``result_share`` of that step's time from its start (the
+median of the log's steps: each step's result processed, against its successor's start and the start
+of the step after).
 
 The fit is refused, with what is missing, when the log cannot pin the model down: too few steps of a
 kind, or steps of too few shapes (every prefill the same length, every decode batch the same size).
@@ -91,11 +95,14 @@ class StepTable:
     prefix_tokens: np.ndarray | None = None  # prefill steps: tokens already in KV (None: none)
     prefill_reqs: np.ndarray | None = None  # prefill steps: requests prefilling (None: one each)
     after_prefill: np.ndarray | None = None  # the step before it (in its log) was a prefill step (None: unknown)
+    # where in the next step's time (its start to the start of the one after, a share) this step's
+    # result was processed; NaN where the next step was not launched before it (None: not known)
+    result_in_next: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.mode)
         for name in ("prefill_tokens", "decode_reqs", "decode_ctx_tokens", "group_extend", "duration_s", "launch_s",
-                     "prefix_tokens", "prefill_reqs", "after_prefill"):
+                     "prefix_tokens", "prefill_reqs", "after_prefill", "result_in_next"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise InvalidInputError(f"step table: {name} has {len(getattr(self, name))} rows, mode has {n}")
 
@@ -118,6 +125,7 @@ class Calibration:
     loose: list[str] = field(default_factory=list)  # terms the log pins only loosely
     fit: str = "request"  # FITS: the average each kind of step's time is fitted to
     sync_forward: bool | None = None  # the forward ran in the scheduler's thread (None: no launch times)
+    result_share: float | None = None  # with sync_forward: where in the next step a result came out (median)
 
     def value(self, key: str, default: float | None = None) -> float:
         """The fitted term ``key``; ``default`` where the fit has no such term (None: that is an error)."""
@@ -152,6 +160,9 @@ class Calibration:
         if self.sync_forward:
             lines.append("# the forward ran in the scheduler's thread (run_batch returned once it was done)")
             lines.append("sync_forward = 1")
+            if self.result_share is not None:
+                lines.append("# where in the next step's time a step's result was processed (median share, from its start)")
+                lines.append(f"result_share = {self.result_share:.3g}")
         if frontend_ms is not None:
             if frontend_source:
                 lines.append(f"# frontend_ms: {frontend_source}")
@@ -171,6 +182,8 @@ class Calibration:
         if self.sync_forward is not None:
             out.append("the forward ran " + ("in the scheduler's thread (sync_forward = 1)" if self.sync_forward
                                               else "apart from the scheduler's thread (a device's launch)"))
+        if self.sync_forward and self.result_share is not None:
+            out.append(f"a step's result came out {self.result_share:.0%} into the next step (result_share)")
         out.append("not pinned down by this log: " + (", ".join(self.loose) if self.loose else "none"))
         return "\n".join(out)
 
@@ -334,7 +347,11 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
         if rows.sum() < min_steps:
             loose.append(key)
             continue
-        base = np.column_stack([np.ones(rows.sum()), reqs[rows], ctx[rows]]) @ d_coef
+        own = np.column_stack([np.zeros(rows.sum()), reqs[rows], ctx[rows]]) @ d_coef
+        # the simulator's lockstep step starts from the prefill step's base when any rank extends
+        # (dpboard.sim.stepping): eager_decode is priced over that base, not the decode step's
+        step_base = p_coef[0] if used_as == "eager" else d_coef[0]
+        base = step_base + own
         extra = duration[rows] - base
         if decode_average == "mean":
             value = max(0.0, float(np.mean(extra)))
@@ -349,7 +366,8 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
             loose.append(key)
     return Calibration(terms=terms, settings=_capacities(header), dp_attention=dp_attention, steps=steps,
                        used=used, error=error, loose=sorted(set(loose), key=loose.index), fit=fit,
-                       sync_forward=_sync_forward(table, view))
+                       sync_forward=(sync := _sync_forward(table, view)),
+                       result_share=_result_share(table) if sync else None)
 
 
 def _sync_forward(table: StepTable, view: _ModelSteps) -> bool | None:
@@ -362,6 +380,18 @@ def _sync_forward(table: StepTable, view: _ModelSteps) -> bool | None:
         return None
     share = np.asarray(table.launch_s, dtype=np.float64)[rows] / view.duration[rows]
     return bool(np.median(share) > SYNC_SHARE)
+
+
+def _result_share(table: StepTable) -> float | None:
+    """The median share of the next step's time at which a step's result was processed; None where the
+    log cannot say (no step had its successor launched before its result)."""
+    if table.result_in_next is None:
+        return None
+    shares = np.asarray(table.result_in_next, dtype=np.float64)
+    shares = shares[np.isfinite(shares)]
+    if len(shares) < MIN_STEPS:
+        return None
+    return float(np.clip(np.median(shares), 0.01, 1.0))
 
 
 def _enough(kind: str, rows: np.ndarray, regressor: np.ndarray, shapes: str, hint: str, min_steps: int) -> None:
@@ -514,12 +544,32 @@ def table_from_logs(logs: list[Any]) -> tuple[StepTable, dict[str, object]]:
             prefill_reqs=rec["prefill_reqs"].astype(np.int64),
             after_prefill=np.concatenate([[False], _prefill_steps(rec["mode"] == fmt.EXTEND, rec["prefill_tokens"],
                                                                   rec["decode_reqs"])])[:-1],
+            result_in_next=_result_in_next(rec),
         ))
     table = StepTable(*(np.concatenate([getattr(p, f.name) for p in parts])
                         for f in dataclasses.fields(StepTable)))
     if not table.launch_s.any():
         table = dataclasses.replace(table, launch_s=None)  # no launch recorded (an older log, vLLM)
     return table, settings
+
+
+def _result_in_next(rec: np.ndarray) -> np.ndarray:
+    """Per step of a log (in its order): where in the next step's time, as a share from its start to the
+    start of the step after, this step's result was processed; NaN where the next step did not overlap
+    it (``OVERLAPPED`` not set) or the log has no step after the next."""
+    from dpboard.steplog import format as fmt
+
+    start = rec["t_start_ns"].astype(np.float64)
+    end = start + rec["duration_ns"]
+    out = np.full(len(rec), np.nan)
+    if len(rec) < 3:
+        return out
+    span = start[2:] - start[1:-1]
+    overlapped = (rec["flags"][:-2] & fmt.OVERLAPPED) != 0
+    ok = overlapped & (span > 0)
+    share = np.divide(end[:-2] - start[1:-1], span, out=np.full(len(span), np.nan), where=ok)
+    out[:-2] = np.where(ok & (share > 0) & (share <= 1), share, np.nan)
+    return out
 
 
 # -- the command: ``dpboard calibrate`` ------------------------------------------------------------------

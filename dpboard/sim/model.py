@@ -40,8 +40,10 @@ requests only between steps:
 - Where the forward runs in the scheduler's own thread (``sync_forward``: a CPU, where
   ``run_batch`` returns only once the forward is done), that same loop processes step k's result
   only after step k+1's whole forward (scheduler.py 2109 before 2120). So under the overlap
-  scheduler the tokens of step k, a first token included, reach the client at the end of step
-  k+1, or at once when nothing runs next (the loop then processes the last result straight away).
+  scheduler the tokens of step k, a first token included, reach the client once step k+1's forward
+  and their processing are done (``result_share`` of step k+1's time from its start: the rest of
+  the step is the loop's turn that receives and forms step k+2), or at once when nothing runs next
+  (the loop then processes the last result straight away).
   On a GPU ``run_batch`` returns at the launch and the result waits only for its own forward.
   The same order undoes the overlap scheduler's admission fence there: the loop receives
   (``ingest_requests``) right before it forms the next batch, after ``run_batch`` of the step
@@ -103,6 +105,10 @@ class RankConfig:
     # the forward runs in the scheduler's thread (a CPU): with the overlap scheduler a step's results
     # come out at the end of the next step's forward
     sync_forward: bool = False
+    # with sync_forward, where in the next step's time a step's results come out, as a share of that
+    # step from its start: after its forward and the result's processing, before the loop's turn that
+    # receives and forms the step after (1: at the next step's end)
+    result_share: float = 1.0
 
     def validate(self) -> RankConfig:
         if self.kv_capacity < 1 or self.max_running < 1 or self.max_prefill_tokens < 1:
@@ -124,6 +130,8 @@ class RankConfig:
                 raise InvalidInputError(f"rank {name} must be >= 0 seconds")
         if self.sync_forward not in (0, 1):
             raise InvalidInputError(f"sync_forward is 0 or 1, got {self.sync_forward!r}")
+        if not 0.0 < self.result_share <= 1.0:
+            raise InvalidInputError(f"result_share is a share of a step in (0, 1], got {self.result_share!r}")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise InvalidInputError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
         if self.prefill_base_s + self.prefill_s_per_token <= 0 or self.decode_base_s + self.decode_s_per_request <= 0:
@@ -278,6 +286,7 @@ class RankModel:
         # received meanwhile waits a step more; with the forward in the loop's own thread it does not
         self.fence = overlap and not config.sync_forward
         self._results: list[tuple[SimRequest, bool]] = []
+        self._step_start_s = 0.0  # when the step under way began (lagged results come out inside it)
         self.step_index = 0  # steps begun (an idle batch in a lockstep group counts)
         self.rank = rank
         self.config = config.validate()
@@ -585,6 +594,7 @@ class RankModel:
         ``admit`` False (the prefill delayer holds prefill back this pass): no new request is
         admitted; a prompt being chunked goes on."""
         self.step_index += 1
+        self._step_start_s = now_s
         return self._choose_step(now_s, admit)
 
     def _choose_step(self, now_s: float, admit: bool) -> float | None:
@@ -635,7 +645,9 @@ class RankModel:
         elif self.state == DECODE:
             self._end_decode(now_s)
         self.state = IDLE
-        self._give_results(earlier, now_s)
+        if earlier:  # out once this step's forward and their processing are done, before the loop's next turn
+            start = self._step_start_s
+            self._give_results(earlier, start + self.config.result_share * (now_s - start))
         return len(self.finished) - done_before
 
     def flush_results(self, now_s: float) -> None:

@@ -23,6 +23,9 @@ their units in the name:
 ``sync_forward``          1: the forward runs in the scheduler's own thread (a CPU): with the
                           overlap scheduler a step's tokens come out at the end of the next
                           step's forward (optional, default 0: a GPU)
+``result_share``          with ``sync_forward``: where in the next step a step's tokens come out,
+                          as a share of that step's time from its start (after its forward and
+                          their processing; the rest is the loop's turn; optional, default 1)
 ``dp_attention``          1: the ranks step in lockstep, as DP attention runs them (optional, default 0)
 ``moe_prefill_token_us``  lockstep: the routed-expert part of ``prefill_token_us``, spread over
                           the group (optional, default 0)
@@ -85,6 +88,7 @@ _NUMERIC: dict[str, tuple[str, float, bool]] = {
     "decode_request_us": ("decode_s_per_request", 1e6, False),
     "decode_kv_token_ns": ("decode_s_per_kv_token", 1e9, False),
     "sync_forward": ("sync_forward", 1, True),
+    "result_share": ("result_share", 1, False),
     "decode_after_prefill_ms": ("decode_after_prefill_s", 1e3, False),
 }
 # key -> (Profile field, divisor to the field's unit, whole number?, default): the run's terms that
@@ -106,7 +110,8 @@ _RUN: dict[str, tuple[str, float, bool, float]] = {
     "bootstrap_rtt_ms": ("bootstrap_rtt_s", 1e3, False, 2.0),
 }
 _TEXT = ("name", "description", "source")
-_OPTIONAL = ("max_prefill_tokens", "sync_forward", "prefill_attention_ps", "decode_after_prefill_ms", *_RUN)
+_OPTIONAL = ("max_prefill_tokens", "sync_forward", "result_share", "prefill_attention_ps", "decode_after_prefill_ms",
+             *_RUN)
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,9 @@ def load_profile_file(path: str | Path) -> Profile:
         raise InvalidInputError(f"profile file {p}, line {lines['sync_forward']}: sync_forward is 0 or 1")
     if "sync_forward" in fields:
         fields["sync_forward"] = bool(fields["sync_forward"])
+    if not 0 < fields.get("result_share", 1.0) <= 1:
+        raise InvalidInputError(f"profile file {p}, line {lines['result_share']}: result_share is a share of a step, "
+                                f"in (0, 1]")
     if run["dp_attention"] not in (0, 1):
         raise InvalidInputError(f"profile file {p}, line {lines['dp_attention']}: dp_attention is 0 or 1")
     if not (run["slo_ttft_s"] > 0 and run["slo_tpot_s"] > 0):

@@ -151,16 +151,42 @@ def test_a_header_without_the_capacities_is_refused():
 
 
 def test_dp_attention_decodes_in_an_extend_step_give_eager_decode():
-    """Under DP attention a rank's decode in a step where another rank extends costs 3 ms more."""
+    """Under DP attention a rank decoding in a step where another rank extends runs the extend step
+    (prefill's base) with its own decode batch, 3 ms dearer: the fit gives the 3 ms back over that base,
+    and the fitted profile's lockstep step beside a short prefill lasts what the log recorded."""
+    from dpboard.sim.stepping import LockstepCost, RankGroup
+
     table = simulated_steps()
     rng = np.random.default_rng(2)
-    group_extend = (table.mode == "decode") & (rng.random(len(table.mode)) < 0.3)
-    took = table.duration_s + group_extend * 0.003
+    group_extend = (table.mode == "decode") & ~table.after_prefill & (rng.random(len(table.mode)) < 0.3)
+    in_extend = (TRUE.prefill_base_s + TRUE.decode_s_per_request * table.decode_reqs
+                 + TRUE.decode_s_per_kv_token * table.decode_ctx_tokens + 0.003)
+    took = np.where(group_extend, in_extend, table.duration_s)
     fit = fit_profile(dataclasses.replace(table, group_extend=group_extend, duration_s=took),
                       {**HEADER, "dp_attention": True})
     assert fit.value("eager_decode_ms") == pytest.approx(3.0, rel=0.02)
     assert fit.value("decode_step_ms") == pytest.approx(5.0, rel=1e-2)
     assert "dp_attention = 1" in fit.profile_text("x", "y")
+
+    config = dataclasses.replace(TRUE, prefill_base_s=fit.value("prefill_step_ms") * 1e-3,
+                                 prefill_s_per_token=fit.value("prefill_token_us") * 1e-6,
+                                 decode_base_s=fit.value("decode_step_ms") * 1e-3,
+                                 decode_s_per_request=fit.value("decode_request_us") * 1e-6,
+                                 decode_s_per_kv_token=fit.value("decode_kv_token_ns") * 1e-9).validate()
+    decoding, prefilling = RankModel(0, config), RankModel(1, config)
+    group = RankGroup(0, [decoding, prefilling], LockstepCost(eager_decode_s=fit.value("eager_decode_ms") * 1e-3))
+    for i in range(4):
+        decoding.receive(SimRequest(i, 0.0, 10, 50), 0.0)
+    now = 0.0
+    for _ in range(3):  # the four prompts prefilled, then decoding
+        now += group.begin(now)
+        group.end(now)
+    prefilling.receive(SimRequest(9, now, 20, 5), now)
+    took_s = group.begin(now)
+    assert decoding.state == DECODE and prefilling.state == PREFILL
+    recorded = (TRUE.prefill_base_s + TRUE.decode_s_per_request * 4 + TRUE.decode_s_per_kv_token * decoding.step_kv_tokens
+                + 0.003)
+    assert took_s == pytest.approx(recorded, rel=0.02)
 
 
 def write_step_log(directory, table: StepTable, rank: int, settings: dict) -> None:
@@ -379,3 +405,36 @@ def test_the_decode_step_after_a_prefill_comes_back_as_its_own_term():
     assert "decode_after_prefill_ms" not in plain.loose
     path_text = fit.profile_text("x", "y")
     assert "decode_after_prefill_ms = 2" in path_text
+
+
+def test_where_a_result_comes_out_in_the_next_step_is_read_from_the_log(tmp_path):
+    """CPU-like overlapped steps through the recorder's writer: a step every 10 ms, its forward (run_batch)
+    7.5 ms of it, and each step's result processed 8 ms into the next step (SGLang's overlap loop on a
+    CPU: launch k+1, which computes, then process k, then the loop's turn). The fit says the forward ran
+    in the scheduler's thread and that results come out 0.8 into the next step; the profile carries it."""
+    from dpboard.sim.calibrate import table_from_logs
+    from dpboard.steplog import format as fmt
+    from dpboard.steplog.reader import read_step_log, step_log_paths
+    from dpboard.steplog.writer import StepLog
+
+    rng = np.random.default_rng(5)
+    log = StepLog(tmp_path, engine="sglang", rank=0, header={"settings": HEADER}, max_bytes=1 << 24, at_exit=False)
+    span = 10_000_000
+    for i in range(400):
+        prefill = i % 5 == 0
+        tokens, reqs = (int(rng.integers(50, 900)), 0) if prefill else (0, int(rng.integers(1, 12)))
+        log.record(i * span, span + 8_000_000, i, 0, reqs * 300, tokens, int(prefill), reqs, reqs, max(1, reqs),
+                   fmt.EXTEND if prefill else fmt.DECODE, fmt.OVERLAPPED, launch_ns=7_500_000)
+    log.close()
+    table, settings = table_from_logs([read_step_log(p) for p in step_log_paths(tmp_path)])
+    assert np.isnan(table.result_in_next[-2:]).all()
+    assert table.result_in_next[:-2] == pytest.approx(0.8)
+    fit = fit_profile(table, settings)
+    assert fit.sync_forward is True and fit.result_share == pytest.approx(0.8)
+    assert "80% into the next step" in fit.report()
+    path = tmp_path / "cpu.profile"
+    path.write_text(fit.profile_text("cpu", "a CPU-like log"))
+    assert load_profile_file(path).rank.result_share == pytest.approx(0.8)
+    # steps that did not overlap say nothing of it
+    plain = dataclasses.replace(table, result_in_next=np.full(len(table.mode), np.nan))
+    assert fit_profile(plain, settings).result_share is None

@@ -104,3 +104,37 @@ def test_a_request_received_during_a_step_joins_the_next_one_when_the_forward_is
     config = SimConfig(n_ranks=1, rank=SYNC if sync else RANK, send_delay_s=0.0, overlap_schedule=True)
     a, b = Simulation(trace, "round_robin", config).run().requests
     assert b.admitted_s == pytest.approx(0.020 if sync else 0.031)
+
+
+def test_a_result_comes_out_at_its_share_of_the_next_step():
+    # The lone request of the first test with result_share 0.8: the first token, computed by the
+    # prefill at 20 ms, is processed 0.8 into the decode step that follows (11 ms): at 28.8 ms. The
+    # last step's result comes out at once (nothing runs next): 42 ms as before. The end of a request
+    # behind another's step: A (2 out) ends in step 2 (30 to 42), processed 0.8 into step 3 (11 ms).
+    rank = dataclasses.replace(SYNC, result_share=0.8)
+    trace = hand_trace([0.0], [100], [3])
+    (req,) = Simulation(trace, "round_robin", SimConfig(n_ranks=1, rank=rank, send_delay_s=0.0,
+                                                        overlap_schedule=True)).run().requests
+    assert req.first_token_s == pytest.approx(0.0288)
+    assert req.finished_s == pytest.approx(0.042)
+    model = RankModel(0, rank, overlap=True)
+    a, b = SimRequest(0, 0.0, 100, 2), SimRequest(1, 0.0, 100, 5)
+    for r in (a, b):
+        model.receive(r, 0.0)
+    _step_until_idle(model)
+    assert a.first_token_s == pytest.approx(0.030 + 0.8 * 0.012)
+    assert a.finished_s == pytest.approx(0.042 + 0.8 * 0.011)
+
+
+def test_the_result_share_key_and_its_refusal(tmp_path):
+    path = tmp_path / "cpu.profile"
+    path.write_text(GOOD + "sync_forward = 1\nresult_share = 0.81\n")
+    assert load_profile_file(path).rank.result_share == pytest.approx(0.81)
+    path.write_text(GOOD + "sync_forward = 1\n")
+    assert load_profile_file(path).rank.result_share == 1.0
+    for bad in ("0", "1.5"):
+        path.write_text(GOOD + f"sync_forward = 1\nresult_share = {bad}\n")
+        with pytest.raises(InvalidInputError, match=r"result_share is a share of a step, in \(0, 1\]"):
+            load_profile_file(path)
+    with pytest.raises(InvalidInputError, match="result_share"):
+        RankConfig(result_share=0.0).validate()
