@@ -113,6 +113,9 @@ class Setup:
     trace: str = "azure"  # or "mooncake"
     profile_of: str | None = None  # run the simulator with that setup's fitted profile (the same server)
     frontend_of: str | None = None  # take that setup's front end (the same path outside the schedulers)
+    # the recording also sends these setups' windows at their light load (setups that take this one's
+    # profile: their prompts' lengths and contexts must be among the steps the profile is fitted on)
+    record_also: tuple[str, ...] = ()
 
     @property
     def step_logs(self) -> Path:
@@ -139,7 +142,8 @@ SETUPS = {s.name: s for s in (
         Arm("inflight_ttft", "dpboard", "inflight_ttft"),
         Arm("inflight_backlog", "dpboard", "inflight_backlog"),
     ), {"light": 0.275, "heavy": 0.6, "heavier": 0.85}, ROOT / "docs" / "replay" / "results.json",
-        ROOT / "docs" / "replay" / "cpu.profile", ROOT / "docs" / "replay" / "sim-vs-real.png"),
+        ROOT / "docs" / "replay" / "cpu.profile", ROOT / "docs" / "replay" / "sim-vs-real.png",
+        record_also=("mooncake",)),
     # DP attention (--enable-dp-attention --tp-size 2, the tiny model as a Qwen3): the ranks step in
     # lockstep. SGLang's default method is round_robin; its prefill delayer holds a rank's prefill
     # until the group prefills together.
@@ -316,6 +320,24 @@ async def replay(url: str, reqs: list[dict[str, Any]], times: list[float], first
                                       for i, (r, at) in enumerate(zip(reqs, times, strict=True))))
 
 
+def idle_split(arrival: np.ndarray, end: np.ndarray, ttft: np.ndarray) -> dict[str, Any]:
+    """The requests that arrived to an idle server (every earlier arrival had ended) apart from the
+    rest: how many, and the TTFT p50 of each part (ms; None for an empty part)."""
+    order = np.argsort(arrival, kind="stable")
+    arrival, end, ttft = arrival[order], end[order], ttft[order]
+    ended_before = np.concatenate([[-np.inf], np.maximum.accumulate(end)[:-1]])
+    idle = ended_before <= arrival
+    return {"idle": int(idle.sum()),
+            "idle_ttft_p50_ms": float(np.median(ttft[idle])) * 1e3 if idle.any() else None,
+            "busy_ttft_p50_ms": float(np.median(ttft[~idle])) * 1e3 if (~idle).any() else None}
+
+
+def record_idle_split(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``idle_split`` of a real run's records (the client's clock: sent at arrival + late, ended e2e later)."""
+    arrival = np.array([r["arrival"] + r["late_ms"] / 1e3 for r in records])
+    return idle_split(arrival, arrival + np.array([r["e2e"] for r in records]), np.array([r["ttft"] for r in records]))
+
+
 def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     """TTFT and TPOT percentiles, throughput and the ranks' shares of one run."""
     ttft = np.array([r["ttft"] for r in records])
@@ -458,6 +480,8 @@ def run_vllm(setup: Setup, args: argparse.Namespace) -> None:
     doc["setup"] = setup_info(setup)
     loads = chosen_loads(setup, args)
     arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
+    if args.again:
+        set_aside(setup, doc, [f"{a.name}|{load}|{r}" for a in arms for load in loads for r in range(args.repeats)])
     for arm in arms:
         todo = [(load, repeat) for load in loads for repeat in range(args.repeats)
                 if f"{arm.name}|{load}|{repeat}" not in doc["cells"]]
@@ -501,6 +525,9 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
     reqs = window(setup)
     doc["setup"] = setup_info(setup)
     arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
+    if args.again:
+        set_aside(setup, doc, [f"{a.name}|{load}|{r}" for load in chosen_loads(setup, args) for a in arms
+                               for r in range(args.repeats)])
     for load in chosen_loads(setup, args):
         rate = setup.loads[load] * doc["capacity"]["requests_per_s"]
         times = arrival_times(reqs, rate)
@@ -515,6 +542,21 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
                 load_before = os.getloadavg()[0]
                 result = run_cell(setup, arm, reqs, times, step_log)
                 keep_cell(setup, doc, result, arm, load, repeat, rate, load_before, step_log)
+
+
+def set_aside(setup: Setup, doc: dict[str, Any], keys: list[str]) -> None:
+    """Cells run again (``run --again``): the earlier ones' figures, when and under what load they
+    ran, kept under ``earlier`` in the results file (their records are dropped), so that a rerun
+    replaces a cell without losing what it had measured."""
+    earlier = doc.setdefault("earlier", {})
+    moved = 0
+    for key in keys:
+        cell = doc["cells"].pop(key, None)
+        if cell is not None:
+            earlier.setdefault(key, []).append({k: cell[k] for k in ("figures", "when", "loadavg", "wall_s") if k in cell})
+            moved += 1
+    save_results(setup.results, doc)
+    print(f"{moved} earlier cells set aside under `earlier` in {setup.results}", flush=True)
 
 
 def probe_lone(url: str, reqs: list[dict[str, Any]], engine: str = "sglang") -> list[dict[str, Any]]:
@@ -542,8 +584,11 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
     if "capacity" not in doc:
         raise SystemExit(f"no capacity in {setup.results}: run `{Path(__file__).name} --setup {setup.name} capacity` first")
     logs = setup.record_logs
+    if args.again and "record" in doc:  # the earlier recording's account kept, its logs replaced
+        doc.setdefault("earlier", {}).setdefault("record", []).append(doc.pop("record"))
+        save_results(setup.results, doc)
     if logs.exists() and any(logs.iterdir()) and "probe" in doc.get("record", {}):
-        print(f"{logs} holds step logs already and {setup.results} the probe: remove both to record again")
+        print(f"{logs} holds step logs already and {setup.results} the probe: remove both, or record --again")
         return
     shutil.rmtree(logs, ignore_errors=True)
     reqs = window(setup)
@@ -558,6 +603,16 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
                                engine=engine, salt=91 + n))
             print(f"recorded the window at {load} load", flush=True)
         asyncio.run(replay(server.url, reqs, [0.0] * len(reqs), engine=engine, salt=89))
+        for n, name in enumerate(setup.record_also):
+            other = SETUPS[name]
+            capacity = load_results(other.results).get("capacity")
+            if capacity is None:
+                raise SystemExit(f"no capacity in {other.results}: run `--setup {name} capacity` before recording "
+                                 f"{setup.name}, whose recording sends {name}'s window too")
+            more = window(other)
+            asyncio.run(replay(server.url, more, arrival_times(more, other.loads["light"] * capacity["requests_per_s"]),
+                               engine=engine, salt=85 + n))
+            print(f"recorded {name}'s window at its light load", flush=True)
         time.sleep(2.0)  # idle: the schedulers asleep, as between a light load's arrivals
         probe = probe_lone(server.url, reqs, engine)
         print(f"probed {len(probe)} lone requests: TTFT median {statistics.median(p['ttft'] for p in probe) * 1e3:.1f} ms",
@@ -565,7 +620,8 @@ def cmd_record(setup: Setup, args: argparse.Namespace) -> None:
     finally:
         server.stop()
         server.kill()
-    doc["record"] = {"arm": arm.name, "loads": [*setup.loads, "at once"], "logs": str(logs.relative_to(ROOT)),
+    doc["record"] = {"arm": arm.name, "loads": [*setup.loads, "at once", *(f"{n} light" for n in setup.record_also)],
+                     "logs": str(logs.relative_to(ROOT)),
                      "when": time.strftime("%Y-%m-%d %H:%M"), "probe": probe}
     save_results(setup.results, doc)
 
@@ -646,8 +702,6 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     arm and load of the study in dpboard sim."""
     from dpboard.sim.profile import load_profile_file
     from dpboard.sim.report import summarize
-    from dpboard.sim.simulation import SimConfig, Simulation
-    from dpboard.sim.trace import BlockTable, Trace
 
     doc = load_results(setup.results)
     source, source_doc = setup, doc  # the setup whose server this one's profile and front end come from
@@ -667,38 +721,67 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     else:
         doc["fit"].pop("frontend_own", None)
     reqs = window(setup)
-    prompt = np.array([r["prompt"] for r in reqs], dtype=np.int64)
     output = np.array([r["output"] for r in reqs], dtype=np.int64)
-    blocks = None
-    if "blocks" in reqs[0]:
-        offsets = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum([len(r["blocks"]) for r in reqs], out=offsets[1:])
-        blocks = BlockTable(offsets=offsets, ids=np.array([b for r in reqs for b in r["blocks"]], dtype=np.int64))
     doc["sim"] = {}
     doc["sim_without_frontend"] = {}
-    for load, share in setup.loads.items():
-        times = np.array(arrival_times(reqs, share * doc["capacity"]["requests_per_s"]))
-        trace = Trace(name=f"{setup.trace} window", n_ranks=2, seed=SEED, arrival_s=times, prompt_len=prompt,
-                      output_len=output, is_burst=np.zeros(len(reqs), bool), blocks=blocks)
+    doc["sim_parts"] = {}
+    for load in setup.loads:
+        times = np.array(arrival_times(reqs, setup.loads[load] * doc["capacity"]["requests_per_s"]))
         for arm in setup.arms:
             front_s = profile.frontend_s
             if own_front is not None and arm.who == "sglang":  # SGLang's own dispatch: its own hop, measured
                 front_s = max(0.0, front_s + own_front["delta_ms"] / 1e3)
             for frontend_s, into in ((front_s, "sim"), (0.0, "sim_without_frontend")):
-                config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
-                                   lockstep=profile.lockstep if setup.dp_attention else None,
-                                   prefill_delayer=arm.delayer, frontend_s=frontend_s,
-                                   slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s).validate()
-                result = Simulation(trace, arm.method, config).run()
+                result = simulate(setup, doc, profile, overlap, arm, load, frontend_s)
+                if into == "sim_without_frontend" and arm.name == doc.get("frontend_run", {}).get("arm"):
+                    doc["sim_parts"][load] = {  # beside SGLang's stamps of the same arm and load
+                        "wait_ms": float(np.median([r.admitted_s - r.received_s for r in result.requests])) * 1e3,
+                        "turn_to_first_ms": float(np.median([r.first_token_s - r.admitted_s
+                                                             for r in result.requests])) * 1e3}
                 s = summarize(result)
                 span = float(s["makespan_s"] - times.min())
-                doc[into][f"{arm.name}|{load}"] = {
+                reqs_out = result.requests
+                split = idle_split(np.array([r.arrival_s for r in reqs_out]), np.array([r.finished_s for r in reqs_out]),
+                                   np.array([r.first_token_s - r.arrival_s for r in reqs_out]))
+                doc[into][f"{arm.name}|{load}"] = {"idle_split": split,
                     "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"], "tpot_p50_ms": s["tpot_p50_ms"],
                     "tpot_p99_ms": s["tpot_p99_ms"], "output_tokens_per_s": float(output.sum()) / span,
                     "requests_per_s": len(reqs) / span,
                     "rank0_share": sum(1 for r in result.requests if r.rank == 0) / len(result.requests),
                     "cache_hit_rate": s["cache_hit_rate"]}
     save_results(setup.results, doc)
+
+
+def simulate(setup: Setup, doc: dict[str, Any], profile: Any, overlap: bool, arm: Arm, load: str, frontend_s: float):
+    """The setup's window at ``load`` through ``dpboard sim`` with ``arm``'s method: its RunResult."""
+    from dpboard.sim.simulation import SimConfig, Simulation
+    from dpboard.sim.trace import BlockTable, Trace
+
+    reqs = window(setup)
+    blocks = None
+    if "blocks" in reqs[0]:
+        offsets = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum([len(r["blocks"]) for r in reqs], out=offsets[1:])
+        blocks = BlockTable(offsets=offsets, ids=np.array([b for r in reqs for b in r["blocks"]], dtype=np.int64))
+    times = np.array(arrival_times(reqs, setup.loads[load] * doc["capacity"]["requests_per_s"]))
+    trace = Trace(name=f"{setup.trace} window", n_ranks=2, seed=SEED, arrival_s=times,
+                  prompt_len=np.array([r["prompt"] for r in reqs], dtype=np.int64),
+                  output_len=np.array([r["output"] for r in reqs], dtype=np.int64), is_burst=np.zeros(len(reqs), bool),
+                  blocks=blocks)
+    config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
+                       lockstep=profile.lockstep if setup.dp_attention else None,
+                       prefill_delayer=arm.delayer, frontend_s=frontend_s,
+                       slo_ttft_s=profile.slo_ttft_s, slo_tpot_s=profile.slo_tpot_s).validate()
+    return Simulation(trace, arm.method, config).run()
+
+
+def loop_wait_s(setup: Setup, doc: dict[str, Any], profile: Any, overlap: bool, arm_name: str) -> float:
+    """The simulated wait of a request at its scheduler for the loop's next turn, median, at the light
+    load: SGLang's scheduler takes requests off its socket between forwards, and its stamps time a
+    request from that turn, so the stamps' part outside the scheduler holds this wait, which the
+    simulator has itself (a request received during a step joins the next one)."""
+    result = simulate(setup, doc, profile, overlap, setup.arm(arm_name), "light", 0.0)
+    return float(np.median([r.admitted_s - r.received_s for r in result.requests]))
 
 
 def fit_setup(setup: Setup, doc: dict[str, Any]):
@@ -726,10 +809,13 @@ def fit_setup(setup: Setup, doc: dict[str, Any]):
     if run is not None:  # measured per request under the light load by the server's own stamps
         from dpboard.sim.simulation import SimConfig
 
-        front = max(0.0, run["outside_ms"] / 1e3 - SimConfig().send_delay_s)  # the simulator has the transit
+        wait = loop_wait_s(setup, doc, fitted, bool(settings.get("overlap")), doc["frontend_run"]["arm"])
+        # the simulator has the transit and the wait for the loop's turn
+        front = max(0.0, run["outside_ms"] / 1e3 - SimConfig().send_delay_s - wait)
         source = (f"{run['requests']} requests at the light load, SGLang's request time stats (--enable-metrics): "
                   f"client TTFT less the scheduler's receipt-to-prefill-end, median, less the simulator's "
-                  f"{SimConfig().send_delay_s * 1e3:g} ms transit; lone requests on the idle server: {own[0]:.1f} ms")
+                  f"{SimConfig().send_delay_s * 1e3:g} ms transit and its {wait * 1e3:.1f} ms wait for the "
+                  f"scheduler loop's turn; lone requests on the idle server: {own[0]:.1f} ms")
     elif setup.frontend_of:  # the same front end as that setup's server; this one's idle probe says more
         other = load_results(SETUPS[setup.frontend_of].results).get("fit", {}).get("frontend_ms")
         if other is None:
@@ -748,6 +834,7 @@ def fit_setup(setup: Setup, doc: dict[str, Any]):
                   "steps": fit.steps, "used": fit.used, "settings": settings,
                   "frontend_ms": front * 1e3, "frontend_source": source,
                   "lone_over_model_ms": own, "by_shape": by_shape(table, fit),
+                  "sync_forward": fit.sync_forward, "result_share": fit.result_share,
                   "profile": str(setup.profile.relative_to(ROOT))}
     return profile, overlap
 
@@ -855,8 +942,13 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
         fit = doc["fit"]
         terms = ", ".join(f"{k} {v:.4g}" for k, v in fit["terms"].items())
         errors = "; ".join(f"{kind} {med:.1f} % / {p90:.1f} %" for kind, (med, p90) in fit["error"].items())
+        cpu = ""
+        if fit.get("sync_forward"):
+            cpu = "; the forward in the scheduler's thread (`sync_forward = 1`)"
+            if fit.get("result_share") is not None:
+                cpu += f", a step's result out {fit['result_share']:.0%} into the next step (`result_share`)"
         out.append(f"\nFitted profile ({fit['profile']}, {fit['used'].get('extend', 0)} prefill and "
-                   f"{fit['used'].get('decode', 0)} decode steps): {terms}. Fit error per step, median / p90: "
+                   f"{fit['used'].get('decode', 0)} decode steps): {terms}{cpu}. Fit error per step, median / p90: "
                    f"{errors}. Not pinned down: {', '.join(fit['loose']) or 'none'}.")
         if "frontend_ms" in fit:
             out.append(f"Front end (`frontend_ms`): {fit['frontend_ms']:.1f} ms, from {fit['frontend_source']}.")
@@ -872,6 +964,16 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
                     if load in run:
                         out.append(f"| {load} | " + " | ".join(f"{run[load][p + '_ms']:.1f}" for p in parts) + " |")
                 out.append("")
+                sim_parts = doc.get("sim_parts", {})
+                for load in setup.loads:
+                    if load in run and load in sim_parts:
+                        real = run[load]["queue_ms"] + run[load]["prefill_ms"]
+                        out.append(f"- {load}: the scheduler's part, from the loop's turn that takes a request off "
+                                   f"its socket to the first token processed (queue + prefill), real {real:.1f} ms, "
+                                   f"simulated {sim_parts[load]['turn_to_first_ms']:.1f} ms; the simulated wait for "
+                                   f"that turn {sim_parts[load]['wait_ms']:.1f} ms (in `to scheduler` above)")
+                if any(load in sim_parts for load in setup.loads):
+                    out.append("")
             own = fit.get("frontend_own")
             if own:
                 out.append(f"SGLang's own dispatch takes its own hop through the DP controller: measured the same way "
@@ -918,7 +1020,35 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
             if sim:
                 line += f"; simulated: {' < '.join(sim)}"
             out.append(line + ".")
+        idle = idle_lines(setup, doc, load)
+        if idle:
+            out.append("\nRequests that arrived to an idle server (every earlier request had ended), per run, real "
+                       "(median of the repeats) beside simulated: " + "; ".join(idle) + ".")
     return "\n".join(out) + "\n"
+
+
+def idle_lines(setup: Setup, doc: dict[str, Any], load: str) -> list[str]:
+    """Per arm at ``load``: how many requests found the server idle and their TTFT p50 beside the
+    others', in the real runs (medians over the repeats) and the simulator's."""
+    lines = []
+    for arm in setup.arms:
+        runs = [record_idle_split(c["records"]) for k, c in doc.get("cells", {}).items()
+                if k.startswith(f"{arm.name}|{load}|") and c.get("records")]
+        sim = doc.get("sim", {}).get(f"{arm.name}|{load}", {}).get("idle_split")
+        if not runs or sim is None:
+            continue
+
+        def med(key: str, runs: list[dict[str, Any]] = runs) -> str:
+            values = [r[key] for r in runs if r[key] is not None]
+            return f"{statistics.median(values):.0f}" if values else "-"
+
+        def sim_of(key: str, sim: dict[str, Any] = sim) -> str:
+            return "-" if sim[key] is None else f"{sim[key]:.0f}"
+
+        lines.append(f"{arm.name} {med('idle')} (sim {sim['idle']}), TTFT p50 {med('idle_ttft_p50_ms')} ms "
+                     f"(sim {sim_of('idle_ttft_p50_ms')}) against {med('busy_ttft_p50_ms')} ms "
+                     f"(sim {sim_of('busy_ttft_p50_ms')}) for the others")
+    return lines
 
 
 def picture(setup: Setup, doc: dict[str, Any]) -> None:
@@ -984,7 +1114,9 @@ def main() -> None:
                              "--tp-size 2), or vllm serve --data-parallel-size 2 (run in .venv-serving's Python)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("capacity")
-    sub.add_parser("record")
+    record = sub.add_parser("record")
+    record.add_argument("--again", action="store_true", help="record again: the earlier recording's account is kept "
+                                                             "under `earlier` in the results file, its logs replaced")
     front = sub.add_parser("frontend")
     front.add_argument("--arm", default=None, help="the one arm whose path is measured (default: the first of dpboard's "
                                                    "arms, the profile's figure, then the first of SGLang's own)")
@@ -995,6 +1127,8 @@ def main() -> None:
     run.add_argument("--loads", nargs="+", default=None, help="of the setup's loads (default: all)")
     run.add_argument("--repeats", type=int, default=3)
     run.add_argument("--arms", nargs="*", help="of the setup's arms (default: all)")
+    run.add_argument("--again", action="store_true", help="run the chosen cells again: the earlier ones' figures are "
+                                                          "kept under `earlier` in the results file")
     args = parser.parse_args()
     setup = SETUPS[args.setup]
     commands = {"capacity": cmd_capacity, "run": cmd_run, "record": cmd_record, "frontend": cmd_frontend,
