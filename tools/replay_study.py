@@ -988,7 +988,7 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
             continue
         out.append(f"\n**{load.capitalize()} load** ({share:.1%} of capacity, "
                    f"{share * cap['requests_per_s']:.2f} requests/s; real: median [min-max] of "
-                   f"{max(r['repeats'] for r in mine)} repeats)\n")
+                   f"{max(r['repeats'] for r in mine)} repeats{when_run(doc, load)})\n")
         out.append("| method | " + " | ".join(label for _, label in columns(setup)) + " |")
         out.append("|---" * (len(columns(setup)) + 1) + "|")
         for arm in setup.arms:
@@ -1025,6 +1025,24 @@ def render(setup: Setup, doc: dict[str, Any]) -> str:
             out.append("\nRequests that arrived to an idle server (every earlier request had ended), per run, real "
                        "(median of the repeats) beside simulated: " + "; ".join(idle) + ".")
     return "\n".join(out) + "\n"
+
+
+def when_run(doc: dict[str, Any], load: str) -> str:
+    """When the load's cells ran, and where some were run again (``run --again``), the earlier runs'
+    TTFT p50 beside the current ones' (medians over every method's cells)."""
+    cells = [c for k, c in doc.get("cells", {}).items() if k.split("|")[1] == load and "when" in c]
+    if not cells:
+        return ""
+    whens = sorted(c["when"] for c in cells)
+    text = f", run {whens[0]} to {whens[-1][-5:]}"
+    earlier = [run for k, runs in doc.get("earlier", {}).items() if "|" in k and k.split("|")[1] == load for run in runs]
+    if earlier:
+        before = sorted(r["when"] for r in earlier)
+        text += (f"; {len(earlier)} earlier runs of these cells ({before[0]} to {before[-1]}, kept under `earlier` in the "
+                 f"results file) gave a TTFT p50 of {statistics.median(r['figures']['ttft_p50_ms'] for r in earlier):.1f} "
+                 f"ms, median of the cells, against {statistics.median(c['figures']['ttft_p50_ms'] for c in cells):.1f} "
+                 f"ms now")
+    return text
 
 
 def idle_lines(setup: Setup, doc: dict[str, Any], load: str) -> list[str]:

@@ -15,8 +15,10 @@ decode_step_ms = 11.7719
 decode_request_us = 777.758
 decode_kv_token_ns = 1065.53
 decode_after_prefill_ms = 0.505256
-eager_decode_ms = 5.41966
+eager_decode_ms = 1.37827
 # the forward ran in the scheduler's thread (run_batch returned once it was done)
 sync_forward = 1
-# frontend_ms: 360 requests at the light load, SGLang's request time stats (--enable-metrics): client TTFT less the scheduler's receipt-to-prefill-end, median, less the simulator's 0.5 ms transit; lone requests on the idle server: 197.3 ms
-frontend_ms = 12.8777
+# where in the next step's time a step's result was processed (median share, from its start)
+result_share = 0.809
+# frontend_ms: 360 requests at the light load, SGLang's request time stats (--enable-metrics): client TTFT less the scheduler's receipt-to-prefill-end, median, less the simulator's 0.5 ms transit and its 7.1 ms wait for the scheduler loop's turn; lone requests on the idle server: 199.9 ms
+frontend_ms = 6.92949

@@ -67,3 +67,41 @@ def test_arrival_times_keep_the_traces_shape_at_the_rate_asked():
     reqs = [{"offset_s": t} for t in (0.0, 1.0, 3.0, 9.0)]
     times = tool.arrival_times(reqs, 1.5)
     assert times[-1] == pytest.approx(3 / 1.5) and times[2] / times[-1] == pytest.approx(3 / 9)
+
+
+def test_requests_that_found_the_server_idle_are_told_apart():
+    import numpy as np
+
+    tool = _tool()
+    # A runs 0-1 s; B arrives at 0.5 (A still running), ends at 2; C arrives at 3 (all ended): idle,
+    # as A (the first) is
+    split = tool.idle_split(np.array([0.0, 0.5, 3.0]), np.array([1.0, 2.0, 3.5]), np.array([0.2, 0.4, 0.3]))
+    assert split == {"idle": 2, "idle_ttft_p50_ms": pytest.approx(250.0), "busy_ttft_p50_ms": pytest.approx(400.0)}
+    # a request that arrives as another ends is not waiting on it: idle
+    assert tool.idle_split(np.array([0.0, 1.0]), np.array([1.0, 2.0]), np.array([0.1, 0.1]))["idle"] == 2
+    records = [{"arrival": a, "late_ms": 0.0, "e2e": e - a, "ttft": t}
+               for a, e, t in ((0.0, 1.0, 0.2), (0.5, 2.0, 0.4), (3.0, 3.5, 0.3))]
+    assert tool.record_idle_split(records) == split
+
+
+def test_cells_run_again_keep_the_earlier_figures_and_the_heading_says_so(tmp_path):
+    tool = _tool()
+    setup = tool.Setup("t", False, (tool.Arm("round_robin", "sglang", "round_robin"),), {"light": 0.275},
+                       tmp_path / "t.json", tmp_path / "t.profile", tmp_path / "t.png")
+    doc = {"capacity": {"requests_per_s": 47.0, "when": "today"}, "cells": {}}
+    for repeat, ttft in enumerate((30.0, 32.0)):
+        cell = _cell("round_robin", "light", repeat, ttft)
+        doc["cells"][f"round_robin|light|{repeat}"] = {**cell, "when": f"2026-12-04 23:0{repeat}", "loadavg": [4.0, 4.1],
+                                                       "records": [{"i": 0}]}
+    tool.set_aside(setup, doc, ["round_robin|light|0", "round_robin|light|1", "round_robin|light|2"])
+    assert doc["cells"] == {}
+    assert [run["figures"]["ttft_p50_ms"] for run in doc["earlier"]["round_robin|light|0"]] == [30.0]
+    assert "records" not in doc["earlier"]["round_robin|light|1"][0]  # figures kept, records dropped
+    assert tool.load_results(setup.results)["earlier"] == doc["earlier"]  # written at once
+    for repeat, ttft in enumerate((20.0, 22.0)):
+        doc["cells"][f"round_robin|light|{repeat}"] = {**_cell("round_robin", "light", repeat, ttft),
+                                                       "when": f"2026-12-05 06:0{repeat}"}
+    heading = tool.when_run(doc, "light")
+    assert heading == (", run 2026-12-05 06:00 to 06:01; 2 earlier runs of these cells (2026-12-04 23:00 to "
+                       "2026-12-04 23:01, kept under `earlier` in the results file) gave a TTFT p50 of 31.0 ms, "
+                       "median of the cells, against 21.0 ms now")
