@@ -339,26 +339,21 @@ def fit_profile(table: StepTable, header: Mapping[str, object], *, min_steps: in
         loose.append("decode_kv_token_ns")
     # what a decode step of a kind costs over the fitted decode step: right after the rank's prefill,
     # and under DP attention in the group's extend step (a decode step of both kinds counts for the first)
-    extras = [("decode_after_prefill_ms", "decode right after a prefill", view.after, "after prefill")]
+    # (each over its step's fixed cost: the simulator's lockstep step starts from the prefill step's
+    # base when any rank extends, dpboard.sim.stepping, so eager_decode is priced over that base)
+    extras = [("decode_after_prefill_ms", "decode right after a prefill", view.after, "after prefill", d_coef[0])]
     if dp_attention:
-        extras.append(("eager_decode_ms", "decode in an extend step", view.eager, "eager"))
+        extras.append(("eager_decode_ms", "decode in an extend step", view.eager, "eager", p_coef[0]))
     typical_decode = float(np.median(duration[dec]))
-    for key, label, rows, used_as in extras:
+    for key, label, rows, used_as, step_base in extras:
         if rows.sum() < min_steps:
             loose.append(key)
             continue
-        own = np.column_stack([np.zeros(rows.sum()), reqs[rows], ctx[rows]]) @ d_coef
-        # the simulator's lockstep step starts from the prefill step's base when any rank extends
-        # (dpboard.sim.stepping): eager_decode is priced over that base, not the decode step's
-        step_base = p_coef[0] if used_as == "eager" else d_coef[0]
-        base = step_base + own
+        base = step_base + d_coef[1] * reqs[rows] + d_coef[2] * ctx[rows]
         extra = duration[rows] - base
-        if decode_average == "mean":
-            value = max(0.0, float(np.mean(extra)))
-            spread = float(np.std(extra)) / math.sqrt(rows.sum())
-        else:
-            value = max(0.0, float(np.median(extra)))
-            spread = 1.2533 * 1.4826 * float(np.median(np.abs(extra - np.median(extra)))) / math.sqrt(rows.sum())
+        center = float(np.mean(extra) if decode_average == "mean" else np.median(extra))
+        value = max(0.0, center)
+        spread = _scale(extra - center, decode_average, dof=0) / math.sqrt(rows.sum())
         terms.append(Term(key, value * 1e3, spread * 1e3))
         used[used_as] = int(rows.sum())
         error[label] = _abs_pct(base + value, duration[rows])
@@ -475,16 +470,21 @@ def _lad(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return coef, w
 
 
+def _scale(resid: np.ndarray, average: str, dof: int) -> float:
+    """The residuals' scale behind a standard error: for least squares their root mean square over
+    ``len - dof`` (``dof`` terms fitted); for a median, their robust scale (1.4826 MAD) times the
+    median's efficiency factor sqrt(pi/2)."""
+    if average == "mean":
+        return math.sqrt(float((resid**2).sum()) / max(1, len(resid) - dof))
+    return 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) * math.sqrt(math.pi / 2)
+
+
 def _stderr(x: np.ndarray, y: np.ndarray, coef: np.ndarray, cols: tuple[int, ...], k: int, average: str) -> np.ndarray:
     """Standard errors through (X'X)^-1: of least squares, the residuals' standard deviation; of a
     median regression, their robust scale (1.4826 MAD) times the median's efficiency factor
     sqrt(pi/2). A term left out has none (nan)."""
     out = np.full(k, math.nan)
-    resid = y - x @ coef
-    if average == "mean":
-        scale = math.sqrt(float((resid**2).sum()) / max(1, len(y) - len(cols)))
-    else:
-        scale = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) * math.sqrt(math.pi / 2)
+    scale = _scale(y - x @ coef, average, dof=len(cols))
     try:
         cov = np.linalg.inv(x.T @ x) * scale**2
     except np.linalg.LinAlgError:
