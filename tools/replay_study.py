@@ -481,7 +481,7 @@ def run_vllm(setup: Setup, args: argparse.Namespace) -> None:
     loads = chosen_loads(setup, args)
     arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
     if args.again:
-        set_aside(setup, doc, [f"{a.name}|{load}|{r}" for a in arms for load in loads for r in range(args.repeats)])
+        set_aside(setup, doc, arms, loads, args.repeats)
     for arm in arms:
         todo = [(load, repeat) for load in loads for repeat in range(args.repeats)
                 if f"{arm.name}|{load}|{repeat}" not in doc["cells"]]
@@ -526,8 +526,7 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
     doc["setup"] = setup_info(setup)
     arms = [a for a in setup.arms if not args.arms or a.name in args.arms]
     if args.again:
-        set_aside(setup, doc, [f"{a.name}|{load}|{r}" for load in chosen_loads(setup, args) for a in arms
-                               for r in range(args.repeats)])
+        set_aside(setup, doc, arms, chosen_loads(setup, args), args.repeats)
     for load in chosen_loads(setup, args):
         rate = setup.loads[load] * doc["capacity"]["requests_per_s"]
         times = arrival_times(reqs, rate)
@@ -544,13 +543,13 @@ def cmd_run(setup: Setup, args: argparse.Namespace) -> None:
                 keep_cell(setup, doc, result, arm, load, repeat, rate, load_before, step_log)
 
 
-def set_aside(setup: Setup, doc: dict[str, Any], keys: list[str]) -> None:
+def set_aside(setup: Setup, doc: dict[str, Any], arms: list[Arm], loads: list[str], repeats: int) -> None:
     """Cells run again (``run --again``): the earlier ones' figures, when and under what load they
     ran, kept under ``earlier`` in the results file (their records are dropped), so that a rerun
     replaces a cell without losing what it had measured."""
     earlier = doc.setdefault("earlier", {})
     moved = 0
-    for key in keys:
+    for key in (f"{a.name}|{load}|{r}" for a in arms for load in loads for r in range(repeats)):
         cell = doc["cells"].pop(key, None)
         if cell is not None:
             earlier.setdefault(key, []).append({k: cell[k] for k in ("figures", "when", "loadavg", "wall_s") if k in cell})
@@ -727,15 +726,16 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     doc["sim_parts"] = {}
     for load in setup.loads:
         times = np.array(arrival_times(reqs, setup.loads[load] * doc["capacity"]["requests_per_s"]))
+        trace = window_trace(setup, reqs, times)
         for arm in setup.arms:
             front_s = profile.frontend_s
             if own_front is not None and arm.who == "sglang":  # SGLang's own dispatch: its own hop, measured
                 front_s = max(0.0, front_s + own_front["delta_ms"] / 1e3)
             for frontend_s, into in ((front_s, "sim"), (0.0, "sim_without_frontend")):
-                result = simulate(setup, doc, profile, overlap, arm, load, frontend_s)
+                result = simulate(setup, trace, profile, overlap, arm, frontend_s)
                 if into == "sim_without_frontend" and arm.name == doc.get("frontend_run", {}).get("arm"):
                     doc["sim_parts"][load] = {  # beside SGLang's stamps of the same arm and load
-                        "wait_ms": float(np.median([r.admitted_s - r.received_s for r in result.requests])) * 1e3,
+                        "wait_ms": float(np.median(loop_waits_s(result))) * 1e3,
                         "turn_to_first_ms": float(np.median([r.first_token_s - r.admitted_s
                                                              for r in result.requests])) * 1e3}
                 s = summarize(result)
@@ -752,22 +752,25 @@ def cmd_sim(setup: Setup, args: argparse.Namespace) -> None:
     save_results(setup.results, doc)
 
 
-def simulate(setup: Setup, doc: dict[str, Any], profile: Any, overlap: bool, arm: Arm, load: str, frontend_s: float):
-    """The setup's window at ``load`` through ``dpboard sim`` with ``arm``'s method: its RunResult."""
-    from dpboard.sim.simulation import SimConfig, Simulation
+def window_trace(setup: Setup, reqs: list[dict[str, Any]], times: np.ndarray):
+    """The window ``reqs`` arriving at ``times`` as a ``dpboard sim`` trace (its blocks where it has them)."""
     from dpboard.sim.trace import BlockTable, Trace
 
-    reqs = window(setup)
     blocks = None
     if "blocks" in reqs[0]:
         offsets = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum([len(r["blocks"]) for r in reqs], out=offsets[1:])
         blocks = BlockTable(offsets=offsets, ids=np.array([b for r in reqs for b in r["blocks"]], dtype=np.int64))
-    times = np.array(arrival_times(reqs, setup.loads[load] * doc["capacity"]["requests_per_s"]))
-    trace = Trace(name=f"{setup.trace} window", n_ranks=2, seed=SEED, arrival_s=times,
-                  prompt_len=np.array([r["prompt"] for r in reqs], dtype=np.int64),
-                  output_len=np.array([r["output"] for r in reqs], dtype=np.int64), is_burst=np.zeros(len(reqs), bool),
-                  blocks=blocks)
+    return Trace(name=f"{setup.trace} window", n_ranks=2, seed=SEED, arrival_s=times,
+                 prompt_len=np.array([r["prompt"] for r in reqs], dtype=np.int64),
+                 output_len=np.array([r["output"] for r in reqs], dtype=np.int64), is_burst=np.zeros(len(reqs), bool),
+                 blocks=blocks)
+
+
+def simulate(setup: Setup, trace: Any, profile: Any, overlap: bool, arm: Arm, frontend_s: float):
+    """``trace`` (``window_trace``) through ``dpboard sim`` with ``arm``'s method: its RunResult."""
+    from dpboard.sim.simulation import SimConfig, Simulation
+
     config = SimConfig(n_ranks=2, rank=profile.rank, overlap_schedule=overlap,
                        lockstep=profile.lockstep if setup.dp_attention else None,
                        prefill_delayer=arm.delayer, frontend_s=frontend_s,
@@ -775,13 +778,20 @@ def simulate(setup: Setup, doc: dict[str, Any], profile: Any, overlap: bool, arm
     return Simulation(trace, arm.method, config).run()
 
 
+def loop_waits_s(result: Any) -> np.ndarray:
+    """Per simulated request, its wait at its scheduler for the loop's next turn (received to admitted).
+    SGLang's scheduler takes requests off its socket between forwards and its stamps time a request
+    from that turn, so the stamps' part outside the scheduler holds this wait, which the simulator
+    has itself (a request received during a step joins the next one)."""
+    return np.array([r.admitted_s - r.received_s for r in result.requests])
+
+
 def loop_wait_s(setup: Setup, doc: dict[str, Any], profile: Any, overlap: bool, arm_name: str) -> float:
-    """The simulated wait of a request at its scheduler for the loop's next turn, median, at the light
-    load: SGLang's scheduler takes requests off its socket between forwards, and its stamps time a
-    request from that turn, so the stamps' part outside the scheduler holds this wait, which the
-    simulator has itself (a request received during a step joins the next one)."""
-    result = simulate(setup, doc, profile, overlap, setup.arm(arm_name), "light", 0.0)
-    return float(np.median([r.admitted_s - r.received_s for r in result.requests]))
+    """The median of ``loop_waits_s`` for ``arm_name`` on the window at the light load."""
+    reqs = window(setup)
+    times = np.array(arrival_times(reqs, setup.loads["light"] * doc["capacity"]["requests_per_s"]))
+    return float(np.median(loop_waits_s(simulate(setup, window_trace(setup, reqs, times), profile, overlap,
+                                                 setup.arm(arm_name), 0.0))))
 
 
 def fit_setup(setup: Setup, doc: dict[str, Any]):
@@ -1049,23 +1059,19 @@ def idle_lines(setup: Setup, doc: dict[str, Any], load: str) -> list[str]:
     """Per arm at ``load``: how many requests found the server idle and their TTFT p50 beside the
     others', in the real runs (medians over the repeats) and the simulator's."""
     lines = []
+    keys = ("idle", "idle_ttft_p50_ms", "busy_ttft_p50_ms")
     for arm in setup.arms:
         runs = [record_idle_split(c["records"]) for k, c in doc.get("cells", {}).items()
                 if k.startswith(f"{arm.name}|{load}|") and c.get("records")]
         sim = doc.get("sim", {}).get(f"{arm.name}|{load}", {}).get("idle_split")
         if not runs or sim is None:
             continue
-
-        def med(key: str, runs: list[dict[str, Any]] = runs) -> str:
-            values = [r[key] for r in runs if r[key] is not None]
-            return f"{statistics.median(values):.0f}" if values else "-"
-
-        def sim_of(key: str, sim: dict[str, Any] = sim) -> str:
-            return "-" if sim[key] is None else f"{sim[key]:.0f}"
-
-        lines.append(f"{arm.name} {med('idle')} (sim {sim['idle']}), TTFT p50 {med('idle_ttft_p50_ms')} ms "
-                     f"(sim {sim_of('idle_ttft_p50_ms')}) against {med('busy_ttft_p50_ms')} ms "
-                     f"(sim {sim_of('busy_ttft_p50_ms')}) for the others")
+        real = {key: [r[key] for r in runs if r[key] is not None] for key in keys}
+        real_text = {key: f"{statistics.median(v):.0f}" if v else "-" for key, v in real.items()}
+        sim_text = {key: "-" if sim[key] is None else f"{sim[key]:.0f}" for key in keys}
+        lines.append(f"{arm.name} {real_text['idle']} (sim {sim_text['idle']}), TTFT p50 {real_text['idle_ttft_p50_ms']} "
+                     f"ms (sim {sim_text['idle_ttft_p50_ms']}) against {real_text['busy_ttft_p50_ms']} ms "
+                     f"(sim {sim_text['busy_ttft_p50_ms']}) for the others")
     return lines
 
 

@@ -93,7 +93,7 @@ def test_cells_run_again_keep_the_earlier_figures_and_the_heading_says_so(tmp_pa
         cell = _cell("round_robin", "light", repeat, ttft)
         doc["cells"][f"round_robin|light|{repeat}"] = {**cell, "when": f"2026-12-04 23:0{repeat}", "loadavg": [4.0, 4.1],
                                                        "records": [{"i": 0}]}
-    tool.set_aside(setup, doc, ["round_robin|light|0", "round_robin|light|1", "round_robin|light|2"])
+    tool.set_aside(setup, doc, list(setup.arms), ["light"], 3)
     assert doc["cells"] == {}
     assert [run["figures"]["ttft_p50_ms"] for run in doc["earlier"]["round_robin|light|0"]] == [30.0]
     assert "records" not in doc["earlier"]["round_robin|light|1"][0]  # figures kept, records dropped
