@@ -25,6 +25,7 @@ from tests.support.names import ROOT
 from tests.support.other_user import as_nobody, need_root
 from tests.support.private_shm import run_in_private_shm
 from tests.support.procutil import kill, read_line
+from tests.support.sweeps import keeping_a_dead_board
 
 # A deployment's API server in a process of its own: the board (as its first engine core makes it),
 # the sent record, row ROW with N requests sent to each of slots 0..2; then it waits to be killed.
@@ -57,8 +58,12 @@ def clean(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def paths(board_name):
+    """The board's and its sent record's paths, removed after the test. The tests using it kill their
+    deployment and then look at what it left in the machine's /dev/shm: a machine-wide sweep in
+    another file (xdist) would remove those leftovers first, so the sweep lock is held shared."""
     board, record = Path("/dev/shm", f"dpboard.{board_name}"), Path("/dev/shm", SENT_PREFIX + board_name)
-    yield board, record
+    with keeping_a_dead_board():
+        yield board, record
     board.unlink(missing_ok=True)
     record.unlink(missing_ok=True)
 

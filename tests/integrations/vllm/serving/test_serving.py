@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.serving, pytest.mark.timeout(1800)]
 DP = 2
 API_SERVERS = 2  # vllm serve's default with DP = 2: one API server per DP rank
 SETTLE = 120.0  # seconds for the board to show what the HTTP answers already said
-LONG = 20000  # tokens: a stream that holds its engine for a minute or more on this machine
+LONG = 30000  # tokens: a stream that holds its engine for a minute or more on this machine (20,000 ran out
+# in 45 s while an API server busy streaming them answered one short request in 27 s)
 
 
 def records(server) -> np.ndarray:
@@ -87,10 +89,12 @@ def test_long_requests_held_on_one_engine_send_new_ones_to_the_other(server):
     """Two long streams pinned to engine 0 (vLLM's X-data-parallel-rank header: an explicit rank, which
     dpboard charges to engine 0), then short requests one after another: dpboard's pick
     (inflight_requests: running + waiting + in flight) sends every one to engine 1. The streams are
-    read as they come (a client that stops reading slows its API server down), then closed."""
+    read as they come (a client that stops reading slows its API server down), then closed. Each
+    short one's engine is read off the board before the next is sent, beside the board as this
+    process saw it just before sending, so that a miss says where and with what in view."""
     assert wait_until(lambda: settled(server), timeout=SETTLE)
     before = records(server)["num_received_reqs"].copy()
-    routed_before = counted(server, "routed")
+    routed_before, fallbacks_before = counted(server, "routed"), counted(server, "fallbacks")
     streams = [server.stream(f"a long story {i}", LONG, {"X-data-parallel-rank": "0"}) for i in range(2)]
     readers = [threading.Thread(target=drain, args=(s,), daemon=True) for s in streams]
     for t in readers:
@@ -98,18 +102,37 @@ def test_long_requests_held_on_one_engine_send_new_ones_to_the_other(server):
     try:
         assert wait_until(lambda: records(server)["num_running_reqs"].tolist() == [2, 0], timeout=SETTLE), \
             records(server)
+        last = records(server)["num_received_reqs"].copy()
+        assert (last - before).tolist() == [2, 0], (before, last)
+        placed = []
         for i in range(10):
+            in_view = board_view(server)
             status, answer = server.completion(f"short {i}", 4)
             assert status == 200, answer
-        assert records(server)["num_running_reqs"][0] == 2, records(server)  # the long ones still hold engine 0
-        assert wait_until(lambda: (records(server)["num_received_reqs"] - before).tolist() == [2, 10],
-                          timeout=SETTLE), (before, records(server))
+            # answered, so received: the engine published its intake with the request's first step
+            assert wait_until(lambda seen=last: int((records(server)["num_received_reqs"] - seen).sum()) == 1,
+                              timeout=SETTLE), (last, records(server))
+            now = records(server)["num_received_reqs"].copy()
+            placed.append((int(np.argmax(now - last)), in_view))
+            last = now
+        running = records(server)["num_running_reqs"].tolist()
+        assert running[0] == 2, (running, placed)  # the long ones held engine 0 all along
+        assert [engine for engine, _ in placed] == [1] * 10, \
+            (placed, "fallbacks to vLLM's pick:", counted(server, "fallbacks") - fallbacks_before)
     finally:
         for s in streams:
             s.close()  # vLLM aborts a stream whose client goes
     assert wait_until(lambda: settled(server), timeout=SETTLE), (records(server), sent(server))
     # the two pinned ones, as the API servers' dispatch record counts them
     counted_by_then(server, "routed", routed_before + 2, server.completion, settle=SETTLE)
+
+
+def board_view(server) -> list[tuple[str, int, int, int]]:
+    """Each engine's slot as read now: status, running, waiting, and the age of its last publish (ms)."""
+    r = records(server)
+    now = time.monotonic_ns()
+    return [(SlotStatus(int(x["status"])).name, int(x["num_running_reqs"]), int(x["num_waiting_reqs"]),
+             (now - int(x["monotonic_ns"])) // 1_000_000) for x in r]
 
 
 def drain(response) -> None:
