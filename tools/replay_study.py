@@ -362,6 +362,7 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def start_server(setup: Setup, arm: Arm, step_log: Path | None):
     from tests.support.names import new_board_name
+    from tests.support.session_server import ready_server
     from tests.support.sglang_serving import Server
 
     if arm.who == "sglang":
@@ -373,9 +374,8 @@ def start_server(setup: Setup, arm: Arm, step_log: Path | None):
             step_log.mkdir(parents=True, exist_ok=True)
             env["DPBOARD_STEP_LOG"] = str(step_log)
         extra = ("--load-balance-method", "total_tokens", *arm.flags, *SERVER_FLAGS)  # the plugin needs a load-aware one
-    server = Server(env, extra=extra, dp_attention=setup.dp_attention)
+    server = ready_server(lambda: Server(env, extra=extra, dp_attention=setup.dp_attention))
     try:
-        server.wait_ready()
         for pid in server.titled("sglang::data_parallel_controller"):
             os.setpriority(os.PRIO_PROCESS, pid, 10)
     except BaseException:
@@ -426,6 +426,7 @@ def cmd_capacity(setup: Setup, args: argparse.Namespace) -> None:
 
 def start_vllm(arm: Arm, step_log: Path | None = None):
     from tests.support.names import new_board_name
+    from tests.support.session_server import ready_server
     from tests.support.vllm_serving import Server
 
     env = {} if arm.who == "vllm" else {"VLLM_PLUGINS": "dpboard", "DPBOARD_VLLM_BOARD": new_board_name(),
@@ -433,13 +434,7 @@ def start_vllm(arm: Arm, step_log: Path | None = None):
     if step_log is not None:
         step_log.mkdir(parents=True, exist_ok=True)
         env["DPBOARD_STEP_LOG"] = str(step_log)
-    server = Server(env, extra=arm.flags)
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.kill()
-        raise
-    return server
+    return ready_server(lambda: Server(env, extra=arm.flags))
 
 
 def setup_info(setup: Setup) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_DIR = Path(__file__).resolve().parent / "serving_fault"
@@ -33,11 +34,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_TAKEN = "address already in use"
+ServerT = TypeVar("ServerT", bound="SessionServer")
+
+
+def ready_server(make: Callable[[], ServerT], *, attempts: int = 3, **wait: Any) -> ServerT:
+    """``make()``'s server once ready (``wait_ready(**wait)``), started again when it quit because its
+    port was taken between ``free_port()``'s pick and its bind (any process may take a port the
+    kernel has just handed out and let go: SGLang's own internal ports, a client's connection). ``make``
+    picks a fresh port each time; at most ``attempts`` starts, and any other failure is raised at once."""
+    for attempt in range(1, attempts + 1):
+        server = make()
+        try:
+            server.ready_after = server.wait_ready(**wait)
+            return server
+        except AssertionError:
+            taken = server.proc.poll() is not None and PORT_TAKEN in server.log().lower()
+            server.kill()
+            if not taken or attempt == attempts:
+                raise
+            server.log_path.unlink(missing_ok=True)
+    raise AssertionError(f"attempts must be at least 1, got {attempts}")
+
+
 class SessionServer:
     """``command`` run with ``env`` (over this environment less the variables that start with one
     of ``drop_prefixes``), in a session of its own; ``self.port`` is the port it should serve on."""
 
     name = "server"
+    ready_after = 0.0  # seconds from the start until it answered (ready_server sets it)
 
     def __init__(self, command: list[str], env: dict[str, str], *, port: int, drop_prefixes: tuple[str, ...] = (),
                  fault_file: Path | None = None, fault_target: str = "") -> None:

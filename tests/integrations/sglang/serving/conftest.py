@@ -14,6 +14,7 @@ from dpboard.board import SHM_DIR
 from tests.integrations.serving_faults import fault_file, need_environment
 from tests.support.names import new_board_name
 from tests.support.procutil import wait_until
+from tests.support.session_server import ready_server
 from tests.support.sglang_serving import Server, missing
 
 METHOD = "inflight_tokens"
@@ -26,13 +27,7 @@ def plugin_env(board: str, method: str = METHOD) -> dict[str, str]:
 
 def start(env: dict[str, str], **kwargs) -> Server:
     need_environment(missing(kwargs.get("dp_attention", False)), "the SGLang serving tests")
-    srv = Server(env, **kwargs)
-    try:
-        srv.ready_after = srv.wait_ready()
-    except BaseException:
-        srv.kill()
-        raise
-    return srv
+    return ready_server(lambda: Server(env, **kwargs))
 
 
 @contextmanager

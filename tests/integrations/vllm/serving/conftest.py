@@ -8,6 +8,7 @@ import pytest
 
 from tests.integrations.serving_faults import fault_file, need_environment
 from tests.support.names import new_board_name
+from tests.support.session_server import ready_server
 from tests.support.vllm_serving import Server, missing
 
 METHOD = "inflight_requests"
@@ -18,11 +19,10 @@ __all__ = ["fault_file"]  # the session's fixture: while its file exists, dpboar
 def server(fault_file):
     need_environment(missing(), "the serving tests")
     board = new_board_name()
-    srv = Server({"DPBOARD_VLLM_BOARD": board, "DPBOARD_METHOD": METHOD, "VLLM_PLUGINS": "dpboard"},
-                 fault_file=fault_file)
+    srv = ready_server(lambda: Server({"DPBOARD_VLLM_BOARD": board, "DPBOARD_METHOD": METHOD,
+                                       "VLLM_PLUGINS": "dpboard"}, fault_file=fault_file))
     srv.board = board
     try:
-        srv.ready_after = srv.wait_ready()
         yield srv
     finally:
         srv.kill()
