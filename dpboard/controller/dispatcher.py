@@ -63,8 +63,13 @@ def default_lockstep_chunk(num_workers: int) -> int:
     return max(1, SGLANG_CHUNKED_PREFILL_SIZE // max(1, num_workers))
 
 
+_LIVE = int(SlotStatus.LIVE)
 _STALE = int(SlotStatus.STALE)
 _TORN = int(SlotStatus.TORN)
+# health_aware: how long after a rank's last LIVE read a TORN read still leaves it a candidate. A live
+# writer descheduled between its two sequence stores (an oversubscribed host) resumes within a time
+# slice or a host stall; one that died there stays odd, and its rank is left after this
+DEFAULT_TORN_GRACE = 0.5
 # while requests are held, the caller looks again at least this often (a refresh interval of 0
 # would otherwise ask it to look again at once, for ever)
 WAVE_LOOK_MIN = 0.001
@@ -77,8 +82,10 @@ class Dispatcher:
 
     - ``inflight_accounting``: the budget is the snapshot plus the requests sent but not yet counted
       in the rank's ``num_received_reqs``, so a refresh from a lagging snapshot loses nothing.
-    - ``health_aware``: never pick a rank whose slot is STALE or TORN (besides inactive and
-      unavailable ranks, which no load-aware method picks).
+    - ``health_aware``: never pick a rank whose slot is STALE, or TORN later than ``torn_grace``
+      seconds after its last LIVE read (a TORN read sooner is a live writer caught mid-write: its
+      last whole snapshot stands); besides inactive and unavailable ranks, which no load-aware
+      method picks.
     - ``rotate_ties``: among equal loads, start from the rank after the last pick instead of rank 0.
 
     ``inflight_cache`` keeps a ``PrefixIndex`` of the prompt blocks sent to each rank
@@ -124,6 +131,7 @@ class Dispatcher:
         wave_per_rank: int = DEFAULT_WAVE_PER_RANK,
         wave_idle: bool = True,
         wave_max_bytes: int | None = None,
+        torn_grace: float = DEFAULT_TORN_GRACE,
     ):
         self.method = resolve_load_balance_method(method, disaggregation_mode, lockstep=lockstep)
         self.spec = spec = METHODS[self.method]
@@ -144,6 +152,13 @@ class Dispatcher:
         self._clock = clock
         self.inflight_accounting = spec.inflight_accounting if inflight_accounting is None else bool(inflight_accounting)
         self.health_aware = spec.health_aware if health_aware is None else bool(health_aware)
+        if not isinstance(torn_grace, (int, float)) or isinstance(torn_grace, bool) or not torn_grace >= 0:
+            raise InvalidInputError(f"torn_grace must be a number of seconds >= 0, got {torn_grace!r}")
+        self.torn_grace = float(torn_grace)
+        # health_aware: the clock at each rank's last LIVE read (-inf: none since its last STALE one),
+        # and the ranks whose TORN read came later than torn_grace after it
+        self._live_read_at = np.full(num_workers, -np.inf)
+        self._torn_out = np.zeros(num_workers, bool)
         self.rotate_ties = spec.rotate_ties if rotate_ties is None else bool(rotate_ties)
         self.refresh_count = 0
         self._rr_counter = 0
@@ -304,8 +319,7 @@ class Dispatcher:
             return
         mask = self._active_mask & self._available_mask
         if self.health_aware:
-            status = self.budget.status
-            mask &= (status != _STALE) & (status != _TORN)
+            mask &= (self.budget.status != _STALE) & ~self._torn_out
         self.budget.candidate[:] = mask
         self.budget.routable[:] = self._active_mask
 
@@ -318,6 +332,18 @@ class Dispatcher:
         self.budget.core.last_refresh = self._clock()
         self._refresh()
 
+    def _judge_torn(self) -> None:
+        """A TORN read (a slot's sequence odd through every retry) leaves the rank's last whole
+        snapshot in the budget. Its rank stays a candidate while that read came within torn_grace of
+        the rank's last LIVE read: its writer was descheduled mid-write, and the next read finds it
+        whole. After that, or after a STALE read, the rank is left until it reads LIVE again."""
+        status = self.budget.status
+        now = self._clock()
+        self._live_read_at[status == _LIVE] = now
+        self._live_read_at[status == _STALE] = -np.inf
+        np.greater(now - self._live_read_at, self.torn_grace, out=self._torn_out)
+        self._torn_out &= status == _TORN
+
     def _refresh(self) -> None:
         if self._read_queued is not None:
             records, queued, chunk, pd_role = self._read_queued()
@@ -326,6 +352,7 @@ class Dispatcher:
             records = self._read_records()
             self.budget.update_from_array(records)
         if self.health_aware:
+            self._judge_torn()
             self._update_candidates()
         if self.wave is not None:
             self.wave.read_step(self.budget.running, self._throughput, self.budget.candidate)

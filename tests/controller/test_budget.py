@@ -12,7 +12,7 @@ import pytest
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod
 from dpboard.methods import ArgminKey
-from dpboard.snapshot import SEQ_OFFSET, LoadSnapshot, slot_offset
+from dpboard.snapshot import SEQ_OFFSET, LoadSnapshot, SlotStatus, slot_offset
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 from tests.support.procutil import wait_until
 from tests.support.raw import raw_segment
@@ -173,6 +173,54 @@ def test_health_aware_never_picks_a_torn_rank(board_name):
         assert d.dispatch_batch([Req() for _ in range(5)]) == [1] * 5
         with raw_segment(board.name) as raw:
             struct.pack_into("<Q", raw, slot_offset(0) + SEQ_OFFSET, 8)
+
+
+def test_a_live_writer_caught_mid_write_keeps_its_rank_for_the_torn_grace(board_name):
+    """A TORN read of a rank read LIVE just before (its writer descheduled between its two sequence
+    stores, as on an oversubscribed host) keeps its last whole snapshot and its place: the lighter
+    rank is still picked. Torn for longer than torn_grace after that LIVE read, or torn after a
+    STALE read, the rank is left; whole again, it is back."""
+    clock = FakeClock()
+    with Board.create(board_name, n_slots=2) as board:
+        writers = [board.writer(r) for r in range(2)]
+        for r, w in enumerate(writers):
+            w.publish_values(r * 5, 0, 0, 100 * (r + 1), 0, 1000, 0)  # rank 0 the lighter
+        reader = board.reader(max_retries=4, stale_after=60)
+        d = Dispatcher(M.INFLIGHT_TOKENS, 2, reader=reader, clock=clock, torn_grace=0.5)
+        assert d.dispatch(Req()) == 0
+
+        def seq(value: int) -> None:
+            with raw_segment(board.name) as raw:
+                struct.pack_into("<Q", raw, slot_offset(0) + SEQ_OFFSET, value)
+
+        seq(7)  # mid-write
+        assert reader.status(0).label == "torn"
+        clock.now += 0.3
+        d.refresh()
+        assert d.budget.status.tolist()[0] == int(SlotStatus.TORN) and d.budget.total_tokens.tolist()[0] >= 100
+        assert d.dispatch(Req()) == 0  # within the grace: its last whole snapshot stands
+        clock.now += 0.3  # 0.6 s after its last LIVE read, still odd: its writer died mid-write
+        d.refresh()
+        assert d.dispatch_batch([Req() for _ in range(3)]) == [1, 1, 1]
+        seq(8)  # a new writer of the slot starts from the odd value plus one: whole again
+        writers[0].publish_values(0, 0, 0, 100, 0, 1000, 0)
+        clock.now += 0.1
+        d.refresh()
+        assert d.dispatch(Req()) == 0
+        # torn after a STALE read: left at once, whatever the grace
+        quick = board.reader(max_retries=4, stale_after=0.05)
+        stale = Dispatcher(M.INFLIGHT_TOKENS, 2, reader=quick, clock=clock, torn_grace=10.0)
+        assert wait_until(lambda: quick.status(0).label == "stale", timeout=10)
+        writers[1].publish_values(5, 0, 0, 200, 0, 1000, 0)
+        stale.refresh()
+        assert stale.budget.status.tolist() == [int(SlotStatus.STALE), int(SlotStatus.LIVE)]
+        seq(9)
+        writers[1].publish_values(5, 0, 0, 200, 0, 1000, 0)
+        clock.now += 0.01
+        stale.refresh()
+        assert stale.budget.status.tolist() == [int(SlotStatus.TORN), int(SlotStatus.LIVE)]
+        assert stale.dispatch(Req()) == 1
+        seq(10)
 
 
 def test_health_aware_with_only_unhealthy_ranks_raises(board_name):

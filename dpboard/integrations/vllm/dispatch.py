@@ -79,6 +79,7 @@ from dpboard.snapshot import SNAPSHOT_DTYPE, SlotStatus
 log = logging.getLogger("dpboard.vllm")
 
 _LIVE = int(SlotStatus.LIVE)
+_STALE = int(SlotStatus.STALE)
 STATE = "_dpboard_dispatch"  # the client's attribute holding its ClientDispatch
 # seconds after a pick for the trailing turn: past the dispatch record's publish interval (0.1 s),
 # so the row is due then whatever was published before the pick
@@ -119,6 +120,7 @@ class GlobalInflightReader:
         self._sent_reqs, self._sent_tokens = self._sent_rows[:, 0], self._sent_rows[:, 1]
         self._diff = np.zeros(n, np.int64)
         self._flags = np.zeros(n, bool)
+        self._whole = np.zeros(n, bool)
         self._mean = np.zeros(n)
         self._queued = np.zeros(n)
         self._queued_tokens = np.zeros(n, np.int64)
@@ -143,22 +145,30 @@ class GlobalInflightReader:
         np.take(self._sent.totals(self._totals), self._ranks, axis=0, out=self._sent_rows)
         sent, tokens, base, diff, flags = self._sent_reqs, self._sent_tokens, self._base, self._diff, self._flags
         self.any_live = bool(np.equal(status, _LIVE, out=flags).any())
+        # a TORN or EMPTY slot reads as zeros: its received count says nothing (no restart, no base)
+        whole = self._whole
+        np.equal(status, _LIVE, out=whole)
+        whole |= np.equal(status, _STALE, out=flags)
         changed = False
         if self._first:  # a server that starts beside running ones takes up what they have seen
             self._first = False
             if self._sent.peer_base(self._peer):
                 base[:] = self._peer[self._ranks]
                 changed = True
-        if np.less(received, self._last_received, out=flags).any():  # its counter began again at 0
+        np.less(received, self._last_received, out=flags)
+        flags &= whole
+        if flags.any():  # its counter began again at 0
             base[flags] = sent[flags] - received[flags]
             changed = True
         np.subtract(sent, received, out=diff)
-        if not self._sent.torn and np.less(diff, base, out=flags).any():
+        np.less(diff, base, out=flags)
+        flags &= whole
+        if not self._sent.torn and flags.any():
             # live rows sent fewer than the engine received: it received requests of rows that no
             # longer count (a dead API server's that arrived); they stay out (docs/INTEGRATIONS.md)
-            np.minimum(base, diff, out=base)
+            np.minimum(base, diff, out=base, where=flags)
             changed = True
-        np.copyto(self._last_received, received)
+        np.copyto(self._last_received, received, where=whole)
         if self._row is not None and (changed or not self._shared):
             self._row.share(self._ranks, base)
             self._shared = True
