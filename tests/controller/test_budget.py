@@ -12,7 +12,7 @@ import pytest
 from dpboard import Board
 from dpboard.controller import Dispatcher, DPBudget, LoadBalanceMethod
 from dpboard.methods import ArgminKey
-from dpboard.snapshot import SEQ_OFFSET, LoadSnapshot, SlotStatus, slot_offset
+from dpboard.snapshot import FIELDS_OFFSET, SEQ_OFFSET, LoadSnapshot, SlotStatus, slot_offset
 from tests.support.dispatch import FakeClock, ListReader, Req, TokReq, make
 from tests.support.procutil import wait_until
 from tests.support.raw import raw_segment
@@ -207,20 +207,20 @@ def test_a_live_writer_caught_mid_write_keeps_its_rank_for_the_torn_grace(board_
         clock.now += 0.1
         d.refresh()
         assert d.dispatch(Req()) == 0
-        # torn after a STALE read: left at once, whatever the grace
-        quick = board.reader(max_retries=4, stale_after=0.05)
-        stale = Dispatcher(M.INFLIGHT_TOKENS, 2, reader=quick, clock=clock, torn_grace=10.0)
-        assert wait_until(lambda: quick.status(0).label == "stale", timeout=10)
-        writers[1].publish_values(5, 0, 0, 200, 0, 1000, 0)
+        # torn after a STALE read: left at once, whatever the grace. Rank 0's stamp is made old in
+        # place (its sequence even: a whole write of long ago), so no wait decides which rank is stale
+        stale = Dispatcher(M.INFLIGHT_TOKENS, 2, reader=reader, clock=clock, torn_grace=10.0)
+        with raw_segment(board.name) as raw:
+            stamp = slot_offset(0) + FIELDS_OFFSET + 8 * LoadSnapshot._fields.index("monotonic_ns")
+            struct.pack_into("<q", raw, stamp, 1)
         stale.refresh()
         assert stale.budget.status.tolist() == [int(SlotStatus.STALE), int(SlotStatus.LIVE)]
-        seq(9)
-        writers[1].publish_values(5, 0, 0, 200, 0, 1000, 0)
+        seq(11)
         clock.now += 0.01
         stale.refresh()
         assert stale.budget.status.tolist() == [int(SlotStatus.TORN), int(SlotStatus.LIVE)]
         assert stale.dispatch(Req()) == 1
-        seq(10)
+        seq(12)
 
 
 def test_health_aware_with_only_unhealthy_ranks_raises(board_name):
