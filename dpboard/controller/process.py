@@ -306,6 +306,9 @@ class DataParallelController:
             after = getattr(acks, "stale_after", 1.0)
         self.redeliver_after = float(after or 1.0)
         self.availability = RankAvailability(n)
+        # each rank's last LIVE ack read (-inf: none since a STALE one): a TORN read within the
+        # dispatcher's torn_grace of it is a live writer caught mid-write, not a rank to leave
+        self._live_read_at = [-math.inf] * n
         self._frame_log = BoundedLog(log)
         self._stop = threading.Event()
         self._said_uncounted = False
@@ -392,7 +395,11 @@ class DataParallelController:
             if st == _LIVE or st == _STALE:
                 if ledger.pending[rank] or ledger.uncounted[rank]:
                     ledger.observe(rank, int(received[rank]))
-            stale = st == _STALE or st == _TORN
+            if st == _LIVE:
+                self._live_read_at[rank] = now
+            elif st == _STALE:
+                self._live_read_at[rank] = -math.inf
+            stale = st == _STALE or (st == _TORN and now - self._live_read_at[rank] > self.dispatcher.torn_grace)
             if stale != self.availability.stale[rank]:
                 self.availability.stale[rank] = stale
                 if stale:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -20,8 +21,10 @@ from dpboard import Board, LoadSnapshot
 from dpboard.controller import DataParallelController, Dispatcher
 from dpboard.controller.codec import encode_request
 from dpboard.controller.delivery import DeliveryLedger
+from dpboard.snapshot import SEQ_OFFSET, slot_offset
 from tests.support.names import ROOT
 from tests.support.procutil import kill, read_line, wait_for
+from tests.support.raw import raw_segment
 from tests.support.sockets import bound_pull, connected_push
 
 CLI = [sys.executable, "-m", "dpboard.cli"]
@@ -146,13 +149,13 @@ class Harness:
     """A controller in a thread, PULL sockets standing in for schedulers, the test publishing loads."""
 
     def __init__(self, tmp_path: Path, board: Board | None, method: str = "round_robin", n: int = 3,
-                 stale_after: float = 0.3):
+                 stale_after: float = 0.3, torn_grace: float = 0.5):
         self.ctx = zmq.Context()
         self.eps = [f"ipc://{tmp_path}/w{r}" for r in range(n)]
         self.workers = [bound_pull(self.ctx, ep) for ep in self.eps]
         self.errors = bound_pull(self.ctx, f"ipc://{tmp_path}/err")
         reader = board.reader(stale_after=stale_after) if board is not None else None
-        dispatcher = Dispatcher(method, n, reader=reader if method != "round_robin" else None)
+        dispatcher = Dispatcher(method, n, reader=reader if method != "round_robin" else None, torn_grace=torn_grace)
         self.controller = DataParallelController(dispatcher, self.eps, f"ipc://{tmp_path}/in",
                                                  f"ipc://{tmp_path}/err", acks=reader)
         self.thread = threading.Thread(target=self.controller.run, kwargs={"duration": 60}, daemon=True)
@@ -235,6 +238,52 @@ def test_a_scheduler_whose_slot_goes_stale_gets_no_more_requests_until_it_publis
                 h.push.send(encode_request(f"b{i}", num_tokens=5))
             got1: list[str] = []
             wait_for(lambda: len(got1.__iadd__(h.drain(1))) >= 10, 10, "rank 1 to get its share")
+        finally:
+            stop.set()
+            t.join(5)
+            h.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("torn_grace", [60.0, 0.0])
+def test_a_scheduler_caught_mid_write_keeps_its_requests_for_the_torn_grace(board_name, tmp_path, torn_grace):
+    """Rank 1's slot is left odd (its writer stopped between its two sequence stores) after it read
+    LIVE: within the grace (60 s) it takes its share of the requests; with none (0) it takes none,
+    as a writer that died mid-write."""
+    with Board.create(board_name, n_slots=3) as board:
+        writers = [board.writer(r) for r in range(3)]
+        stop = threading.Event()
+        ranks = [0, 1, 2]
+
+        def publish() -> None:
+            while not stop.wait(0.02):
+                for r in list(ranks):
+                    writers[r].publish(LoadSnapshot(r, max_total_num_tokens=100))
+
+        t = threading.Thread(target=publish, daemon=True)
+        t.start()
+        h = Harness(tmp_path, board=board, stale_after=60.0, torn_grace=torn_grace)
+        try:
+            wait_for(lambda: h.controller.dispatcher.available == (True, True, True), 10,
+                     "the controller to see every rank connected and live")
+            ranks.remove(1)
+            time.sleep(0.1)  # its last publish is done
+            with raw_segment(board.name) as raw:
+                seq = struct.unpack_from("<Q", raw, slot_offset(1) + SEQ_OFFSET)[0]
+                struct.pack_into("<Q", raw, slot_offset(1) + SEQ_OFFSET, seq + 1)
+            if torn_grace == 0.0:
+                wait_for(lambda: not h.controller.dispatcher.available[1], 10, "rank 1 to be left")
+            else:
+                time.sleep(0.5)  # several ack reads find it torn
+                assert h.controller.dispatcher.available == (True, True, True)
+            for i in range(30):
+                h.push.send(encode_request(f"a{i}", num_tokens=5))
+            got: dict[int, list[str]] = {0: [], 1: [], 2: []}
+            wait_for(lambda: sum(len(got[r].__iadd__(h.drain(r))) for r in got) == 30, 10,
+                     "every request to arrive")
+            assert board.reader(max_retries=4).status(1).label == "torn"  # torn all along
+            # round robin over the ranks that take requests
+            assert len(got[1]) == (10 if torn_grace else 0), {r: len(v) for r, v in got.items()}
         finally:
             stop.set()
             t.join(5)
