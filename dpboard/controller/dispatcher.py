@@ -70,6 +70,27 @@ _TORN = int(SlotStatus.TORN)
 # writer descheduled between its two sequence stores (an oversubscribed host) resumes within a time
 # slice or a host stall; one that died there stays odd, and its rank is left after this
 DEFAULT_TORN_GRACE = 0.5
+
+
+class TornReads:
+    """Which ranks a TORN read leaves, by ``health_aware``'s rule: a TORN read within ``grace`` seconds
+    of the rank's last LIVE read is a live writer caught mid-write (the rank keeps its last whole
+    snapshot and its place); later than that, or after a STALE read, the rank is left until it reads
+    LIVE again. The dispatcher judges its budget's reads by it, the ZMQ controller its ack reads."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.live_read_at = np.full(num_workers, -np.inf)  # the clock at each rank's last LIVE read
+        self.left = np.zeros(num_workers, bool)  # the ranks the last judged read leaves for being torn
+
+    def judge(self, status: np.ndarray, now: float, grace: float) -> np.ndarray:
+        """``left`` after a read whose status column is ``status``, taken at ``now``."""
+        self.live_read_at[status == _LIVE] = now
+        self.live_read_at[status == _STALE] = -np.inf
+        np.greater(now - self.live_read_at, grace, out=self.left)
+        self.left &= status == _TORN
+        return self.left
+
+
 # while requests are held, the caller looks again at least this often (a refresh interval of 0
 # would otherwise ask it to look again at once, for ever)
 WAVE_LOOK_MIN = 0.001
@@ -155,10 +176,7 @@ class Dispatcher:
         if not isinstance(torn_grace, (int, float)) or isinstance(torn_grace, bool) or not torn_grace >= 0:
             raise InvalidInputError(f"torn_grace must be a number of seconds >= 0, got {torn_grace!r}")
         self.torn_grace = float(torn_grace)
-        # health_aware: the clock at each rank's last LIVE read (-inf: none since its last STALE one),
-        # and the ranks whose TORN read came later than torn_grace after it
-        self._live_read_at = np.full(num_workers, -np.inf)
-        self._torn_out = np.zeros(num_workers, bool)
+        self._torn = TornReads(num_workers)  # health_aware: the ranks a TORN read leaves
         self.rotate_ties = spec.rotate_ties if rotate_ties is None else bool(rotate_ties)
         self.refresh_count = 0
         self._rr_counter = 0
@@ -319,7 +337,7 @@ class Dispatcher:
             return
         mask = self._active_mask & self._available_mask
         if self.health_aware:
-            mask &= (self.budget.status != _STALE) & ~self._torn_out
+            mask &= (self.budget.status != _STALE) & ~self._torn.left
         self.budget.candidate[:] = mask
         self.budget.routable[:] = self._active_mask
 
@@ -332,18 +350,6 @@ class Dispatcher:
         self.budget.core.last_refresh = self._clock()
         self._refresh()
 
-    def _judge_torn(self) -> None:
-        """A TORN read (a slot's sequence odd through every retry) leaves the rank's last whole
-        snapshot in the budget. Its rank stays a candidate while that read came within torn_grace of
-        the rank's last LIVE read: its writer was descheduled mid-write, and the next read finds it
-        whole. After that, or after a STALE read, the rank is left until it reads LIVE again."""
-        status = self.budget.status
-        now = self._clock()
-        self._live_read_at[status == _LIVE] = now
-        self._live_read_at[status == _STALE] = -np.inf
-        np.greater(now - self._live_read_at, self.torn_grace, out=self._torn_out)
-        self._torn_out &= status == _TORN
-
     def _refresh(self) -> None:
         if self._read_queued is not None:
             records, queued, chunk, pd_role = self._read_queued()
@@ -352,7 +358,7 @@ class Dispatcher:
             records = self._read_records()
             self.budget.update_from_array(records)
         if self.health_aware:
-            self._judge_torn()
+            self._torn.judge(self.budget.status, self._clock(), self.torn_grace)
             self._update_candidates()
         if self.wave is not None:
             self.wave.read_step(self.budget.running, self._throughput, self.budget.candidate)

@@ -53,7 +53,7 @@ from dpboard.controller.connections import (
 )
 from dpboard.controller.connections import ControllerBusyError as ControllerBusyError
 from dpboard.controller.delivery import DeliveryLedger, RankAvailability
-from dpboard.controller.dispatcher import Dispatcher
+from dpboard.controller.dispatcher import Dispatcher, TornReads
 from dpboard.controller.session import DispatchSession
 from dpboard.errors import DpboardError, InvalidInputError
 from dpboard.multinode.peers import Proof
@@ -84,7 +84,7 @@ MAX_REDELIVERIES = 100
 # as long to the answers it sends for what did not; the close then drops nothing unaccounted.
 STOP_WAIT = 1.0
 STOP_LOOK = 0.01  # seconds between two looks at the kernel's queues meanwhile
-_LIVE, _STALE, _TORN = int(SlotStatus.LIVE), int(SlotStatus.STALE), int(SlotStatus.TORN)
+_LIVE, _STALE = int(SlotStatus.LIVE), int(SlotStatus.STALE)
 
 
 def _int_option(name: str, value: Any, low: int, high: int | None, what: str) -> None:
@@ -306,9 +306,7 @@ class DataParallelController:
             after = getattr(acks, "stale_after", 1.0)
         self.redeliver_after = float(after or 1.0)
         self.availability = RankAvailability(n)
-        # each rank's last LIVE ack read (-inf: none since a STALE one): a TORN read within the
-        # dispatcher's torn_grace of it is a live writer caught mid-write, not a rank to leave
-        self._live_read_at = [-math.inf] * n
+        self._torn = TornReads(n)  # a TORN ack read leaves its rank by the dispatcher's rule
         self._frame_log = BoundedLog(log)
         self._stop = threading.Event()
         self._said_uncounted = False
@@ -389,17 +387,14 @@ class DataParallelController:
     def _read_acks(self, now: float) -> None:
         records = self.acks.read_array()
         status, received = records["status"], records["num_received_reqs"]
+        torn_left = self._torn.judge(status, now, self.dispatcher.torn_grace)
         ledger = self.ledger
         for rank in self.connections.ranks:
             st = int(status[rank])
             if st == _LIVE or st == _STALE:
                 if ledger.pending[rank] or ledger.uncounted[rank]:
                     ledger.observe(rank, int(received[rank]))
-            if st == _LIVE:
-                self._live_read_at[rank] = now
-            elif st == _STALE:
-                self._live_read_at[rank] = -math.inf
-            stale = st == _STALE or (st == _TORN and now - self._live_read_at[rank] > self.dispatcher.torn_grace)
+            stale = st == _STALE or bool(torn_left[rank])
             if stale != self.availability.stale[rank]:
                 self.availability.stale[rank] = stale
                 if stale:

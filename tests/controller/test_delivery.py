@@ -267,7 +267,7 @@ def test_a_scheduler_caught_mid_write_keeps_its_requests_for_the_torn_grace(boar
             wait_for(lambda: h.controller.dispatcher.available == (True, True, True), 10,
                      "the controller to see every rank connected and live")
             # its grace runs from an ack read that found it LIVE: wait for one (no such read: torn at once)
-            wait_for(lambda: h.controller._live_read_at[1] > 0, 10, "an ack read of rank 1 LIVE")
+            wait_for(lambda: h.controller._torn.live_read_at[1] > 0, 10, "an ack read of rank 1 LIVE")
             ranks.remove(1)
             time.sleep(0.1)  # its last publish is done
             with raw_segment(board.name) as raw:

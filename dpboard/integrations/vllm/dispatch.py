@@ -144,10 +144,9 @@ class GlobalInflightReader:
             locks.demote(status, recs["monotonic_ns"], self._positions)
         np.take(self._sent.totals(self._totals), self._ranks, axis=0, out=self._sent_rows)
         sent, tokens, base, diff, flags = self._sent_reqs, self._sent_tokens, self._base, self._diff, self._flags
-        self.any_live = bool(np.equal(status, _LIVE, out=flags).any())
         # a TORN or EMPTY slot reads as zeros: its received count says nothing (no restart, no base)
         whole = self._whole
-        np.equal(status, _LIVE, out=whole)
+        self.any_live = bool(np.equal(status, _LIVE, out=whole).any())
         whole |= np.equal(status, _STALE, out=flags)
         changed = False
         if self._first:  # a server that starts beside running ones takes up what they have seen
